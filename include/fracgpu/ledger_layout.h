@@ -1,0 +1,141 @@
+// The ledger's shared-memory layout: the one contract between the interposer
+// (in every tenant process), the node daemon and the CLI.
+//
+// Each tenant owns a directory holding two files, mapped by every process of
+// that tenant:
+//
+//   <tenant dir>/policy   written by the daemon only; tenants map it read-only.
+//                         Quotas live here, so a tenant cannot raise its own.
+//   <tenant dir>/usage    read-write for the tenant's processes: process slots
+//                         and the bytes each slot has charged on each GPU.
+//
+// Rules for everything below:
+//  - integer atomics only: no pointers, no semaphores, no pthread mutexes,
+//    because any process may be SIGKILLed at any instant;
+//  - an all-zero file is a valid, empty segment (no GPU granted, no process);
+//  - a slot's liveness is a POSIX record lock on one byte of the usage file,
+//    held by its owner for its whole life and dropped by the kernel when the
+//    owner dies, whatever PID namespace the owner lives in;
+//  - a tenant's usage on a GPU is *defined* as the sum of its slots' charges,
+//    so reclaiming a dead process is zeroing its slot: no total can drift.
+//
+// Any change to this file that moves a byte must bump kLayoutVersion.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include <sys/types.h>
+
+namespace fracgpu::ledger {
+
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kMaxGpus = 16;    // GPUs one tenant may ever be granted
+inline constexpr uint32_t kMaxSlots = 256;  // live processes per tenant
+inline constexpr uint32_t kTenantNameBytes = 64;
+inline constexpr uint64_t kUnlimited = UINT64_MAX;
+
+// "FRGPOLCY" and "FRGUSAGE" read as little-endian integers.
+inline constexpr uint64_t kPolicyMagic = 0x59434c4f50475246ULL;
+inline constexpr uint64_t kUsageMagic = 0x4547415355475246ULL;
+
+inline constexpr const char* kPolicyFileName = "policy";
+inline constexpr const char* kUsageFileName = "usage";
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<int32_t>::is_always_lock_free);
+
+// First bytes of both files. All zero means "fresh": valid and empty.
+struct SegmentHeader {
+  uint64_t magic;           // kPolicyMagic / kUsageMagic
+  uint32_t layout_version;  // kLayoutVersion
+  uint32_t header_bytes;    // sizeof(SegmentHeader)
+  uint64_t segment_bytes;   // sizeof(PolicySegment) / sizeof(UsageSegment)
+  uint64_t reserved;
+};
+static_assert(sizeof(SegmentHeader) == 32);
+
+enum GpuGrantState : uint32_t {
+  kGpuUnused = 0,   // entry never bound to a GPU
+  kGpuGranted = 1,  // the tenant may use this GPU within the limits below
+  kGpuRevoked = 2,  // was granted, no longer is: new charges are refused
+};
+
+enum GpuPolicyFlags : uint32_t {
+  kCountManagedMemory = 1u << 0,  // cuMemAllocManaged is charged to the quota
+};
+
+// One GPU granted to the tenant. An entry is bound to one GPU UUID for the
+// life of the segment (usage charges are indexed by entry), so the daemon only
+// ever appends entries; `uuid` is written before `state` leaves kGpuUnused.
+struct alignas(64) GpuPolicy {
+  std::atomic<uint32_t> state;            // GpuGrantState, published with release
+  std::atomic<uint32_t> flags;            // GpuPolicyFlags
+  uint8_t uuid[16];                       // CUuuid bytes of the GPU
+  std::atomic<uint64_t> memory_quota;     // bytes; kUnlimited: no memory limit
+  std::atomic<uint64_t> context_memory;   // bytes charged per context on this GPU
+  std::atomic<uint32_t> share_ppm;        // guaranteed GPU-time share, parts per million
+  std::atomic<uint32_t> limit_ppm;        // GPU-time cap, parts per million
+  uint64_t reserved[2];
+};
+static_assert(sizeof(GpuPolicy) == 64);
+static_assert(offsetof(GpuPolicy, uuid) == 8);
+static_assert(offsetof(GpuPolicy, memory_quota) == 24);
+static_assert(offsetof(GpuPolicy, context_memory) == 32);
+static_assert(offsetof(GpuPolicy, share_ppm) == 40);
+
+struct PolicySegment {
+  SegmentHeader header;
+  char tenant[kTenantNameBytes];              // NUL-terminated tenant name
+  std::atomic<uint64_t> generation;           // bumped after every daemon write
+  std::atomic<uint64_t> daemon_heartbeat_ns;  // CLOCK_MONOTONIC of the daemon's last pass
+  std::atomic<int32_t> daemon_pid;            // in the daemon's PID namespace
+  uint32_t reserved0;
+  uint64_t reserved[5];
+  GpuPolicy gpus[kMaxGpus];
+};
+static_assert(offsetof(PolicySegment, tenant) == 32);
+static_assert(offsetof(PolicySegment, generation) == 96);
+static_assert(offsetof(PolicySegment, gpus) == 192);
+static_assert(sizeof(PolicySegment) == 192 + 64 * kMaxGpus);
+
+enum SlotState : uint32_t {
+  kSlotFree = 0,
+  kSlotLive = 1,  // the owner holds the slot's record lock
+};
+
+// One attached process. Written by its owner; cleared by whoever reclaims it
+// after taking its record lock (which proves the owner is gone).
+struct alignas(64) ProcessSlot {
+  std::atomic<uint32_t> state;        // SlotState
+  std::atomic<int32_t> pid;           // as the owner sees itself (its PID namespace)
+  std::atomic<uint64_t> start_time;   // owner's start time, clock ticks since boot
+  std::atomic<uint64_t> attach_ns;    // CLOCK_REALTIME when it attached
+  char comm[16];                      // owner's command name, NUL-terminated
+  uint64_t reserved[2];
+};
+static_assert(sizeof(ProcessSlot) == 64);
+
+struct UsageSegment {
+  SegmentHeader header;
+  std::atomic<uint32_t> slot_high_water;  // slots [0, high water) may hold charges
+  uint32_t reserved0;
+  uint64_t reserved[11];
+  ProcessSlot slots[kMaxSlots];
+  // Bytes charged by slot s on GPU entry g. A row per GPU, so summing one
+  // GPU's usage reads consecutive words of only the slots ever used.
+  std::atomic<uint64_t> charges[kMaxGpus][kMaxSlots];
+};
+static_assert(offsetof(UsageSegment, slot_high_water) == 32);
+static_assert(offsetof(UsageSegment, slots) == 128);
+static_assert(offsetof(UsageSegment, charges) == 128 + 64 * kMaxSlots);
+static_assert(sizeof(UsageSegment) == 128 + 64 * kMaxSlots + 8 * kMaxGpus * kMaxSlots);
+
+// The byte of the usage file whose record lock means "slot s is owned".
+constexpr off_t slot_lock_offset(uint32_t slot) {
+  return static_cast<off_t>(offsetof(UsageSegment, slots) + slot * sizeof(ProcessSlot));
+}
+
+}  // namespace fracgpu::ledger

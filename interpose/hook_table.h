@@ -1,0 +1,67 @@
+// Types and tables generated from hooks.def. See resolve.cpp for how the
+// hooks are reached.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstddef>
+
+namespace fracgpu::interpose {
+
+enum class HookId : unsigned {
+#define FRACGPU_HOOK(name, impl, params, args) name,
+#include "hooks.def"
+  kCount
+};
+inline constexpr size_t kHookCount = static_cast<size_t>(HookId::kCount);
+
+template <HookId id>
+struct HookTraits;
+#define FRACGPU_HOOK(name, impl, params, args)  \
+  template <>                                   \
+  struct HookTraits<HookId::name> {             \
+    using Fn = CUresult(*) params;              \
+    static constexpr const char* kName = #name; \
+  };
+#include "hooks.def"
+
+// Exported symbol names and our wrappers' addresses, indexed by HookId.
+extern const char* const kHookNames[kHookCount];
+extern void* const kHookAddresses[kHookCount];
+
+// Real driver entry points, indexed by HookId; null where the driver lacks
+// the symbol. Written once by load_real_driver() before g_real_ready.
+extern void* g_real[kHookCount];
+extern std::atomic<bool> g_real_ready;
+
+// Loads libcuda.so.1 (once, thread-safe, re-entrancy safe) and fills g_real.
+// Returns false if the driver cannot be loaded.
+bool load_real_driver_slow();
+inline bool load_real_driver() {
+  if (g_real_ready.load(std::memory_order_acquire)) [[likely]]
+    return true;
+  return load_real_driver_slow();
+}
+
+// The real function for a hook, typed. Null if the driver lacks it.
+template <HookId id>
+inline typename HookTraits<id>::Fn real() {
+  return reinterpret_cast<typename HookTraits<id>::Fn>(g_real[static_cast<size_t>(id)]);
+}
+
+// Our hook for a real driver address, or `address` itself if we do not hook it.
+void* hook_for_real_address(void* address);
+
+// Driver functions we call without hooking them (driver_calls.def).
+struct DriverCalls {
+#define FRACGPU_CALL(name, params) CUresult (*name) params;
+#include "driver_calls.def"
+};
+extern DriverCalls g_driver;
+
+// The glibc dlsym, found without going through our own export.
+using DlsymFn = void* (*)(void*, const char*);
+DlsymFn real_dlsym();
+
+}  // namespace fracgpu::interpose

@@ -1,0 +1,543 @@
+// Memory quota hooks. Each is a template over the HookId it serves, so one
+// implementation covers every versioned variant (v1 32-bit, _v2, _ptsz) and
+// still calls exactly that variant's real function.
+//
+// The pattern everywhere: reserve in the ledger first, then allocate, then
+// settle to what the driver really took; a refusal or a failed allocation
+// leaves nothing charged. See docs/architecture.md.
+#pragma once
+
+#include <cuda.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "hook_table.h"
+#include "tenant.h"
+
+namespace fracgpu::interpose {
+
+// Returned when the driver library cannot be loaded at all.
+inline constexpr CUresult kNoDriver = CUDA_ERROR_SHARED_OBJECT_INIT_FAILED;
+// Returned for GPU work in a process whose tenant ledger was refused.
+inline constexpr CUresult kDenied = CUDA_ERROR_NOT_PERMITTED;
+
+// Calls the real function of `id` with the hook's own arguments: for hooks
+// with nothing to enforce in this process (unmanaged, passthrough).
+#define FRACGPU_PASS(id, ...) (real<id>() ? real<id>()(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND)
+
+// ---- out-of-line helpers (memory.cpp) ----
+
+// Records a charge; if the table is full, the caller must undo the allocation.
+bool record_pointer(uint64_t key, const ChargeRecord& record);
+bool record_handle(uint64_t key, const ChargeRecord& record);
+bool forget_pointer(uint64_t key, ChargeRecord* out);
+bool forget_handle(uint64_t key, ChargeRecord* out);
+// Gives back every record of a destroyed context (the driver freed them).
+void release_context_records(uint64_t ctx);
+
+// Reserve `reserved` before the call; after it, make the charge `actual`.
+// False if growing to `actual` was refused (the caller then undoes).
+bool settle(int gpu, uint64_t reserved, uint64_t actual);
+
+// Stream-ordered pool accounting (memory.cpp explains the method).
+CUresult pooled_alloc(CUmemoryPool pool, int gpu, size_t bytes, CUdeviceptr* dptr, CUstream stream,
+                      CUresult (*alloc)(void*), void* alloc_state);
+void pooled_free_done(const ChargeRecord& record);
+void pool_settle(CUmemoryPool pool);
+void pool_destroyed(CUmemoryPool pool);
+bool pools_dirty();
+
+// Arrays: bytes the driver says the array takes, or 0 if it cannot tell.
+uint64_t array_real_bytes(CUarray array, CUdevice device);
+uint64_t mipmapped_real_bytes(CUmipmappedArray array, CUdevice device);
+uint64_t array_estimate_bytes(const CUDA_ARRAY_DESCRIPTOR_v1& d);
+uint64_t array_estimate_bytes(const CUDA_ARRAY_DESCRIPTOR& d);
+uint64_t array_estimate_bytes(const CUDA_ARRAY3D_DESCRIPTOR_v1& d);
+uint64_t array_estimate_bytes(const CUDA_ARRAY3D_DESCRIPTOR& d);
+
+// Primary contexts: our own count of retains per device ordinal.
+bool primary_retain_charge(CUdevice device, int gpu);
+void primary_retain_failed(CUdevice device, int gpu);
+void primary_retained(CUdevice device, CUcontext ctx);
+void primary_released(CUdevice device, bool reset);
+
+// Where enforcement is off, returns the passthrough/deny verdict; kManaged
+// means go on and enforce.
+inline TenantMode gate() {
+  if (!load_real_driver()) [[unlikely]]
+    return TenantMode::kDenied;
+  return tenant_mode();
+}
+
+// ---- linear memory ----
+
+template <HookId id, class Ptr, class Size>
+CUresult mem_alloc(Ptr* dptr, Size bytes) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, bytes);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu)) return FRACGPU_PASS(id, dptr, bytes);  // driver reports it
+  if (dptr == nullptr || bytes == 0) return FRACGPU_PASS(id, dptr, bytes);
+  if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, dptr, bytes);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, bytes);
+    return result;
+  }
+  if (!record_pointer(*dptr, {bytes, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kLinear})) {
+    real<HookId::cuMemFree_v2>()(*dptr);
+    unreserve(gpu, bytes);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id, class Ptr, class Size>
+CUresult mem_alloc_pitch(Ptr* dptr, Size* pitch, Size width, Size height, unsigned int element_bytes) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, pitch, width, height, element_bytes);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || pitch == nullptr || width == 0 || height == 0)
+    return FRACGPU_PASS(id, dptr, pitch, width, height, element_bytes);
+  // The pitch is the driver's choice: reserve a row padded to 512 bytes (the
+  // largest texture pitch alignment in use), then settle to pitch * height.
+  const uint64_t estimate = ((static_cast<uint64_t>(width) + 511) / 512) * 512 * height;
+  if (!reserve(gpu, estimate)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, dptr, pitch, width, height, element_bytes);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, estimate);
+    return result;
+  }
+  const uint64_t actual = static_cast<uint64_t>(*pitch) * height;
+  if (!settle(gpu, estimate, actual) ||
+      !record_pointer(*dptr, {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kLinear})) {
+    real<HookId::cuMemFree_v2>()(*dptr);
+    unreserve(gpu, estimate);  // settle() left the reservation as it was when refusing
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id>
+CUresult mem_alloc_managed(CUdeviceptr* dptr, size_t bytes, unsigned int flags) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, bytes, flags);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0) return FRACGPU_PASS(id, dptr, bytes, flags);
+  if (gpu >= 0 && !(gpu_policy(gpu).flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory))
+    return FRACGPU_PASS(id, dptr, bytes, flags);
+  if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, dptr, bytes, flags);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, bytes);
+    return result;
+  }
+  if (!record_pointer(*dptr, {bytes, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kManaged})) {
+    real<HookId::cuMemFree_v2>()(*dptr);
+    unreserve(gpu, bytes);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id, class Ptr>
+CUresult mem_free(Ptr dptr) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr);
+  // Forget before freeing: once freed, the driver may hand the same address
+  // to another thread, whose record must not be confused with ours.
+  ChargeRecord record;
+  const bool charged = forget_pointer(dptr, &record);
+  CUresult result = FRACGPU_PASS(id, dptr);
+  if (!charged) return result;
+  if (result != CUDA_SUCCESS) {
+    record_pointer(dptr, record);  // still allocated
+    return result;
+  }
+  if (record.kind == ChargeKind::kAsync)
+    pooled_free_done(record);
+  else
+    unreserve(static_cast<int>(record.gpu), record.bytes);
+  return result;
+}
+
+// ---- stream-ordered allocation ----
+
+template <HookId id>
+CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, bytes, stream);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  CUmemoryPool pool = nullptr;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || g_driver.cuDeviceGetMemPool == nullptr ||
+      g_driver.cuDeviceGetMemPool(&pool, device) != CUDA_SUCCESS)
+    return FRACGPU_PASS(id, dptr, bytes, stream);
+  struct Call {
+    CUdeviceptr* dptr;
+    size_t bytes;
+    CUstream stream;
+  } call{dptr, bytes, stream};
+  return pooled_alloc(pool, gpu, bytes, dptr, stream, [](void* state) -> CUresult {
+    auto* c = static_cast<Call*>(state);
+    return real<id>()(c->dptr, c->bytes, c->stream);
+  }, &call);
+}
+
+template <HookId id>
+CUresult mem_alloc_from_pool_async(CUdeviceptr* dptr, size_t bytes, CUmemoryPool pool, CUstream stream) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, bytes, pool, stream);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || pool == nullptr)
+    return FRACGPU_PASS(id, dptr, bytes, pool, stream);
+  // Charged to the current device's grant: the driver offers no query for a
+  // pool's location, and pools are used from their own device's context.
+  struct Call {
+    CUdeviceptr* dptr;
+    size_t bytes;
+    CUmemoryPool pool;
+    CUstream stream;
+  } call{dptr, bytes, pool, stream};
+  return pooled_alloc(pool, gpu, bytes, dptr, stream, [](void* state) -> CUresult {
+    auto* c = static_cast<Call*>(state);
+    return real<id>()(c->dptr, c->bytes, c->pool, c->stream);
+  }, &call);
+}
+
+template <HookId id>
+CUresult mem_free_async(CUdeviceptr dptr, CUstream stream) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, stream);
+  ChargeRecord record;
+  const bool charged = forget_pointer(dptr, &record);
+  CUresult result = FRACGPU_PASS(id, dptr, stream);
+  if (!charged) return result;
+  if (result != CUDA_SUCCESS) {
+    record_pointer(dptr, record);
+    return result;
+  }
+  if (record.kind == ChargeKind::kAsync)
+    pooled_free_done(record);
+  else
+    unreserve(static_cast<int>(record.gpu), record.bytes);  // cuMemFreeAsync of cuMemAlloc memory
+  return result;
+}
+
+template <HookId id>
+CUresult mem_pool_trim_to(CUmemoryPool pool, size_t keep_bytes) {
+  TenantMode mode = gate();
+  if (mode == TenantMode::kDenied) return kDenied;
+  CUresult result = FRACGPU_PASS(id, pool, keep_bytes);
+  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS) pool_settle(pool);
+  return result;
+}
+
+template <HookId id>
+CUresult mem_pool_destroy(CUmemoryPool pool) {
+  TenantMode mode = gate();
+  if (mode == TenantMode::kDenied) return kDenied;
+  CUresult result = FRACGPU_PASS(id, pool);
+  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS) pool_destroyed(pool);
+  return result;
+}
+
+template <HookId id, class... Args>
+CUresult synchronize(Args... args) {
+  CUresult result = FRACGPU_PASS(id, args...);
+  // Pools release memory above their threshold when synchronized: give the
+  // charge back now. One relaxed load when no pool has anything to settle.
+  if (result == CUDA_SUCCESS && pools_dirty()) [[unlikely]]
+    settle_all_pools();
+  return result;
+}
+
+// ---- virtual memory management ----
+
+template <HookId id>
+CUresult mem_create(CUmemGenericAllocationHandle* handle, size_t bytes, const CUmemAllocationProp* prop,
+                    unsigned long long flags) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, handle, bytes, prop, flags);
+  // Only device memory counts; host-located physical memory is not a GPU's.
+  if (handle == nullptr || prop == nullptr || bytes == 0 || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+    return FRACGPU_PASS(id, handle, bytes, prop, flags);
+  const int gpu = gpu_entry_for_device(prop->location.id);
+  if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, handle, bytes, prop, flags);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, bytes);
+    return result;
+  }
+  if (!record_handle(*handle, {bytes, 0, static_cast<uint32_t>(gpu), ChargeKind::kVmm})) {
+    real<HookId::cuMemRelease>()(*handle);
+    unreserve(gpu, bytes);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id>
+CUresult mem_release(CUmemGenericAllocationHandle handle) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, handle);
+  ChargeRecord record;
+  const bool charged = forget_handle(handle, &record);
+  CUresult result = FRACGPU_PASS(id, handle);
+  if (!charged) return result;
+  if (result != CUDA_SUCCESS) {
+    record_handle(handle, record);
+    return result;
+  }
+  unreserve(static_cast<int>(record.gpu), record.bytes);
+  return result;
+}
+
+// ---- arrays ----
+
+template <HookId id, class Descriptor>
+CUresult array_create(CUarray* array, const Descriptor* desc) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, array, desc);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || array == nullptr || desc == nullptr) return FRACGPU_PASS(id, array, desc);
+  const uint64_t estimate = array_estimate_bytes(*desc);
+  if (!reserve(gpu, estimate)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, array, desc);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, estimate);
+    return result;
+  }
+  uint64_t actual = array_real_bytes(*array, device);
+  if (actual == 0) actual = estimate;
+  if (!settle(gpu, estimate, actual) ||
+      !record_handle(reinterpret_cast<uint64_t>(*array),
+                     {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kArray})) {
+    real<HookId::cuArrayDestroy>()(*array);
+    unreserve(gpu, estimate);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id, class Handle>
+CUresult release_handle(Handle handle) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, handle);
+  ChargeRecord record;
+  const bool charged = forget_handle(reinterpret_cast<uint64_t>(handle), &record);
+  CUresult result = FRACGPU_PASS(id, handle);
+  if (!charged) return result;
+  if (result != CUDA_SUCCESS) {
+    record_handle(reinterpret_cast<uint64_t>(handle), record);
+    return result;
+  }
+  unreserve(static_cast<int>(record.gpu), record.bytes);
+  return result;
+}
+
+template <HookId id>
+CUresult array_destroy(CUarray array) {
+  return release_handle<id>(array);
+}
+
+template <HookId id>
+CUresult mipmapped_array_create(CUmipmappedArray* array, const CUDA_ARRAY3D_DESCRIPTOR* desc, unsigned int levels) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, array, desc, levels);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu) || array == nullptr || desc == nullptr || levels == 0)
+    return FRACGPU_PASS(id, array, desc, levels);
+  // The levels after the first add at most a third of it (a geometric series).
+  const uint64_t base = array_estimate_bytes(*desc);
+  const uint64_t estimate = levels > 1 ? base + base / 3 + 1 : base;
+  if (!reserve(gpu, estimate)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, array, desc, levels);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, estimate);
+    return result;
+  }
+  uint64_t actual = mipmapped_real_bytes(*array, device);
+  if (actual == 0) actual = estimate;
+  if (!settle(gpu, estimate, actual) ||
+      !record_handle(reinterpret_cast<uint64_t>(*array),
+                     {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kMipmapped})) {
+    real<HookId::cuMipmappedArrayDestroy>()(*array);
+    unreserve(gpu, estimate);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id>
+CUresult mipmapped_array_destroy(CUmipmappedArray array) {
+  return release_handle<id>(array);
+}
+
+// ---- contexts ----
+
+// Every cuCtxCreate variant takes the device last.
+template <class Last>
+Last last_of(Last last) {
+  return last;
+}
+template <class First, class... Rest>
+auto last_of(First, Rest... rest) {
+  return last_of(rest...);
+}
+
+template <HookId id, class... Args>
+CUresult ctx_create(CUcontext* ctx, Args... args) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx, args...);
+  const CUdevice device = last_of(args...);
+  const int gpu = gpu_entry_for_device(device);
+  if (ctx == nullptr) return FRACGPU_PASS(id, ctx, args...);
+  const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory.load(std::memory_order_relaxed) : 0;
+  if (!reserve(gpu, footprint)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, ctx, args...);
+  if (result != CUDA_SUCCESS) {
+    unreserve(gpu, footprint);
+    return result;
+  }
+  if (!record_handle(reinterpret_cast<uint64_t>(*ctx), {footprint, reinterpret_cast<uint64_t>(*ctx),
+                                                        static_cast<uint32_t>(gpu), ChargeKind::kContext})) {
+    real<HookId::cuCtxDestroy_v2>()(*ctx);
+    unreserve(gpu, footprint);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return CUDA_SUCCESS;
+}
+
+template <HookId id>
+CUresult ctx_destroy(CUcontext ctx) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx);
+  ChargeRecord record;
+  const bool charged = forget_handle(reinterpret_cast<uint64_t>(ctx), &record);
+  CUresult result = FRACGPU_PASS(id, ctx);
+  if (!charged) return result;
+  if (result != CUDA_SUCCESS) {
+    record_handle(reinterpret_cast<uint64_t>(ctx), record);
+    return result;
+  }
+  unreserve(static_cast<int>(record.gpu), record.bytes);
+  release_context_records(reinterpret_cast<uint64_t>(ctx));
+  return result;
+}
+
+template <HookId id>
+CUresult primary_ctx_retain(CUcontext* ctx, CUdevice device) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx, device);
+  if (ctx == nullptr || device < 0 || device >= kMaxDevices) return FRACGPU_PASS(id, ctx, device);
+  const int gpu = gpu_entry_for_device(device);
+  if (!primary_retain_charge(device, gpu)) return CUDA_ERROR_OUT_OF_MEMORY;
+  CUresult result = FRACGPU_PASS(id, ctx, device);
+  if (result != CUDA_SUCCESS) {
+    primary_retain_failed(device, gpu);
+    return result;
+  }
+  primary_retained(device, *ctx);
+  return result;
+}
+
+template <HookId id>
+CUresult primary_ctx_release(CUdevice device) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
+  CUresult result = FRACGPU_PASS(id, device);
+  if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, false);
+  return result;
+}
+
+template <HookId id>
+CUresult primary_ctx_reset(CUdevice device) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
+  CUresult result = FRACGPU_PASS(id, device);
+  if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, true);
+  return result;
+}
+
+// ---- what the tenant sees ----
+
+// Quota as total; quota minus the tenant's use as free, never more than the
+// device really has free. No quota: the real figures. No grant: nothing.
+bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* free_bytes, uint64_t* total_bytes);
+
+template <class T>
+T clamp_to(uint64_t v) {
+  if constexpr (sizeof(T) < sizeof(uint64_t)) return v > UINT_MAX ? static_cast<T>(UINT_MAX) : static_cast<T>(v);
+  return static_cast<T>(v);
+}
+
+template <HookId id, class Size>
+CUresult mem_get_info(Size* free_bytes, Size* total_bytes) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, free_bytes, total_bytes);
+  // Ask the driver in 64 bits, whatever width the caller uses.
+  size_t real_free = 0, real_total = 0;
+  CUresult result = real<HookId::cuMemGetInfo_v2>() ? real<HookId::cuMemGetInfo_v2>()(&real_free, &real_total)
+                                                    : CUDA_ERROR_NOT_FOUND;
+  if (result != CUDA_SUCCESS) return FRACGPU_PASS(id, free_bytes, total_bytes);
+  CUcontext ctx;
+  CUdevice device;
+  int gpu;
+  if (!current_gpu_entry(&ctx, &device, &gpu)) return FRACGPU_PASS(id, free_bytes, total_bytes);
+  if (pools_dirty()) settle_all_pools();
+  uint64_t free64 = real_free, total64 = real_total;
+  tenant_memory_view(gpu, real_free, real_total, &free64, &total64);
+  if (free_bytes) *free_bytes = clamp_to<Size>(free64);
+  if (total_bytes) *total_bytes = clamp_to<Size>(total64);
+  return CUDA_SUCCESS;
+}
+
+template <HookId id, class Size>
+CUresult device_total_mem(Size* bytes, CUdevice device) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, bytes, device);
+  size_t real_total = 0;
+  CUresult result = real<HookId::cuDeviceTotalMem_v2>() ? real<HookId::cuDeviceTotalMem_v2>()(&real_total, device)
+                                                        : CUDA_ERROR_NOT_FOUND;
+  if (result != CUDA_SUCCESS || bytes == nullptr) return FRACGPU_PASS(id, bytes, device);
+  uint64_t free64 = 0, total64 = real_total;
+  tenant_memory_view(gpu_entry_for_device(device), real_total, real_total, &free64, &total64);
+  *bytes = clamp_to<Size>(total64);
+  return CUDA_SUCCESS;
+}
+
+}  // namespace fracgpu::interpose

@@ -1,0 +1,144 @@
+// How interception works
+// ======================
+//
+//   application / CUDA runtime / framework
+//        |  direct call   |  dlsym(h, "cuX")     |  cuGetProcAddress("cuX", ver, flags)
+//        v                v                      v
+//   +---------------------------------------------------------------+
+//   | libfracgpu.so (LD_PRELOAD)                                    |
+//   |  exports every hooked versioned name   (hooks.def)            |
+//   |  dlsym():  real dlsym, then map a hooked real address to ours |
+//   |  cuGetProcAddress*(): ask the real driver which variant it    |
+//   |     returns for (name, ver, flags), map that address to ours  |
+//   +---------------------------------------------------------------+
+//        |  g_real[id]: typed pointers from dlsym(libcuda handle)
+//        v
+//   libcuda.so.1 (the real driver, or the tests' simulated one)
+//
+// 1. Linked calls bind to our exports because a preloaded object comes first
+//    in symbol lookup.
+// 2. dlsym(handle, name) with a libcuda handle would bypass symbol lookup,
+//    so we export dlsym too: we call glibc's, and if the address it returns
+//    is the real function of a hooked symbol, we return our hook instead.
+// 3. cuGetProcAddress is how the CUDA runtime (so PyTorch, JAX, ...) finds
+//    every driver function. The same name yields different functions with
+//    different ABIs depending on cudaVersion and flags (cuMemAdvise vs
+//    cuMemAdvise_v2, cuCtxCreate v1..v4, _ptsz variants). We never guess a
+//    variant from the name: we let the real driver choose and translate only
+//    the address it chose, so the caller gets exactly the ABI it asked for.
+// Everything we do not hook passes through untouched (cuGetExportTable too).
+#include <dlfcn.h>
+#include <link.h>
+#include <sched.h>
+
+#include <cstring>
+
+#include "hook_table.h"
+#include "log.h"
+
+namespace fracgpu::interpose {
+
+void* g_real[kHookCount] = {};
+std::atomic<bool> g_real_ready{false};
+DriverCalls g_driver = {};
+
+const char* const kHookNames[kHookCount] = {
+#define FRACGPU_HOOK(name, impl, params, args) #name,
+#include "hooks.def"
+};
+
+namespace {
+
+std::atomic<DlsymFn> g_real_dlsym{nullptr};
+
+// 0 idle, 1 loading, 2 done, 3 failed.
+std::atomic<int> g_load_state{0};
+thread_local bool t_loading = false;
+
+bool is_inside_this_library(void* address) {
+  Dl_info mine{}, theirs{};
+  if (dladdr(reinterpret_cast<void*>(&is_inside_this_library), &mine) == 0) return false;
+  if (dladdr(address, &theirs) == 0) return false;
+  return mine.dli_fbase == theirs.dli_fbase;
+}
+
+}  // namespace
+
+DlsymFn real_dlsym() {
+  DlsymFn fn = g_real_dlsym.load(std::memory_order_acquire);
+  if (fn != nullptr) [[likely]]
+    return fn;
+  // dlsym moved into libc.so.6 in glibc 2.34; older glibc has only 2.2.5.
+  void* found = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+  if (found == nullptr) found = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+  fn = reinterpret_cast<DlsymFn>(found);
+  g_real_dlsym.store(fn, std::memory_order_release);
+  return fn;
+}
+
+bool load_real_driver_slow() {
+  int state = g_load_state.load(std::memory_order_acquire);
+  if (state == 2) return true;
+  if (state == 3) return false;
+  // The driver's own initialisation can call back into us (its dlsym calls,
+  // for one); on this thread, while loading, behave as not loaded yet.
+  if (t_loading) return false;
+  int expected = 0;
+  if (!g_load_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    while ((state = g_load_state.load(std::memory_order_acquire)) == 1) sched_yield();
+    return state == 2;
+  }
+  t_loading = true;
+  DlsymFn sym = real_dlsym();
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  bool ok = sym != nullptr && handle != nullptr;
+  if (!ok) {
+    log_line(LogLevel::kError, "cannot load the CUDA driver (libcuda.so.1): %s", dlerror());
+  } else {
+    for (size_t i = 0; i < kHookCount; ++i) {
+      void* address = sym(handle, kHookNames[i]);
+      // A "real" function inside ourselves would make every call recurse.
+      if (address != nullptr && is_inside_this_library(address)) {
+        log_line(LogLevel::kError, "real %s resolves into libfracgpu itself; treating it as absent", kHookNames[i]);
+        address = nullptr;
+      }
+      g_real[i] = address;
+    }
+#define FRACGPU_CALL(name, params) \
+  g_driver.name = reinterpret_cast<decltype(g_driver.name)>(sym(handle, #name));
+#include "driver_calls.def"
+    g_real_ready.store(true, std::memory_order_release);
+  }
+  t_loading = false;
+  g_load_state.store(ok ? 2 : 3, std::memory_order_release);
+  return ok;
+}
+
+void* hook_for_real_address(void* address) {
+  if (address == nullptr || !g_real_ready.load(std::memory_order_acquire)) return address;
+  for (size_t i = 0; i < kHookCount; ++i)
+    if (g_real[i] == address) return kHookAddresses[i];
+  return address;
+}
+
+}  // namespace fracgpu::interpose
+
+using fracgpu::interpose::hook_for_real_address;
+using fracgpu::interpose::load_real_driver;
+using fracgpu::interpose::real_dlsym;
+
+extern "C" __attribute__((visibility("default"))) void* dlsym(void* handle, const char* symbol) {
+  auto sym = real_dlsym();
+  if (sym == nullptr) return nullptr;
+  void* address = sym(handle, symbol);
+  // Only driver names can be ours; everything else returns at once.
+  if (address == nullptr || symbol == nullptr || symbol[0] != 'c' || symbol[1] != 'u') return address;
+  if (!fracgpu::interpose::g_real_ready.load(std::memory_order_acquire)) {
+    // Load the driver only for a lookup that landed in it.
+    Dl_info info{};
+    if (dladdr(address, &info) == 0 || info.dli_fname == nullptr || strstr(info.dli_fname, "libcuda.so") == nullptr)
+      return address;
+    if (!load_real_driver()) return address;
+  }
+  return hook_for_real_address(address);
+}

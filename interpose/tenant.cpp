@@ -1,0 +1,201 @@
+#include "tenant.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "hook_table.h"
+#include "log.h"
+
+namespace fracgpu::interpose {
+
+std::atomic<int> g_tenant_mode{0};
+TenantState g_tenant;
+
+namespace {
+
+constexpr int kUnknownDevice = -2;
+constexpr unsigned kPointerTableLog2 = 18;  // 262144 live allocations
+constexpr unsigned kHandleTableLog2 = 14;   // 16384 arrays, VMM handles, contexts
+
+std::atomic<int> g_device_entry[kMaxDevices];
+std::atomic<uint64_t> g_device_entry_generation{UINT64_MAX};
+std::atomic<bool> g_atfork_registered{false};
+
+void forget_devices() {
+  for (auto& e : g_device_entry) e.store(kUnknownDevice, std::memory_order_relaxed);
+}
+
+// In a forked child the parent's slot lock is not ours (record locks are not
+// inherited) and its allocations are not usable: start over on next use.
+void on_fork_child() { g_tenant_mode.store(static_cast<int>(TenantMode::kUnattached), std::memory_order_release); }
+
+// Where this process's tenant directory is, or false if none is configured.
+bool tenant_directory(char* out, size_t len) {
+  const char* dir = getenv("FRACGPU_TENANT_DIR");
+  if (dir != nullptr && dir[0] != '\0') {
+    snprintf(out, len, "%s", dir);
+    return true;
+  }
+  const char* tenant = getenv("FRACGPU_TENANT");
+  if (tenant != nullptr && tenant[0] != '\0') {
+    const char* run_dir = getenv("FRACGPU_RUN_DIR");
+    snprintf(out, len, "%s/tenants/%s", run_dir != nullptr && run_dir[0] != '\0' ? run_dir : "/run/fracgpu", tenant);
+    return true;
+  }
+  // Inside a container: the tenant's directory mounted at the default path.
+  struct stat st {};
+  if (stat("/run/fracgpu/tenant", &st) == 0) {
+    snprintf(out, len, "/run/fracgpu/tenant");
+    return true;
+  }
+  return false;
+}
+
+TenantMode unmanaged_mode() {
+  const char* policy = getenv("FRACGPU_UNMANAGED");
+  return policy != nullptr && strcmp(policy, "deny") == 0 ? TenantMode::kDenied : TenantMode::kPassthrough;
+}
+
+TenantMode attach() {
+  if (g_tenant.ledger.is_open()) ledger::close_ledger(&g_tenant.ledger);  // inherited over fork
+  g_tenant.slot = -1;
+  forget_devices();
+  g_device_entry_generation.store(UINT64_MAX, std::memory_order_relaxed);
+
+  char dir[1024];
+  if (!tenant_directory(dir, sizeof dir)) {
+    TenantMode mode = unmanaged_mode();
+    log_line(LogLevel::kError,
+             "no tenant: set FRACGPU_TENANT_DIR, or FRACGPU_TENANT (and FRACGPU_RUN_DIR), or mount the tenant "
+             "directory at /run/fracgpu/tenant; %s",
+             mode == TenantMode::kDenied ? "GPU access denied (FRACGPU_UNMANAGED=deny)"
+                                         : "running without limits (FRACGPU_UNMANAGED=passthrough)");
+    return mode;
+  }
+  char err[512] = {};
+  ledger::TenantLedger ledger;
+  ledger::LedgerError e = ledger::open_ledger(dir, ledger::AccessMode::kTenant, nullptr, &ledger, err, sizeof err);
+  if (e == ledger::LedgerError::kMissing) {
+    TenantMode mode = unmanaged_mode();
+    log_line(LogLevel::kError, "no tenant ledger: %s; %s", err,
+             mode == TenantMode::kDenied ? "GPU access denied (FRACGPU_UNMANAGED=deny)" : "running without limits");
+    return mode;
+  }
+  if (e != ledger::LedgerError::kOk) {
+    // A tenant is configured but its ledger is unusable: refusing is the only
+    // answer that cannot turn a damaged file into unlimited access.
+    log_line(LogLevel::kError, "tenant ledger refused (%s): %s; GPU access denied", ledger::ledger_error_name(e), err);
+    return TenantMode::kDenied;
+  }
+  ledger::ProcessIdentity self{};
+  ledger::read_self_identity(&self);
+  ledger::LedgerError slot_error = ledger::LedgerError::kOk;
+  int slot = ledger::claim_slot(ledger, self, &slot_error);
+  if (slot < 0) {
+    log_line(LogLevel::kError, "%s: no free process slot (%s); GPU access denied", dir,
+             ledger::ledger_error_name(slot_error));
+    ledger::close_ledger(&ledger);
+    return TenantMode::kDenied;
+  }
+  if (!g_tenant.pointers.ready()) {
+    if (!g_tenant.pointers.init(kPointerTableLog2) || !g_tenant.handles.init(kHandleTableLog2)) {
+      log_line(LogLevel::kError, "cannot map the allocation tables; GPU access denied");
+      ledger::release_slot(ledger, static_cast<uint32_t>(slot));
+      ledger::close_ledger(&ledger);
+      return TenantMode::kDenied;
+    }
+  } else {
+    g_tenant.pointers.reset();
+    g_tenant.handles.reset();
+  }
+  g_tenant.ledger = ledger;
+  g_tenant.slot = slot;
+  log_line(LogLevel::kInfo, "attached to tenant \"%s\" (%s), slot %d", ledger.policy->tenant, dir, slot);
+  return TenantMode::kManaged;
+}
+
+}  // namespace
+
+TenantMode attach_tenant_slow() {
+  for (;;) {
+    int mode = g_tenant_mode.load(std::memory_order_acquire);
+    if (mode == static_cast<int>(TenantMode::kAttaching)) {
+      sched_yield();
+      continue;
+    }
+    if (mode != static_cast<int>(TenantMode::kUnattached)) return static_cast<TenantMode>(mode);
+    if (!g_tenant_mode.compare_exchange_weak(mode, static_cast<int>(TenantMode::kAttaching),
+                                             std::memory_order_acq_rel))
+      continue;
+    if (!g_atfork_registered.exchange(true)) pthread_atfork(nullptr, nullptr, on_fork_child);
+    TenantMode result = attach();
+    g_tenant_mode.store(static_cast<int>(result), std::memory_order_release);
+    return result;
+  }
+}
+
+const ledger::GpuPolicy& gpu_policy(int gpu) { return g_tenant.ledger.policy->gpus[gpu]; }
+
+int gpu_entry_for_device(CUdevice device) {
+  if (device < 0 || device >= kMaxDevices) return kNotGranted;
+  // A new grant (config reload) changes the generation: look again.
+  const uint64_t generation = g_tenant.ledger.policy->generation.load(std::memory_order_acquire);
+  if (generation != g_device_entry_generation.load(std::memory_order_relaxed)) [[unlikely]] {
+    forget_devices();
+    g_device_entry_generation.store(generation, std::memory_order_relaxed);
+  }
+  int entry = g_device_entry[device].load(std::memory_order_relaxed);
+  if (entry != kUnknownDevice) [[likely]]
+    return entry;
+  CUuuid uuid{};
+  entry = kNotGranted;
+  if (g_driver.cuDeviceGetUuid_v2 != nullptr && g_driver.cuDeviceGetUuid_v2(&uuid, device) == CUDA_SUCCESS)
+    entry = ledger::find_gpu(*g_tenant.ledger.policy, reinterpret_cast<const uint8_t*>(uuid.bytes));
+  if (entry == kNotGranted)
+    FRACGPU_LOG_ONCE(LogLevel::kError, "device %d is not granted to tenant \"%s\": allocations on it are refused",
+                     device, g_tenant.ledger.policy->tenant);
+  g_device_entry[device].store(entry, std::memory_order_relaxed);
+  return entry;
+}
+
+bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu) {
+  if (g_driver.cuCtxGetCurrent == nullptr || g_driver.cuCtxGetDevice == nullptr) return false;
+  if (g_driver.cuCtxGetCurrent(ctx) != CUDA_SUCCESS || *ctx == nullptr) return false;
+  if (g_driver.cuCtxGetDevice(device) != CUDA_SUCCESS) return false;
+  *gpu = gpu_entry_for_device(*device);
+  return true;
+}
+
+bool reserve(int gpu, uint64_t bytes) {
+  if (gpu < 0) return false;
+  auto& ledger = g_tenant.ledger;
+  if (ledger::try_charge(*ledger.policy, *ledger.usage, static_cast<uint32_t>(gpu),
+                         static_cast<uint32_t>(g_tenant.slot), bytes)) [[likely]]
+    return true;
+  // Refused. Charges of dead processes and slack held by our own pools may
+  // be standing in the way: clear both, then ask once more.
+  uint64_t reclaimed = 0;
+  ledger::reclaim_dead_slots(ledger, g_tenant.slot, &reclaimed);
+  settle_all_pools();
+  if (ledger::try_charge(*ledger.policy, *ledger.usage, static_cast<uint32_t>(gpu),
+                         static_cast<uint32_t>(g_tenant.slot), bytes))
+    return true;
+  log_line(LogLevel::kInfo, "refused %llu bytes on GPU entry %d: quota %llu, tenant uses %llu",
+           static_cast<unsigned long long>(bytes), gpu,
+           static_cast<unsigned long long>(gpu_policy(gpu).memory_quota.load(std::memory_order_relaxed)),
+           static_cast<unsigned long long>(ledger::tenant_used(*ledger.usage, static_cast<uint32_t>(gpu))));
+  return false;
+}
+
+void unreserve(int gpu, uint64_t bytes) {
+  if (gpu < 0 || bytes == 0) return;
+  ledger::uncharge(*g_tenant.ledger.usage, static_cast<uint32_t>(gpu), static_cast<uint32_t>(g_tenant.slot), bytes);
+}
+
+}  // namespace fracgpu::interpose

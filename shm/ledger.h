@@ -1,0 +1,134 @@
+// Operations on a tenant's ledger (layout in include/fracgpu/ledger_layout.h).
+//
+// Used by three kinds of caller with different rights:
+//   - the interposer in a tenant process: policy read-only, usage read-write;
+//   - the daemon: creates/adopts both files, writes policy, reclaims dead slots;
+//   - the CLI: everything read-only.
+// Nothing here allocates after attach, throws, or logs: errors come back as a
+// code plus a message in a caller-provided buffer, because the interposer
+// calls this from inside arbitrary user processes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <sys/types.h>
+
+#include "fracgpu/ledger_layout.h"
+
+namespace fracgpu::ledger {
+
+enum class LedgerError {
+  kOk = 0,
+  kMissing,       // the directory or a file does not exist
+  kPermission,    // open/mmap refused
+  kWrongSize,     // file size differs from this build's layout
+  kForeign,       // magic does not match: not a fracgpu segment
+  kWrongVersion,  // a fracgpu segment of another layout version
+  kCorrupt,       // header fields or entries out of range
+  kIo,            // any other system error
+  kFull,          // no free process slot / GPU entry
+};
+
+const char* ledger_error_name(LedgerError e);
+
+enum class AccessMode {
+  kTenant,    // policy read-only, usage read-write (interposer)
+  kDaemon,    // both read-write; creates missing files
+  kReadOnly,  // both read-only (CLI, tests)
+};
+
+// A mapped tenant directory. Plain data, trivially destructible: safe to keep
+// in a constant-initialized global of the interposer. close() unmaps.
+struct TenantLedger {
+  PolicySegment* policy = nullptr;  // read-only mapping unless kDaemon
+  UsageSegment* usage = nullptr;
+  int policy_fd = -1;
+  int usage_fd = -1;  // record locks on slots are taken on this descriptor
+  AccessMode mode = AccessMode::kReadOnly;
+
+  bool is_open() const { return policy != nullptr && usage != nullptr; }
+};
+
+// Maps <dir>/policy and <dir>/usage. With kDaemon, missing files are created
+// (written in full under a temporary name, then renamed, so no process can
+// ever map a half-written policy) with modes 0644 (policy) and 0666 (usage),
+// and `tenant_name` is stamped into a fresh policy. Existing files are
+// validated, never rewritten. On failure *out is untouched, and a one-line
+// reason naming the file is written to err.
+LedgerError open_ledger(const char* dir, AccessMode mode, const char* tenant_name, TenantLedger* out,
+                        char* err, size_t err_len);
+void close_ledger(TenantLedger* ledger);
+
+// Validates a mapped segment header. All-zero is valid (fresh).
+LedgerError check_header(const SegmentHeader& h, uint64_t expected_magic, uint64_t expected_bytes);
+
+// ---- GPU entries (policy) ----
+
+// Index of the granted-or-revoked entry for this UUID, or -1.
+int find_gpu(const PolicySegment& policy, const uint8_t uuid[16]);
+
+// Daemon only: the entry for this UUID, appending one if needed. -1 if full.
+int bind_gpu(PolicySegment& policy, const uint8_t uuid[16]);
+
+// ---- Charges (usage) ----
+
+// Bytes the tenant has charged on GPU entry g: the sum over slots.
+uint64_t tenant_used(const UsageSegment& usage, uint32_t gpu);
+
+// Charges `bytes` to `slot` on entry `gpu` if the tenant stays within the
+// entry's quota; otherwise charges nothing and returns false. Safe against
+// any number of concurrent callers in any number of processes: the charge is
+// published before the sum is read (sequentially consistent), so of two
+// racing callers at least one sees the other, and their sum can never pass
+// the quota. Callers racing at the very edge may both be refused, so a refusal
+// is retried a few times while the quota, as last seen, still has room.
+// A revoked or unused entry refuses everything but zero bytes.
+bool try_charge(const PolicySegment& policy, UsageSegment& usage, uint32_t gpu, uint32_t slot,
+                uint64_t bytes);
+
+// Adds without any check (settling a charge the driver already made, e.g. a
+// pool that grew past its reservation, when the caller has decided to keep it).
+void force_charge(UsageSegment& usage, uint32_t gpu, uint32_t slot, uint64_t bytes);
+
+// Returns bytes charged earlier by the same slot.
+void uncharge(UsageSegment& usage, uint32_t gpu, uint32_t slot, uint64_t bytes);
+
+// ---- Process slots ----
+
+struct ProcessIdentity {
+  int32_t pid;
+  uint64_t start_time;  // /proc/self/stat field 22
+  char comm[16];
+};
+
+// Reads this process's identity from /proc/self. Returns false on failure.
+bool read_self_identity(ProcessIdentity* out);
+
+// Claims a free slot for the calling process: takes the slot's record lock
+// (kept until the process exits or calls release_slot), clears whatever a dead
+// previous owner left, and publishes the identity. Returns the slot index or
+// -1 (kFull / kIo in *error).
+int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* error);
+
+// Gives a slot back while alive (its charges must already be zero).
+void release_slot(TenantLedger& ledger, uint32_t slot);
+
+// Reclaims every slot whose owner is gone: for each candidate, takes its
+// record lock (possible only if no live process holds it), zeroes its
+// charges and marks it free. Skips `own_slot` (POSIX record locks never
+// conflict with the caller's own, so the caller must not probe its own
+// slot). Returns the number of slots reclaimed and, in *bytes, what they held.
+int reclaim_dead_slots(TenantLedger& ledger, int own_slot, uint64_t* bytes);
+
+// The PID (in the caller's PID namespace) of the process holding the slot's
+// record lock, 0 if nobody holds it, -1 if the owner lives in a namespace the
+// caller cannot see (the kernel then reports 0, which we map to -1 only when
+// the slot state is live).
+int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
+
+// ---- Policy writes (daemon only) ----
+
+void publish_policy_change(PolicySegment& policy);
+
+}  // namespace fracgpu::ledger
