@@ -351,6 +351,13 @@ bool read_self_identity(ProcessIdentity* out) {
 int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* error) {
   UsageSegment& usage = *ledger.usage;
   for (uint32_t s = 0; s < kMaxSlots; ++s) {
+    // Record locks never conflict with the caller's own: a slot this very
+    // process already holds would look free. Its identity tells it apart.
+    const ProcessSlot& existing = usage.slots[s];
+    if (existing.state.load(std::memory_order_acquire) == kSlotLive &&
+        existing.pid.load(std::memory_order_relaxed) == self.pid &&
+        existing.start_time.load(std::memory_order_relaxed) == self.start_time)
+      continue;
     if (set_record_lock(ledger.usage_fd, s, F_WRLCK) != 0) {
       if (errno == EACCES || errno == EAGAIN) continue;  // a live owner, or a reclaimer at work
       if (error) *error = LedgerError::kIo;
