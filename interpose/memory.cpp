@@ -105,6 +105,16 @@ uint64_t pool_reserved(CUmemoryPool pool, bool* known) {
   return reserved;
 }
 
+// Memory the pool holds but has not handed out.
+uint64_t pool_slack(CUmemoryPool pool) {
+  cuuint64_t reserved = 0, used = 0;
+  if (g_driver.cuMemPoolGetAttribute == nullptr ||
+      g_driver.cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS ||
+      g_driver.cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used) != CUDA_SUCCESS)
+    return 0;
+  return reserved > used ? reserved - used : 0;
+}
+
 // Brings the pool's charge to what it really holds. False if it holds more
 // than the quota lets us charge.
 bool settle_pool(PoolCharge& p) {
@@ -156,11 +166,17 @@ CUresult pooled_alloc(CUmemoryPool pool, int gpu, size_t bytes, CUdeviceptr* dpt
     FRACGPU_LOG_ONCE(LogLevel::kError, "more than %zu memory pools in use: further pools are refused", kMaxPools);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  const uint64_t reservation = (bytes + kPoolGranularity - 1) / kPoolGranularity * kPoolGranularity;
+  uint64_t reservation = (bytes + kPoolGranularity - 1) / kPoolGranularity * kPoolGranularity;
   if (!reserve(gpu, reservation)) {
     // The pool may hold slack charged earlier that it no longer has.
     settle_pool(*p);
-    if (!reserve(gpu, reservation)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!reserve(gpu, reservation)) {
+      // Or it may serve the request from memory it holds (already charged):
+      // try with no reservation; the settle below undoes the allocation if
+      // the pool had to grow after all.
+      if (pool_slack(pool) < bytes) return CUDA_ERROR_OUT_OF_MEMORY;
+      reservation = 0;
+    }
   }
   p->charged.fetch_add(reservation, std::memory_order_seq_cst);
   p->inflight.fetch_add(reservation, std::memory_order_seq_cst);

@@ -1,0 +1,546 @@
+// The interposer end to end: fracgpu_probe runs under LD_PRELOAD=libfracgpu.so
+// against the simulated driver, and these tests check what it gets (results,
+// the memory it is shown, which entry points it receives) against the ledger
+// and against the simulated driver's own count of device memory.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "ledger.h"
+
+using namespace fracgpu::ledger;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr uint64_t kContextBytes = 64 * kMiB;  // footprint per context, in the sim and the policy
+constexpr const char* kUuid0 = "GPU-11111111-2222-3333-4444-000000000000";
+constexpr const char* kUuid1 = "GPU-11111111-2222-3333-4444-000000000001";
+
+// CUDA error codes as the probe prints them.
+constexpr const char* kSuccess = "0";
+constexpr const char* kOutOfMemory = "2";
+constexpr const char* kNotPermitted = "800";
+constexpr const char* kNotFound = "500";
+
+void uuid_bytes(const char* text, uint8_t out[16]) {
+  std::string hex;
+  for (const char* p = text + 4; *p; ++p)
+    if (*p != '-') hex += *p;
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+}
+
+struct ProbeResult {
+  int status = -1;
+  std::map<std::string, std::string> values;
+  std::string out, err;
+  const std::string& operator[](const std::string& key) const {
+    static const std::string missing = "<missing>";
+    auto it = values.find(key);
+    return it == values.end() ? missing : it->second;
+  }
+  uint64_t num(const std::string& key) const { return std::stoull(operator[](key)); }
+};
+
+void parse_values(ProbeResult& r) {
+  size_t start = 0;
+  while (start < r.out.size()) {
+    size_t end = r.out.find('\n', start);
+    if (end == std::string::npos) end = r.out.size();
+    std::string line = r.out.substr(start, end - start);
+    size_t pos = 0;
+    while (pos < line.size()) {
+      size_t sp = line.find(' ', pos);
+      std::string token = line.substr(pos, sp == std::string::npos ? std::string::npos : sp - pos);
+      size_t eq = token.find('=');
+      if (eq != std::string::npos) r.values[token.substr(0, eq)] = token.substr(eq + 1);
+      if (sp == std::string::npos) break;
+      pos = sp + 1;
+    }
+    start = end + 1;
+  }
+}
+
+class InterposeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/fracgpu-interpose-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+    tenant_dir_ = root_ + "/tenants/alice";
+    fs::create_directories(root_ + "/tenants");
+    devices_ = std::string("uuid=") + kUuid0 + ",mem=16GiB,ctx=64MiB;uuid=" + kUuid1 + ",mem=16GiB,ctx=64MiB";
+  }
+  void TearDown() override {
+    if (daemon_.is_open()) close_ledger(&daemon_);
+    fs::remove_all(root_);
+  }
+
+  // Plays the daemon: grants `uuid` to alice with `quota` bytes.
+  int grant(const char* uuid, uint64_t quota, bool count_managed = true) {
+    if (!daemon_.is_open()) {
+      char err[256];
+      EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &daemon_, err, sizeof err),
+                LedgerError::kOk)
+          << err;
+    }
+    uint8_t bytes[16];
+    uuid_bytes(uuid, bytes);
+    int g = bind_gpu(*daemon_.policy, bytes);
+    GpuPolicy& p = daemon_.policy->gpus[g];
+    p.memory_quota.store(quota);
+    p.context_memory.store(kContextBytes);
+    p.flags.store(count_managed ? kCountManagedMemory : 0);
+    p.state.store(kGpuGranted);
+    publish_policy_change(*daemon_.policy);
+    return g;
+  }
+
+  uint64_t used(int gpu) { return tenant_used(*daemon_.usage, static_cast<uint32_t>(gpu)); }
+
+  std::vector<std::string> environment(bool preload, const std::vector<std::string>& extra) {
+    std::vector<std::string> env = {
+        "PATH=/usr/bin:/bin",
+        std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR,
+        "SIMCUDA_STATE=" + root_ + "/sim-state",
+        "SIMCUDA_DEVICES=" + devices_,
+        "FRACGPU_TENANT_DIR=" + tenant_dir_,
+    };
+    if (preload) env.push_back(std::string("LD_PRELOAD=") + FRACGPU_LIB);
+    for (const auto& e : extra) {
+      const std::string key = e.substr(0, e.find('=') + 1);
+      std::erase_if(env, [&](const std::string& x) { return x.rfind(key, 0) == 0; });
+      if (e.back() != '=') env.push_back(e);  // "KEY=" alone removes KEY
+    }
+    return env;
+  }
+
+  pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, int* out_fd, int* err_fd) {
+    int out[2], err[2];
+    EXPECT_EQ(pipe(out), 0);
+    EXPECT_EQ(pipe(err), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out[1], 1);
+      dup2(err[1], 2);
+      close(out[0]);
+      close(err[0]);
+      std::vector<char*> argv{const_cast<char*>(PROBE_PATH)};
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      std::vector<char*> envp;
+      for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+      envp.push_back(nullptr);
+      execve(PROBE_PATH, argv.data(), envp.data());
+      _exit(127);
+    }
+    close(out[1]);
+    close(err[1]);
+    *out_fd = out[0];
+    *err_fd = err[0];
+    return pid;
+  }
+
+  static std::string drain(int fd) {
+    std::string s;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) s.append(buf, static_cast<size_t>(n));
+    close(fd);
+    return s;
+  }
+
+  ProbeResult probe(const std::vector<std::string>& args, const std::vector<std::string>& extra_env = {},
+                    bool preload = true) {
+    ProbeResult r;
+    int out_fd, err_fd;
+    pid_t pid = spawn(args, environment(preload, extra_env), &out_fd, &err_fd);
+    std::thread err_reader([&] { r.err = drain(err_fd); });
+    r.out = drain(out_fd);
+    err_reader.join();
+    waitpid(pid, &r.status, 0);
+    parse_values(r);
+    return r;
+  }
+
+  // Starts a probe that ends with `hold`; returns once it holds.
+  struct Held {
+    pid_t pid;
+    int out_fd, err_fd;
+    ProbeResult seen;
+  };
+  Held probe_and_hold(std::vector<std::string> args) {
+    args.push_back("hold");
+    Held h{};
+    h.pid = spawn(args, environment(true, {}), &h.out_fd, &h.err_fd);
+    std::string acc;
+    char buf[512];
+    while (acc.find("holding=") == std::string::npos) {
+      ssize_t n = read(h.out_fd, buf, sizeof buf);
+      if (n <= 0) break;
+      acc.append(buf, static_cast<size_t>(n));
+    }
+    h.seen.out = acc;
+    parse_values(h.seen);
+    return h;
+  }
+  void kill_held(Held& h) {
+    kill(h.pid, SIGKILL);
+    waitpid(h.pid, nullptr, 0);
+    close(h.out_fd);
+    close(h.err_fd);
+  }
+
+  // Ground truth: the simulated driver's own count, read by a probe without
+  // the interposer.
+  uint64_t sim_used(int device) {
+    ProbeResult r = probe({"sim-used", std::to_string(device)}, {}, false);
+    return r.num("sim_used");
+  }
+  uint64_t sim_peak(int device) {
+    ProbeResult r = probe({"sim-peak", std::to_string(device)}, {}, false);
+    return r.num("sim_peak");
+  }
+
+  std::string root_, tenant_dir_, devices_;
+  TenantLedger daemon_;
+};
+
+TEST_F(InterposeTest, AllocationsStopAtTheQuotaAndTheTenantSeesItsQuota) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "alloc", "512MiB", "alloc", "512MiB", "info", "total", "0"});
+  EXPECT_EQ(h.seen["init"], kSuccess);
+  EXPECT_EQ(h.seen["primary"], kSuccess);
+  EXPECT_EQ(h.seen["alloc"], kOutOfMemory);  // the second: 64 MiB context + 2 x 512 MiB > 1 GiB
+  EXPECT_EQ(h.seen.num("total"), 1 * kGiB);
+  EXPECT_EQ(h.seen.num("free"), 1 * kGiB - kContextBytes - 512 * kMiB);
+  EXPECT_EQ(h.seen.num("device_total"), 1 * kGiB);
+  EXPECT_EQ(used(g), kContextBytes + 512 * kMiB);
+  // The refused allocation was never made.
+  EXPECT_EQ(sim_used(0), kContextBytes + 512 * kMiB);
+  kill_held(h);
+  uint64_t bytes = 0;
+  EXPECT_EQ(reclaim_dead_slots(daemon_, -1, &bytes), 1);
+  EXPECT_EQ(bytes, kContextBytes + 512 * kMiB);
+  EXPECT_EQ(used(g), 0u);
+}
+
+TEST_F(InterposeTest, EveryReleaseReturnsExactlyWhatWasCharged) {
+  const int g = grant(kUuid0, 2 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "alloc", "100MiB", "alloc", "3", "alloc-v1", "1MiB", "free", "0",
+                           "free", "0", "free", "0", "alloc", "7"});
+  EXPECT_EQ(h.seen["alloc_v1"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 7);
+  kill_held(h);
+}
+
+TEST_F(InterposeTest, UnlimitedGrantShowsTheRealDevice) {
+  grant(kUuid0, kUnlimited);
+  ProbeResult r = probe({"init", "primary", "0", "info", "total", "0", "alloc", "8GiB"});
+  EXPECT_EQ(r["alloc"], kSuccess);
+  EXPECT_EQ(r.num("total"), 16 * kGiB);
+  EXPECT_EQ(r.num("device_total"), 16 * kGiB);
+  EXPECT_EQ(r.num("free"), 16 * kGiB - kContextBytes);  // never 0
+}
+
+TEST_F(InterposeTest, QuotasAreKeyedByUuidNotByOrdinal) {
+  // Entry 0 is device 1's UUID: a limit keyed by index would land on device 0.
+  const int g1 = grant(kUuid1, 1 * kGiB);
+  const int g0 = grant(kUuid0, 3 * kGiB);
+  ASSERT_EQ(g1, 0);
+  ProbeResult r = probe({"init", "total", "0", "total", "1", "primary", "1", "fill", "256MiB"});
+  EXPECT_EQ(r["primary"], kSuccess);
+  EXPECT_EQ(r.num("filled"), 1 * kGiB - 256 * kMiB);  // the context took 64 MiB of the last chunk
+  ProbeResult t0 = probe({"init", "total", "0"});
+  EXPECT_EQ(t0.num("device_total"), 3 * kGiB);
+  (void)g0;
+}
+
+TEST_F(InterposeTest, DevicesNotGrantedAreRefused) {
+  grant(kUuid1, 1 * kGiB);
+  ProbeResult r = probe({"init", "primary", "0", "total", "0"});
+  EXPECT_EQ(r["primary"], kOutOfMemory);
+  EXPECT_EQ(r.num("device_total"), 0u);
+  EXPECT_NE(r.err.find("not granted"), std::string::npos) << r.err;
+}
+
+TEST_F(InterposeTest, PitchIsChargedAsPitchTimesHeight) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "pitch", "1000", "100"});
+  EXPECT_EQ(h.seen["pitch_result"], kSuccess);
+  const uint64_t pitch = h.seen.num("pitch");
+  EXPECT_GE(pitch, 1000u);
+  EXPECT_EQ(used(g), kContextBytes + pitch * 100);
+  EXPECT_EQ(sim_used(0), kContextBytes + pitch * 100);
+  kill_held(h);
+}
+
+TEST_F(InterposeTest, ManagedMemoryIsChargedUnlessConfiguredOff) {
+  int g = grant(kUuid0, 256 * kMiB);
+  ProbeResult r = probe({"init", "primary", "0", "managed", "128MiB", "managed", "128MiB"});
+  EXPECT_EQ(r["managed"], kOutOfMemory);
+  grant(kUuid0, 256 * kMiB, /*count_managed=*/false);
+  Held h = probe_and_hold({"init", "primary", "0", "managed", "128MiB", "managed", "128MiB"});
+  EXPECT_EQ(h.seen["managed"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes);
+  kill_held(h);
+}
+
+TEST_F(InterposeTest, VirtualMemoryHandlesAreCharged) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  Held h = probe_and_hold({"init", "primary", "0", "vmm", "256MiB", "0", "vmm", "256MiB", "0", "vmm", "128MiB", "0",
+                           "vmm-release", "0"});
+  EXPECT_EQ(h.seen["vmm"], kSuccess);  // the last one made: 256 refused, then 128 fits
+  EXPECT_EQ(used(g), kContextBytes + 128 * kMiB);
+  kill_held(h);
+  ProbeResult r = probe({"init", "primary", "0", "vmm", "256MiB", "0", "vmm", "256MiB", "0"});
+  EXPECT_EQ(r["vmm"], kOutOfMemory);
+}
+
+TEST_F(InterposeTest, StreamOrderedPoolsChargeWhatThePoolHolds) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  // Default pool, release threshold 0: memory goes back at synchronize.
+  Held h = probe_and_hold({"init", "primary", "0", "async", "100MiB", "async", "500MiB", "free-async", "0", "sync"});
+  EXPECT_EQ(h.seen["async"], kOutOfMemory);
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+
+  // A pool that keeps its memory: the charge stays until trimmed or destroyed.
+  h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "100MiB",
+                      "free-async", "0", "sync", "info"});
+  EXPECT_EQ(h.seen["pool_async"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  EXPECT_EQ(h.seen.num("free"), 512 * kMiB - kContextBytes - 100 * kMiB);
+  kill_held(h);
+
+  h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "100MiB",
+                      "free-async", "0", "pool-trim", "0"});
+  EXPECT_EQ(used(g), kContextBytes);
+  kill_held(h);
+
+  h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "100MiB",
+                      "pool-async", "100MiB", "pool-destroy"});
+  EXPECT_EQ(used(g), kContextBytes);
+  kill_held(h);
+
+  // Reuse inside the pool needs no new charge.
+  h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "300MiB",
+                      "free-async", "0", "sync", "pool-async", "300MiB"});
+  EXPECT_EQ(h.seen["pool_async"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 300 * kMiB);
+  kill_held(h);
+}
+
+TEST_F(InterposeTest, ArraysAreChargedAtTheirRealSize) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  Held h = probe_and_hold({"init", "primary", "0", "array", "1000", "1000", "array3d", "64", "64", "64", "mipmap",
+                           "512", "512", "4"});
+  EXPECT_EQ(h.seen["array"], kSuccess);
+  EXPECT_EQ(h.seen["array3d"], kSuccess);
+  EXPECT_EQ(h.seen["mipmap"], kSuccess);
+  EXPECT_EQ(used(g), sim_used(0));  // the sim's own size for each, not our estimate
+  EXPECT_GT(used(g), kContextBytes + 1000 * 1000 * 16);
+  kill_held(h);
+  h = probe_and_hold({"init", "primary", "0", "array", "1000", "1000", "array-destroy", "0", "mipmap", "512", "512",
+                      "4", "mipmap-destroy", "0"});
+  EXPECT_EQ(used(g), kContextBytes);
+  kill_held(h);
+  ProbeResult r = probe({"init", "primary", "0", "array", "16384", "16384"});  // 4 GiB of float4
+  EXPECT_EQ(r["array"], kOutOfMemory);
+}
+
+TEST_F(InterposeTest, ContextsAreChargedTheirFootprintAndTakeTheirAllocationsWithThem) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "ctx-create", "1", "0", "ctx-create", "2", "0", "ctx-create", "3", "0",
+                           "ctx-create", "4", "0", "alloc", "100MiB", "ctx-destroy", "last"});
+  EXPECT_EQ(h.seen["ctx_create"], kSuccess);
+  EXPECT_EQ(h.seen["ctx_destroy"], kSuccess);
+  EXPECT_EQ(used(g), 3 * kContextBytes);  // the fourth context and its 100 MiB are gone
+  EXPECT_EQ(sim_used(0), 3 * kContextBytes);
+  kill_held(h);
+  // Primary context: charged once however often retained, given back on reset.
+  h = probe_and_hold({"init", "primary", "0", "primary", "0", "alloc", "10MiB", "reset-primary", "0"});
+  EXPECT_EQ(used(g), 0u);
+  kill_held(h);
+  // A context that does not fit is refused.
+  grant(kUuid0, 100 * kMiB);
+  ProbeResult r = probe({"init", "ctx-create", "4", "0", "ctx-create", "4", "0"});
+  EXPECT_EQ(r["ctx_create"], kOutOfMemory);
+}
+
+// ---- Reaching the driver: linked, dlsym, cuGetProcAddress ----
+
+TEST_F(InterposeTest, CuGetProcAddressHandsOutTheHookForTheVariantTheDriverChose) {
+  grant(kUuid0, 1 * kGiB);
+  struct Case {
+    const char* symbol;
+    int version;
+    const char* flags;
+    const char* lib;
+    const char* sym;
+  };
+  const Case cases[] = {
+      {"cuMemAlloc", 3010, "0", "libfracgpu.so", "cuMemAlloc"},
+      {"cuMemAlloc", 3020, "0", "libfracgpu.so", "cuMemAlloc_v2"},
+      {"cuMemAlloc", 12080, "0", "libfracgpu.so", "cuMemAlloc_v2"},
+      {"cuCtxCreate", 3010, "0", "libfracgpu.so", "cuCtxCreate"},
+      {"cuCtxCreate", 3020, "0", "libfracgpu.so", "cuCtxCreate_v2"},
+      {"cuCtxCreate", 11040, "0", "libfracgpu.so", "cuCtxCreate_v3"},
+      {"cuCtxCreate", 12050, "0", "libfracgpu.so", "cuCtxCreate_v4"},
+      {"cuMemAllocAsync", 12000, "0", "libfracgpu.so", "cuMemAllocAsync"},
+      {"cuMemAllocAsync", 12000, "2", "libfracgpu.so", "cuMemAllocAsync_ptsz"},
+      {"cuGetProcAddress", 12000, "0", "libfracgpu.so", "cuGetProcAddress_v2"},
+      // Not hooked: exactly what the driver returns.
+      {"cuMemAdvise", 12000, "0", "libcuda.so.1", "cuMemAdvise"},
+      {"cuMemAdvise", 12020, "0", "libcuda.so.1", "cuMemAdvise_v2"},
+      {"cuCtxGetDevice", 12000, "0", "libcuda.so.1", "cuCtxGetDevice"},
+  };
+  for (const Case& c : cases) {
+    ProbeResult r = probe({"init", "getproc", c.symbol, std::to_string(c.version), c.flags});
+    SCOPED_TRACE(std::string(c.symbol) + " @" + std::to_string(c.version) + " flags " + c.flags);
+    EXPECT_EQ(r["getproc"], kSuccess);
+    EXPECT_EQ(r["getproc_lib"], c.lib);
+    EXPECT_EQ(r["getproc_sym"], c.sym);
+  }
+  ProbeResult missing = probe({"init", "getproc", "cuNoSuchFunction", "12000", "0"});
+  EXPECT_EQ(missing["getproc"], kNotFound);
+  EXPECT_EQ(missing["getproc_lib"], "none");
+  ProbeResult too_old = probe({"init", "getproc", "cuMemAllocAsync", "11000", "0"});
+  EXPECT_EQ(too_old["getproc"], kNotFound);
+  EXPECT_EQ(too_old["getproc_status"], std::to_string(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT));
+  ProbeResult v1 = probe({"init", "getproc-v1", "cuMemAlloc", "12000"});
+  EXPECT_EQ(v1["getproc_v1_entry_lib"], "libfracgpu.so");
+  EXPECT_EQ(v1["getproc_v1_sym"], "cuMemAlloc_v2");
+}
+
+TEST_F(InterposeTest, EveryPathEnforcesTheQuotaAndCallsTheRightVariant) {
+  const int g = grant(kUuid0, 256 * kMiB);
+  ProbeResult r = probe({"init", "primary", "0", "call-alloc-via-getproc", "12000", "100MiB", "call-alloc-via-getproc",
+                         "12000", "100MiB", "simcount", "cuMemAlloc_v2"});
+  EXPECT_EQ(r["call_alloc"], kOutOfMemory);
+  EXPECT_EQ(r["simcount_cuMemAlloc_v2"], "1");  // the refused one never reached the driver
+  r = probe({"init", "primary", "0", "call-alloc-via-getproc", "3010", "1MiB", "simcount", "cuMemAlloc", "simcount",
+             "cuMemAlloc_v2"});
+  EXPECT_EQ(r["simcount_cuMemAlloc"], "1");  // the v1 ABI reached the v1 function
+  EXPECT_EQ(r["simcount_cuMemAlloc_v2"], "0");
+  r = probe({"init", "primary", "0", "call-alloc-via-dlsym", "100MiB", "call-alloc-via-dlsym", "100MiB"});
+  EXPECT_EQ(r["call_alloc_dlsym"], kOutOfMemory);
+  r = probe({"init", "primary", "0", "call-async-ptsz-via-getproc", "100MiB", "call-async-ptsz-via-getproc",
+             "100MiB", "simcount", "cuMemAllocAsync_ptsz", "simcount", "cuMemAllocAsync"});
+  EXPECT_EQ(r["call_async_ptsz"], kOutOfMemory);
+  EXPECT_EQ(r["simcount_cuMemAllocAsync_ptsz"], "1");
+  EXPECT_EQ(r["simcount_cuMemAllocAsync"], "0");
+  r = probe({"init", "dlsym", "cuMemAlloc_v2", "dlsym", "cuCtxGetDevice"});
+  EXPECT_EQ(r["dlsym_lib"], "libcuda.so.1");  // the last one: not hooked
+  r = probe({"init", "dlsym", "cuMemAlloc_v2"});
+  EXPECT_EQ(r["dlsym_lib"], "libfracgpu.so");
+  EXPECT_EQ(r["dlsym_sym"], "cuMemAlloc_v2");
+  r = probe({"init", "export-table", "simcount", "cuGetExportTable"});
+  EXPECT_EQ(r["simcount_cuGetExportTable"], "1");  // passed through untouched
+  (void)g;
+}
+
+// ---- Races, kills, bad state ----
+
+TEST_F(InterposeTest, ThreadsInProcessesNeverTogetherPassTheQuota) {
+  constexpr uint64_t kQuota = 1 * kGiB;
+  grant(kUuid0, kQuota);
+  ProbeResult reset = probe({"sim-reset-peak", "0"}, {}, false);
+  ASSERT_EQ(reset.status, 0) << reset.err;
+  std::vector<std::thread> runners;
+  std::vector<ProbeResult> results(4);
+  for (int p = 0; p < 4; ++p)
+    runners.emplace_back([&, p] { results[p] = probe({"init", "primary", "0", "race", "8", "3", "96MiB"}); });
+  for (auto& t : runners) t.join();
+  uint64_t ok = 0, oom = 0;
+  for (const auto& r : results) {
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(r["race_other"], "0");
+    ok += r.num("race_ok");
+    oom += r.num("race_oom");
+  }
+  EXPECT_GT(ok, 1000u);
+  EXPECT_GT(oom, 100u);  // the edge was reached, often
+  // The driver's own high-water mark: contexts and allocations together.
+  EXPECT_LE(sim_peak(0), kQuota);
+  EXPECT_GT(sim_peak(0), kQuota / 2);
+}
+
+TEST_F(InterposeTest, AKilledProcessLeavesNoChargeOnceReclaimed) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "alloc", "300MiB"});
+  EXPECT_EQ(used(g), kContextBytes + 300 * kMiB);
+  kill_held(h);
+  // A newcomer that finds the quota taken reclaims the dead by itself, even
+  // with no daemon running.
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "900MiB"});
+  EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+}
+
+TEST_F(InterposeTest, ACorruptOrForeignLedgerIsRefusedWithoutCrashing) {
+  grant(kUuid0, 1 * kGiB);
+  close_ledger(&daemon_);
+  const std::string policy = tenant_dir_ + "/policy";
+  uint32_t version = kLayoutVersion + 1;
+  int fd = open(policy.c_str(), O_RDWR);
+  ASSERT_EQ(pwrite(fd, &version, sizeof version, offsetof(SegmentHeader, layout_version)), 4);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "1MiB"});
+  EXPECT_EQ(r.status, 0);  // the process carries on
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find("layout version"), std::string::npos) << r.err;
+  uint64_t garbage = 0x0123456789abcdefull;
+  ASSERT_EQ(pwrite(fd, &garbage, sizeof garbage, 0), 8);
+  close(fd);
+  r = probe({"init"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_NE(r.err.find("not a fracgpu"), std::string::npos) << r.err;
+}
+
+TEST_F(InterposeTest, WithoutTenantStateTheProcessPassesThroughOrIsDenied) {
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "8GiB"}, {"FRACGPU_TENANT_DIR="});
+  EXPECT_EQ(r["init"], kSuccess);
+  EXPECT_EQ(r["alloc"], kSuccess);
+  EXPECT_NE(r.err.find("no tenant"), std::string::npos) << r.err;
+  r = probe({"init", "alloc", "1MiB"}, {"FRACGPU_TENANT_DIR=", "FRACGPU_UNMANAGED=deny"});
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r.status, 0);
+  // FRACGPU_TENANT + FRACGPU_RUN_DIR select the same tenant directory.
+  const int g = grant(kUuid0, 256 * kMiB);
+  r = probe({"init", "primary", "0", "alloc", "200MiB", "alloc", "100MiB"},
+            {"FRACGPU_TENANT_DIR=", "FRACGPU_TENANT=alice", "FRACGPU_RUN_DIR=" + root_});
+  EXPECT_EQ(r["alloc"], kOutOfMemory);
+  (void)g;
+}
+
+TEST_F(InterposeTest, TwoProcessesOfOneTenantShareTheQuota) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held first = probe_and_hold({"init", "primary", "0", "alloc", "600MiB"});
+  ProbeResult second = probe({"init", "primary", "0", "alloc", "300MiB", "alloc", "100MiB", "info"});
+  EXPECT_EQ(second["alloc"], kOutOfMemory);  // 2 x 64 + 600 + 300 + 100 > 1024
+  EXPECT_EQ(second.num("free"), 1 * kGiB - 2 * kContextBytes - 900 * kMiB);
+  uint64_t bytes = 0;
+  EXPECT_EQ(reclaim_dead_slots(daemon_, -1, &bytes), 1);  // the second has exited
+  EXPECT_EQ(bytes, kContextBytes + 300 * kMiB);
+  EXPECT_EQ(used(g), kContextBytes + 600 * kMiB);
+  kill_held(first);
+}
+
+}  // namespace

@@ -1,0 +1,409 @@
+// A small CUDA driver client for the tests: runs the commands given on its
+// command line, in order, and prints one `key=value` line per result. The
+// tests run it under LD_PRELOAD=libfracgpu.so against the simulated driver,
+// so every step goes through the interposer exactly as an application's
+// would: linked calls, dlsym, and cuGetProcAddress.
+//
+// It links the driver directly (the "linked" path). Unknown commands and bad
+// arguments exit 64; a CUDA error is printed, not fatal: tests assert on it.
+#include <cuda.h>
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::vector<CUdeviceptr> g_ptrs;
+std::vector<CUdeviceptr> g_async_ptrs;
+std::vector<CUcontext> g_contexts;
+std::vector<CUmemGenericAllocationHandle> g_vmm;
+std::vector<CUarray> g_arrays;
+std::vector<CUmipmappedArray> g_mipmaps;
+CUmemoryPool g_pool = nullptr;
+
+[[noreturn]] void usage(const char* what) {
+  fprintf(stderr, "fracgpu_probe: %s\n", what);
+  exit(64);
+}
+
+uint64_t parse_bytes(const char* s) {
+  char* end = nullptr;
+  double v = strtod(s, &end);
+  std::string unit = end ? end : "";
+  if (unit == "" || unit == "B") return static_cast<uint64_t>(v);
+  if (unit == "KiB") return static_cast<uint64_t>(v * 1024);
+  if (unit == "MiB") return static_cast<uint64_t>(v * 1024 * 1024);
+  if (unit == "GiB") return static_cast<uint64_t>(v * 1024 * 1024 * 1024);
+  usage("bad size");
+}
+
+void print(const char* key, long long value) {
+  printf("%s=%lld\n", key, value);
+  fflush(stdout);
+}
+
+// Which library and symbol an address belongs to.
+void print_owner(const char* prefix, void* address) {
+  Dl_info info{};
+  if (address == nullptr || dladdr(address, &info) == 0) {
+    printf("%s_lib=none %s_sym=none\n", prefix, prefix);
+  } else {
+    const char* base = info.dli_fname ? strrchr(info.dli_fname, '/') : nullptr;
+    printf("%s_lib=%s %s_sym=%s\n", prefix, base ? base + 1 : info.dli_fname, prefix,
+           info.dli_sname ? info.dli_sname : "?");
+  }
+  fflush(stdout);
+}
+
+void* driver_handle() {
+  static void* handle = dlopen("libcuda.so.1", RTLD_NOW);
+  return handle;
+}
+
+uint64_t sim_count(const char* name) {
+  using Fn = uint64_t (*)(const char*);
+  auto fn = reinterpret_cast<Fn>(dlsym(driver_handle(), "simcuda_call_count"));
+  return fn ? fn(name) : 0;
+}
+
+CUresult get_proc(const char* symbol, int version, cuuint64_t flags, void** fn) {
+  CUdriverProcAddressQueryResult status{};
+  return cuGetProcAddress_v2(symbol, fn, version, flags, &status);
+}
+
+// Threads allocate and free random sizes at the quota's edge.
+void race(int threads, double seconds, uint64_t max_chunk) {
+  std::atomic<long long> ok{0}, oom{0}, other{0};
+  CUcontext ctx = nullptr;
+  cuCtxGetCurrent(&ctx);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      cuCtxSetCurrent(ctx);
+      std::mt19937_64 rng(getpid() * 131 + t);
+      std::vector<CUdeviceptr> mine;
+      const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+      while (std::chrono::steady_clock::now() < end) {
+        if (!mine.empty() && (rng() % 2 == 0 || mine.size() > 6)) {
+          size_t i = rng() % mine.size();
+          cuMemFree_v2(mine[i]);
+          mine.erase(mine.begin() + static_cast<long>(i));
+          continue;
+        }
+        CUdeviceptr p = 0;
+        CUresult r = cuMemAlloc_v2(&p, (rng() % max_chunk) + 1);
+        if (r == CUDA_SUCCESS) {
+          mine.push_back(p);
+          ok++;
+        } else if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+          oom++;
+        } else {
+          other++;
+        }
+      }
+      for (CUdeviceptr p : mine) cuMemFree_v2(p);
+    });
+  }
+  for (auto& th : pool) th.join();
+  print("race_ok", ok);
+  print("race_oom", oom);
+  print("race_other", other);
+}
+
+size_t index_arg(const char* s, size_t size) {
+  if (size == 0) usage("nothing to release");
+  if (strcmp(s, "last") == 0) return size - 1;
+  size_t i = strtoull(s, nullptr, 10);
+  if (i >= size) usage("index out of range");
+  return i;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string cmd = argv[i];
+    auto arg = [&]() -> const char* {
+      if (i + 1 >= argc) usage(("missing argument for " + cmd).c_str());
+      return argv[++i];
+    };
+    if (cmd == "init") {
+      print("init", cuInit(0));
+    } else if (cmd == "primary") {
+      CUdevice dev = atoi(arg());
+      CUcontext ctx = nullptr;
+      CUresult r = cuDevicePrimaryCtxRetain(&ctx, dev);
+      if (r == CUDA_SUCCESS) cuCtxSetCurrent(ctx);
+      print("primary", r);
+    } else if (cmd == "release-primary") {
+      print("release_primary", cuDevicePrimaryCtxRelease_v2(atoi(arg())));
+    } else if (cmd == "reset-primary") {
+      print("reset_primary", cuDevicePrimaryCtxReset_v2(atoi(arg())));
+    } else if (cmd == "ctx-create") {
+      int version = atoi(arg());
+      CUdevice dev = atoi(arg());
+      CUcontext ctx = nullptr;
+      CUresult r;
+      switch (version) {
+        case 1: r = cuCtxCreate(&ctx, 0, dev); break;
+        case 2: r = cuCtxCreate_v2(&ctx, 0, dev); break;
+        case 3: r = cuCtxCreate_v3(&ctx, nullptr, 0, 0, dev); break;
+        default: r = cuCtxCreate_v4(&ctx, nullptr, 0, dev); break;
+      }
+      if (r == CUDA_SUCCESS) g_contexts.push_back(ctx);
+      print("ctx_create", r);
+    } else if (cmd == "ctx-destroy") {
+      size_t k = index_arg(arg(), g_contexts.size());
+      print("ctx_destroy", cuCtxDestroy_v2(g_contexts[k]));
+      g_contexts.erase(g_contexts.begin() + static_cast<long>(k));
+      if (!g_contexts.empty()) cuCtxSetCurrent(g_contexts.back());
+    } else if (cmd == "alloc") {
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAlloc_v2(&p, parse_bytes(arg()));
+      if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      print("alloc", r);
+    } else if (cmd == "alloc-v1") {
+      CUdeviceptr_v1 p = 0;
+      CUresult r = cuMemAlloc(&p, static_cast<unsigned int>(parse_bytes(arg())));
+      if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      print("alloc_v1", r);
+    } else if (cmd == "free") {
+      size_t k = index_arg(arg(), g_ptrs.size());
+      print("free", cuMemFree_v2(g_ptrs[k]));
+      g_ptrs.erase(g_ptrs.begin() + static_cast<long>(k));
+    } else if (cmd == "free-all") {
+      for (CUdeviceptr p : g_ptrs) cuMemFree_v2(p);
+      g_ptrs.clear();
+      print("free_all", 0);
+    } else if (cmd == "pitch") {
+      size_t width = parse_bytes(arg()), height = parse_bytes(arg()), pitch = 0;
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocPitch_v2(&p, &pitch, width, height, 4);
+      if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      print("pitch_result", r);
+      print("pitch", static_cast<long long>(pitch));
+    } else if (cmd == "managed") {
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocManaged(&p, parse_bytes(arg()), CU_MEM_ATTACH_GLOBAL);
+      if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      print("managed", r);
+    } else if (cmd == "async") {
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocAsync(&p, parse_bytes(arg()), nullptr);
+      if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
+      print("async", r);
+    } else if (cmd == "async-ptsz") {
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocAsync_ptsz(&p, parse_bytes(arg()), nullptr);
+      if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
+      print("async_ptsz", r);
+    } else if (cmd == "free-async") {
+      size_t k = index_arg(arg(), g_async_ptrs.size());
+      print("free_async", cuMemFreeAsync(g_async_ptrs[k], nullptr));
+      g_async_ptrs.erase(g_async_ptrs.begin() + static_cast<long>(k));
+    } else if (cmd == "pool-create") {
+      CUdevice dev = atoi(arg());
+      CUmemPoolProps props{};
+      props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+      props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      props.location.id = dev;
+      print("pool_create", cuMemPoolCreate(&g_pool, &props));
+    } else if (cmd == "pool-threshold") {
+      cuuint64_t threshold = parse_bytes(arg());
+      print("pool_threshold", cuMemPoolSetAttribute(g_pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
+    } else if (cmd == "pool-async") {
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocFromPoolAsync(&p, parse_bytes(arg()), g_pool, nullptr);
+      if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
+      print("pool_async", r);
+    } else if (cmd == "pool-trim") {
+      print("pool_trim", cuMemPoolTrimTo(g_pool, parse_bytes(arg())));
+    } else if (cmd == "pool-destroy") {
+      print("pool_destroy", cuMemPoolDestroy(g_pool));
+      g_pool = nullptr;
+    } else if (cmd == "sync") {
+      print("sync", cuStreamSynchronize(nullptr));
+    } else if (cmd == "ctx-sync") {
+      print("ctx_sync", cuCtxSynchronize());
+    } else if (cmd == "vmm") {
+      size_t bytes = parse_bytes(arg());
+      CUmemAllocationProp prop{};
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      prop.location.id = atoi(arg());
+      CUmemGenericAllocationHandle h = 0;
+      CUresult r = cuMemCreate(&h, bytes, &prop, 0);
+      if (r == CUDA_SUCCESS) g_vmm.push_back(h);
+      print("vmm", r);
+    } else if (cmd == "vmm-release") {
+      size_t k = index_arg(arg(), g_vmm.size());
+      print("vmm_release", cuMemRelease(g_vmm[k]));
+      g_vmm.erase(g_vmm.begin() + static_cast<long>(k));
+    } else if (cmd == "array") {
+      CUDA_ARRAY_DESCRIPTOR d{};
+      d.Width = parse_bytes(arg());
+      d.Height = parse_bytes(arg());
+      d.Format = CU_AD_FORMAT_FLOAT;
+      d.NumChannels = 4;
+      CUarray a = nullptr;
+      CUresult r = cuArrayCreate_v2(&a, &d);
+      if (r == CUDA_SUCCESS) g_arrays.push_back(a);
+      print("array", r);
+    } else if (cmd == "array3d") {
+      CUDA_ARRAY3D_DESCRIPTOR d{};
+      d.Width = parse_bytes(arg());
+      d.Height = parse_bytes(arg());
+      d.Depth = parse_bytes(arg());
+      d.Format = CU_AD_FORMAT_UNSIGNED_INT8;
+      d.NumChannels = 1;
+      CUarray a = nullptr;
+      CUresult r = cuArray3DCreate_v2(&a, &d);
+      if (r == CUDA_SUCCESS) g_arrays.push_back(a);
+      print("array3d", r);
+    } else if (cmd == "array-destroy") {
+      size_t k = index_arg(arg(), g_arrays.size());
+      print("array_destroy", cuArrayDestroy(g_arrays[k]));
+      g_arrays.erase(g_arrays.begin() + static_cast<long>(k));
+    } else if (cmd == "mipmap") {
+      CUDA_ARRAY3D_DESCRIPTOR d{};
+      d.Width = parse_bytes(arg());
+      d.Height = parse_bytes(arg());
+      d.Format = CU_AD_FORMAT_FLOAT;
+      d.NumChannels = 1;
+      unsigned levels = static_cast<unsigned>(atoi(arg()));
+      CUmipmappedArray m = nullptr;
+      CUresult r = cuMipmappedArrayCreate(&m, &d, levels);
+      if (r == CUDA_SUCCESS) g_mipmaps.push_back(m);
+      print("mipmap", r);
+    } else if (cmd == "mipmap-destroy") {
+      size_t k = index_arg(arg(), g_mipmaps.size());
+      print("mipmap_destroy", cuMipmappedArrayDestroy(g_mipmaps[k]));
+      g_mipmaps.erase(g_mipmaps.begin() + static_cast<long>(k));
+    } else if (cmd == "info") {
+      size_t free_bytes = 0, total_bytes = 0;
+      CUresult r = cuMemGetInfo_v2(&free_bytes, &total_bytes);
+      print("info", r);
+      print("free", static_cast<long long>(free_bytes));
+      print("total", static_cast<long long>(total_bytes));
+    } else if (cmd == "info-v1") {
+      unsigned int free_bytes = 0, total_bytes = 0;
+      print("info_v1", cuMemGetInfo(&free_bytes, &total_bytes));
+      print("free_v1", free_bytes);
+      print("total_v1", total_bytes);
+    } else if (cmd == "total") {
+      size_t bytes = 0;
+      print("total_result", cuDeviceTotalMem_v2(&bytes, atoi(arg())));
+      print("device_total", static_cast<long long>(bytes));
+    } else if (cmd == "fill") {
+      // Allocate chunks until refused; report what fit.
+      uint64_t chunk = parse_bytes(arg()), filled = 0;
+      CUdeviceptr p = 0;
+      CUresult r;
+      while ((r = cuMemAlloc_v2(&p, chunk)) == CUDA_SUCCESS) {
+        g_ptrs.push_back(p);
+        filled += chunk;
+      }
+      print("filled", static_cast<long long>(filled));
+      print("fill_stop", r);
+    } else if (cmd == "race") {
+      int threads = atoi(arg());
+      double seconds = atof(arg());
+      race(threads, seconds, parse_bytes(arg()));
+    } else if (cmd == "hold") {
+      print("holding", getpid());
+      pause();
+    } else if (cmd == "sleep-ms") {
+      std::this_thread::sleep_for(std::chrono::milliseconds(atoi(arg())));
+    } else if (cmd == "getproc") {
+      // getproc SYMBOL CUDA_VERSION FLAGS: which function the caller receives.
+      const char* symbol = arg();
+      int version = atoi(arg());
+      cuuint64_t flags = strtoull(arg(), nullptr, 0);
+      void* fn = nullptr;
+      CUdriverProcAddressQueryResult status{};
+      CUresult r = cuGetProcAddress_v2(symbol, &fn, version, flags, &status);
+      print("getproc", r);
+      print("getproc_status", status);
+      print_owner("getproc", fn);
+    } else if (cmd == "getproc-v1") {
+      const char* symbol = arg();
+      int version = atoi(arg());
+      void* fn = nullptr;
+      using V1 = CUresult (*)(const char*, void**, int, cuuint64_t);
+      // The v1 entry point, as old runtimes find it.
+      auto v1 = reinterpret_cast<V1>(dlsym(driver_handle(), "cuGetProcAddress"));
+      print_owner("getproc_v1_entry", reinterpret_cast<void*>(v1));
+      CUresult r = v1 ? v1(symbol, &fn, version, 0) : CUDA_ERROR_NOT_FOUND;
+      print("getproc_v1", r);
+      print_owner("getproc_v1", fn);
+    } else if (cmd == "dlsym") {
+      print_owner("dlsym", dlsym(driver_handle(), arg()));
+    } else if (cmd == "call-alloc-via-getproc") {
+      // Resolve "cuMemAlloc" for a CUDA version and call it with the ABI
+      // that version implies: 32-bit before 3.2, 64-bit after.
+      int version = atoi(arg());
+      uint64_t bytes = parse_bytes(arg());
+      void* fn = nullptr;
+      CUresult r = get_proc("cuMemAlloc", version, 0, &fn);
+      if (r == CUDA_SUCCESS && version < 3020) {
+        CUdeviceptr_v1 p = 0;
+        r = reinterpret_cast<CUresult (*)(CUdeviceptr_v1*, unsigned int)>(fn)(&p, static_cast<unsigned>(bytes));
+        if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      } else if (r == CUDA_SUCCESS) {
+        CUdeviceptr p = 0;
+        r = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t)>(fn)(&p, bytes);
+        if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      }
+      print("call_alloc", r);
+    } else if (cmd == "call-alloc-via-dlsym") {
+      uint64_t bytes = parse_bytes(arg());
+      auto fn = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t)>(dlsym(driver_handle(), "cuMemAlloc_v2"));
+      CUdeviceptr p = 0;
+      CUresult r = fn ? fn(&p, bytes) : CUDA_ERROR_NOT_FOUND;
+      if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+      print("call_alloc_dlsym", r);
+    } else if (cmd == "call-async-ptsz-via-getproc") {
+      uint64_t bytes = parse_bytes(arg());
+      void* fn = nullptr;
+      CUresult r = get_proc("cuMemAllocAsync", 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &fn);
+      CUdeviceptr p = 0;
+      if (r == CUDA_SUCCESS) r = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t, CUstream)>(fn)(&p, bytes, nullptr);
+      if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
+      print("call_async_ptsz", r);
+    } else if (cmd == "export-table") {
+      const void* table = nullptr;
+      CUuuid id{};
+      print("export_table", cuGetExportTable(&table, &id));
+    } else if (cmd == "sim-used" || cmd == "sim-peak" || cmd == "sim-reset-peak") {
+      // Ground truth from the simulated driver's control interface.
+      const int dev = atoi(arg());
+      if (cmd == "sim-reset-peak") {
+        auto fn = reinterpret_cast<void (*)(int)>(dlsym(driver_handle(), "simcuda_reset_peak"));
+        if (!fn) usage("not the simulated driver");
+        fn(dev);
+        print("sim_reset_peak", 0);
+      } else {
+        auto fn = reinterpret_cast<uint64_t (*)(int)>(
+            dlsym(driver_handle(), cmd == "sim-used" ? "simcuda_device_used" : "simcuda_device_peak"));
+        if (!fn) usage("not the simulated driver");
+        print(cmd == "sim-used" ? "sim_used" : "sim_peak", static_cast<long long>(fn(dev)));
+      }
+    } else if (cmd == "simcount") {
+      const char* name = arg();
+      printf("simcount_%s=%llu\n", name, static_cast<unsigned long long>(sim_count(name)));
+      fflush(stdout);
+    } else {
+      usage(("unknown command " + cmd).c_str());
+    }
+  }
+  return 0;
+}
