@@ -349,6 +349,21 @@ void primary_released(CUdevice device, bool reset) {
   if (ctx != 0) release_context_records(ctx);
 }
 
+void reset_memory_state() {
+  for (auto& p : g_pools) {
+    p.pool.store(0, std::memory_order_relaxed);
+    p.charged.store(0, std::memory_order_relaxed);
+    p.inflight.store(0, std::memory_order_relaxed);
+    p.dirty.store(false, std::memory_order_relaxed);
+  }
+  g_pools_dirty.store(false, std::memory_order_relaxed);
+  for (auto& p : g_primary) {
+    p.retains.store(0, std::memory_order_relaxed);
+    p.charged.store(0, std::memory_order_relaxed);
+    p.ctx.store(0, std::memory_order_relaxed);
+  }
+}
+
 // ---- The tenant's view ----
 
 bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* free_bytes, uint64_t* total_bytes) {

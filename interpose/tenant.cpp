@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -65,6 +66,7 @@ TenantMode unmanaged_mode() {
 TenantMode attach() {
   if (g_tenant.ledger.is_open()) ledger::close_ledger(&g_tenant.ledger);  // inherited over fork
   g_tenant.slot = -1;
+  reset_memory_state();
   forget_devices();
   g_device_entry_generation.store(UINT64_MAX, std::memory_order_relaxed);
 
@@ -180,8 +182,14 @@ bool reserve(int gpu, uint64_t bytes) {
     return true;
   // Refused. Charges of dead processes and slack held by our own pools may
   // be standing in the way: clear both, then ask once more.
-  uint64_t reclaimed = 0;
-  ledger::reclaim_dead_slots(ledger, g_tenant.slot, &reclaimed);
+  ledger::ReclaimResult reclaim = ledger::reclaim_dead_slots(ledger, g_tenant.slot);
+  if (reclaim.pending > 0) {
+    // A neighbour just died and the driver may still be giving its memory
+    // back: wait out the grace period once rather than refuse.
+    struct timespec grace = {0, static_cast<long>(ledger::kReclaimGraceNs)};
+    nanosleep(&grace, nullptr);
+    ledger::reclaim_dead_slots(ledger, g_tenant.slot);
+  }
   settle_all_pools();
   if (ledger::try_charge(*ledger.policy, *ledger.usage, static_cast<uint32_t>(gpu),
                          static_cast<uint32_t>(g_tenant.slot), bytes))

@@ -65,5 +65,8 @@ const ledger::GpuPolicy& gpu_policy(int gpu);
 
 // Pool slack that can be given back before refusing (memory.cpp).
 void settle_all_pools();
+// Forgets per-process pool and primary-context bookkeeping (a forked child
+// inherits its parent's copy, which describes the parent's driver state).
+void reset_memory_state();
 
 }  // namespace fracgpu::interpose

@@ -177,6 +177,25 @@ uint64_t slot_total(const UsageSegment& usage, uint32_t slot) {
   return sum;
 }
 
+uint64_t monotonic_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// With the slot's record lock held (so its owner is gone): true once the
+// grace period since the owner was first seen gone has passed. A slot left
+// clean (free, nothing charged) needs no grace.
+bool orphan_grace_over(ProcessSlot& slot) {
+  const uint64_t now = monotonic_ns();
+  uint64_t seen = slot.orphaned_ns.load(std::memory_order_relaxed);
+  if (seen == 0) {
+    slot.orphaned_ns.store(now, std::memory_order_relaxed);
+    return false;
+  }
+  return now - seen >= kReclaimGraceNs;
+}
+
 }  // namespace
 
 const char* ledger_error_name(LedgerError e) {
@@ -363,10 +382,15 @@ int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* e
       if (error) *error = LedgerError::kIo;
       return -1;
     }
-    // The lock is ours, so no live process owns this slot: whatever it holds
-    // is a dead owner's leftovers, not yet reclaimed.
-    clear_slot_charges(usage, s);
+    // The lock is ours, so no live process owns this slot; whatever it holds
+    // is a dead owner's, dropped only once the grace period has passed.
     ProcessSlot& slot = usage.slots[s];
+    if (slot_total(usage, s) != 0 && !orphan_grace_over(slot)) {
+      set_record_lock(ledger.usage_fd, s, F_UNLCK);
+      continue;
+    }
+    clear_slot_charges(usage, s);
+    slot.orphaned_ns.store(0, std::memory_order_relaxed);
     slot.pid.store(self.pid, std::memory_order_relaxed);
     slot.start_time.store(self.start_time, std::memory_order_relaxed);
     struct timespec ts {};
@@ -389,23 +413,27 @@ void release_slot(TenantLedger& ledger, uint32_t slot) {
   set_record_lock(ledger.usage_fd, slot, F_UNLCK);
 }
 
-int reclaim_dead_slots(TenantLedger& ledger, int own_slot, uint64_t* bytes) {
+ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot) {
   UsageSegment& usage = *ledger.usage;
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
-  int reclaimed = 0;
-  uint64_t total = 0;
+  ReclaimResult result;
   for (uint32_t s = 0; s < high; ++s) {
     if (static_cast<int>(s) == own_slot) continue;
     if (usage.slots[s].state.load(std::memory_order_acquire) == kSlotFree && slot_total(usage, s) == 0) continue;
     if (set_record_lock(ledger.usage_fd, s, F_WRLCK) != 0) continue;  // owner alive
-    total += slot_total(usage, s);
+    if (!orphan_grace_over(usage.slots[s])) {
+      ++result.pending;
+      set_record_lock(ledger.usage_fd, s, F_UNLCK);
+      continue;
+    }
+    result.bytes += slot_total(usage, s);
     clear_slot_charges(usage, s);
+    usage.slots[s].orphaned_ns.store(0, std::memory_order_relaxed);
     usage.slots[s].state.store(kSlotFree, std::memory_order_release);
     set_record_lock(ledger.usage_fd, s, F_UNLCK);
-    ++reclaimed;
+    ++result.reclaimed;
   }
-  if (bytes) *bytes = total;
-  return reclaimed;
+  return result;
 }
 
 int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot) {

@@ -114,12 +114,24 @@ int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* e
 // Gives a slot back while alive (its charges must already be zero).
 void release_slot(TenantLedger& ledger, uint32_t slot);
 
+// How long a dead owner's charges stay after its death was first seen. A
+// process's record lock is dropped when its descriptors are closed at exit,
+// but the driver may close its own a moment later and only then give the
+// memory back: charges are held until the device has surely let go.
+inline constexpr uint64_t kReclaimGraceNs = 100'000'000;
+
+struct ReclaimResult {
+  int reclaimed = 0;      // slots cleared
+  uint64_t bytes = 0;     // what they held
+  int pending = 0;        // owners seen gone, still within the grace period
+};
+
 // Reclaims every slot whose owner is gone: for each candidate, takes its
-// record lock (possible only if no live process holds it), zeroes its
-// charges and marks it free. Skips `own_slot` (POSIX record locks never
-// conflict with the caller's own, so the caller must not probe its own
-// slot). Returns the number of slots reclaimed and, in *bytes, what they held.
-int reclaim_dead_slots(TenantLedger& ledger, int own_slot, uint64_t* bytes);
+// record lock (possible only if no live process holds it); the first time,
+// notes when; once kReclaimGraceNs have passed since, zeroes its charges and
+// marks it free. Skips `own_slot` (POSIX record locks never conflict with
+// the caller's own, so the caller must not probe its own slot).
+ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot);
 
 // The PID (in the caller's PID namespace) of the process holding the slot's
 // record lock, 0 if nobody holds it, -1 if the owner lives in a namespace the

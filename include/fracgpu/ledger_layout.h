@@ -114,9 +114,14 @@ struct alignas(64) ProcessSlot {
   std::atomic<uint64_t> start_time;   // owner's start time, clock ticks since boot
   std::atomic<uint64_t> attach_ns;    // CLOCK_REALTIME when it attached
   char comm[16];                      // owner's command name, NUL-terminated
-  uint64_t reserved[2];
+  // CLOCK_MONOTONIC when a reclaimer first found the owner gone; 0 while the
+  // owner lives. Charges are dropped only a grace period after that (see
+  // kReclaimGraceNs in shm/ledger.h).
+  std::atomic<uint64_t> orphaned_ns;
+  uint64_t reserved;
 };
 static_assert(sizeof(ProcessSlot) == 64);
+static_assert(offsetof(ProcessSlot, orphaned_ns) == 40);
 
 struct UsageSegment {
   SegmentHeader header;

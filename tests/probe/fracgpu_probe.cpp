@@ -8,6 +8,7 @@
 // arguments exit 64; a CUDA error is printed, not fatal: tests assert on it.
 #include <cuda.h>
 #include <dlfcn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -318,6 +319,16 @@ int main(int argc, char** argv) {
       int threads = atoi(arg());
       double seconds = atof(arg());
       race(threads, seconds, parse_bytes(arg()));
+    } else if (cmd == "fork") {
+      // The child runs the remaining commands; the parent waits for it and
+      // reports how it ended, then stops.
+      fflush(stdout);
+      pid_t child = fork();
+      if (child == 0) continue;
+      int status = 0;
+      waitpid(child, &status, 0);
+      print("fork_child_exit", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+      return 0;
     } else if (cmd == "hold") {
       print("holding", getpid());
       pause();

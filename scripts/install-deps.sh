@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fracgpu builds with (as root; the CUDA toolkit
+# is expected at /usr/local/cuda). Does nothing when all are present.
+set -euo pipefail
+packages=(cmake g++ make pkg-config libfmt-dev libspdlog-dev libtomlplusplus-dev libcli11-dev
+          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}"
+fi
+if [ ! -f /usr/local/cuda/include/cuda.h ]; then
+  echo "the CUDA toolkit is expected at /usr/local/cuda (cuda.h not found)" >&2
+  exit 1
+fi
