@@ -1,0 +1,106 @@
+"""Real-GPU checks of fracgpu's memory quota, run by run_memory_checks.sh
+under LD_PRELOAD=libfracgpu.so as a tenant holding a fraction of GPU 0.
+
+  check_memory_quota.py torch QUOTA_BYTES      mem_get_info shows the quota; OOM past it; the process goes on
+  check_memory_quota.py hold BYTES SECONDS     allocate BYTES and hold them (for the sharing check)
+  check_memory_quota.py fit BYTES              exit 0 if BYTES can be allocated, 3 if refused with OOM
+  check_memory_quota.py jax QUOTA_BYTES        JAX's default preallocation stays inside the quota
+
+Prints one line per finding; exits non-zero on the first failed check.
+"""
+import sys
+import time
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def ok(msg):
+    print(f"ok: {msg}", flush=True)
+
+
+def check_torch(quota):
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    print(f"mem_get_info: free={free / MIB:.0f} MiB total={total / MIB:.0f} MiB quota={quota / MIB:.0f} MiB")
+    if total != quota:
+        fail(f"total {total} is not the quota {quota}")
+    if free > quota:
+        fail("free exceeds the quota")
+    ok("mem_get_info shows the quota")
+    held = []
+    try:
+        while True:
+            held.append(torch.empty(GIB, dtype=torch.uint8, device="cuda"))
+    except torch.cuda.OutOfMemoryError as e:
+        ok(f"OutOfMemoryError after {len(held)} GiB: {str(e).splitlines()[0][:120]}")
+    if len(held) * GIB > quota:
+        fail(f"allocated {len(held)} GiB, past the quota")
+    del held[-1:]
+    torch.cuda.empty_cache()
+    x = torch.ones(256 * MIB, dtype=torch.uint8, device="cuda")
+    if int(x.sum().item()) != 256 * MIB:
+        fail("computation after OOM gave a wrong result")
+    ok("the process went on after the OOM (allocated and computed again)")
+
+
+def hold(nbytes, seconds):
+    import torch
+
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    print(f"holding {nbytes / MIB:.0f} MiB", flush=True)
+    time.sleep(seconds)
+    del x
+
+
+def fit(nbytes):
+    import torch
+
+    try:
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError:
+        print(f"refused {nbytes / MIB:.0f} MiB", flush=True)
+        sys.exit(3)
+    print(f"allocated {nbytes / MIB:.0f} MiB", flush=True)
+
+
+def check_jax(quota):
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    print(f"jax: device={dev} bytes_limit={limit / MIB:.0f} MiB quota={quota / MIB:.0f} MiB")
+    if limit == 0 or limit > quota:
+        fail("JAX's allocator limit is not inside the quota")
+    ok("JAX preallocated inside the quota")
+    x = jnp.ones((limit // 8,), dtype=jnp.uint8)
+    x.block_until_ready()
+    ok("JAX computes inside its preallocation")
+    try:
+        y = jnp.ones((quota,), dtype=jnp.uint8)
+        y.block_until_ready()
+        fail("an array the size of the whole quota fitted next to the preallocation")
+    except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED
+        ok(f"over-allocation refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "torch":
+        check_torch(int(sys.argv[2]))
+    elif mode == "hold":
+        hold(int(sys.argv[2]), float(sys.argv[3]))
+    elif mode == "fit":
+        fit(int(sys.argv[2]))
+    elif mode == "jax":
+        check_jax(int(sys.argv[2]))
+    else:
+        fail(f"unknown mode {mode}")

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Memory quotas on a real NVIDIA GPU: a tenant with 0.5 of GPU 0 under the
+# interposer, checked with PyTorch (plain and with expandable segments, the
+# VMM path), two processes sharing the quota, and JAX's preallocation.
+# Needs the project built (scripts/build.sh) and PyTorch; JAX is optional.
+# Prints a report; record it in docs/gpu-results.md with date, GPU, driver.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
+run_dir=$(mktemp -d /tmp/fracgpu-gpu-XXXXXX)
+check=tests/gpu/check_memory_quota.py
+failures=0
+
+echo "== $(date -u +%Y-%m-%dT%H:%MZ)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+cat >"$run_dir/fracgpud.toml" <<TOML
+[daemon]
+run_dir = "$run_dir"
+log_level = "info"
+
+[[gpu]]
+index = 0
+context_memory = "512MiB"
+
+[[tenant]]
+name = "half"
+gpus = 0.5
+TOML
+"$build/controller/fracgpud" --config "$run_dir/fracgpud.toml" 2>"$run_dir/fracgpud.log" &
+daemon=$!
+trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT
+for _ in $(seq 50); do [ -f "$run_dir/tenants/half/policy" ] && break; sleep 0.1; done
+
+export FRACGPU_TENANT=half FRACGPU_RUN_DIR=$run_dir LD_PRELOAD=$build/interpose/libfracgpu.so
+quota=$("$build/controller/fracgpu" status --run-dir "$run_dir" --json |
+  python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["gpus"][0]["tenants"][0]["memory_quota_bytes"])')
+echo "== quota: $quota bytes"
+
+step() { echo "== $1"; shift; "$@" || { echo "FAILED: $*"; failures=$((failures + 1)); }; }
+step "PyTorch, caching allocator" python3 $check torch "$quota"
+step "PyTorch, expandable segments (cuMemCreate)" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 $check torch "$quota"
+
+echo "== two processes of one tenant share the quota"
+python3 $check hold $((quota * 6 / 10)) 20 &
+holder=$!
+sleep 12
+python3 $check fit $((quota * 6 / 10)); [ $? -eq 3 ] && echo "ok: second process refused 60%" || { echo "FAILED: second process got 60% too"; failures=$((failures + 1)); }
+python3 $check fit $((quota * 2 / 10)) && echo "ok: second process got 20%" || { echo "FAILED: 20% refused"; failures=$((failures + 1)); }
+"$build/controller/fracgpu" status --run-dir "$run_dir"
+kill $holder 2>/dev/null; wait $holder 2>/dev/null
+
+if python3 -c 'import jax' 2>/dev/null; then
+  step "JAX, default preallocation" python3 $check jax "$quota"
+else
+  echo "== JAX not installed: skipped"
+fi
+echo "== daemon log"; cat "$run_dir/fracgpud.log"
+echo "== $failures failure(s)"
+exit $((failures > 0))
