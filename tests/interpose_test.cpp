@@ -587,4 +587,57 @@ TEST_F(InterposeTest, TwoProcessesOfOneTenantShareTheQuota) {
   kill_held(first);
 }
 
+// The hooks' common paths make no system calls: under strace, the calls a
+// process makes beyond what it makes without the interposer must not grow
+// with the number of allocations (only attaching costs any).
+TEST_F(InterposeTest, CommonPathsMakeNoSystemCalls) {
+  grant(kUuid0, 1 * kGiB);
+  auto syscalls = [&](bool preload, int n) -> long {
+    const std::string trace = root_ + "/strace." + std::to_string(preload) + "." + std::to_string(n);
+    int out_fd, err_fd;
+    std::vector<std::string> env = environment(preload, {});
+    // Run strace itself through the probe's environment.
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::vector<std::string> args = {"/usr/bin/strace", "-f", "-c", "-o", trace, PROBE_PATH, "init", "primary",
+                                       "0", "loop", std::to_string(n), "1MiB"};
+      std::vector<char*> argv, envp;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      for (auto& e : env) envp.push_back(e.data());
+      envp.push_back(nullptr);
+      int devnull = open("/dev/null", O_WRONLY);
+      dup2(devnull, 1);
+      execve(args[0].c_str(), argv.data(), envp.data());
+      _exit(127);
+    }
+    (void)out_fd;
+    (void)err_fd;
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "strace missing? status " << status;
+    // strace -c ends with a line "100.00 ... <calls> <errors> total".
+    FILE* f = fopen(trace.c_str(), "r");
+    if (f == nullptr) return -1;
+    char line[512];
+    long total = -1;
+    while (fgets(line, sizeof line, f)) {
+      if (strstr(line, " total") == nullptr) continue;
+      double pct, secs;
+      long usecs, calls;
+      if (sscanf(line, "%lf %lf %ld %ld", &pct, &secs, &usecs, &calls) == 4) total = calls;
+    }
+    fclose(f);
+    return total;
+  };
+  const long plain_small = syscalls(false, 200), plain_large = syscalls(false, 2000);
+  const long hooked_small = syscalls(true, 200), hooked_large = syscalls(true, 2000);
+  ASSERT_GT(plain_small, 0);
+  ASSERT_GT(hooked_small, 0);
+  const long extra_small = hooked_small - plain_small, extra_large = hooked_large - plain_large;
+  // 1800 more allocate/free/info rounds: 5400 hooked calls, not one more system call each.
+  EXPECT_LT(extra_large - extra_small, 50) << "plain " << plain_small << "/" << plain_large << ", hooked "
+                                           << hooked_small << "/" << hooked_large;
+}
+
 }  // namespace

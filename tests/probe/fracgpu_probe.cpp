@@ -315,6 +315,19 @@ int main(int argc, char** argv) {
       }
       print("filled", static_cast<long long>(filled));
       print("fill_stop", r);
+    } else if (cmd == "loop") {
+      // N allocate/free pairs and N cuMemGetInfo calls: the common paths.
+      const long n = atol(arg());
+      const uint64_t bytes = parse_bytes(arg());
+      long failures = 0;
+      for (long k = 0; k < n; ++k) {
+        CUdeviceptr p = 0;
+        size_t f = 0, t = 0;
+        if (cuMemAlloc_v2(&p, bytes) != CUDA_SUCCESS || cuMemFree_v2(p) != CUDA_SUCCESS ||
+            cuMemGetInfo_v2(&f, &t) != CUDA_SUCCESS)
+          ++failures;
+      }
+      print("loop_failures", failures);
     } else if (cmd == "race") {
       int threads = atoi(arg());
       double seconds = atof(arg());
