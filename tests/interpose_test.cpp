@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -572,6 +573,79 @@ TEST_F(InterposeTest, AForkedChildAttachesWithItsOwnSlot) {
   EXPECT_EQ(reclaim_settled(daemon_, -1, &bytes), 2);
   EXPECT_EQ(bytes, 2 * kContextBytes + 800 * kMiB);
   EXPECT_EQ(used(g), 0u);
+}
+
+TEST_F(InterposeTest, WorksBeforeMainAndDuringExit) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  ProbeResult r = probe({"alloc", "200MiB", "info", "free-at-exit"}, {"PROBE_BEFORE_MAIN=1"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r["before_main"], kSuccess);
+  EXPECT_EQ(r["alloc"], kSuccess);
+  EXPECT_EQ(r.num("free"), 1 * kGiB - kContextBytes - 300 * kMiB);  // the constructor's 100 MiB counted
+  EXPECT_EQ(r["at_exit_failures"], "0");
+  EXPECT_EQ(used(g), 0u);
+}
+
+// With the daemon SIGKILLed, running tenants go on and their quotas hold;
+// a restarted daemon re-adopts the ledgers and reclaims the dead.
+TEST_F(InterposeTest, QuotasHoldWithTheDaemonDownAndARestartedDaemonReclaims) {
+  const std::string config = root_ + "/fracgpud.toml";
+  FILE* f = fopen(config.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  fprintf(f,
+          "[daemon]\nrun_dir = \"%s\"\nreap_interval_ms = 100\n\n[[gpu]]\nuuid = \"%s\"\ncontext_memory = \"64MiB\"\n\n"
+          "[[tenant]]\nname = \"alice\"\n[tenant.memory]\n\"%s\" = \"1GiB\"\n",
+          root_.c_str(), kUuid0, kUuid0);
+  fclose(f);
+  auto start_daemon = [&] {
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::vector<std::string> env = environment(false, {});
+      std::vector<char*> envp;
+      for (auto& e : env) envp.push_back(e.data());
+      envp.push_back(nullptr);
+      const char* argv[] = {FRACGPUD_PATH, "--config", config.c_str(), nullptr};
+      int devnull = open("/dev/null", O_WRONLY);
+      dup2(devnull, 2);
+      execve(FRACGPUD_PATH, const_cast<char**>(argv), envp.data());
+      _exit(127);
+    }
+    return pid;
+  };
+  auto wait_for = [](const std::function<bool()>& done, int ms) {
+    for (int i = 0; i < ms / 10 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done();
+  };
+  pid_t daemon = start_daemon();
+  ASSERT_TRUE(wait_for([&] { return fs::exists(tenant_dir_ + "/usage"); }, 5000));
+  TenantLedger view;
+  char err[256];
+  ASSERT_TRUE(wait_for([&] {
+    return open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, &view, err, sizeof err) ==
+               LedgerError::kOk &&
+           view.policy->gpus[0].state.load() == kGpuGranted;
+  }, 5000)) << err;
+
+  Held holder = probe_and_hold({"init", "primary", "0", "alloc", "600MiB"});
+  EXPECT_EQ(holder.seen["alloc"], kSuccess);
+  kill(daemon, SIGKILL);
+  waitpid(daemon, nullptr, 0);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "600MiB", "alloc", "200MiB"});
+  EXPECT_EQ(r["alloc"], kSuccess);  // the last; the 600 MiB before it was refused
+  EXPECT_EQ(tenant_used(*view.usage, 0), kContextBytes + 600 * kMiB + kContextBytes + 200 * kMiB);
+
+  daemon = start_daemon();
+  kill_held(holder);
+  // Within a second: reclaim interval + grace + one more interval.
+  EXPECT_TRUE(wait_for([&] { return tenant_used(*view.usage, 0) == 0; }, 1000))
+      << tenant_used(*view.usage, 0) << " bytes still charged";
+  r = probe({"init", "primary", "0", "alloc", "900MiB"});
+  EXPECT_EQ(r["alloc"], kSuccess);
+  kill(daemon, SIGTERM);
+  int status = 0;
+  waitpid(daemon, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  close_ledger(&view);
 }
 
 TEST_F(InterposeTest, TwoProcessesOfOneTenantShareTheQuota) {

@@ -128,6 +128,32 @@ size_t index_arg(const char* s, size_t size) {
   return i;
 }
 
+// PROBE_BEFORE_MAIN=1: a library constructor that uses the GPU before main,
+// as some frameworks' static initializers do.
+__attribute__((constructor)) void use_gpu_before_main() {
+  if (getenv("PROBE_BEFORE_MAIN") == nullptr) return;
+  CUcontext ctx = nullptr;
+  CUdeviceptr p = 0;
+  CUresult r = cuInit(0);
+  if (r == CUDA_SUCCESS) r = cuDevicePrimaryCtxRetain(&ctx, 0);
+  if (r == CUDA_SUCCESS) r = cuCtxSetCurrent(ctx);
+  if (r == CUDA_SUCCESS) r = cuMemAlloc_v2(&p, 100 << 20);
+  if (r == CUDA_SUCCESS) g_ptrs.push_back(p);
+  print("before_main", r);
+}
+
+// Frees everything from an atexit handler, after main has returned, and
+// allocates once more: the interposer must still work then.
+void free_at_exit() {
+  long failures = 0;
+  for (CUdeviceptr p : g_ptrs)
+    if (cuMemFree_v2(p) != CUDA_SUCCESS) ++failures;
+  g_ptrs.clear();
+  CUdeviceptr p = 0;
+  if (cuMemAlloc_v2(&p, 1 << 20) != CUDA_SUCCESS || cuMemFree_v2(p) != CUDA_SUCCESS) ++failures;
+  print("at_exit_failures", failures);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -342,6 +368,8 @@ int main(int argc, char** argv) {
       waitpid(child, &status, 0);
       print("fork_child_exit", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
       return 0;
+    } else if (cmd == "free-at-exit") {
+      atexit(free_at_exit);
     } else if (cmd == "hold") {
       print("holding", getpid());
       pause();
