@@ -48,7 +48,7 @@ bool is_all_zero(const void* p, size_t n) {
 // into place, so that concurrent openers see either no file or a whole one.
 LedgerError create_segment_file(const char* path, mode_t mode, uint64_t magic, size_t bytes,
                                 const char* tenant_name, char* err, size_t err_len) {
-  char tmp[4096];
+  char tmp[4096 + 32];
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, static_cast<int>(getpid()));
   int fd = ::open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
   if (fd < 0) {

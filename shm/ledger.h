@@ -134,9 +134,9 @@ struct ReclaimResult {
 ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot);
 
 // The PID (in the caller's PID namespace) of the process holding the slot's
-// record lock, 0 if nobody holds it, -1 if the owner lives in a namespace the
-// caller cannot see (the kernel then reports 0, which we map to -1 only when
-// the slot state is live).
+// record lock: 0 if nobody holds it, -1 if the holder lives in a PID
+// namespace the caller cannot see (the kernel reports its PID as 0). A
+// process cannot see its own locks this way.
 int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 
 // ---- Policy writes (daemon only) ----

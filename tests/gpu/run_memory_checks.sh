@@ -35,7 +35,7 @@ for _ in $(seq 50); do [ -f "$run_dir/tenants/half/policy" ] && break; sleep 0.1
 
 export FRACGPU_TENANT=half FRACGPU_RUN_DIR=$run_dir LD_PRELOAD=$build/interpose/libfracgpu.so
 quota=$("$build/controller/fracgpu" status --run-dir "$run_dir" --json |
-  python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["gpus"][0]["tenants"][0]["memory_quota_bytes"])')
+  python3 -c 'import json,sys; s=json.load(sys.stdin); t=[t for t in s["tenants"] if t["name"]=="half"][0]; print(t["gpus"][0]["memory_quota"])')
 echo "== quota: $quota bytes"
 
 step() { echo "== $1"; shift; "$@" || { echo "FAILED: $*"; failures=$((failures + 1)); }; }

@@ -1,0 +1,803 @@
+#include "config.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "fracgpu/ledger_layout.h"
+
+namespace fracgpu::controller {
+namespace {
+
+std::string_view type_name(toml::node_type t) {
+  switch (t) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    case toml::node_type::none: break;
+  }
+  return "nothing";
+}
+
+int line_of(const toml::node& n) { return static_cast<int>(n.source().begin.line); }
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+bool valid_tenant_name(std::string_view name) {
+  auto ok = [](char c, bool first) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || (!first && (c == '_' || c == '.' || c == '-'));
+  };
+  if (name.empty() || name.size() > 63) return false;  // 63 + NUL fills PolicySegment::tenant
+  for (size_t i = 0; i < name.size(); ++i)
+    if (!ok(name[i], i == 0)) return false;
+  return true;
+}
+
+uint64_t fraction_quota(uint32_t share_ppm, uint64_t memory) {
+  const auto bytes = static_cast<unsigned __int128>(memory) * share_ppm / kPpmPerGpu;
+  return static_cast<uint64_t>(bytes) / kQuotaGranularity * kQuotaGranularity;
+}
+
+// A reference to a GPU from a tenant (`devices` entry or `memory` key), as written.
+struct GpuRef {
+  std::optional<int64_t> index;
+  std::optional<GpuUuid> uuid;
+  std::string text;  // as written, for messages: `0` or `GPU-...`
+};
+
+// A [[gpu]] table while it is being checked.
+struct GpuDraft {
+  ManagedGpu gpu;
+  bool valid = false;     // resolved against the node, every key without error
+  bool resolved = false;  // names a node GPU not configured before (other keys may be bad)
+  std::optional<int64_t> index;
+  std::optional<GpuUuid> uuid;
+};
+
+struct MemoryEntry {
+  GpuRef ref;
+  uint64_t bytes = 0;
+  int line = 0;
+};
+
+struct TenantDraft {
+  Tenant tenant;
+  bool valid = true;  // every field of its own parsed cleanly
+  std::vector<GpuRef> devices;
+  bool has_devices = false;
+  int devices_line = 0;
+  std::vector<MemoryEntry> memory;
+  int gpus_line = 0;                       // where `gpus` is, for placement errors
+  std::map<size_t, int> memory_line;       // GPU -> line of its explicit quota
+};
+
+class Parser {
+ public:
+  Parser(std::string_view source, const std::vector<DiscoveredGpu>& node) : source_(source), node_(node) {}
+
+  ConfigResult run(std::string_view text) {
+    toml::table root;
+    try {
+      root = toml::parse(text, std::string_view(source_));
+    } catch (const toml::parse_error& e) {
+      error(static_cast<int>(e.source().begin.line), fmt::format("TOML syntax error: {}", e.description()));
+      return finish();
+    }
+    config_.source = source_;
+    check_keys(root, {"daemon", "gpu", "tenant"}, "");
+    if (const toml::node* daemon = root.get("daemon")) parse_daemon(*daemon);
+    const auto gpus = tables_of(root, "gpu");
+    const auto tenants = tables_of(root, "tenant");
+    const toml::array* gpu_array = root["gpu"].as_array();
+    if (gpus.empty() && (!root.contains("gpu") || (gpu_array != nullptr && gpu_array->empty())))
+      error(1, "no [[gpu]] table: list the GPUs fracgpu manages (see docs/configuration.md)");
+    for (const toml::table* t : gpus) parse_gpu(*t);
+    for (const toml::table* t : tenants) parse_tenant(*t);
+    place_fractions();
+    apply_explicit_memory();
+    check_memory_totals();
+    // Grants index the drafts; a failed draft has its error, so the config
+    // is only used when every draft is valid.
+    for (const GpuDraft& d : gpus_) config_.gpus.push_back(d.gpu);
+    for (const TenantDraft& draft : tenants_)
+      if (draft.valid) config_.tenants.push_back(draft.tenant);
+    return finish();
+  }
+
+ private:
+  // ---- Reporting ----
+
+  void error(int line, std::string message) { errors_.push_back({source_, line, std::move(message)}); }
+
+  // `where: message`, or just the message for top-level keys.
+  void error_in(std::string_view where, int line, std::string_view message) {
+    error(line, where.empty() ? std::string(message) : fmt::format("{}: {}", where, message));
+  }
+
+  void wrong_type(std::string_view where, std::string_view key, const toml::node& n, std::string_view expected) {
+    error_in(where, line_of(n), fmt::format("{} must be {}, not {}", key, expected, type_name(n.type())));
+  }
+
+  ConfigResult finish() {
+    ConfigResult result;
+    std::stable_sort(errors_.begin(), errors_.end(),
+                     [](const ConfigError& a, const ConfigError& b) { return a.line < b.line; });
+    result.errors = std::move(errors_);
+    if (result.errors.empty()) result.config = std::move(config_);
+    return result;
+  }
+
+  // ---- Schema helpers ----
+
+  void check_keys(const toml::table& t, std::initializer_list<std::string_view> allowed, std::string_view where) {
+    for (auto&& [key, value] : t) {
+      const std::string_view k = key.str();
+      if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) continue;
+      std::string hint;
+      for (std::string_view candidate : allowed)
+        if (edit_distance(k, candidate) <= 2) hint = fmt::format(" (did you mean \"{}\"?)", candidate);
+      if (hint.empty()) {
+        std::string list;
+        for (std::string_view candidate : allowed) list += fmt::format("{}{}", list.empty() ? "" : ", ", candidate);
+        hint = fmt::format(" (known keys: {})", list);
+      }
+      error_in(where, static_cast<int>(key.source().begin.line), fmt::format("unknown key \"{}\"{}", k, hint));
+    }
+  }
+
+  std::vector<const toml::table*> tables_of(const toml::table& root, std::string_view key) {
+    std::vector<const toml::table*> out;
+    const toml::node* n = root.get(key);
+    if (n == nullptr) return out;
+    const std::string expected = fmt::format("an array of tables ([[{}]])", key);
+    const toml::array* arr = n->as_array();
+    if (arr == nullptr) {
+      wrong_type("", key, *n, expected);
+      return out;
+    }
+    for (const toml::node& element : *arr) {
+      if (const toml::table* t = element.as_table())
+        out.push_back(t);
+      else
+        wrong_type("", key, element, expected);
+    }
+    return out;
+  }
+
+  // The value of `key` if present and of type T; a wrong type is reported
+  // as "<key> must be <expected>, not <actual>".
+  template <typename T>
+  std::optional<T> get(const toml::table& t, std::string_view key, std::string_view where, std::string_view expected) {
+    const toml::node* n = t.get(key);
+    if (n == nullptr) return std::nullopt;
+    if (const auto* v = n->as<T>()) return v->get();
+    wrong_type(where, key, *n, expected);
+    return std::nullopt;
+  }
+  std::optional<std::string> get_string(const toml::table& t, std::string_view key, std::string_view where) {
+    return get<std::string>(t, key, where, "a string");
+  }
+  std::optional<bool> get_bool(const toml::table& t, std::string_view key, std::string_view where) {
+    return get<bool>(t, key, where, "true or false");
+  }
+
+  // A size: a string with a unit, or an integer number of bytes. Messages
+  // read `<what> <value><suffix> <reason>`. Zero is refused unless allowed.
+  std::optional<uint64_t> get_size(const toml::node& n, std::string_view what, std::string_view where,
+                                   bool allow_zero, std::string_view suffix = {}) {
+    std::optional<uint64_t> bytes;
+    std::string shown;
+    if (const auto* i = n.as_integer()) {
+      shown = std::to_string(i->get());
+      if (i->get() < 0) {
+        error_in(where, line_of(n), fmt::format("{} {}{} is negative (sizes must be greater than zero)", what, shown, suffix));
+        return std::nullopt;
+      }
+      bytes = static_cast<uint64_t>(i->get());
+    } else if (const auto* s = n.as_string()) {
+      shown = fmt::format("\"{}\"", s->get());
+      std::string why;
+      bytes = parse_size(s->get(), &why);
+      if (!bytes) {
+        error_in(where, line_of(n), fmt::format("{} {}{} {}", what, shown, suffix, why));
+        return std::nullopt;
+      }
+    } else {
+      wrong_type(where, what, n, "a size such as \"16GiB\" or an integer number of bytes");
+      return std::nullopt;
+    }
+    if (*bytes == 0 && !allow_zero) {
+      error_in(where, line_of(n), fmt::format("{} {}{} must be greater than zero", what, shown, suffix));
+      return std::nullopt;
+    }
+    return bytes;
+  }
+
+  // A tenant's reference to a GPU: an integer index, or a string holding an
+  // index or a UUID (memory keys are always strings).
+  std::optional<GpuRef> parse_gpu_ref(const toml::node* n, std::string_view text, std::string_view what,
+                                      std::string_view where, int line) {
+    GpuRef ref;
+    if (n != nullptr && n->is_integer()) {
+      ref.index = n->as_integer()->get();
+      ref.text = std::to_string(*ref.index);
+      return ref;
+    }
+    if (n != nullptr && !n->is_string()) {
+      wrong_type(where, what, *n, "a GPU index or a UUID string");
+      return std::nullopt;
+    }
+    if (n != nullptr) text = n->as_string()->get();
+    ref.text = text;
+    if (!text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+        text.size() < 10) {
+      ref.index = std::stoll(std::string(text));
+      return ref;
+    }
+    if (auto uuid = parse_gpu_uuid(text)) {
+      ref.uuid = uuid;
+      return ref;
+    }
+    error_in(where, line, fmt::format("{} \"{}\" is neither a GPU index nor a GPU UUID (\"GPU-\" and 8-4-4-4-12 hex "
+                                      "digits)",
+                                      what, text));
+    return std::nullopt;
+  }
+
+  // ---- [daemon] ----
+
+  void parse_daemon(const toml::node& n) {
+    const toml::table* t = n.as_table();
+    if (t == nullptr) {
+      wrong_type("", "daemon", n, "a table ([daemon])");
+      return;
+    }
+    constexpr std::string_view where = "[daemon]";
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit"}, where);
+    DaemonSettings& d = config_.daemon;
+    if (auto dir = get_string(*t, "run_dir", where)) {
+      if (dir->empty() || dir->front() != '/')
+        error_in(where, line_of(*t->get("run_dir")), fmt::format("run_dir \"{}\" must be an absolute path", *dir));
+      else
+        d.run_dir = *dir;
+    }
+    if (auto level = get_string(*t, "log_level", where)) {
+      if (auto parsed = parse_log_level(*level))
+        d.log_level = *parsed;
+      else
+        error_in(where, line_of(*t->get("log_level")),
+                 fmt::format("log_level \"{}\" is not a log level (use {})", *level, kLogLevelList));
+    }
+    if (auto ms = get<int64_t>(*t, "reap_interval_ms", where, "an integer")) {
+      const int line = line_of(*t->get("reap_interval_ms"));
+      if (*ms <= 0)
+        error_in(where, line, fmt::format("reap_interval_ms {} must be greater than zero", *ms));
+      else if (*ms < kMinReapIntervalMs || *ms > kMaxReapIntervalMs)
+        error_in(where, line,
+                 fmt::format("reap_interval_ms {} is out of range ({}..{})", *ms, kMinReapIntervalMs, kMaxReapIntervalMs));
+      else
+        d.reap_interval = std::chrono::milliseconds(*ms);
+    }
+    if (auto overcommit = get_bool(*t, "allow_overcommit", where)) d.allow_overcommit = *overcommit;
+  }
+
+  // ---- [[gpu]] ----
+
+  std::string known_gpus() const {
+    if (node_.empty()) return "no GPU was found on this node";
+    std::string list;
+    for (const DiscoveredGpu& g : node_) list += fmt::format("{}{} ({})", list.empty() ? "" : ", ", g.index, g.uuid);
+    return "GPUs on this node: " + list;
+  }
+
+  void parse_gpu(const toml::table& t) {
+    GpuDraft draft;
+    draft.gpu.line = line_of(t);
+    bool ok = true;
+    draft.index = get<int64_t>(t, "index", "[[gpu]]", "an integer");
+    if (!draft.index && t.contains("index")) ok = false;
+    if (auto text = get_string(t, "uuid", "[[gpu]]")) {
+      draft.uuid = parse_gpu_uuid(*text);
+      if (!draft.uuid) {
+        error_in("[[gpu]]", line_of(*t.get("uuid")),
+                 fmt::format("uuid \"{}\" is not a GPU UUID (\"GPU-\" and 8-4-4-4-12 hex digits)", *text));
+        ok = false;
+      }
+    } else if (t.contains("uuid")) {
+      ok = false;
+    }
+    const std::string where = draft.index  ? fmt::format("[[gpu]] index {}", *draft.index)
+                              : draft.uuid ? fmt::format("[[gpu]] uuid \"{}\"", format_gpu_uuid(*draft.uuid))
+                                           : std::string("[[gpu]]");
+    check_keys(t, {"index", "uuid", "context_memory", "memory"}, where);
+    if (ok && !draft.index && !draft.uuid) {
+      error_in(where, draft.gpu.line, "missing required key: index or uuid");
+      ok = false;
+    }
+
+    // Find it on the node; with both keys given they must name the same GPU.
+    const DiscoveredGpu* found = nullptr;
+    if (ok && draft.index) {
+      for (const DiscoveredGpu& g : node_)
+        if (g.index == *draft.index) found = &g;
+      if (found == nullptr) {
+        error_in(where, line_of(*t.get("index")),
+                 fmt::format("GPU index {} is not present on this node ({})", *draft.index, known_gpus()));
+        ok = false;
+      }
+    }
+    if (ok && draft.uuid) {
+      const std::string uuid = format_gpu_uuid(*draft.uuid);
+      const DiscoveredGpu* by_uuid = nullptr;
+      for (const DiscoveredGpu& g : node_)
+        if (parse_gpu_uuid(g.uuid) == draft.uuid) by_uuid = &g;
+      if (by_uuid == nullptr) {
+        error_in(where, line_of(*t.get("uuid")),
+                 fmt::format("GPU {} is not present on this node ({})", uuid, known_gpus()));
+        ok = false;
+      } else if (found != nullptr && found != by_uuid) {
+        error_in(where, line_of(*t.get("uuid")),
+                 fmt::format("index {} and uuid {} name different GPUs (index {} is {})", *draft.index, uuid,
+                             *draft.index, found->uuid));
+        ok = false;
+      }
+      found = by_uuid;
+    }
+    if (ok) {
+      for (const GpuDraft& other : gpus_) {
+        if (other.resolved && other.gpu.index == found->index) {
+          error_in(where, draft.gpu.line,
+                   fmt::format("GPU {} ({}) is already configured at line {}", found->index, found->uuid,
+                               other.gpu.line));
+          ok = false;
+        }
+      }
+    }
+    if (found != nullptr) {
+      draft.resolved = ok;  // a duplicate must not shadow the first one
+      draft.gpu.index = found->index;
+      draft.gpu.uuid = found->uuid;
+      draft.gpu.uuid_bytes = parse_gpu_uuid(found->uuid).value_or(GpuUuid{});
+      draft.gpu.name = found->name;
+      draft.gpu.memory_bytes = found->memory_bytes;
+    }
+
+    if (const toml::node* n = t.get("memory")) {
+      auto bytes = get_size(*n, "memory", where, false);
+      if (!bytes) {
+        ok = false;
+      } else if (found != nullptr && *bytes > found->memory_bytes) {
+        error_in(where, line_of(*n),
+                 fmt::format("memory {} is above the {} the GPU has (the override may only lower it)",
+                             format_size(*bytes), format_size(found->memory_bytes)));
+        ok = false;
+      } else {
+        draft.gpu.memory_bytes = *bytes;
+      }
+    }
+    if (const toml::node* n = t.get("context_memory")) {
+      auto bytes = get_size(*n, "context_memory", where, true);
+      if (!bytes) {
+        ok = false;
+      } else if (ok && *bytes >= draft.gpu.memory_bytes) {
+        error_in(where, line_of(*n),
+                 fmt::format("context_memory {} is not below the GPU's memory ({})", format_size(*bytes),
+                             format_size(draft.gpu.memory_bytes)));
+        ok = false;
+      } else {
+        draft.gpu.context_memory = *bytes;
+      }
+    }
+    draft.valid = ok;
+    gpus_.push_back(std::move(draft));
+  }
+
+  // Index into gpus_ of the [[gpu]] a reference names; nullopt (with an error
+  // unless the [[gpu]] itself already failed) when it names none.
+  std::optional<size_t> resolve(const GpuRef& ref, std::string_view where, std::string_view what, int line) {
+    for (size_t i = 0; i < gpus_.size(); ++i) {
+      const GpuDraft& d = gpus_[i];
+      const bool match = (ref.index && ((d.valid && d.gpu.index == *ref.index) || (d.index && *d.index == *ref.index))) ||
+                         (ref.uuid && ((d.valid && d.gpu.uuid_bytes == *ref.uuid) || (d.uuid && *d.uuid == *ref.uuid)));
+      if (!match) continue;
+      if (!d.valid) return std::nullopt;  // that [[gpu]] has its own error already
+      return i;
+    }
+    std::string list;
+    for (const GpuDraft& d : gpus_)
+      if (d.valid) list += fmt::format("{}{}", list.empty() ? "" : ", ", d.gpu.index);
+    error_in(where, line,
+             fmt::format("{} {} is not a configured [[gpu]] (configured: {})", what, ref.text,
+                         list.empty() ? "none" : list));
+    return std::nullopt;
+  }
+
+  // ---- [[tenant]] ----
+
+  void parse_tenant(const toml::table& t) {
+    TenantDraft draft;
+    Tenant& tenant = draft.tenant;
+    tenant.line = line_of(t);
+    std::string where = "[[tenant]]";
+    if (auto name = get_string(t, "name", where)) {
+      if (!valid_tenant_name(*name)) {
+        error_in(where, line_of(*t.get("name")),
+                 fmt::format("name \"{}\" is invalid (1 to 63 of a-z, 0-9, '_', '.', '-', starting with a letter "
+                             "or digit)",
+                             *name));
+        draft.valid = false;
+      } else {
+        tenant.name = *name;
+        where = fmt::format("tenant \"{}\"", *name);
+        for (const TenantDraft& other : tenants_) {
+          if (other.tenant.name == *name) {
+            error_in(where, line_of(*t.get("name")),
+                     fmt::format("duplicate tenant name (first defined at line {})", other.tenant.line));
+            draft.valid = false;
+          }
+        }
+      }
+    } else {
+      if (!t.contains("name")) error_in(where, tenant.line, "missing required key \"name\"");
+      draft.valid = false;
+    }
+    check_keys(t, {"name", "gpus", "devices", "count_managed", "memory"}, where);
+
+    if (const toml::node* n = t.get("gpus")) {
+      draft.gpus_line = line_of(*n);
+      std::optional<double> value;
+      if (const auto* i = n->as_integer()) value = static_cast<double>(i->get());
+      if (const auto* f = n->as_floating_point()) value = f->get();
+      if (!value) {
+        wrong_type(where, "gpus", *n, "a number of GPUs such as 0.5 or 2");
+        draft.valid = false;
+      } else if (!std::isfinite(*value) || *value <= 0) {
+        error_in(where, line_of(*n), fmt::format("gpus = {} must be greater than zero", *value));
+        draft.valid = false;
+      } else if (*value > static_cast<double>(ledger::kMaxGpus)) {
+        error_in(where, line_of(*n), fmt::format("gpus = {} is above the {} GPUs a tenant may hold", *value,
+                                                 ledger::kMaxGpus));
+        draft.valid = false;
+      } else {
+        tenant.gpus_ppm = static_cast<uint64_t>(std::llround(*value * kPpmPerGpu));
+        if (tenant.gpus_ppm == 0) {
+          error_in(where, line_of(*n), fmt::format("gpus = {} is below the smallest share (0.000001)", *value));
+          draft.valid = false;
+        }
+      }
+    }
+    if (auto managed = get_bool(t, "count_managed", where)) tenant.count_managed = *managed;
+    else if (t.contains("count_managed")) draft.valid = false;
+
+    if (const toml::node* n = t.get("devices")) {
+      draft.has_devices = true;
+      draft.devices_line = line_of(*n);
+      if (const toml::array* arr = n->as_array()) {
+        for (const toml::node& element : *arr) {
+          if (auto ref = parse_gpu_ref(&element, {}, "devices entry", where, line_of(element)))
+            draft.devices.push_back(*ref);
+          else
+            draft.valid = false;
+        }
+        if (arr->empty()) {
+          error_in(where, draft.devices_line, "devices is empty (leave it out to let fracgpu place the tenant)");
+          draft.valid = false;
+        }
+      } else {
+        wrong_type(where, "devices", *n, "an array of GPU indices or UUIDs");
+        draft.valid = false;
+      }
+      if (!t.contains("gpus")) {
+        error_in(where, draft.devices_line,
+                 "devices needs gpus (a tenant with only memory quotas names its GPUs in the memory table)");
+        draft.valid = false;
+      }
+    }
+
+    if (const toml::node* n = t.get("memory")) {
+      if (const toml::table* mem = n->as_table()) {
+        for (auto&& [key, value] : *mem) {
+          const int line = static_cast<int>(key.source().begin.line);
+          auto ref = parse_gpu_ref(nullptr, key.str(), "memory key", where, line);
+          if (!ref) {
+            draft.valid = false;
+            continue;
+          }
+          auto bytes = get_size(value, "memory", where, false, fmt::format(" for GPU {}", ref->text));
+          if (!bytes) {
+            draft.valid = false;
+            continue;
+          }
+          draft.memory.push_back({*ref, *bytes, line_of(value)});
+        }
+      } else {
+        wrong_type(where, "memory", *n, "a table of per-GPU quotas ([tenant.memory] with \"0\" = \"12GiB\")");
+        draft.valid = false;
+      }
+    }
+    if (!t.contains("gpus") && !t.contains("memory")) {
+      error_in(where, tenant.line, "missing required key: gpus or memory (or both)");
+      draft.valid = false;
+    }
+    tenants_.push_back(std::move(draft));
+  }
+
+  // ---- Placement ----
+
+  // Splits `gpus` into pieces of at most one GPU: 2.5 -> 1, 1, 0.5.
+  static std::vector<uint32_t> pieces_of(uint64_t ppm) {
+    std::vector<uint32_t> pieces(ppm / kPpmPerGpu, kPpmPerGpu);
+    if (ppm % kPpmPerGpu != 0) pieces.push_back(static_cast<uint32_t>(ppm % kPpmPerGpu));
+    return pieces;
+  }
+
+  std::string free_list() const {
+    std::string list;
+    for (size_t i = 0; i < gpus_.size(); ++i)
+      if (gpus_[i].valid)
+        list += fmt::format("{}GPU {}: {}", list.empty() ? "" : ", ", gpus_[i].gpu.index, format_gpus(free_[i]));
+    return list;
+  }
+
+  void grant(Tenant& tenant, size_t gpu, uint32_t ppm) {
+    free_[gpu] -= ppm;
+    tenant.grants.push_back({gpu, ppm, fraction_quota(ppm, gpus_[gpu].gpu.memory_bytes)});
+  }
+
+  bool already_granted(const Tenant& tenant, size_t gpu) const {
+    return std::any_of(tenant.grants.begin(), tenant.grants.end(), [&](const Grant& g) { return g.gpu == gpu; });
+  }
+
+  // Deterministic first fit. Tenants that name their devices are placed first
+  // (in config order), so a tenant listed earlier but placed automatically
+  // can never take the GPU another tenant explicitly asked for.
+  void place_fractions() {
+    free_.assign(gpus_.size(), kPpmPerGpu);
+    size_t configured = 0;
+    for (const GpuDraft& d : gpus_) configured += d.valid ? 1 : 0;
+    // With a broken [[gpu]] the capacity is unknown: placing automatic
+    // tenants would only add misleading errors to the one that matters.
+    const bool capacity_known = configured == gpus_.size();
+    for (const bool pinned_pass : {true, false}) {
+      for (TenantDraft& draft : tenants_) {
+        if (!draft.valid || draft.tenant.gpus_ppm == 0 || draft.has_devices != pinned_pass) continue;
+        if (!pinned_pass && !capacity_known) {
+          draft.valid = false;
+          continue;
+        }
+        const std::string where = fmt::format("tenant \"{}\"", draft.tenant.name);
+        const std::vector<uint32_t> pieces = pieces_of(draft.tenant.gpus_ppm);
+        const std::string asked = format_gpus(draft.tenant.gpus_ppm);
+        if (pinned_pass ? place_pinned(draft, pieces, where, asked) : place_first_fit(draft, pieces, where, asked, configured))
+          continue;
+        draft.valid = false;
+        draft.tenant.grants.clear();
+      }
+    }
+  }
+
+  bool place_pinned(TenantDraft& draft, const std::vector<uint32_t>& pieces, const std::string& where,
+                    const std::string& asked) {
+    Tenant& tenant = draft.tenant;
+    if (draft.devices.size() != pieces.size()) {
+      error_in(where, draft.devices_line,
+               fmt::format("devices lists {} GPU(s) but gpus = {} is placed on {} (one per whole GPU, one for the "
+                           "remaining fraction)",
+                           draft.devices.size(), asked, pieces.size()));
+      return false;
+    }
+    std::vector<size_t> targets;
+    for (const GpuRef& ref : draft.devices) {
+      auto gpu = resolve(ref, where, "devices entry", draft.devices_line);
+      if (!gpu) return false;
+      if (std::find(targets.begin(), targets.end(), *gpu) != targets.end()) {
+        error_in(where, draft.devices_line, fmt::format("devices names GPU {} twice", gpus_[*gpu].gpu.index));
+        return false;
+      }
+      targets.push_back(*gpu);
+    }
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (free_[targets[i]] < pieces[i]) {
+        error_in(where, draft.devices_line,
+                 fmt::format("cannot place {} of GPU {}: only {} of it is unallocated (sum of fractions on a GPU "
+                             "cannot exceed 1.0)",
+                             format_gpus(pieces[i]), gpus_[targets[i]].gpu.index, format_gpus(free_[targets[i]])));
+        return false;
+      }
+      grant(tenant, targets[i], pieces[i]);
+    }
+    return true;
+  }
+
+  bool place_first_fit(TenantDraft& draft, const std::vector<uint32_t>& pieces, const std::string& where,
+                       const std::string& asked, size_t configured) {
+    Tenant& tenant = draft.tenant;
+    const int line = line_of_gpus(draft);
+    if (pieces.size() > configured) {
+      error_in(where, line,
+               fmt::format("gpus = {} needs {} GPUs but only {} are configured", asked, pieces.size(), configured));
+      return false;
+    }
+    for (uint32_t piece : pieces) {
+      bool placed = false;
+      for (size_t g = 0; g < gpus_.size() && !placed; ++g) {
+        if (!gpus_[g].valid || free_[g] < piece || already_granted(tenant, g)) continue;
+        grant(tenant, g, piece);
+        placed = true;
+      }
+      if (!placed) {
+        error_in(where, line,
+                 fmt::format("cannot place gpus = {}: no other configured GPU has {} unallocated (unallocated: {})",
+                             asked, format_gpus(piece), free_list()));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  static int line_of_gpus(const TenantDraft& draft) { return draft.gpus_line != 0 ? draft.gpus_line : draft.tenant.line; }
+
+  // ---- Explicit memory quotas ----
+
+  void apply_explicit_memory() {
+    for (TenantDraft& draft : tenants_) {
+      if (!draft.valid) continue;
+      Tenant& tenant = draft.tenant;
+      const std::string where = fmt::format("tenant \"{}\"", tenant.name);
+      std::set<size_t> seen;
+      for (const MemoryEntry& entry : draft.memory) {
+        auto gpu = resolve(entry.ref, where, "memory key", entry.line);
+        if (!gpu) {
+          draft.valid = false;
+          continue;
+        }
+        const ManagedGpu& managed = gpus_[*gpu].gpu;
+        draft.memory_line[*gpu] = entry.line;
+        if (!seen.insert(*gpu).second) {
+          error_in(where, entry.line, fmt::format("memory names GPU {} twice", managed.index));
+          draft.valid = false;
+          continue;
+        }
+        if (entry.bytes > managed.memory_bytes) {
+          error_in(where, entry.line,
+                   fmt::format("memory quota {} on GPU {} is above the GPU's memory ({})", format_size(entry.bytes),
+                               managed.index, format_size(managed.memory_bytes)));
+          draft.valid = false;
+          continue;
+        }
+        auto it = std::find_if(tenant.grants.begin(), tenant.grants.end(), [&](const Grant& g) { return g.gpu == *gpu; });
+        if (it != tenant.grants.end()) {
+          it->memory_quota = entry.bytes;  // overrides the fraction's share of memory
+        } else if (tenant.gpus_ppm == 0) {
+          tenant.grants.push_back({*gpu, 0, entry.bytes});
+        } else {
+          std::string placed;
+          for (const Grant& g : tenant.grants)
+            placed += fmt::format("{}{}", placed.empty() ? "" : ", ", gpus_[g.gpu].gpu.index);
+          error_in(where, entry.line,
+                   fmt::format("memory quota for GPU {}, but gpus placed the tenant on GPU {} (choose them with "
+                               "devices = [...])",
+                               managed.index, placed));
+          draft.valid = false;
+        }
+      }
+      if (draft.valid && tenant.grants.size() > ledger::kMaxGpus) {
+        error_in(where, tenant.line,
+                 fmt::format("is granted {} GPUs, above the {} a tenant may hold", tenant.grants.size(), ledger::kMaxGpus));
+        draft.valid = false;
+      }
+      // Keep memory-only grants in config order of the GPUs, not key order.
+      if (tenant.gpus_ppm == 0)
+        std::sort(tenant.grants.begin(), tenant.grants.end(), [](const Grant& a, const Grant& b) { return a.gpu < b.gpu; });
+    }
+  }
+
+  // Quotas on a GPU must fit in its memory unless overcommit is allowed. The
+  // error goes to the tenant that tips a GPU over: that is where to edit.
+  // Each quota must also hold at least one context.
+  void check_memory_totals() {
+    std::vector<uint64_t> total(gpus_.size(), 0);
+    std::vector<std::string> holders(gpus_.size());
+    std::vector<bool> reported(gpus_.size(), false);
+    for (TenantDraft& draft : tenants_) {
+      if (!draft.valid) continue;
+      for (const Grant& g : draft.tenant.grants) {
+        total[g.gpu] += g.memory_quota;
+        holders[g.gpu] += fmt::format("{}{} {}", holders[g.gpu].empty() ? "" : ", ", draft.tenant.name,
+                                      format_size(g.memory_quota));
+        const ManagedGpu& gpu = gpus_[g.gpu].gpu;
+        const auto explicit_line = draft.memory_line.find(g.gpu);
+        const int line = explicit_line != draft.memory_line.end() ? explicit_line->second : line_of_gpus(draft);
+        // The interposer charges every CUDA context to the quota: a smaller
+        // quota could never even open one.
+        if (g.memory_quota < gpu.context_memory)
+          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line,
+                   fmt::format("memory quota {} on GPU {} is below its context_memory ({}): no CUDA context would fit",
+                               format_size(g.memory_quota), gpu.index, format_size(gpu.context_memory)));
+        if (config_.daemon.allow_overcommit || reported[g.gpu] || total[g.gpu] <= gpu.memory_bytes) continue;
+        reported[g.gpu] = true;
+        error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line,
+                 fmt::format("memory quotas on GPU {} add up to {}, above its {} ({}); lower them or set "
+                             "allow_overcommit = true in [daemon]",
+                             gpu.index, format_size(total[g.gpu]), format_size(gpu.memory_bytes), holders[g.gpu]));
+      }
+    }
+  }
+
+  std::string source_;
+  const std::vector<DiscoveredGpu>& node_;
+  NodeConfig config_;
+  std::vector<ConfigError> errors_;
+  std::vector<GpuDraft> gpus_;
+  std::vector<TenantDraft> tenants_;
+  std::vector<uint32_t> free_;
+};
+
+}  // namespace
+
+std::optional<LogLevel> parse_log_level(std::string_view text) {
+  if (text == "trace") return LogLevel::kTrace;
+  if (text == "debug") return LogLevel::kDebug;
+  if (text == "info") return LogLevel::kInfo;
+  if (text == "warn") return LogLevel::kWarn;
+  if (text == "error") return LogLevel::kError;
+  return std::nullopt;
+}
+
+const Tenant* NodeConfig::find_tenant(std::string_view name) const {
+  for (const Tenant& t : tenants)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+std::string ConfigError::to_string() const { return fmt::format("{}:{}: {}", file, line, message); }
+
+ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node) {
+  return Parser(source, node).run(text);
+}
+
+ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node) {
+  auto unreadable = [&](std::string why) {
+    ConfigResult result;
+    result.errors.push_back({path, 0, "cannot read the config file: " + why});
+    return result;
+  };
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return unreadable("it is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return unreadable(std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return unreadable(std::strerror(errno));
+  return parse_config(text.str(), path, node);
+}
+
+}  // namespace fracgpu::controller

@@ -1,0 +1,99 @@
+// The node config (TOML): parsing, validation against the GPUs found on the
+// node, and placement of fractional tenants. The result is a fully resolved
+// NodeConfig, or every error found, each naming file, line and reason.
+// Nothing here touches the ledgers: the daemon applies a NodeConfig only once
+// it is known to be valid, so a bad config never changes anything.
+// Every key is described in docs/configuration.md.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gpu_discovery.h"
+#include "units.h"
+#include "uuid.h"
+
+namespace fracgpu::controller {
+
+enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError };
+
+// "trace" ... "error"; nullopt for anything else.
+std::optional<LogLevel> parse_log_level(std::string_view text);
+inline constexpr std::string_view kLogLevelList = "trace, debug, info, warn, error";
+
+inline constexpr uint64_t kDefaultContextMemory = 256ull << 20;
+// Memory quotas derived from fractions are rounded down to this, the
+// driver's large-page granularity, so a quota never promises a partial page.
+inline constexpr uint64_t kQuotaGranularity = 2ull << 20;
+inline constexpr int kMinReapIntervalMs = 10;
+inline constexpr int kMaxReapIntervalMs = 1000;
+
+struct DaemonSettings {
+  std::string run_dir = "/run/fracgpu";
+  LogLevel log_level = LogLevel::kInfo;
+  std::chrono::milliseconds reap_interval{200};
+  bool allow_overcommit = false;
+};
+
+// A [[gpu]] that fracgpu manages, resolved against the discovery.
+struct ManagedGpu {
+  int index = 0;  // driver ordinal on this node
+  std::string uuid;
+  GpuUuid uuid_bytes{};
+  std::string name;
+  uint64_t memory_bytes = 0;  // quotas are computed from this: discovered, or the override
+  uint64_t context_memory = kDefaultContextMemory;
+  int line = 0;
+};
+
+// One GPU granted to a tenant.
+struct Grant {
+  size_t gpu = 0;          // index into NodeConfig::gpus
+  uint32_t share_ppm = 0;  // fraction of the GPU, parts per million; 0 for memory-only grants
+  uint64_t memory_quota = 0;
+};
+
+struct Tenant {
+  std::string name;
+  bool count_managed = true;
+  uint64_t gpus_ppm = 0;      // `gpus` in parts per million; 0 when not given
+  std::vector<Grant> grants;  // placement order; at most one per GPU
+  int line = 0;
+};
+
+struct NodeConfig {
+  std::string source;  // the file it was read from
+  DaemonSettings daemon;
+  std::vector<ManagedGpu> gpus;  // config order
+  std::vector<Tenant> tenants;   // config order
+
+  const Tenant* find_tenant(std::string_view name) const;
+};
+
+struct ConfigError {
+  std::string file;
+  int line = 0;
+  std::string message;
+
+  // "<file>:<line>: <message>"
+  std::string to_string() const;
+};
+
+struct ConfigResult {
+  std::optional<NodeConfig> config;  // set iff errors is empty
+  std::vector<ConfigError> errors;   // in line order
+
+  bool ok() const { return config.has_value(); }
+};
+
+// Parses `text` (named `source` in messages) against the GPUs of the node.
+ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node);
+
+// Reads and parses a file; an unreadable file is reported as an error at line 0.
+ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node);
+
+}  // namespace fracgpu::controller

@@ -1,0 +1,411 @@
+#include "daemon.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <spdlog/sinks/stdout_sinks.h>
+
+#include "units.h"
+
+namespace fracgpu::controller {
+namespace {
+
+namespace fs = std::filesystem;
+using ledger::GpuPolicy;
+using ledger::kMaxGpus;
+using ledger::kMaxSlots;
+
+uint64_t monotonic_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// Stores and reports whether the value changed, so untouched policies keep
+// their generation (the interposer re-reads limits when it moves).
+template <typename T>
+bool store_if_changed(std::atomic<T>& field, T value) {
+  if (field.load(std::memory_order_relaxed) == value) return false;
+  field.store(value, std::memory_order_release);
+  return true;
+}
+
+std::string describe_grant(const NodeConfig& config, const Grant& grant) {
+  const ManagedGpu& gpu = config.gpus[grant.gpu];
+  return fmt::format("GPU {} ({}): share {}, memory quota {}", gpu.index, gpu.uuid,
+                     grant.share_ppm == 0 ? std::string("none") : format_gpus(grant.share_ppm),
+                     format_size(grant.memory_quota));
+}
+
+void print_errors(const ConfigResult& result, const Discovery& discovery) {
+  for (const ConfigError& e : result.errors) fmt::print(stderr, "{}\n", e.to_string());
+  if (!discovery.problem.empty()) fmt::print(stderr, "note: GPU discovery: {}\n", discovery.problem);
+  fmt::print(stderr, "{} error(s); nothing was changed\n", result.errors.size());
+}
+
+// The policy's tenant name, for checking a directory holds the ledger of the
+// tenant it is named after. Empty when the segment is fresh (all zero).
+std::string stamped_name(const ledger::PolicySegment& policy) {
+  return std::string(policy.tenant, strnlen(policy.tenant, sizeof policy.tenant));
+}
+
+// SIGHUP: reload; SIGTERM, SIGINT: stop. Read from a signalfd, never handled.
+sigset_t daemon_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGHUP);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  return set;
+}
+
+}  // namespace
+
+std::shared_ptr<spdlog::logger> make_daemon_logger() {
+  auto log = std::make_shared<spdlog::logger>("fracgpud", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  log->set_pattern("%Y-%m-%d %H:%M:%S.%e %l: %v");
+  log->flush_on(spdlog::level::trace);  // stderr may be a file or a pipe to journald
+  return log;
+}
+
+void set_log_level(spdlog::logger& log, LogLevel level) {
+  switch (level) {
+    case LogLevel::kTrace: log.set_level(spdlog::level::trace); break;
+    case LogLevel::kDebug: log.set_level(spdlog::level::debug); break;
+    case LogLevel::kInfo: log.set_level(spdlog::level::info); break;
+    case LogLevel::kWarn: log.set_level(spdlog::level::warn); break;
+    case LogLevel::kError: log.set_level(spdlog::level::err); break;
+  }
+}
+
+bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const NodeConfig& config, spdlog::logger& log,
+                  std::string* error) {
+  const std::string name = tenant != nullptr ? tenant->name : stamped_name(policy);
+  bool changed = false;
+  bool ok = true;
+  bool keep[kMaxGpus] = {};
+  static const std::vector<Grant> kNoGrants;
+  for (const Grant& grant : tenant != nullptr ? tenant->grants : kNoGrants) {
+    const ManagedGpu& gpu = config.gpus[grant.gpu];
+    const int entry = ledger::bind_gpu(policy, gpu.uuid_bytes.data());
+    if (entry < 0) {
+      *error = fmt::format("tenant \"{}\": cannot grant GPU {} ({}): all {} GPU entries of its ledger are bound to "
+                           "other GPUs",
+                           name, gpu.index, gpu.uuid, kMaxGpus);
+      ok = false;
+      continue;
+    }
+    keep[entry] = true;
+    GpuPolicy& e = policy.gpus[entry];
+    // The limits first, the state last (release): a process that sees the
+    // entry granted sees its limits.
+    bool entry_changed = store_if_changed(e.memory_quota, grant.memory_quota);
+    entry_changed |= store_if_changed(e.context_memory, gpu.context_memory);
+    entry_changed |= store_if_changed(e.flags, tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u);
+    entry_changed |= store_if_changed(e.share_ppm, grant.share_ppm);
+    // No GPU-time cap yet beyond the share; a memory-only grant (share 0) is
+    // not capped at all rather than capped to nothing.
+    entry_changed |= store_if_changed(e.limit_ppm, grant.share_ppm != 0 ? grant.share_ppm : kPpmPerGpu);
+    entry_changed |= store_if_changed(e.state, uint32_t{ledger::kGpuGranted});
+    if (entry_changed) log.info("tenant \"{}\": granted {}", name, describe_grant(config, grant));
+    changed |= entry_changed;
+  }
+  for (uint32_t g = 0; g < kMaxGpus; ++g) {
+    GpuPolicy& e = policy.gpus[g];
+    if (keep[g] || e.state.load(std::memory_order_acquire) != ledger::kGpuGranted) continue;
+    e.state.store(ledger::kGpuRevoked, std::memory_order_release);
+    log.info("tenant \"{}\": revoked GPU {}", name, format_gpu_uuid(e.uuid));
+    changed = true;
+  }
+  if (changed) ledger::publish_policy_change(policy);
+  return ok;
+}
+
+void block_daemon_signals() {
+  const sigset_t set = daemon_signals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int check_config(const DaemonOptions& options) {
+  const Discovery discovery = discover_gpus(options.cuda_library.c_str());
+  const ConfigResult result = load_config(options.config_path, discovery.gpus);
+  if (!result.ok()) {
+    print_errors(result, discovery);
+    return kExitCheckFailed;
+  }
+  const NodeConfig& config = *result.config;
+  fmt::print("{}: valid ({} GPU(s), {} tenant(s))\n", options.config_path, config.gpus.size(), config.tenants.size());
+  for (const Tenant& tenant : config.tenants)
+    for (const Grant& grant : tenant.grants) fmt::print("  tenant \"{}\": {}\n", tenant.name, describe_grant(config, grant));
+  return kExitOk;
+}
+
+Daemon::Daemon(DaemonOptions options, std::shared_ptr<spdlog::logger> log)
+    : options_(std::move(options)), log_(std::move(log)) {}
+
+Daemon::~Daemon() {
+  close_all();
+  if (pid_fd_ >= 0) {
+    // Emptied rather than removed: unlinking a locked file races with a
+    // starting daemon, which could then lock a file nobody else can see.
+    if (ftruncate(pid_fd_, 0) != 0) log_->debug("cannot empty the pid file: {}", strerror(errno));
+    ::close(pid_fd_);
+  }
+}
+
+int Daemon::start() {
+  if (options_.log_level) set_log_level(*log_, *options_.log_level);
+  discovery_ = discover_gpus(options_.cuda_library.c_str());
+  ConfigResult result = load_config(options_.config_path, discovery_.gpus);
+  if (!result.ok()) {
+    print_errors(result, discovery_);
+    return kExitBadConfig;
+  }
+  config_ = std::move(result.config);
+  if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
+  if (!discovery_.problem.empty()) log_->warn("GPU discovery: {}", discovery_.problem);
+  for (const DiscoveredGpu& gpu : discovery_.gpus)
+    log_->info("found GPU {} {} ({}, {})", gpu.index, gpu.uuid, gpu.name, format_size(gpu.memory_bytes));
+  if (!prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
+  log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
+  apply(*config_);
+  tick();  // heartbeat at once: `fracgpu status` should not report a fresh daemon as dead
+  return kExitOk;
+}
+
+bool Daemon::prepare_run_dir() {
+  std::error_code ec;
+  const fs::path tenants = fs::path(config_->daemon.run_dir) / kTenantsDirName;
+  fs::create_directories(tenants, ec);
+  if (ec) {
+    log_->error("cannot create {}: {}", tenants.string(), ec.message());
+    return false;
+  }
+  return true;
+}
+
+// One daemon per run dir: two would fight over the policies. The lock, not
+// the file's existence or content, says whether a daemon runs (the CLI probes
+// it too); the kernel drops it when the daemon dies, however it dies.
+bool Daemon::lock_pid_file() {
+  const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
+  pid_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (pid_fd_ < 0) {
+    log_->error("cannot open {}: {}", path, strerror(errno));
+    return false;
+  }
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  if (fcntl(pid_fd_, F_SETLK, &fl) != 0) {
+    const int e = errno;
+    struct flock probe {};
+    probe.l_type = F_WRLCK;
+    probe.l_whence = SEEK_SET;
+    if ((e == EAGAIN || e == EACCES) && fcntl(pid_fd_, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK)
+      log_->error("another fracgpud (pid {}) already manages {}", probe.l_pid, config_->daemon.run_dir);
+    else
+      log_->error("cannot lock {}: {}", path, strerror(e));
+    ::close(pid_fd_);  // not ours: the destructor must not empty it
+    pid_fd_ = -1;
+    return false;
+  }
+  const std::string pid = fmt::format("{}\n", getpid());
+  if (ftruncate(pid_fd_, 0) != 0 || pwrite(pid_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size()))
+    log_->warn("cannot write {}: {}", path, strerror(errno));
+  return true;
+}
+
+Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
+  if (auto it = ledgers_.find(name); it != ledgers_.end()) {
+    // Still the same files? Someone may have removed the directory; then a
+    // fresh ledger is made (or, for a tenant no longer configured, dropped).
+    struct stat by_path {}, mapped {};
+    const std::string policy_path = it->second.dir + "/" + ledger::kPolicyFileName;
+    if (stat(policy_path.c_str(), &by_path) == 0 && fstat(it->second.ledger.policy_fd, &mapped) == 0 &&
+        by_path.st_ino == mapped.st_ino && by_path.st_dev == mapped.st_dev)
+      return &it->second;
+    log_->warn("tenant \"{}\": {} was replaced or removed; re-opening", name, policy_path);
+    ledger::close_ledger(&it->second.ledger);
+    ledgers_.erase(it);
+  }
+  const std::string dir = (fs::path(config_->daemon.run_dir) / kTenantsDirName / name).string();
+  if (!create && access((dir + "/" + ledger::kPolicyFileName).c_str(), F_OK) != 0) return nullptr;
+  OpenLedger open;
+  open.dir = dir;
+  char err[512] = {};
+  const ledger::LedgerError rc =
+      ledger::open_ledger(dir.c_str(), ledger::AccessMode::kDaemon, name.c_str(), &open.ledger, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    // Foreign, corrupt or of another version: not ours to repair or delete
+    // (it may hold state someone needs). The tenant stays without service
+    // until an operator fixes it and sends SIGHUP.
+    log_->error("tenant \"{}\": ledger left alone and tenant skipped ({}): {}", name,
+                ledger::ledger_error_name(rc), err);
+    return nullptr;
+  }
+  ledger::PolicySegment& policy = *open.ledger.policy;
+  const std::string stamped = stamped_name(policy);
+  if (stamped.empty() && name.size() < sizeof policy.tenant) {
+    memcpy(policy.tenant, name.c_str(), name.size() + 1);  // a zero-filled (fresh) policy: name it
+  } else if (stamped != name) {
+    log_->error("tenant \"{}\": ledger left alone and tenant skipped: {} belongs to tenant \"{}\"", name, dir, stamped);
+    ledger::close_ledger(&open.ledger);
+    return nullptr;
+  }
+  log_->debug("tenant \"{}\": ledger {} open", name, dir);
+  return &ledgers_.emplace(name, std::move(open)).first->second;
+}
+
+void Daemon::apply(const NodeConfig& config) {
+  std::set<std::string> wanted;
+  for (const Tenant& tenant : config.tenants) {
+    wanted.insert(tenant.name);
+    OpenLedger* open = adopt(tenant.name, /*create=*/true);
+    if (open == nullptr) continue;
+    open->configured = true;
+    std::string error;
+    if (!write_policy(*open->ledger.policy, &tenant, config, *log_, &error)) log_->error("{}", error);
+  }
+  // Ledgers of tenants not (or no longer) in the config, including those left
+  // by an earlier run: revoke their GPUs but keep the directory and keep
+  // reaping, since their processes may still run.
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(config.daemon.run_dir) / kTenantsDirName, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!wanted.contains(name) && entry.is_directory(ec)) adopt(name, /*create=*/false);
+  }
+  if (ec) log_->warn("cannot list {}/{}: {}", config.daemon.run_dir, kTenantsDirName, ec.message());
+  for (auto& [name, open] : ledgers_) {
+    if (wanted.contains(name)) continue;
+    if (open.configured) log_->info("tenant \"{}\" is no longer configured: revoking its GPUs, keeping {}", name, open.dir);
+    open.configured = false;
+    std::string error;
+    write_policy(*open.ledger.policy, nullptr, config, *log_, &error);
+  }
+}
+
+void Daemon::reap(const std::string& name, OpenLedger& open) {
+  ledger::UsageSegment& usage = *open.ledger.usage;
+  // What each slot holds before reclaiming, to name what was reclaimed: the
+  // ledger reports only totals.
+  struct Held {
+    int32_t pid;
+    char comm[16];
+    uint64_t bytes;
+    bool candidate;
+  };
+  const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+  std::vector<Held> before(high);
+  for (uint32_t s = 0; s < high; ++s) {
+    Held& h = before[s];
+    h.bytes = 0;
+    for (uint32_t g = 0; g < kMaxGpus; ++g) h.bytes += usage.charges[g][s].load(std::memory_order_relaxed);
+    h.candidate = h.bytes != 0 || usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree;
+    h.pid = usage.slots[s].pid.load(std::memory_order_relaxed);
+    memcpy(h.comm, usage.slots[s].comm, sizeof h.comm);
+    h.comm[sizeof h.comm - 1] = '\0';
+  }
+  const ledger::ReclaimResult result = ledger::reclaim_dead_slots(open.ledger, -1);
+  const int reclaimed = result.reclaimed;
+  const uint64_t bytes = result.bytes;
+  if (reclaimed <= 0) return;
+  int named = 0;
+  for (uint32_t s = 0; s < high; ++s) {
+    if (!before[s].candidate || usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree) continue;
+    log_->info("tenant \"{}\": reclaimed slot {} of dead process {} ({}): {} released", name, s, before[s].pid,
+               before[s].comm, format_size(before[s].bytes));
+    ++named;
+  }
+  if (named != reclaimed)
+    log_->info("tenant \"{}\": reclaimed {} dead process slot(s), {} released", name, reclaimed, format_size(bytes));
+}
+
+void Daemon::tick() {
+  const uint64_t now = monotonic_ns();
+  for (auto& [name, open] : ledgers_) {
+    reap(name, open);
+    open.ledger.policy->daemon_heartbeat_ns.store(now, std::memory_order_release);
+    open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  }
+}
+
+bool Daemon::reload() {
+  log_->info("SIGHUP: reloading {}", options_.config_path);
+  ConfigResult result = load_config(options_.config_path, discovery_.gpus);
+  if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
+    result.errors.push_back({options_.config_path, 0,
+                             fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
+                                         config_->daemon.run_dir, result.config->daemon.run_dir)});
+  if (!result.errors.empty()) {
+    for (const ConfigError& e : result.errors) log_->error("{}", e.to_string());
+    log_->error("reload rejected ({} error(s)): the previous policy stays in force", result.errors.size());
+    return false;
+  }
+  config_ = std::move(result.config);
+  if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
+  apply(*config_);
+  log_->info("reload applied: {} tenant(s)", config_->tenants.size());
+  return true;
+}
+
+int Daemon::run() {
+  const sigset_t set = daemon_signals();
+  const int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) {
+    log_->error("signalfd: {}", strerror(errno));
+    return kExitCannotStart;
+  }
+  uint64_t next_tick = monotonic_ns();
+  for (;;) {
+    const uint64_t now = monotonic_ns();
+    if (now >= next_tick) {
+      tick();
+      const auto interval = static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(config_->daemon.reap_interval).count());
+      next_tick += interval;
+      if (next_tick <= now) next_tick = now + interval;  // fell behind (suspend, slow disk): do not burst
+      continue;
+    }
+    const int timeout_ms = static_cast<int>((next_tick - now + 999'999) / 1'000'000);
+    struct pollfd pfd {sfd, POLLIN, 0};
+    if (poll(&pfd, 1, timeout_ms) < 0 && errno != EINTR) {
+      log_->error("poll: {}", strerror(errno));
+      ::close(sfd);
+      return kExitCannotStart;
+    }
+    struct signalfd_siginfo info {};
+    while (read(sfd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+      if (info.ssi_signo == SIGHUP) {
+        reload();
+        continue;
+      }
+      log_->info("{}: stopping; ledgers stay in place for the next start", strsignal(static_cast<int>(info.ssi_signo)));
+      ::close(sfd);
+      close_all();
+      return kExitOk;
+    }
+  }
+}
+
+void Daemon::close_all() {
+  for (auto& [name, open] : ledgers_) {
+    // A clean stop says so: the CLI reports "stopped" rather than "hung".
+    open.ledger.policy->daemon_pid.store(0, std::memory_order_release);
+    ledger::close_ledger(&open.ledger);
+  }
+  ledgers_.clear();
+}
+
+}  // namespace fracgpu::controller

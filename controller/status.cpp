@@ -1,0 +1,292 @@
+#include "status.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "daemon.h"
+#include "ledger.h"
+#include "units.h"
+#include "uuid.h"
+
+namespace fracgpu::controller {
+namespace {
+
+namespace fs = std::filesystem;
+using ledger::kMaxGpus;
+using ledger::kMaxSlots;
+
+uint64_t monotonic_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
+
+TenantStatus read_tenant(const std::string& name, const std::string& dir) {
+  TenantStatus t;
+  t.name = name;
+  t.dir = dir;
+  ledger::TenantLedger l;
+  char err[512] = {};
+  const ledger::LedgerError rc = ledger::open_ledger(dir.c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    t.error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
+    return t;
+  }
+  const ledger::PolicySegment& policy = *l.policy;
+  const ledger::UsageSegment& usage = *l.usage;
+  t.generation = policy.generation.load(std::memory_order_acquire);
+  t.heartbeat_ns = policy.daemon_heartbeat_ns.load(std::memory_order_acquire);
+  t.daemon_pid = policy.daemon_pid.load(std::memory_order_acquire);
+  std::string uuids[kMaxGpus];
+  for (uint32_t g = 0; g < kMaxGpus; ++g) {
+    const ledger::GpuPolicy& e = policy.gpus[g];
+    const uint32_t state = e.state.load(std::memory_order_acquire);
+    if (state == ledger::kGpuUnused) continue;
+    uuids[g] = format_gpu_uuid(e.uuid);
+    GpuEntryStatus s;
+    s.entry = g;
+    s.uuid = uuids[g];
+    s.state = state == ledger::kGpuGranted ? "granted" : "revoked";
+    const uint64_t quota = e.memory_quota.load(std::memory_order_acquire);
+    if (quota != ledger::kUnlimited) s.memory_quota = quota;
+    s.memory_used = ledger::tenant_used(usage, g);
+    s.context_memory = e.context_memory.load(std::memory_order_relaxed);
+    s.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
+    s.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
+    s.count_managed = (e.flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory) != 0;
+    t.gpus.push_back(std::move(s));
+  }
+  const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+  for (uint32_t s = 0; s < high; ++s) {
+    const ledger::ProcessSlot& slot = usage.slots[s];
+    ProcessStatus p;
+    p.slot = s;
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      const uint64_t bytes = usage.charges[g][s].load(std::memory_order_relaxed);
+      if (bytes == 0) continue;
+      p.charges.push_back({uuids[g].empty() ? format_gpu_uuid(policy.gpus[g].uuid) : uuids[g], bytes});
+      p.total_bytes += bytes;
+    }
+    if (slot.state.load(std::memory_order_acquire) == ledger::kSlotFree && p.total_bytes == 0) continue;
+    const int32_t owner = ledger::slot_owner_pid(l, s);
+    p.running = owner != 0;
+    if (owner > 0) p.host_pid = owner;
+    p.pid = slot.pid.load(std::memory_order_relaxed);
+    p.comm = bounded(slot.comm, sizeof slot.comm);
+    t.processes.push_back(std::move(p));
+  }
+  ledger::close_ledger(&l);
+  return t;
+}
+
+// The pid holding fracgpud's pid-file lock, if any: a daemon that runs but
+// has no tenant to heartbeat in is still seen.
+std::optional<int32_t> pid_file_holder(const std::string& run_dir) {
+  const std::string path = (fs::path(run_dir) / kPidFileName).string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  const bool held = fcntl(fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+  ::close(fd);
+  if (!held) return std::nullopt;
+  return fl.l_pid;
+}
+
+DaemonStatus daemon_status(const StatusReport& report) {
+  DaemonStatus d;
+  const TenantStatus* freshest = nullptr;
+  for (const TenantStatus& t : report.tenants)
+    if (t.error.empty() && t.heartbeat_ns != 0 && (freshest == nullptr || t.heartbeat_ns > freshest->heartbeat_ns))
+      freshest = &t;
+  const std::optional<int32_t> holder = pid_file_holder(report.run_dir);
+  if (freshest != nullptr) {
+    const uint64_t now = monotonic_ns();
+    d.heartbeat_age_ms = now > freshest->heartbeat_ns ? (now - freshest->heartbeat_ns) / 1'000'000 : 0;
+    d.alive = *d.heartbeat_age_ms < kHeartbeatFreshMs && freshest->daemon_pid != 0;
+    if (freshest->daemon_pid != 0) d.pid = freshest->daemon_pid;
+  } else {
+    d.alive = holder.has_value();
+  }
+  if (holder && *holder > 0) d.pid = holder;  // in our PID namespace, unlike the ledger's
+  return d;
+}
+
+std::string render_table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (width.size() <= c) width.push_back(0);
+      width[c] = std::max(width[c], row[c].size());
+    }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string format_share(uint32_t ppm) { return ppm == 0 ? "-" : format_gpus(ppm); }
+
+std::string format_age(uint64_t ms) { return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0); }
+
+}  // namespace
+
+bool StatusReport::all_ledgers_read() const {
+  return std::all_of(tenants.begin(), tenants.end(), [](const TenantStatus& t) { return t.error.empty(); });
+}
+
+std::string default_run_dir() {
+  const char* env = std::getenv("FRACGPU_RUN_DIR");
+  return env != nullptr && *env != '\0' ? env : "/run/fracgpu";
+}
+
+std::optional<StatusReport> collect_status(const std::string& run_dir, std::string* error) {
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec)) {
+    *error = fmt::format("{}: {}", run_dir, ec ? ec.message() : "not a directory (is fracgpud running? see --run-dir)");
+    return std::nullopt;
+  }
+  StatusReport report;
+  report.run_dir = run_dir;
+  const fs::path tenants = fs::path(run_dir) / kTenantsDirName;
+  if (fs::exists(tenants, ec)) {
+    fs::directory_iterator it(tenants, ec);
+    if (ec) {
+      *error = fmt::format("{}: {}", tenants.string(), ec.message());
+      return std::nullopt;
+    }
+    for (const auto& entry : it)
+      if (entry.is_directory(ec))
+        report.tenants.push_back(read_tenant(entry.path().filename().string(), entry.path().string()));
+  }
+  std::sort(report.tenants.begin(), report.tenants.end(),
+            [](const TenantStatus& a, const TenantStatus& b) { return a.name < b.name; });
+  report.daemon = daemon_status(report);
+  return report;
+}
+
+nlohmann::ordered_json status_to_json(const StatusReport& report) {
+  using json = nlohmann::ordered_json;
+  auto optional = [](const auto& v) { return v ? json(*v) : json(nullptr); };
+  json tenants = json::array();
+  for (const TenantStatus& t : report.tenants) {
+    json gpus = json::array();
+    for (const GpuEntryStatus& g : t.gpus)
+      gpus.push_back({{"entry", g.entry},
+                      {"uuid", g.uuid},
+                      {"state", g.state},
+                      {"memory_quota", optional(g.memory_quota)},
+                      {"memory_used", g.memory_used},
+                      {"context_memory", g.context_memory},
+                      {"share_ppm", g.share_ppm},
+                      {"limit_ppm", g.limit_ppm},
+                      {"count_managed_memory", g.count_managed}});
+    json processes = json::array();
+    for (const ProcessStatus& p : t.processes) {
+      json charges = json::array();
+      for (const ProcessCharge& c : p.charges) charges.push_back({{"uuid", c.uuid}, {"bytes", c.bytes}});
+      processes.push_back({{"slot", p.slot},
+                           {"host_pid", optional(p.host_pid)},
+                           {"pid", p.pid},
+                           {"comm", p.comm},
+                           {"running", p.running},
+                           {"charges", charges},
+                           {"total_bytes", p.total_bytes}});
+    }
+    tenants.push_back({{"name", t.name},
+                       {"dir", t.dir},
+                       {"error", t.error.empty() ? json(nullptr) : json(t.error)},
+                       {"policy_generation", t.generation},
+                       {"gpus", gpus},
+                       {"processes", processes}});
+  }
+  return {{"schema_version", kStatusSchemaVersion},
+          {"run_dir", report.run_dir},
+          {"daemon",
+           {{"alive", report.daemon.alive},
+            {"pid", optional(report.daemon.pid)},
+            {"heartbeat_age_ms", optional(report.daemon.heartbeat_age_ms)}}},
+          {"tenants", tenants}};
+}
+
+std::string status_to_text(const StatusReport& report) {
+  std::string out = fmt::format("run dir: {}\n", report.run_dir);
+  const DaemonStatus& d = report.daemon;
+  const std::string pid = d.pid ? fmt::format("pid {}", *d.pid) : "pid unknown";
+  if (d.alive)
+    out += fmt::format("daemon:  alive ({}{})\n", pid,
+                       d.heartbeat_age_ms ? ", heartbeat " + format_age(*d.heartbeat_age_ms) + " ago" : "");
+  else if (d.heartbeat_age_ms)
+    out += fmt::format("daemon:  NOT RUNNING{} (last heartbeat {} ago)\n", d.pid ? " or hung, " + pid : "",
+                       format_age(*d.heartbeat_age_ms));
+  else
+    out += "daemon:  NOT RUNNING\n";
+
+  // Per GPU, then tenant: who holds what on each device.
+  struct Row {
+    std::string uuid;
+    const TenantStatus* tenant;
+    const GpuEntryStatus* gpu;
+  };
+  std::vector<Row> rows;
+  for (const TenantStatus& t : report.tenants)
+    for (const GpuEntryStatus& g : t.gpus) rows.push_back({g.uuid, &t, &g});
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.uuid < b.uuid; });
+  std::vector<std::vector<std::string>> gpu_table{{"GPU", "TENANT", "STATE", "SHARE", "QUOTA", "USED", "PROCS"}};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    size_t procs = 0;
+    for (const ProcessStatus& p : r.tenant->processes)
+      for (const ProcessCharge& c : p.charges) procs += c.uuid == r.uuid ? 1 : 0;
+    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
+                         format_share(r.gpu->share_ppm),
+                         r.gpu->memory_quota ? format_size(*r.gpu->memory_quota) : "unlimited",
+                         format_size(r.gpu->memory_used), std::to_string(procs)});
+  }
+  // Readable tenants without any GPU entry still get a line: they exist.
+  for (const TenantStatus& t : report.tenants)
+    if (t.error.empty() && t.gpus.empty())
+      gpu_table.push_back({"-", t.name, "no GPU", "-", "-", "-", std::to_string(t.processes.size())});
+  out += "\n";
+  out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
+
+  std::vector<std::vector<std::string>> proc_table{{"TENANT", "HOST PID", "PID", "COMM", "STATUS", "GPU", "CHARGE"}};
+  for (const TenantStatus& t : report.tenants) {
+    for (const ProcessStatus& p : t.processes) {
+      // "?": running in a PID namespace this CLI cannot see into.
+      const std::string host = p.host_pid ? std::to_string(*p.host_pid) : p.running ? "?" : "-";
+      const std::string status = p.running ? "running" : "exited";
+      if (p.charges.empty()) proc_table.push_back({t.name, host, std::to_string(p.pid), p.comm, status, "-", "0 B"});
+      for (const ProcessCharge& c : p.charges)
+        proc_table.push_back({t.name, host, std::to_string(p.pid), p.comm, status, c.uuid, format_size(c.bytes)});
+    }
+  }
+  if (proc_table.size() > 1) out += "\n" + render_table(proc_table);
+
+  std::string errors;
+  for (const TenantStatus& t : report.tenants)
+    if (!t.error.empty()) errors += fmt::format("  {}: {}\n", t.name, t.error);
+  if (!errors.empty()) out += "\nunreadable ledgers:\n" + errors;
+  return out;
+}
+
+}  // namespace fracgpu::controller

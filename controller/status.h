@@ -1,0 +1,89 @@
+// `fracgpu status`: a snapshot of every tenant ledger under a run dir, read
+// only (the CLI never writes a ledger), rendered as a table or as JSON.
+// The JSON schema is documented in docs/configuration.md ("Status JSON").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace fracgpu::controller {
+
+// `fracgpu` exit codes.
+inline constexpr int kStatusOk = 0;            // every ledger was read
+inline constexpr int kStatusNoRunDir = 1;      // the run dir cannot be read
+inline constexpr int kStatusBadLedger = 2;     // printed, but some ledger could not be read
+inline constexpr int kStatusUsage = 64;        // bad command line
+inline constexpr int kStatusInternal = 70;     // a bug: an unexpected exception
+
+// The daemon counts as alive while its heartbeat is younger than this.
+inline constexpr uint64_t kHeartbeatFreshMs = 2000;
+inline constexpr int kStatusSchemaVersion = 1;
+
+struct GpuEntryStatus {
+  uint32_t entry = 0;  // index in the ledger's GPU table
+  std::string uuid;
+  std::string state;                   // "granted" or "revoked"
+  std::optional<uint64_t> memory_quota;  // nullopt: unlimited
+  uint64_t memory_used = 0;
+  uint64_t context_memory = 0;
+  uint32_t share_ppm = 0;
+  uint32_t limit_ppm = 0;
+  bool count_managed = false;
+};
+
+struct ProcessCharge {
+  std::string uuid;
+  uint64_t bytes = 0;
+};
+
+struct ProcessStatus {
+  uint32_t slot = 0;
+  std::optional<int32_t> host_pid;  // the slot lock's holder as we see it; nullopt if invisible or gone
+  int32_t pid = 0;                  // as the process sees itself (its own PID namespace)
+  std::string comm;
+  bool running = false;  // it holds its slot lock; false: exited, awaiting reclaim
+  std::vector<ProcessCharge> charges;
+  uint64_t total_bytes = 0;
+};
+
+struct TenantStatus {
+  std::string name;
+  std::string dir;
+  std::string error;  // non-empty: the ledger could not be read; nothing else is set
+  uint64_t generation = 0;
+  uint64_t heartbeat_ns = 0;  // CLOCK_MONOTONIC, 0 if never
+  int32_t daemon_pid = 0;
+  std::vector<GpuEntryStatus> gpus;
+  std::vector<ProcessStatus> processes;
+};
+
+struct DaemonStatus {
+  bool alive = false;
+  std::optional<int32_t> pid;
+  std::optional<uint64_t> heartbeat_age_ms;  // the freshest heartbeat in any ledger
+};
+
+struct StatusReport {
+  std::string run_dir;
+  DaemonStatus daemon;
+  std::vector<TenantStatus> tenants;  // by name
+
+  bool all_ledgers_read() const;
+};
+
+// The run dir to use when none is given: $FRACGPU_RUN_DIR, else /run/fracgpu.
+std::string default_run_dir();
+
+// Reads every <run_dir>/tenants/* ledger. nullopt (and *error) only when the
+// run dir itself cannot be read; a bad ledger is reported in its TenantStatus.
+std::optional<StatusReport> collect_status(const std::string& run_dir, std::string* error);
+
+// Keys keep the documented order (ordered_json), so diffs and eyes can follow.
+nlohmann::ordered_json status_to_json(const StatusReport& report);
+std::string status_to_text(const StatusReport& report);
+
+}  // namespace fracgpu::controller

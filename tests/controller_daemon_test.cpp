@@ -1,0 +1,387 @@
+// fracgpud end to end: the real binary on the simulated driver, against a
+// temporary run dir, with stand-in tenant processes attached to the ledgers.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "controller_test_util.h"
+#include "gpu_discovery.h"
+#include "ledger.h"
+#include "uuid.h"
+
+using namespace fracgpu;
+using namespace fracgpu::testing;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+const std::string kUuid = "GPU-5a1c0de0-0000-4000-8000-000000000001";
+const std::string kUuid2 = "GPU-5a1c0de0-0000-4000-8000-000000000002";
+// Two simulated 16 GiB GPUs.
+const std::string kDevices = "uuid=" + kUuid + ",name=Sim A,mem=16GiB,ctx=64MiB;uuid=" + kUuid2 + ",name=Sim B,mem=16GiB,ctx=64MiB";
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (pid_t pid : children_) kill_and_reap(pid);
+    kill_and_reap(daemon_);
+  }
+
+  // alice: a fraction of GPU 0; bob: an explicit quota on GPU 0.
+  static std::string config(const std::string& run_dir, const std::string& alice_gpus, bool with_bob = true) {
+    std::string text = "[daemon]\nrun_dir = \"" + run_dir + "\"\nreap_interval_ms = 50\nlog_level = \"debug\"\n" +
+                       "[[gpu]]\nindex = 0\ncontext_memory = \"128MiB\"\n"
+                       "[[tenant]]\nname = \"alice\"\ngpus = " + alice_gpus + "\ndevices = [0]\n";
+    if (with_bob) text += "[[tenant]]\nname = \"bob\"\ncount_managed = false\nmemory = { \"0\" = \"2GiB\" }\n";
+    return text;
+  }
+
+  void write_config(const std::string& text) { write_file(config_path_, text); }
+
+  // Runs a binary with the simulated driver; stdout and stderr go to `log`.
+  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::string& devices = kDevices) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      setenv("LD_LIBRARY_PATH", SIMCUDA_DIR, 1);
+      setenv("SIMCUDA_DEVICES", devices.c_str(), 1);
+      unsetenv("SIMCUDA_STATE");  // private simulated state: the daemon only lists GPUs
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    return pid;
+  }
+
+  // Runs fracgpud to completion (--check, or a start that must fail).
+  int run_daemon(const std::vector<std::string>& extra, std::string* output, const std::string& devices = kDevices) {
+    std::vector<std::string> args{FRACGPUD_PATH, "--config", config_path_};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const std::string log = tmp_ / "run-once.log";
+    fs::remove(log);
+    const int rc = wait_exit(spawn(args, log, devices), 10s);
+    *output = read_file(log);
+    return rc;
+  }
+
+  // Starts fracgpud and waits until it heartbeats into alice's ledger.
+  pid_t start_daemon() {
+    const pid_t pid = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_);
+    const bool up = eventually([&] {
+      ledger::TenantLedger l;
+      if (!open_tenant("alice", &l)) return false;
+      const bool ours = l.policy->daemon_pid.load() == pid;
+      ledger::close_ledger(&l);
+      return ours;
+    });
+    EXPECT_TRUE(up) << "fracgpud did not come up; its log:\n" << read_file(log_path_);
+    return pid;
+  }
+
+  bool open_tenant(const std::string& name, ledger::TenantLedger* out) {
+    char err[256];
+    return ledger::open_ledger(tenant_dir(name).c_str(), ledger::AccessMode::kReadOnly, nullptr, out, err, sizeof err) ==
+           ledger::LedgerError::kOk;
+  }
+
+  // A read-only mapping kept for the test's duration, as a tenant process would.
+  ledger::TenantLedger map_tenant(const std::string& name) {
+    ledger::TenantLedger l;
+    EXPECT_TRUE(open_tenant(name, &l)) << name;
+    return l;
+  }
+
+  std::string tenant_dir(const std::string& name) const { return run_dir_ + "/tenants/" + name; }
+
+  bool log_contains(const std::string& text) const { return read_file(log_path_).find(text) != std::string::npos; }
+
+  static int entry_of(const ledger::PolicySegment& policy, const std::string& uuid) {
+    return ledger::find_gpu(policy, controller::parse_gpu_uuid(uuid)->data());
+  }
+
+  TempDir tmp_;
+  std::string run_dir_ = tmp_ / "run";
+  std::string config_path_ = tmp_ / "fracgpud.toml";
+  std::string log_path_ = tmp_ / "fracgpud.log";
+  std::vector<pid_t> children_;
+  pid_t daemon_ = -1;
+};
+
+TEST_F(DaemonTest, CreatesLedgersWithTheConfiguredQuotas) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ledger::TenantLedger alice = map_tenant("alice");
+  ASSERT_TRUE(alice.is_open());
+  EXPECT_STREQ(alice.policy->tenant, "alice");
+  const int a = entry_of(*alice.policy, kUuid);
+  ASSERT_EQ(a, 0);
+  const ledger::GpuPolicy& ga = alice.policy->gpus[a];
+  EXPECT_EQ(ga.state.load(), ledger::kGpuGranted);
+  EXPECT_EQ(ga.memory_quota.load(), 8 * kGiB);
+  EXPECT_EQ(ga.context_memory.load(), 128ull << 20);
+  EXPECT_EQ(ga.flags.load(), uint32_t{ledger::kCountManagedMemory});
+  EXPECT_EQ(ga.share_ppm.load(), 500'000u);
+  EXPECT_EQ(ga.limit_ppm.load(), 500'000u);
+  EXPECT_GE(alice.policy->generation.load(), 1u);
+  EXPECT_NE(alice.policy->daemon_heartbeat_ns.load(), 0u);
+  // No other GPU entry was touched.
+  EXPECT_EQ(alice.policy->gpus[1].state.load(), ledger::kGpuUnused);
+
+  ledger::TenantLedger bob = map_tenant("bob");
+  const ledger::GpuPolicy& gb = bob.policy->gpus[entry_of(*bob.policy, kUuid)];
+  EXPECT_EQ(gb.state.load(), ledger::kGpuGranted);
+  EXPECT_EQ(gb.memory_quota.load(), 2 * kGiB);
+  EXPECT_EQ(gb.flags.load(), 0u);
+  EXPECT_EQ(gb.share_ppm.load(), 0u);
+
+  EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
+  ledger::close_ledger(&alice);
+  ledger::close_ledger(&bob);
+}
+
+TEST_F(DaemonTest, SighupChangesAQuotaInPlaceInAnotherProcesssMapping) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ledger::TenantLedger alice = map_tenant("alice");  // mapped before the reload, kept across it
+  const ledger::GpuPolicy& g = alice.policy->gpus[0];
+  ASSERT_EQ(g.memory_quota.load(), 8 * kGiB);
+  const uint64_t generation = alice.policy->generation.load();
+
+  write_config(config(run_dir_, "0.25"));
+  ASSERT_EQ(kill(daemon_, SIGHUP), 0);
+  EXPECT_TRUE(eventually([&] { return g.memory_quota.load() == 4 * kGiB; })) << read_file(log_path_);
+  EXPECT_EQ(g.share_ppm.load(), 250'000u);
+  EXPECT_EQ(g.state.load(), ledger::kGpuGranted);
+  EXPECT_GT(alice.policy->generation.load(), generation);
+  ledger::close_ledger(&alice);
+}
+
+TEST_F(DaemonTest, LoweringAQuotaBelowUseFreesNothing) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  const pid_t worker = spawn_tenant_process(tenant_dir("alice"), 0, 6 * kGiB);
+  ASSERT_GT(worker, 0);
+  children_.push_back(worker);
+  ledger::TenantLedger alice = map_tenant("alice");
+  write_config(config(run_dir_, "0.25"));
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return alice.policy->gpus[0].memory_quota.load() == 4 * kGiB; }));
+  std::this_thread::sleep_for(200ms);  // several reap passes
+  EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 6 * kGiB);
+  EXPECT_EQ(waitpid(worker, nullptr, WNOHANG), 0) << "the tenant process must keep running";
+  ledger::close_ledger(&alice);
+}
+
+TEST_F(DaemonTest, InvalidReloadKeepsTheOldPolicy) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ledger::TenantLedger alice = map_tenant("alice");
+  const uint64_t generation = alice.policy->generation.load();
+
+  write_config(config(run_dir_, "0.25") + "[[tenant]]\nname = \"carol\"\ngpus = 0.8\nmemroy = 1\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload rejected"); })) << read_file(log_path_);
+  EXPECT_TRUE(log_contains("fracgpud.toml:19: tenant \"carol\": unknown key \"memroy\""));
+  EXPECT_TRUE(log_contains("cannot place gpus = 0.8"));  // every error, not only the first
+  EXPECT_EQ(alice.policy->gpus[0].memory_quota.load(), 8 * kGiB);
+  EXPECT_EQ(alice.policy->generation.load(), generation);
+  EXPECT_FALSE(fs::exists(tenant_dir("carol")));
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << "the daemon must keep running";
+
+  // A good config afterwards is applied as usual.
+  write_config(config(run_dir_, "0.25"));
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(eventually([&] { return alice.policy->gpus[0].memory_quota.load() == 4 * kGiB; }));
+  ledger::close_ledger(&alice);
+}
+
+TEST_F(DaemonTest, RemovedTenantIsRevokedAndItsDirectoryKept) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ledger::TenantLedger bob = map_tenant("bob");
+  write_config(config(run_dir_, "0.5", /*with_bob=*/false));
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(eventually([&] { return bob.policy->gpus[0].state.load() == ledger::kGpuRevoked; }));
+  EXPECT_TRUE(fs::exists(tenant_dir("bob") + "/policy"));
+  EXPECT_TRUE(fs::exists(tenant_dir("bob") + "/usage"));
+  // Back in the config: the same entry is granted again.
+  write_config(config(run_dir_, "0.5"));
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(eventually([&] { return bob.policy->gpus[0].state.load() == ledger::kGpuGranted; }));
+  ledger::close_ledger(&bob);
+}
+
+TEST_F(DaemonTest, KilledProcessIsReclaimedWithinASecond) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ledger::TenantLedger alice = map_tenant("alice");
+  const pid_t worker = spawn_tenant_process(tenant_dir("alice"), 0, 1 * kGiB);
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(ledger::tenant_used(*alice.usage, 0), 1 * kGiB);
+
+  kill_and_reap(worker);
+  const auto killed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(eventually([&] { return ledger::tenant_used(*alice.usage, 0) == 0; }, 3s));
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 1s);
+  EXPECT_EQ(alice.usage->slots[0].state.load(), ledger::kSlotFree);
+  EXPECT_TRUE(eventually([&] { return log_contains("reclaimed slot 0 of dead process"); }));
+  EXPECT_TRUE(log_contains("(trainer): 1 GiB released"));
+  ledger::close_ledger(&alice);
+}
+
+TEST_F(DaemonTest, RestartAfterSigkillReadoptsLedgersAndKeepsLiveCharges) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  const pid_t worker = spawn_tenant_process(tenant_dir("alice"), 0, 3 * kGiB);
+  ASSERT_GT(worker, 0);
+  children_.push_back(worker);
+  ledger::TenantLedger alice = map_tenant("alice");
+  const uint64_t generation = alice.policy->generation.load();
+
+  kill_and_reap(daemon_);
+  daemon_ = start_daemon();
+  EXPECT_EQ(alice.policy->daemon_pid.load(), daemon_);
+  EXPECT_EQ(alice.policy->gpus[0].memory_quota.load(), 8 * kGiB);
+  EXPECT_EQ(alice.policy->generation.load(), generation) << "re-adopting an unchanged policy must not rewrite it";
+  std::this_thread::sleep_for(200ms);  // several reap passes of the new daemon
+  EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 3 * kGiB);
+  EXPECT_EQ(alice.usage->slots[0].state.load(), ledger::kSlotLive);
+  EXPECT_EQ(ledger::slot_owner_pid(alice, 0), worker);
+  EXPECT_TRUE(log_contains("started"));
+
+  // The new daemon reaps what the old one left.
+  kill_and_reap(worker);
+  EXPECT_TRUE(eventually([&] { return ledger::tenant_used(*alice.usage, 0) == 0; }, 1s));
+  ledger::close_ledger(&alice);
+}
+
+TEST_F(DaemonTest, CorruptLedgersAreLeftAloneAndReported) {
+  // carol: a policy file of the right size with someone else's bytes;
+  // dave: a policy file of the wrong size.
+  const std::string garbage(sizeof(ledger::PolicySegment), '\xab');
+  write_file(tenant_dir("carol") + "/policy", garbage);
+  write_file(tenant_dir("dave") + "/policy", "not a ledger");
+  write_config(config(run_dir_, "0.25") + "[[tenant]]\nname = \"carol\"\ngpus = 0.25\n" +
+               "[[tenant]]\nname = \"dave\"\ngpus = 0.25\n");
+  daemon_ = start_daemon();  // alice is served regardless
+  EXPECT_TRUE(eventually([&] { return log_contains("tenant \"dave\": ledger left alone"); }));
+  EXPECT_TRUE(log_contains("tenant \"carol\": ledger left alone and tenant skipped (foreign segment)"));
+  EXPECT_TRUE(log_contains(tenant_dir("carol") + "/policy"));
+  EXPECT_EQ(read_file(tenant_dir("carol") + "/policy"), garbage);
+  EXPECT_EQ(read_file(tenant_dir("dave") + "/policy"), "not a ledger");
+  EXPECT_FALSE(fs::exists(tenant_dir("carol") + "/usage"));
+  // Still left alone after a reload, and the daemon keeps serving.
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(eventually([&] { return log_contains("reload applied"); }));
+  EXPECT_EQ(read_file(tenant_dir("carol") + "/policy"), garbage);
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0);
+}
+
+TEST_F(DaemonTest, SigtermExitsZeroAndLeavesTheLedgers) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  ASSERT_EQ(kill(daemon_, SIGTERM), 0);
+  EXPECT_EQ(wait_exit(daemon_), 0);
+  daemon_ = -1;
+  ledger::TenantLedger alice = map_tenant("alice");
+  EXPECT_EQ(alice.policy->gpus[0].state.load(), ledger::kGpuGranted);  // tenants keep running
+  EXPECT_EQ(alice.policy->daemon_pid.load(), 0);                        // a clean stop says so
+  ledger::close_ledger(&alice);
+  EXPECT_EQ(read_file(run_dir_ + "/fracgpud.pid"), "");
+}
+
+TEST_F(DaemonTest, SigintExitsZero) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  kill(daemon_, SIGINT);
+  EXPECT_EQ(wait_exit(daemon_), 0);
+  daemon_ = -1;
+}
+
+TEST_F(DaemonTest, InvalidConfigAtStartExits2AndChangesNothing) {
+  write_config(config(run_dir_, "1.5"));  // one GPU configured
+  std::string output;
+  EXPECT_EQ(run_daemon({}, &output), 2);
+  EXPECT_NE(output.find(config_path_ + ":11: tenant \"alice\": devices lists 1 GPU(s) but gpus = 1.5"), std::string::npos)
+      << output;
+  EXPECT_NE(output.find("nothing was changed"), std::string::npos);
+  EXPECT_FALSE(fs::exists(run_dir_));
+}
+
+TEST_F(DaemonTest, CheckValidatesWithoutTouchingAnything) {
+  write_config(config(run_dir_, "0.5"));
+  std::string output;
+  EXPECT_EQ(run_daemon({"--check"}, &output), 0) << output;
+  EXPECT_NE(output.find("valid (1 GPU(s), 2 tenant(s))"), std::string::npos) << output;
+  EXPECT_NE(output.find("tenant \"alice\": GPU 0 (" + kUuid + "): share 0.5, memory quota 8 GiB"), std::string::npos);
+  EXPECT_FALSE(fs::exists(run_dir_));
+
+  write_config(config(run_dir_, "0.5") + "[daemon]\n");  // a table defined twice
+  EXPECT_EQ(run_daemon({"--check"}, &output), 1);
+  EXPECT_NE(output.find(config_path_ + ":"), std::string::npos);
+  EXPECT_NE(output.find("TOML syntax error"), std::string::npos) << output;
+}
+
+TEST_F(DaemonTest, BadCommandLineIsAUsageError) {
+  std::string output;
+  EXPECT_EQ(run_daemon({"--log-level", "chatty"}, &output), 64);
+  EXPECT_NE(output.find("not a log level"), std::string::npos);
+  const pid_t pid = spawn({FRACGPUD_PATH}, tmp_ / "usage.log");
+  EXPECT_EQ(wait_exit(pid), 64);
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameRunDirIsRefused) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  std::string output;
+  EXPECT_EQ(run_daemon({}, &output), 3);
+  EXPECT_NE(output.find("another fracgpud (pid " + std::to_string(daemon_) + ") already manages"), std::string::npos)
+      << output;
+  EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
+}
+
+TEST_F(DaemonTest, NodeWithoutGpusGetsAClearMessage) {
+  write_config(config(run_dir_, "0.5"));
+  std::string output;
+  EXPECT_EQ(run_daemon({"--check"}, &output, /*devices=*/""), 1);
+  EXPECT_NE(output.find("GPU index 0 is not present on this node"), std::string::npos) << output;
+}
+
+TEST(Discovery, FindsTheSimulatedGpus) {
+  setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
+  unsetenv("SIMCUDA_STATE");
+  const controller::Discovery d = controller::discover_gpus(SIMCUDA_DIR "/libcuda.so.1");
+  EXPECT_EQ(d.problem, "");
+  ASSERT_EQ(d.gpus.size(), 2u);
+  EXPECT_EQ(d.gpus[0].index, 0);
+  EXPECT_EQ(d.gpus[0].uuid, kUuid);
+  EXPECT_EQ(d.gpus[0].name, "Sim A");
+  EXPECT_EQ(d.gpus[0].memory_bytes, 16 * kGiB);
+  EXPECT_EQ(d.gpus[1].index, 1);
+  EXPECT_EQ(d.gpus[1].uuid, kUuid2);
+}
+
+TEST(Discovery, MissingDriverIsAProblemNotACrash) {
+  const controller::Discovery d = controller::discover_gpus("/nonexistent/libcuda.so.1");
+  EXPECT_TRUE(d.gpus.empty());
+  EXPECT_NE(d.problem.find("cannot load the CUDA driver (/nonexistent/libcuda.so.1)"), std::string::npos) << d.problem;
+}
+
+}  // namespace

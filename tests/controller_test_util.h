@@ -1,0 +1,117 @@
+// Helpers shared by the controller tests: temporary directories, polling, and
+// a stand-in tenant process that attaches to a ledger as the interposer does.
+#pragma once
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "ledger.h"
+
+namespace fracgpu::testing {
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/fracgpu-ctl-XXXXXX";
+    if (mkdtemp(tmpl) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& rel) const { return path_ + "/" + rel; }
+
+ private:
+  std::string path_;
+};
+
+inline void write_file(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// Polls `done` every 5 ms until it holds or `timeout` passes.
+inline bool eventually(const std::function<bool()>& done,
+                       std::chrono::milliseconds timeout = std::chrono::milliseconds(5000)) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// Exit status of `pid` if it ends within `timeout`; -1 if it is still
+// running (then left running), -2 if it died by a signal.
+inline int wait_exit(pid_t pid, std::chrono::milliseconds timeout = std::chrono::milliseconds(5000)) {
+  int status = 0;
+  const bool ended = eventually([&] { return waitpid(pid, &status, WNOHANG) == pid; }, timeout);
+  if (!ended) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+}
+
+inline void kill_and_reap(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
+// Forks a process that attaches to the tenant ledger in `dir` the way the
+// interposer does (claims a slot, charges `bytes` on GPU entry `gpu`), then
+// sleeps until killed. Returns its pid once it holds the charge, or -1.
+inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t bytes, const char* comm = "trainer") {
+  int ready[2];
+  if (pipe(ready) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    close(ready[0]);
+    prctl(PR_SET_NAME, comm);
+    char result = 0;
+    ledger::TenantLedger l;
+    char err[256];
+    ledger::ProcessIdentity self{};
+    if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kTenant, nullptr, &l, err, sizeof err) ==
+            ledger::LedgerError::kOk &&
+        ledger::read_self_identity(&self)) {
+      ledger::LedgerError e{};
+      const int slot = ledger::claim_slot(l, self, &e);
+      if (slot >= 0 && ledger::try_charge(*l.policy, *l.usage, gpu, static_cast<uint32_t>(slot), bytes)) result = 1;
+    }
+    if (write(ready[1], &result, 1) != 1 || result == 0) _exit(1);
+    for (;;) pause();
+  }
+  close(ready[1]);
+  char result = 0;
+  const bool ok = read(ready[0], &result, 1) == 1 && result == 1;
+  close(ready[0]);
+  if (!ok) {
+    kill_and_reap(pid);
+    return -1;
+  }
+  return pid;
+}
+
+}  // namespace fracgpu::testing

@@ -1,0 +1,22 @@
+# Controller tests: config validation, the daemon end to end on the simulated
+# driver, and the status CLI. Included from tests/CMakeLists.txt after
+# add_subdirectory(simcuda) (GTest and GoogleTest are already loaded there).
+
+add_executable(controller_config_test controller_config_test.cpp)
+target_link_libraries(controller_config_test PRIVATE fracgpu_controller GTest::gtest_main)
+# The shipped example config is tested too, so it cannot rot.
+target_compile_definitions(controller_config_test PRIVATE FRACGPU_EXAMPLES_DIR="${PROJECT_SOURCE_DIR}/examples")
+gtest_discover_tests(controller_config_test DISCOVERY_TIMEOUT 30)
+
+# The daemon and CLI tests run the real binaries against temporary run dirs;
+# fracgpud finds GPUs through simcuda's libcuda.so.1 (LD_LIBRARY_PATH).
+foreach(name controller_daemon_test controller_cli_test)
+  add_executable(${name} ${name}.cpp)
+  target_link_libraries(${name} PRIVATE fracgpu_controller GTest::gtest_main)
+  target_compile_definitions(${name} PRIVATE
+    FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+    FRACGPU_CLI_PATH="$<TARGET_FILE:fracgpu_cli>"
+    SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
+  add_dependencies(${name} fracgpud fracgpu_cli simcuda)
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
+endforeach()
