@@ -32,11 +32,11 @@ as_tenant() {  # as_tenant NAME COMMAND...
 }
 
 echo "== alice (gpus = 0.25): one process fills its quota and holds it"
-as_tenant alice "$build/examples/quota_demo" 512 4 &
+as_tenant alice "$build/examples/quota_demo" 1024 4 &
 first=$!
 sleep 1.5
 echo "== alice, a second process: shares what the first left"
-as_tenant alice "$build/examples/quota_demo" 512
+as_tenant alice "$build/examples/quota_demo" 256
 echo "== fracgpu status, while alice's first process holds its memory"
 "$build/controller/fracgpu" status --run-dir "$run_dir"
 wait $first

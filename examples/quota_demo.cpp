@@ -25,6 +25,7 @@ double mib(size_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // lines in order when several run at once
   const size_t chunk = (argc > 1 ? strtoull(argv[1], nullptr, 10) : 512) << 20;
   const int hold_seconds = argc > 2 ? atoi(argv[2]) : 0;
   CUresult r = cuInit(0);
