@@ -1,0 +1,604 @@
+// Modules, functions, launches, graphs, streams and events: the simulated
+// timeline. A kernel's duration comes from its name ("sleep_<N>us", else
+// 10 us) or simcuda_set_function_duration_ns.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "sim_internal.h"
+
+using namespace simcuda;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Modules and functions
+// ---------------------------------------------------------------------------
+
+CUresult new_module(CUmodule* out, Ctx* ctx, bool library) {
+  auto m = std::make_unique<Module>();
+  m->ctx = ctx;
+  m->library = library;
+  *out = reinterpret_cast<CUmodule>(m.get());
+  proc().modules[m.get()] = std::move(m);
+  return CUDA_SUCCESS;
+}
+
+CUresult load_module(CUmodule* out, const void* image) {
+  if (out == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = nullptr;
+  if (CUresult r = require_ctx(c)) return r;
+  return new_module(out, c, false);  // any image is accepted
+}
+
+Module* find_module(const void* h, bool library) {
+  auto& t = proc().modules;
+  auto it = t.find(h);
+  if (it == t.end() || it->second->library != library) return nullptr;
+  return it->second.get();
+}
+
+CUresult unload(const void* h, bool library) {
+  Process& P = proc();
+  Module* m = find_module(h, library);
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  for (auto& [name, fn] : m->functions) P.functions.erase(key(fn.get()));
+  P.modules.erase(h);
+  return CUDA_SUCCESS;
+}
+
+// Same name, same handle (as the driver). Names starting with
+// "simcuda_missing" are reported absent so not-found paths can be tested.
+CUresult get_function(void** out, const void* h, const char* name, bool library) {
+  Process& P = proc();
+  if (out == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Module* m = find_module(h, library);
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (std::strncmp(name, "simcuda_missing", 15) == 0) return CUDA_ERROR_NOT_FOUND;
+  auto it = m->functions.find(std::string_view(name));
+  if (it == m->functions.end()) {
+    auto fn = std::make_shared<Function>();
+    fn->name = name;
+    fn->duration_ns.store(function_duration_from_name(name), std::memory_order_relaxed);
+    it = m->functions.emplace(fn->name, fn).first;
+    P.functions[fn.get()] = fn;
+  }
+  *out = it->second.get();
+  return CUDA_SUCCESS;
+}
+
+std::shared_ptr<Function> find_function(const void* f) {
+  auto& t = proc().functions;
+  auto it = t.find(f);
+  return it == t.end() ? nullptr : it->second;
+}
+
+// ---------------------------------------------------------------------------
+// Launches
+// ---------------------------------------------------------------------------
+
+CUresult check_dims(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (bx > 1024 || by > 1024 || bz > 64 || static_cast<uint64_t>(bx) * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
+  if (gy > 65535 || gz > 65535) return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+
+CUresult launch(Guard& guard, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                unsigned bz, CUstream stream, void** params, void** extra, bool ptds) {
+  auto fn = find_function(f);
+  if (fn == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (CUresult r = check_dims(gx, gy, gz, bx, by, bz)) return r;
+  if (params != nullptr && extra != nullptr) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  uint64_t d = fn->duration_ns.load(std::memory_order_relaxed);
+  guard.unlock();  // the timeline is lock-free
+  enqueue_kernel(t, d, 1);
+  return CUDA_SUCCESS;
+}
+
+CUresult launch_ex(Guard& guard, const CUlaunchConfig* config, CUfunction f, void** params, void** extra,
+                   bool ptds) {
+  if (config == nullptr || (config->numAttrs > 0 && config->attrs == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  return launch(guard, f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+                config->blockDimY, config->blockDimZ, config->hStream, params, extra, ptds);
+}
+
+// ---------------------------------------------------------------------------
+// Graphs
+// ---------------------------------------------------------------------------
+
+Graph* find_graph(CUgraph g) {
+  auto& t = proc().graphs;
+  auto it = t.find(key(g));
+  return it == t.end() ? nullptr : it->second.get();
+}
+
+CUresult add_kernel_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, size_t ndeps, CUfunction f,
+                         unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+  if (node == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Graph* graph = find_graph(g);
+  if (graph == nullptr || (ndeps > 0 && deps == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < ndeps; ++i) {
+    bool found = std::any_of(graph->nodes.begin(), graph->nodes.end(),
+                             [&](const auto& n) { return reinterpret_cast<CUgraphNode>(n.get()) == deps[i]; });
+    if (!found) return CUDA_ERROR_INVALID_VALUE;
+  }
+  auto fn = find_function(f);
+  if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = check_dims(gx, gy, gz, bx, by, bz)) return r;
+  auto n = std::make_unique<GraphNode>();
+  n->fn = fn;
+  *node = reinterpret_cast<CUgraphNode>(n.get());
+  graph->nodes.push_back(std::move(n));
+  return CUDA_SUCCESS;
+}
+
+CUresult graph_launch(Guard& guard, CUgraphExec exec, CUstream stream, bool ptds) {
+  Process& P = proc();
+  auto it = P.graph_execs.find(key(exec));
+  if (it == P.graph_execs.end()) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  // One interval on the timeline: the sum of its kernels' durations (nodes
+  // run back to back; dependencies cannot shorten a serialized device).
+  uint64_t total = 0;
+  for (const auto& fn : it->second->kernels) total += fn->duration_ns.load(std::memory_order_relaxed);
+  uint64_t kernels = it->second->kernels.size();
+  guard.unlock();
+  enqueue_kernel(t, total, kernels);
+  return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Streams and events
+// ---------------------------------------------------------------------------
+
+CUresult stream_create(CUstream* out, unsigned flags, int priority) {
+  Process& P = proc();
+  if (out == nullptr || (flags & ~static_cast<unsigned>(CU_STREAM_NON_BLOCKING)) != 0) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = nullptr;
+  if (CUresult r = require_ctx(c)) return r;
+  auto s = std::make_shared<Stream>();
+  s->dev = c->dev;
+  s->ctx = c;
+  s->flags = flags;
+  s->priority = std::clamp(priority, -5, 0);  // the range cuCtxGetStreamPriorityRange reports on H100
+  *out = reinterpret_cast<CUstream>(s.get());
+  P.streams[s.get()] = std::move(s);
+  return CUDA_SUCCESS;
+}
+
+CUresult stream_destroy(CUstream s) {
+  Process& P = proc();
+  auto it = P.streams.find(key(s));
+  if (it == P.streams.end()) return CUDA_ERROR_INVALID_HANDLE;
+  P.streams.erase(it);  // pending work still completes on the timeline
+  return CUDA_SUCCESS;
+}
+
+CUresult stream_synchronize(Guard& guard, CUstream s, bool ptds) {
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, ptds, t)) return r;
+  uint64_t until = t.tail->load(std::memory_order_acquire);
+  guard.unlock();
+  sleep_until(until);
+  guard.lock();
+  pools_release_at_sync(t.dev);
+  return CUDA_SUCCESS;
+}
+
+CUresult stream_query(CUstream s, bool ptds) {
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, ptds, t)) return r;
+  return now_ns() >= t.tail->load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+std::shared_ptr<Event> find_event(CUevent e) {
+  auto& t = proc().events;
+  auto it = t.find(key(e));
+  return it == t.end() ? nullptr : it->second;
+}
+
+CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags, bool ptds) {
+  if ((flags & ~static_cast<unsigned>(CU_EVENT_WAIT_EXTERNAL)) != 0) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, ptds, t)) return r;
+  auto ev = find_event(e);
+  if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;  // nothing to wait for
+  uint64_t ts = ev->ts.load(std::memory_order_acquire);
+  uint64_t cur = t.tail->load(std::memory_order_relaxed);
+  while (cur < ts && !t.tail->compare_exchange_weak(cur, ts, std::memory_order_acq_rel)) {
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult event_record(CUevent e, CUstream s, bool ptds) {
+  auto ev = find_event(e);
+  if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, ptds, t)) return r;
+  // Completes when the stream's earlier work does (now, if it is idle).
+  ev->ts.store(std::max(now_ns(), t.tail->load(std::memory_order_acquire)), std::memory_order_release);
+  ev->dev = t.dev;
+  ev->recorded.store(true, std::memory_order_release);
+  return CUDA_SUCCESS;
+}
+
+CUresult elapsed_time(float* ms, CUevent start, CUevent end) {
+  if (ms == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto a = find_event(start), b = find_event(end);
+  if (a == nullptr || b == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) != 0) return CUDA_ERROR_INVALID_HANDLE;
+  if (!a->recorded.load() || !b->recorded.load()) return CUDA_ERROR_INVALID_HANDLE;
+  uint64_t ta = a->ts.load(), tb = b->ts.load(), now = now_ns();
+  if (now < ta || now < tb) return CUDA_ERROR_NOT_READY;
+  *ms = static_cast<float>(static_cast<double>(static_cast<int64_t>(tb - ta)) / 1e6);
+  return CUDA_SUCCESS;
+}
+
+CUresult event_destroy(CUevent e) {
+  auto& t = proc().events;
+  auto it = t.find(key(e));
+  if (it == t.end()) return CUDA_ERROR_INVALID_HANDLE;
+  t.erase(it);
+  return CUDA_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---------------------------------------------------------------------------
+// Modules, libraries, functions
+// ---------------------------------------------------------------------------
+
+CUresult cuModuleLoad(CUmodule* module, const char* fname) {
+  SIMCUDA_LOCKED_ENTRY(cuModuleLoad);
+  if (module == nullptr || fname == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = nullptr;
+  if (CUresult r = require_ctx(c)) return r;
+  if (access(fname, R_OK) != 0) return CUDA_ERROR_FILE_NOT_FOUND;
+  return new_module(module, c, false);
+}
+
+CUresult cuModuleLoadData(CUmodule* module, const void* image) {
+  SIMCUDA_LOCKED_ENTRY(cuModuleLoadData);
+  return load_module(module, image);
+}
+
+CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int num_options, CUjit_option* options,
+                            void** values) {
+  SIMCUDA_LOCKED_ENTRY(cuModuleLoadDataEx);
+  if (num_options > 0 && (options == nullptr || values == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  return load_module(module, image);
+}
+
+CUresult cuModuleUnload(CUmodule module) {
+  SIMCUDA_LOCKED_ENTRY(cuModuleUnload);
+  return unload(key(module), false);
+}
+
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule module, const char* name) {
+  SIMCUDA_LOCKED_ENTRY(cuModuleGetFunction);
+  if (f == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  void* out = nullptr;
+  CUresult r = get_function(&out, key(module), name, false);
+  if (r == CUDA_SUCCESS) *f = static_cast<CUfunction>(out);
+  return r;
+}
+
+CUresult cuLibraryLoadData(CUlibrary* library, const void* code, CUjit_option* jit_options, void** jit_values,
+                           unsigned int num_jit, CUlibraryOption* lib_options, void** lib_values,
+                           unsigned int num_lib) {
+  SIMCUDA_LOCKED_ENTRY(cuLibraryLoadData);
+  if (library == nullptr || code == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if ((num_jit > 0 && (jit_options == nullptr || jit_values == nullptr)) ||
+      (num_lib > 0 && (lib_options == nullptr || lib_values == nullptr)))
+    return CUDA_ERROR_INVALID_VALUE;
+  CUmodule m = nullptr;
+  new_module(&m, nullptr, true);  // libraries are context-independent
+  *library = reinterpret_cast<CUlibrary>(m);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuLibraryUnload(CUlibrary library) {
+  SIMCUDA_LOCKED_ENTRY(cuLibraryUnload);
+  return unload(key(library), true);
+}
+
+CUresult cuLibraryGetKernel(CUkernel* kernel, CUlibrary library, const char* name) {
+  SIMCUDA_LOCKED_ENTRY(cuLibraryGetKernel);
+  if (kernel == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  void* out = nullptr;
+  CUresult r = get_function(&out, key(library), name, true);
+  if (r == CUDA_SUCCESS) *kernel = static_cast<CUkernel>(out);
+  return r;
+}
+
+// A CUkernel is usable wherever a CUfunction is (the driver allows the
+// cast); the sim hands out the very same handle.
+CUresult cuKernelGetFunction(CUfunction* f, CUkernel kernel) {
+  SIMCUDA_LOCKED_ENTRY(cuKernelGetFunction);
+  if (f == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = nullptr;
+  if (CUresult r = require_ctx(c)) return r;
+  if (find_function(kernel) == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  *f = reinterpret_cast<CUfunction>(kernel);
+  return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Launches
+// ---------------------------------------------------------------------------
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                        unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream, void** params,
+                        void** extra) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchKernel);
+  (void)shared_bytes;
+  return launch(guard_, f, gx, gy, gz, bx, by, bz, stream, params, extra, false);
+}
+
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                             unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream,
+                             void** params, void** extra) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchKernel_ptsz);
+  (void)shared_bytes;
+  return launch(guard_, f, gx, gy, gz, bx, by, bz, stream, params, extra, true);
+}
+
+CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchKernelEx);
+  return launch_ex(guard_, config, f, params, extra, false);
+}
+
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchKernelEx_ptsz);
+  return launch_ex(guard_, config, f, params, extra, true);
+}
+
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                   unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared_bytes,
+                                   CUstream stream, void** params) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchCooperativeKernel);
+  (void)shared_bytes;
+  return launch(guard_, f, gx, gy, gz, bx, by, bz, stream, params, nullptr, false);
+}
+
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                        unsigned int bx, unsigned int by, unsigned int bz,
+                                        unsigned int shared_bytes, CUstream stream, void** params) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchCooperativeKernel_ptsz);
+  (void)shared_bytes;
+  return launch(guard_, f, gx, gy, gz, bx, by, bz, stream, params, nullptr, true);
+}
+
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS* list, unsigned int count, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchCooperativeKernelMultiDevice);
+  (void)flags;
+  if (list == nullptr || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  // Validate everything first: the launch is all or nothing.
+  std::vector<std::pair<StreamTarget, uint64_t>> work;
+  for (unsigned i = 0; i < count; ++i) {
+    const CUDA_LAUNCH_PARAMS& p = list[i];
+    auto fn = find_function(p.function);
+    if (fn == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (CUresult r = check_dims(p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX, p.blockDimY, p.blockDimZ))
+      return r;
+    StreamTarget t;
+    if (CUresult r = resolve_stream(p.hStream, false, t)) return r;
+    work.emplace_back(t, fn->duration_ns.load(std::memory_order_relaxed));
+  }
+  guard_.unlock();
+  for (auto& [t, d] : work) enqueue_kernel(t, d, 1);
+  return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Graphs
+// ---------------------------------------------------------------------------
+
+CUresult cuGraphCreate(CUgraph* graph, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphCreate);
+  if (graph == nullptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  auto g = std::make_unique<Graph>();
+  *graph = reinterpret_cast<CUgraph>(g.get());
+  proc().graphs[g.get()] = std::move(g);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphAddKernelNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t ndeps,
+                              const CUDA_KERNEL_NODE_PARAMS_v1* p) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphAddKernelNode);
+  if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  return add_kernel_node(node, graph, deps, ndeps, p->func, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX,
+                         p->blockDimY, p->blockDimZ);
+}
+
+CUresult cuGraphAddKernelNode_v2(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t ndeps,
+                                 const CUDA_KERNEL_NODE_PARAMS* p) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphAddKernelNode_v2);
+  if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  CUfunction f = p->func != nullptr ? p->func : reinterpret_cast<CUfunction>(p->kern);
+  return add_kernel_node(node, graph, deps, ndeps, f, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX,
+                         p->blockDimY, p->blockDimZ);
+}
+
+CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long flags) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithFlags);
+  (void)flags;
+  if (exec == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Graph* g = find_graph(graph);
+  if (g == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto e = std::make_unique<GraphExec>();
+  for (const auto& n : g->nodes) e->kernels.push_back(n->fn);
+  *exec = reinterpret_cast<CUgraphExec>(e.get());
+  proc().graph_execs[e.get()] = std::move(e);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphLaunch);
+  return graph_launch(guard_, exec, stream, false);
+}
+
+CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphLaunch_ptsz);
+  return graph_launch(guard_, exec, stream, true);
+}
+
+CUresult cuGraphExecDestroy(CUgraphExec exec) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphExecDestroy);
+  return proc().graph_execs.erase(key(exec)) == 1 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuGraphDestroy(CUgraph graph) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphDestroy);
+  return proc().graphs.erase(key(graph)) == 1 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+// ---------------------------------------------------------------------------
+// Streams
+// ---------------------------------------------------------------------------
+
+CUresult cuStreamCreate(CUstream* stream, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamCreate);
+  return stream_create(stream, flags, 0);
+}
+
+CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned int flags, int priority) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamCreateWithPriority);
+  return stream_create(stream, flags, priority);
+}
+
+CUresult cuStreamDestroy(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamDestroy);
+  return stream_destroy(stream);
+}
+
+CUresult cuStreamDestroy_v2(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamDestroy_v2);
+  return stream_destroy(stream);
+}
+
+CUresult cuStreamSynchronize(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamSynchronize);
+  return stream_synchronize(guard_, stream, false);
+}
+
+CUresult cuStreamSynchronize_ptsz(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamSynchronize_ptsz);
+  return stream_synchronize(guard_, stream, true);
+}
+
+CUresult cuStreamQuery(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamQuery);
+  return stream_query(stream, false);
+}
+
+CUresult cuStreamQuery_ptsz(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamQuery_ptsz);
+  return stream_query(stream, true);
+}
+
+CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamWaitEvent);
+  return stream_wait_event(stream, event, flags, false);
+}
+
+CUresult cuStreamWaitEvent_ptsz(CUstream stream, CUevent event, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamWaitEvent_ptsz);
+  return stream_wait_event(stream, event, flags, true);
+}
+
+// ---------------------------------------------------------------------------
+// Events
+// ---------------------------------------------------------------------------
+
+CUresult cuEventCreate(CUevent* event, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuEventCreate);
+  constexpr unsigned kKnown = CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS;
+  if (event == nullptr || (flags & ~kKnown) != 0) return CUDA_ERROR_INVALID_VALUE;
+  if ((flags & CU_EVENT_INTERPROCESS) != 0 && (flags & CU_EVENT_DISABLE_TIMING) == 0) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = nullptr;
+  if (CUresult r = require_ctx(c)) return r;
+  auto e = std::make_shared<Event>();
+  e->dev = c->dev;
+  e->flags = flags;
+  *event = reinterpret_cast<CUevent>(e.get());
+  proc().events[e.get()] = std::move(e);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent event, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuEventRecord);
+  return event_record(event, stream, false);
+}
+
+CUresult cuEventRecord_ptsz(CUevent event, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuEventRecord_ptsz);
+  return event_record(event, stream, true);
+}
+
+CUresult cuEventQuery(CUevent event) {
+  SIMCUDA_LOCKED_ENTRY(cuEventQuery);
+  auto ev = find_event(event);
+  if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;
+  return now_ns() >= ev->ts.load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventSynchronize(CUevent event) {
+  SIMCUDA_LOCKED_ENTRY(cuEventSynchronize);
+  auto ev = find_event(event);
+  if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;
+  uint64_t until = ev->ts.load(std::memory_order_acquire);
+  int dev = ev->dev;
+  guard_.unlock();
+  sleep_until(until);
+  guard_.lock();
+  pools_release_at_sync(dev);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+  SIMCUDA_LOCKED_ENTRY(cuEventElapsedTime);
+  return elapsed_time(ms, start, end);
+}
+
+CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
+  SIMCUDA_LOCKED_ENTRY(cuEventElapsedTime_v2);
+  return elapsed_time(ms, start, end);
+}
+
+CUresult cuEventDestroy(CUevent event) {
+  SIMCUDA_LOCKED_ENTRY(cuEventDestroy);
+  return event_destroy(event);
+}
+
+CUresult cuEventDestroy_v2(CUevent event) {
+  SIMCUDA_LOCKED_ENTRY(cuEventDestroy_v2);
+  return event_destroy(event);
+}
+
+// ---------------------------------------------------------------------------
+// Control API: function durations
+// ---------------------------------------------------------------------------
+
+void simcuda_set_function_duration_ns(CUfunction f, uint64_t ns) {
+  Guard guard;
+  if (auto fn = find_function(f)) fn->duration_ns.store(ns, std::memory_order_relaxed);
+}
+
+uint64_t simcuda_function_duration_ns(CUfunction f) {
+  Guard guard;
+  auto fn = find_function(f);
+  return fn == nullptr ? 0 : fn->duration_ns.load(std::memory_order_relaxed);
+}
+
+}  // extern "C"

@@ -1,0 +1,148 @@
+// The control API (simcuda.h): the tests' view of the simulated GPU.
+// None of these needs cuInit; each attaches to the state on first use and
+// answers 0 (or -1) rather than failing hard.
+#include <unistd.h>
+
+#include <cstring>
+
+#include "sim_internal.h"
+
+using namespace simcuda;
+
+namespace {
+
+// Guard held. The slot describing `pid` (0: this process): a live slot if
+// there is one, else the most recently claimed retired slot of that pid.
+SharedSlot* slot_of(int pid) {
+  Process& P = proc();
+  if (pid == 0) pid = static_cast<int>(getpid());
+  SharedSlot* best = nullptr;
+  for (auto& sl : P.S->slots) {
+    uint32_t st = sl.state.load(std::memory_order_acquire);
+    if (st == kSlotFree || sl.pid.load(std::memory_order_relaxed) != pid) continue;
+    if (st == kSlotLive) return &sl;
+    if (best == nullptr || sl.seq.load() > best->seq.load()) best = &sl;
+  }
+  return best;
+}
+
+bool attached_device(int ordinal) { return attach() && valid_device(ordinal); }
+
+}  // namespace
+
+extern "C" {
+
+int simcuda_device_count(void) {
+  Guard guard;
+  return attach() ? device_count() : -1;
+}
+
+uint64_t simcuda_device_capacity(int ordinal) {
+  Guard guard;
+  return attached_device(ordinal) ? S()->devices[ordinal].capacity : 0;
+}
+
+uint64_t simcuda_device_ctx_bytes(int ordinal) {
+  Guard guard;
+  return attached_device(ordinal) ? S()->devices[ordinal].ctx_bytes : 0;
+}
+
+uint64_t simcuda_device_used(int ordinal) {
+  Guard guard;
+  if (!attached_device(ordinal)) return 0;
+  StateLock lock;  // drops dead processes first
+  return sum_live_locked(ordinal);
+}
+
+uint64_t simcuda_device_peak(int ordinal) {
+  Guard guard;
+  if (!attached_device(ordinal)) return 0;
+  StateLock lock;
+  return S()->devices[ordinal].peak.load(std::memory_order_relaxed);
+}
+
+void simcuda_reset_peak(int ordinal) {
+  Guard guard;
+  if (!attached_device(ordinal)) return;
+  StateLock lock;
+  S()->devices[ordinal].peak.store(sum_live_locked(ordinal), std::memory_order_relaxed);
+}
+
+uint64_t simcuda_process_used(int ordinal, int pid) {
+  Guard guard;
+  if (!attached_device(ordinal)) return 0;
+  StateLock lock;
+  SharedSlot* sl = slot_of(pid);
+  if (sl == nullptr || sl->state.load(std::memory_order_acquire) != kSlotLive) return 0;
+  return sl->used[ordinal].load(std::memory_order_relaxed);
+}
+
+int simcuda_live_process_count(void) {
+  Guard guard;
+  if (!attach()) return 0;
+  StateLock lock;
+  int n = 0;
+  for (auto& sl : S()->slots)
+    if (sl.state.load(std::memory_order_acquire) == kSlotLive) ++n;
+  return n;
+}
+
+uint64_t simcuda_now_ns(void) { return now_ns(); }
+
+uint64_t simcuda_busy_ns(int ordinal, int pid) {
+  Guard guard;
+  if (!attached_device(ordinal)) return 0;
+  StateLock lock;
+  SharedSlot* sl = slot_of(pid);
+  return sl == nullptr ? 0 : sl->busy_ns[ordinal].load(std::memory_order_relaxed);
+}
+
+uint64_t simcuda_launch_count(int ordinal, int pid) {
+  Guard guard;
+  if (!attached_device(ordinal)) return 0;
+  StateLock lock;
+  SharedSlot* sl = slot_of(pid);
+  return sl == nullptr ? 0 : sl->launches[ordinal].load(std::memory_order_relaxed);
+}
+
+uint64_t simcuda_device_busy_ns(int ordinal) {
+  Guard guard;
+  return attached_device(ordinal) ? S()->devices[ordinal].busy_ns.load(std::memory_order_relaxed) : 0;
+}
+
+uint64_t simcuda_device_busy_until_ns(int ordinal) {
+  Guard guard;
+  return attached_device(ordinal) ? S()->devices[ordinal].busy_until.load(std::memory_order_acquire) : 0;
+}
+
+uint64_t simcuda_call_count(const char* exported_name) {
+  if (exported_name == nullptr) return 0;
+  for (size_t i = 0; i < kProcRows; ++i)
+    if (kProcTable[i].exported == exported_name) return g_calls[i].load(std::memory_order_relaxed);
+  return 0;
+}
+
+void simcuda_reset_call_counts(void) {
+  for (auto& c : g_calls) c.store(0, std::memory_order_relaxed);
+}
+
+size_t simcuda_proc_table_size(void) { return kProcRows; }
+
+int simcuda_proc_table_entry(size_t index, const char** base, int* version, int* per_thread_stream,
+                             const char** exported) {
+  if (index >= kProcRows) return -1;
+  const ProcRow& r = kProcTable[index];
+  if (base != nullptr) *base = r.base.data();
+  if (version != nullptr) *version = r.version;
+  if (per_thread_stream != nullptr) *per_thread_stream = r.per_thread ? 1 : 0;
+  if (exported != nullptr) *exported = r.exported.data();
+  return 0;
+}
+
+const char* simcuda_state_path(void) {
+  Guard guard;
+  if (!attach()) return "";
+  return proc().path.c_str();  // the Process object is never freed
+}
+
+}  // extern "C"

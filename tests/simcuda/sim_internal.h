@@ -1,0 +1,374 @@
+// Internals of the simulated CUDA driver (test double, see README.md).
+//
+// Two kinds of state:
+//   * SharedState: one "GPU" seen by every process that names the same
+//     SIMCUDA_STATE file (mmap'ed, MAP_SHARED). It holds the device
+//     descriptions, each process's device-memory use (one "slot" per
+//     process), the per-device high-water marks and the kernel timelines.
+//   * Process: everything handle-shaped (contexts, streams, allocations,
+//     pools, ...). Handles are per process on a real driver too.
+//
+// Concurrency rules (a process may be SIGKILLed at any instruction):
+//   * Memory accounting is changed only under Process::mu plus an OFD lock
+//     on byte 0 of the state file (StateLock). The kernel drops OFD locks
+//     when the holder dies, so a killed process never leaves it locked.
+//   * Each number that matters is stored once: device use is the sum of the
+//     live slots' counters, never a second running total, so a process dying
+//     between two stores cannot make the books disagree. A dead process's
+//     slot simply stops being counted.
+//   * A slot's owner holds an OFD lock on byte 1+slot for its whole life;
+//     a slot whose lock is free belongs to a dead process ("sweep").
+//   * Timelines are lock-free (CAS on std::atomic<uint64_t> in the mapping).
+//   * No process-shared pthread mutexes or semaphores anywhere: those stay
+//     locked forever when their owner is killed.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+// The CUDA declarations (and the control API) are the library's exports; the
+// library is built with -fvisibility=hidden so everything else stays hidden.
+#pragma GCC visibility push(default)
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include "simcuda.h"
+#pragma GCC visibility pop
+
+namespace simcuda {
+
+inline constexpr int kDriverVersion = 13000;
+inline constexpr int kMaxDevices = 16;
+inline constexpr int kMaxSlots = 256;
+inline constexpr uint64_t kMiB = 1ull << 20;
+inline constexpr uint64_t kGiB = 1ull << 30;
+// Pool chunk, VMM granularity and array rounding: the real driver's 2 MiB.
+inline constexpr uint64_t kChunk = 2 * kMiB;
+inline constexpr uint64_t kPitchAlign = 512;
+inline constexpr uint64_t kPtrAlign = 512;
+
+constexpr uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+constexpr uint64_t round_down(uint64_t v, uint64_t a) { return v / a * a; }
+
+// ---------------------------------------------------------------------------
+// Shared layout (the state file). Plain data plus lock-free atomics only.
+// ---------------------------------------------------------------------------
+
+using U64 = std::atomic<uint64_t>;
+static_assert(U64::is_always_lock_free, "shared counters must be lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<int32_t>::is_always_lock_free);
+static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
+
+inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
+inline constexpr uint32_t kLayoutVersion = 3;
+
+struct SharedDevice {
+  unsigned char uuid[16];
+  char name[128];
+  uint64_t capacity;       // bytes
+  uint64_t ctx_bytes;      // footprint of one context
+  uint32_t sms;
+  uint32_t pci_bus;
+  U64 peak;                // high-water mark of the device's use (under StateLock)
+  U64 busy_until;          // end of the last kernel enqueued (timeline, CAS)
+  U64 busy_ns;             // device time of every kernel ever launched
+  U64 launches;
+};
+
+enum : uint32_t { kSlotFree = 0, kSlotLive = 1, kSlotRetired = 2 };
+
+struct SharedSlot {
+  std::atomic<uint32_t> state;  // kSlotFree / kSlotLive / kSlotRetired
+  std::atomic<int32_t> pid;
+  U64 start_time;               // /proc/<pid>/stat starttime: (pid, start) names a process
+  U64 seq;                      // claim order: the oldest retired slot is recycled first
+  U64 used[kMaxDevices];        // device bytes held by the process (counted while live)
+  U64 busy_ns[kMaxDevices];     // device time of its kernels (kept after death)
+  U64 launches[kMaxDevices];
+};
+
+struct SharedState {
+  U64 magic;                    // written last when the file is (re)initialized
+  uint32_t layout_version;
+  uint32_t device_count;
+  U64 next_seq;
+  char spec[4096];              // canonical device spec it was created from
+  SharedDevice devices[kMaxDevices];
+  SharedSlot slots[kMaxSlots];
+};
+
+// ---------------------------------------------------------------------------
+// Process-local objects behind the opaque CUDA handles.
+// ---------------------------------------------------------------------------
+
+struct Ctx {
+  int dev = 0;
+  bool primary = false;
+  bool active = false;  // created: until destroyed; primary: while retained
+  unsigned flags = 0;
+  unsigned refcount = 0;  // primary only
+};
+
+struct Stream {
+  int dev = 0;
+  Ctx* ctx = nullptr;
+  unsigned flags = 0;
+  int priority = 0;
+  U64 tail{0};  // when the last work enqueued on it ends
+};
+
+struct Event {
+  int dev = 0;
+  unsigned flags = 0;
+  U64 ts{0};                       // completion instant of the recorded work
+  std::atomic<bool> recorded{false};
+};
+
+struct Function {
+  std::string name;
+  U64 duration_ns{0};
+};
+
+// A module (cuModuleLoad*) or a library (cuLibraryLoadData): a name -> function map.
+struct Module {
+  Ctx* ctx = nullptr;
+  bool library = false;
+  std::map<std::string, std::shared_ptr<Function>, std::less<>> functions;
+};
+
+struct Pool {
+  int dev = 0;
+  bool is_default = false;
+  bool destroyed = false;  // destroyed with blocks outstanding: kept until they are freed
+  uint64_t reserved = 0;   // bytes charged to the device (multiple of kChunk)
+  uint64_t used = 0;       // bytes of live blocks
+  uint64_t reserved_high = 0;
+  uint64_t used_high = 0;
+  uint64_t release_threshold = 0;
+  uint64_t max_size = 0;   // 0: unlimited
+  int reuse[3] = {1, 1, 1};
+};
+
+enum class AllocKind { Linear, Pitch, Managed, PoolBlock, Linear32 };
+
+struct Alloc {
+  uint64_t size = 0;     // what cuMemGetAddressRange reports
+  uint64_t charged = 0;  // bytes charged to the device (0 for pool blocks)
+  uint64_t block = 0;    // pool blocks: bytes taken from the pool (size rounded up to 512)
+  int dev = 0;
+  AllocKind kind = AllocKind::Linear;
+  Ctx* ctx = nullptr;    // freed with its context (not pool blocks)
+  Pool* pool = nullptr;  // pool blocks
+};
+
+struct Array {
+  CUDA_ARRAY3D_DESCRIPTOR desc{};
+  bool is3d = false;        // created by cuArray3DCreate*
+  unsigned levels = 0;      // mipmapped arrays
+  uint64_t bytes = 0;       // reported size
+  uint64_t charged = 0;     // bytes charged (0 for sparse/deferred mapping)
+  int dev = 0;
+  Ctx* ctx = nullptr;
+};
+
+struct PhysAlloc {
+  CUmemAllocationProp prop{};
+  uint64_t size = 0;
+  uint64_t charged = 0;
+  int dev = -1;           // -1: host memory, not charged
+  bool released = false;  // cuMemRelease called; freed when the last mapping goes
+  unsigned maps = 0;
+};
+
+struct Mapping {
+  uint64_t size = 0;
+  CUmemGenericAllocationHandle handle = 0;
+};
+
+struct GraphNode {
+  std::shared_ptr<Function> fn;
+};
+
+struct Graph {
+  std::vector<std::unique_ptr<GraphNode>> nodes;
+};
+
+struct GraphExec {
+  std::vector<std::shared_ptr<Function>> kernels;
+};
+
+struct DevLocal {
+  U64 proc_tail{0};  // end of this process's last work on the device (legacy stream)
+  Ctx* primary = nullptr;
+  Pool* default_pool = nullptr;
+  Pool* current_pool = nullptr;
+  uint64_t vmm_bytes = 0;
+};
+
+struct Process {
+  std::mutex mu;  // guards everything below except the atomics
+
+  pid_t pid = 0;
+  U64 gen{1};  // bumped in a forked child: invalidates every thread-local cache
+
+  // Attachment to the device state.
+  bool attached = false;
+  bool shared = false;  // false: private state (SIMCUDA_STATE unset)
+  std::string path;
+  int fd = -1;
+  SharedState* S = nullptr;
+  bool initialized = false;  // cuInit succeeded
+  int slot = -1;
+
+  // Fake device addresses.
+  uint64_t va_next = 0, va_end = 0;
+  uint64_t va32_next = 0, va32_end = 0;
+
+  std::vector<std::unique_ptr<Ctx>> contexts;  // never freed: a stale handle stays recognizable
+  std::unordered_set<const void*> ctx_set;
+  std::unordered_map<const void*, std::shared_ptr<Stream>> streams;
+  std::unordered_map<const void*, std::shared_ptr<Event>> events;
+  std::unordered_map<const void*, std::unique_ptr<Module>> modules;
+  std::unordered_map<const void*, std::shared_ptr<Function>> functions;  // CUfunction and CUkernel
+  std::unordered_map<const void*, std::unique_ptr<Pool>> pools;
+  std::unordered_map<const void*, std::unique_ptr<Array>> arrays;
+  std::unordered_map<const void*, std::unique_ptr<Array>> mipmaps;
+  std::unordered_map<const void*, std::unique_ptr<Graph>> graphs;
+  std::unordered_map<const void*, std::unique_ptr<GraphExec>> graph_execs;
+  std::map<CUdeviceptr, Alloc> allocs;
+  std::map<CUmemGenericAllocationHandle, PhysAlloc> phys;
+  CUmemGenericAllocationHandle next_handle = 0x5100000000ull;
+  std::map<CUdeviceptr, uint64_t> reservations;  // base -> size
+  std::map<CUdeviceptr, Mapping> mappings;       // va -> mapping
+  DevLocal dev[kMaxDevices];
+};
+
+Process& proc();
+
+// Holds Process::mu. On the first lock in a forked child it resets the
+// process-local state (a child starts with no handles, like a new process)
+// and re-attaches to the shared state with its own slot.
+class Guard {
+ public:
+  Guard();
+  ~Guard();
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+  void unlock();
+  void lock();
+
+ private:
+  bool locked_ = false;
+};
+
+// Cross-process critical section for the memory books (Guard must be held).
+// Acquiring it drops dead processes' slots.
+class StateLock {
+ public:
+  StateLock();
+  ~StateLock();
+  StateLock(const StateLock&) = delete;
+  StateLock& operator=(const StateLock&) = delete;
+};
+
+// ---- Attachment and accounting (Guard held) ----
+bool attach();                                 // maps the state; false if impossible
+CUresult initialize();                         // cuInit: attach + claim a slot
+inline SharedState* S() { return proc().S; }
+int device_count();                            // 0 when not attached
+bool valid_device(int dev);
+uint64_t sum_live_locked(int dev);             // StateLock held
+CUresult charge(int dev, uint64_t bytes);      // CUDA_ERROR_OUT_OF_MEMORY if over capacity
+void uncharge(int dev, uint64_t bytes);
+CUdeviceptr reserve_va(uint64_t size, uint64_t align);  // 0 when the range is exhausted
+CUdeviceptr reserve_va32(uint64_t size);
+
+// ---- Contexts (Guard held) ----
+Ctx* current_ctx();                             // top of this thread's stack, or null
+CUresult require_ctx(Ctx*& out);                // INVALID_CONTEXT / CONTEXT_IS_DESTROYED
+CUresult resolve_ctx(CUcontext c, Ctx*& out);   // null -> current
+void teardown_ctx(Ctx* c);                      // frees what the context owns
+std::vector<Ctx*>& ctx_stack();
+
+// ---- Pools (Guard held) ----
+Pool* default_pool(int dev);
+Pool* current_pool(int dev);
+void pools_release_at_sync(int dev);            // release above the release threshold
+void pool_free_block(Pool* pool, uint64_t bytes);
+Pool* find_pool(CUmemoryPool h);
+
+// ---- Time ----
+uint64_t now_ns();
+void sleep_until(uint64_t t_ns);
+
+struct StreamTarget {
+  int dev = 0;
+  U64* tail = nullptr;
+  std::shared_ptr<Stream> hold;  // keeps a user stream alive during the operation
+};
+// Guard held. ptds: the entry point is a _ptsz/_ptds variant (NULL = per-thread stream).
+CUresult resolve_stream(CUstream s, bool ptds, StreamTarget& out);
+// Lock-free. Kernels: serialize on the device timeline, credited as busy time.
+uint64_t enqueue_kernel(const StreamTarget& t, uint64_t duration_ns, uint64_t launches);
+// Lock-free. Copies and memsets: take stream time only (copy engines).
+uint64_t enqueue_copy(const StreamTarget& t, uint64_t duration_ns);
+uint64_t copy_duration_ns(uint64_t bytes);
+uint64_t function_duration_from_name(std::string_view name);
+
+// ---- Entry-point table (generated from proc_table.def, the only list) ----
+struct ProcRow {
+  std::string_view base;      // literals: .data() is NUL-terminated
+  int version;
+  bool per_thread;            // _ptsz / _ptds variant
+  std::string_view exported;
+};
+
+inline constexpr ProcRow kProcTable[] = {
+#define SIMCUDA_PROC(base, version, variant, exported) {#base, version, sizeof(#variant) > 1, #exported},
+#include "proc_table.def"
+#undef SIMCUDA_PROC
+};
+inline constexpr size_t kProcRows = sizeof(kProcTable) / sizeof(kProcTable[0]);
+
+consteval int proc_row(std::string_view exported) {
+  for (size_t i = 0; i < kProcRows; ++i)
+    if (kProcTable[i].exported == exported) return static_cast<int>(i);
+  return -1;
+}
+
+extern U64 g_calls[kProcRows];
+inline void count_call(int row) { g_calls[row].fetch_add(1, std::memory_order_relaxed); }
+
+// Every exported entry point starts with this: it counts the call and does
+// not compile for a function missing from proc_table.def.
+#define SIMCUDA_ENTRY(name)                                                        \
+  do {                                                                             \
+    constexpr int simcuda_row_ = ::simcuda::proc_row(#name);                       \
+    static_assert(simcuda_row_ >= 0, #name " is not listed in proc_table.def");    \
+    ::simcuda::count_call(simcuda_row_);                                           \
+  } while (0)
+
+// Entry prologue for everything that needs cuInit: locks the process and
+// returns CUDA_ERROR_NOT_INITIALIZED before cuInit.
+#define SIMCUDA_LOCKED_ENTRY(name)                                   \
+  SIMCUDA_ENTRY(name);                                               \
+  ::simcuda::Guard guard_;                                           \
+  if (!::simcuda::proc().initialized) return CUDA_ERROR_NOT_INITIALIZED
+
+template <class T>
+inline const void* key(T h) {
+  return reinterpret_cast<const void*>(h);
+}
+
+}  // namespace simcuda

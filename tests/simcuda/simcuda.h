@@ -1,0 +1,133 @@
+/*
+ * simcuda.h - control API of the simulated CUDA driver (tests/simcuda).
+ *
+ * The simulated driver is a TEST DOUBLE: a libcuda.so.1 that implements part
+ * of the CUDA driver API without a GPU so fracgpu's interposer can be tested
+ * on any machine. It is never installed. See README.md in this directory.
+ *
+ * These functions are the tests' ground truth. They are exported by
+ * libcuda.so.1 next to the cu* entry points; call them by linking the
+ * `simcuda` target, or through
+ *   dlsym(dlopen("libcuda.so.1", RTLD_NOW), "simcuda_...")
+ * (the *_fn typedefs below give the pointer types). None of them needs cuInit;
+ * they attach to the device state (SIMCUDA_STATE) on first use. They never
+ * abort: on a bad ordinal or handle they return 0 (or -1 where noted).
+ *
+ * Reads of the shared state first drop the memory of processes that died, so
+ * a value read after waitpid() of a killed process no longer includes it.
+ */
+#ifndef FRACGPU_TESTS_SIMCUDA_H
+#define FRACGPU_TESTS_SIMCUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda.h>
+
+#if defined(__GNUC__)
+#define SIMCUDA_API __attribute__((visibility("default")))
+#else
+#define SIMCUDA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Devices ---------------------------------------------------------- */
+
+/* Number of simulated devices (from the shared state; -1 if it cannot be
+ * attached, e.g. a malformed SIMCUDA_DEVICES). */
+SIMCUDA_API int simcuda_device_count(void);
+/* Capacity in bytes (the `mem` field of SIMCUDA_DEVICES). */
+SIMCUDA_API uint64_t simcuda_device_capacity(int ordinal);
+/* Per-context footprint in bytes (the `ctx` field). */
+SIMCUDA_API uint64_t simcuda_device_ctx_bytes(int ordinal);
+
+/* ---- Device memory (all processes sharing the state) ------------------- */
+
+/* Bytes in use on the device now: every live process's allocations, pool
+ * reservations, VMM physical memory, arrays and context footprints. */
+SIMCUDA_API uint64_t simcuda_device_used(int ordinal);
+/* High-water mark of simcuda_device_used since the state was created or the
+ * last simcuda_reset_peak. */
+SIMCUDA_API uint64_t simcuda_device_peak(int ordinal);
+/* Sets the high-water mark to the current use. */
+SIMCUDA_API void simcuda_reset_peak(int ordinal);
+/* Bytes the live process `pid` has on the device (0 if it is not a live
+ * simulated-CUDA process). pid 0 means the calling process. */
+SIMCUDA_API uint64_t simcuda_process_used(int ordinal, int pid);
+/* Number of live processes that called cuInit on this state. */
+SIMCUDA_API int simcuda_live_process_count(void);
+
+/* ---- Calling-process breakdown (process-local bookkeeping) ------------- */
+
+/* Bytes this process has reserved in all its memory pools on the device. */
+SIMCUDA_API uint64_t simcuda_pool_reserved_bytes(int ordinal);
+/* Reserved / used bytes of one pool of this process (as the
+ * CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT / USED_MEM_CURRENT attributes). */
+SIMCUDA_API uint64_t simcuda_pool_reserved(CUmemoryPool pool);
+SIMCUDA_API uint64_t simcuda_pool_used(CUmemoryPool pool);
+/* Size of a live array / mipmapped array by the sim's array size rule: what
+ * cu*ArrayGetMemoryRequirements reports and what the device is charged
+ * (sparse and deferred-mapping arrays are charged 0: they own no memory). */
+SIMCUDA_API uint64_t simcuda_array_bytes(CUarray array);
+SIMCUDA_API uint64_t simcuda_mipmapped_array_bytes(CUmipmappedArray array);
+/* Bytes of device memory this process holds as VMM physical allocations
+ * (cuMemCreate, not yet freed). */
+SIMCUDA_API uint64_t simcuda_vmm_bytes(int ordinal);
+
+/* ---- Simulated time ----------------------------------------------------- */
+
+/* CLOCK_MONOTONIC in nanoseconds: the clock of the simulated timeline. */
+SIMCUDA_API uint64_t simcuda_now_ns(void);
+/* Device time (ns) consumed by kernels and graphs launched by `pid` (0 =
+ * caller) on the device, credited at launch. Still answered after the
+ * process exited, until its record is recycled (after 256 newer processes). */
+SIMCUDA_API uint64_t simcuda_busy_ns(int ordinal, int pid);
+/* Kernel + graph launches of `pid` on the device (same rules as above). */
+SIMCUDA_API uint64_t simcuda_launch_count(int ordinal, int pid);
+/* Device time consumed by all kernels ever launched on the device. */
+SIMCUDA_API uint64_t simcuda_device_busy_ns(int ordinal);
+/* Instant (simcuda_now_ns clock) at which the device finishes the work
+ * enqueued so far; <= now when idle. */
+SIMCUDA_API uint64_t simcuda_device_busy_until_ns(int ordinal);
+/* Simulated duration of a function (default: from its name, see README). */
+SIMCUDA_API void simcuda_set_function_duration_ns(CUfunction f, uint64_t ns);
+SIMCUDA_API uint64_t simcuda_function_duration_ns(CUfunction f);
+
+/* ---- Entry points --------------------------------------------------------- */
+
+/* Calls this process made to the exported entry point `exported_name`
+ * ("cuMemAlloc_v2", "cuLaunchKernel_ptsz", ...), counted on entry whether
+ * the call succeeded or not; 0 for names the sim does not export. Counters
+ * start at 0 in a forked child. */
+SIMCUDA_API uint64_t simcuda_call_count(const char* exported_name);
+/* Zeroes all call counters of this process. */
+SIMCUDA_API void simcuda_reset_call_counts(void);
+
+/* The cuGetProcAddress table, one row per (base name, version, variant):
+ * rows 0 .. simcuda_proc_table_size()-1. Returns 0 and fills the non-NULL
+ * out-parameters, or -1 for an index out of range. */
+SIMCUDA_API size_t simcuda_proc_table_size(void);
+SIMCUDA_API int simcuda_proc_table_entry(size_t index, const char** base, int* version,
+                                         int* per_thread_stream, const char** exported);
+
+/* ---- State -------------------------------------------------------------- */
+
+/* Path of the shared state file, or "" for a private (unshared) state. */
+SIMCUDA_API const char* simcuda_state_path(void);
+
+/* Function pointer types, for dlsym users. */
+typedef int (*simcuda_device_count_fn)(void);
+typedef uint64_t (*simcuda_device_u64_fn)(int ordinal);               /* used, peak, capacity, ... */
+typedef void (*simcuda_reset_peak_fn)(int ordinal);
+typedef uint64_t (*simcuda_device_pid_u64_fn)(int ordinal, int pid);  /* process_used, busy_ns */
+typedef uint64_t (*simcuda_call_count_fn)(const char* exported_name);
+typedef void (*simcuda_set_function_duration_ns_fn)(CUfunction f, uint64_t ns);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FRACGPU_TESTS_SIMCUDA_H */
