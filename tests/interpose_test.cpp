@@ -20,21 +20,12 @@
 #include <gtest/gtest.h>
 
 #include "ledger.h"
+#include "reclaim_util.h"
 
 using namespace fracgpu::ledger;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Reclaims dead slots the way the daemon does over two passes: the first
-// sees the owners gone, the second, after the grace period, clears them.
-int reclaim_settled(TenantLedger& ledger, int own_slot, uint64_t* bytes) {
-  ReclaimResult first = reclaim_dead_slots(ledger, own_slot);
-  std::this_thread::sleep_for(std::chrono::nanoseconds(kReclaimGraceNs) + std::chrono::milliseconds(5));
-  ReclaimResult second = reclaim_dead_slots(ledger, own_slot);
-  *bytes = first.bytes + second.bytes;
-  return first.reclaimed + second.reclaimed;
-}
 
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kGiB = 1ull << 30;
@@ -115,7 +106,7 @@ class InterposeTest : public ::testing::Test {
     GpuPolicy& p = daemon_.policy->gpus[g];
     p.memory_quota.store(quota);
     p.context_memory.store(kContextBytes);
-    p.flags.store(count_managed ? kCountManagedMemory : 0);
+    p.flags.store(count_managed ? static_cast<uint32_t>(kCountManagedMemory) : 0u);
     p.state.store(kGpuGranted);
     publish_policy_change(*daemon_.policy);
     return g;

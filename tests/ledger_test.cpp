@@ -20,21 +20,12 @@
 #include <gtest/gtest.h>
 
 #include "ledger.h"
+#include "reclaim_util.h"
 
 using namespace fracgpu::ledger;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Reclaims dead slots the way the daemon does over two passes: the first
-// sees the owners gone, the second, after the grace period, clears them.
-int reclaim_settled(TenantLedger& ledger, int own_slot, uint64_t* bytes) {
-  ReclaimResult first = reclaim_dead_slots(ledger, own_slot);
-  std::this_thread::sleep_for(std::chrono::nanoseconds(kReclaimGraceNs) + std::chrono::milliseconds(5));
-  ReclaimResult second = reclaim_dead_slots(ledger, own_slot);
-  *bytes = first.bytes + second.bytes;
-  return first.reclaimed + second.reclaimed;
-}
 
 constexpr uint8_t kUuidA[16] = {0xa1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 constexpr uint8_t kUuidB[16] = {0xb2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
