@@ -127,12 +127,20 @@ using fracgpu::interpose::hook_for_real_address;
 using fracgpu::interpose::load_real_driver;
 using fracgpu::interpose::real_dlsym;
 
-extern "C" __attribute__((visibility("default"))) void* dlsym(void* handle, const char* symbol) {
+// glibc resolves RTLD_NEXT relative to the object that called dlsym, which
+// it finds from the return address. So an RTLD_NEXT lookup must reach glibc
+// as a tail call from here, leaving the application's return address in
+// place: otherwise the search would start after libfracgpu.so, and a library
+// loaded after us that wraps a function could be handed itself. Forced even
+// in unoptimized builds; tests/interpose_test checks the result.
+extern "C" __attribute__((visibility("default"), optimize("O2", "optimize-sibling-calls"))) void* dlsym(
+    void* handle, const char* symbol) {
   auto sym = real_dlsym();
   if (sym == nullptr) return nullptr;
+  if (handle == RTLD_NEXT) return sym(RTLD_NEXT, symbol);  // a sibling call: see above
   void* address = sym(handle, symbol);
   // Only driver names can be ours; everything else returns at once.
-  if (address == nullptr || symbol == nullptr || symbol[0] != 'c' || symbol[1] != 'u') return address;
+  if (address == nullptr || symbol[0] != 'c' || symbol[1] != 'u') return address;
   if (!fracgpu::interpose::g_real_ready.load(std::memory_order_acquire)) {
     // Load the driver only for a lookup that landed in it.
     Dl_info info{};

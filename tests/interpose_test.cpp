@@ -464,6 +464,12 @@ TEST_F(InterposeTest, EveryPathEnforcesTheQuotaAndCallsTheRightVariant) {
   r = probe({"init", "dlsym", "cuMemAlloc_v2"});
   EXPECT_EQ(r["dlsym_lib"], "libfracgpu.so");
   EXPECT_EQ(r["dlsym_sym"], "cuMemAlloc_v2");
+  // dlsym(RTLD_NEXT) keeps glibc's meaning through our dlsym: the search
+  // starts after the library that called it, not after libfracgpu.so.
+  r = probe({"rtld-next"});
+  EXPECT_EQ(r["rtld_next_who"], "2");
+  r = probe({"rtld-next"}, {}, /*preload=*/false);
+  EXPECT_EQ(r["rtld_next_who"], "2");
   r = probe({"init", "export-table", "simcount", "cuGetExportTable"});
   EXPECT_EQ(r["simcount_cuGetExportTable"], "1");  // passed through untouched
   (void)g;

@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+extern "C" void* rtld_next_from_a();  // tests/probe/rtld_next_a.cpp
+
 namespace {
 
 std::vector<CUdeviceptr> g_ptrs;
@@ -368,6 +370,10 @@ int main(int argc, char** argv) {
       waitpid(child, &status, 0);
       print("fork_child_exit", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
       return 0;
+    } else if (cmd == "rtld-next") {
+      // rtld_next_a's dlsym(RTLD_NEXT) must find rtld_next_b's definition (2).
+      auto fn = reinterpret_cast<int (*)()>(rtld_next_from_a());
+      print("rtld_next_who", fn ? fn() : 0);
     } else if (cmd == "free-at-exit") {
       atexit(free_at_exit);
     } else if (cmd == "hold") {
