@@ -60,6 +60,10 @@ struct DriverCalls {
 };
 extern DriverCalls g_driver;
 
+// True if `symbol` (as passed to cuGetProcAddress) names a function we hook
+// in some variant.
+bool is_hooked_name(const char* symbol);
+
 // The glibc dlsym, found without going through our own export.
 using DlsymFn = void* (*)(void*, const char*);
 DlsymFn real_dlsym();

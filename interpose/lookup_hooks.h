@@ -3,6 +3,7 @@
 #pragma once
 
 #include "hook_table.h"
+#include "log.h"
 #include "memory_hooks.h"
 
 namespace fracgpu::interpose {
@@ -23,7 +24,16 @@ template <HookId id, class... Status>
 CUresult get_proc_address(const char* symbol, void** pfn, int cuda_version, cuuint64_t flags, Status... status) {
   if (!load_real_driver()) return kNoDriver;
   CUresult result = FRACGPU_PASS(id, symbol, pfn, cuda_version, flags, status...);
-  if (result == CUDA_SUCCESS && pfn != nullptr) *pfn = hook_for_real_address(*pfn);
+  if (result == CUDA_SUCCESS && pfn != nullptr && *pfn != nullptr) {
+    void* real_fn = *pfn;
+    *pfn = hook_for_real_address(real_fn);
+    // The driver handed out an entry point for a function we hook that is
+    // none of the exported variants: we cannot know its ABI, so it goes out
+    // unhooked. Say so, since limits are not enforced through it.
+    if (*pfn == real_fn && symbol != nullptr && is_hooked_name(symbol))
+      log_line(LogLevel::kError, "cuGetProcAddress(%s, %d, %llu): the driver returned an entry point fracgpu does not "
+               "know; it is passed through unenforced", symbol, cuda_version, static_cast<unsigned long long>(flags));
+  }
   return result;
 }
 

@@ -114,6 +114,17 @@ bool load_real_driver_slow() {
   return ok;
 }
 
+bool is_hooked_name(const char* symbol) {
+  const size_t length = strlen(symbol);
+  for (const char* name : kHookNames) {
+    if (strncmp(name, symbol, length) != 0) continue;
+    // The same function, or one of its versioned or per-thread variants.
+    const char* rest = name + length;
+    if (*rest == '\0' || strncmp(rest, "_v", 2) == 0 || strncmp(rest, "_pt", 3) == 0) return true;
+  }
+  return false;
+}
+
 void* hook_for_real_address(void* address) {
   if (address == nullptr || !g_real_ready.load(std::memory_order_acquire)) return address;
   for (size_t i = 0; i < kHookCount; ++i)

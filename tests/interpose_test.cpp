@@ -263,6 +263,7 @@ TEST_F(InterposeTest, UnlimitedGrantShowsTheRealDevice) {
   EXPECT_EQ(r.num("total"), 16 * kGiB);
   EXPECT_EQ(r.num("device_total"), 16 * kGiB);
   EXPECT_EQ(r.num("free"), 16 * kGiB - kContextBytes);  // never 0
+  EXPECT_EQ(r.err, "");  // a healthy process hears nothing from the interposer
 }
 
 TEST_F(InterposeTest, QuotasAreKeyedByUuidNotByOrdinal) {
