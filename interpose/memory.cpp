@@ -215,6 +215,16 @@ void pool_settle(CUmemoryPool pool) {
   if (PoolCharge* p = find_pool(pool)) settle_pool(*p);
 }
 
+void pool_created(CUmemoryPool pool, int gpu) {
+  if (find_or_add_pool(pool, gpu) == nullptr)
+    FRACGPU_LOG_ONCE(LogLevel::kError, "more than %zu memory pools in use: further pools are refused", kMaxPools);
+}
+
+int pool_gpu(CUmemoryPool pool, int otherwise) {
+  const PoolCharge* p = find_pool(pool);
+  return p != nullptr ? p->gpu.load(std::memory_order_relaxed) : otherwise;
+}
+
 void pool_destroyed(CUmemoryPool pool) {
   PoolCharge* p = find_pool(pool);
   if (p == nullptr) return;

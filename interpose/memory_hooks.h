@@ -46,6 +46,10 @@ CUresult pooled_alloc(CUmemoryPool pool, int gpu, size_t bytes, CUdeviceptr* dpt
 void pooled_free_done(const ChargeRecord& record);
 void pool_settle(CUmemoryPool pool);
 void pool_destroyed(CUmemoryPool pool);
+// Remembers the GPU entry a created pool's memory lives on.
+void pool_created(CUmemoryPool pool, int gpu);
+// The GPU entry a pool's memory lives on, if it was created through us.
+int pool_gpu(CUmemoryPool pool, int otherwise);
 bool pools_dirty();
 
 // Arrays: bytes the driver says the array takes, or 0 if it cannot tell.
@@ -207,8 +211,9 @@ CUresult mem_alloc_from_pool_async(CUdeviceptr* dptr, size_t bytes, CUmemoryPool
   int gpu;
   if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || pool == nullptr)
     return FRACGPU_PASS(id, dptr, bytes, pool, stream);
-  // Charged to the current device's grant: the driver offers no query for a
-  // pool's location, and pools are used from their own device's context.
+  // The driver has no query for a pool's location: we note it when the pool
+  // is created, and fall back to the current device for pools we did not see.
+  gpu = pool_gpu(pool, gpu);
   struct Call {
     CUdeviceptr* dptr;
     size_t bytes;
@@ -238,6 +243,17 @@ CUresult mem_free_async(CUdeviceptr dptr, CUstream stream) {
     pooled_free_done(record);
   else
     unreserve(static_cast<int>(record.gpu), record.bytes);  // cuMemFreeAsync of cuMemAlloc memory
+  return result;
+}
+
+template <HookId id>
+CUresult mem_pool_create(CUmemoryPool* pool, const CUmemPoolProps* props) {
+  TenantMode mode = gate();
+  if (mode == TenantMode::kDenied) return kDenied;
+  CUresult result = FRACGPU_PASS(id, pool, props);
+  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS && props != nullptr &&
+      props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+    pool_created(*pool, gpu_entry_for_device(props->location.id));
   return result;
 }
 

@@ -361,6 +361,19 @@ TEST_F(InterposeTest, StreamOrderedPoolsChargeWhatThePoolHolds) {
   used(g);  // the killed probe's charges are gone before the next starts
 }
 
+TEST_F(InterposeTest, PoolMemoryIsChargedToThePoolsOwnGpu) {
+  const int g0 = grant(kUuid0, 1 * kGiB);
+  const int g1 = grant(kUuid1, 1 * kGiB);
+  // Current context on device 0, pool on device 1.
+  Held h = probe_and_hold({"init", "primary", "0", "pool-create", "1", "pool-threshold", "1GiB", "pool-async",
+                           "100MiB"});
+  EXPECT_EQ(h.seen["pool_async"], kSuccess);
+  EXPECT_EQ(used(g0), kContextBytes);
+  EXPECT_EQ(used(g1), 100 * kMiB);
+  EXPECT_EQ(sim_used(1), 100 * kMiB);
+  kill_held(h);
+}
+
 TEST_F(InterposeTest, ArraysAreChargedAtTheirRealSize) {
   const int g = grant(kUuid0, 512 * kMiB);
   Held h = probe_and_hold({"init", "primary", "0", "array", "1000", "1000", "array3d", "64", "64", "64", "mipmap",
