@@ -36,6 +36,13 @@ std::string_view type_name(toml::node_type t) {
 
 int line_of(const toml::node& n) { return static_cast<int>(n.source().begin.line); }
 
+// An integer or a float, as a double; nullopt for any other type.
+std::optional<double> number_of(const toml::node& n) {
+  if (const auto* i = n.as_integer()) return static_cast<double>(i->get());
+  if (const auto* f = n.as_floating_point()) return f->get();
+  return std::nullopt;
+}
+
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -96,6 +103,8 @@ struct TenantDraft {
   int devices_line = 0;
   std::vector<MemoryEntry> memory;
   int gpus_line = 0;                       // where `gpus` is, for placement errors
+  uint32_t limit_ppm = 0;                  // `limit`; 0 when not given (= the share)
+  int limit_line = 0;
   std::map<size_t, int> memory_line;       // GPU -> line of its explicit quota
 };
 
@@ -122,6 +131,7 @@ class Parser {
     for (const toml::table* t : gpus) parse_gpu(*t);
     for (const toml::table* t : tenants) parse_tenant(*t);
     place_fractions();
+    apply_limits();
     apply_explicit_memory();
     check_memory_totals();
     // Grants index the drafts; a failed draft has its error, so the config
@@ -281,7 +291,7 @@ class Parser {
       return;
     }
     constexpr std::string_view where = "[daemon]";
-    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit"}, where);
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice_ms"}, where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
       if (dir->empty() || dir->front() != '/')
@@ -307,6 +317,13 @@ class Parser {
         d.reap_interval = std::chrono::milliseconds(*ms);
     }
     if (auto overcommit = get_bool(*t, "allow_overcommit", where)) d.allow_overcommit = *overcommit;
+    if (auto ms = get<int64_t>(*t, "time_slice_ms", where, "an integer")) {
+      if (*ms < kMinTimeSliceMs || *ms > kMaxTimeSliceMs)
+        error_in(where, line_of(*t->get("time_slice_ms")),
+                 fmt::format("time_slice_ms {} is out of range ({}..{})", *ms, kMinTimeSliceMs, kMaxTimeSliceMs));
+      else
+        d.time_slice = std::chrono::milliseconds(*ms);
+    }
   }
 
   // ---- [[gpu]] ----
@@ -469,13 +486,11 @@ class Parser {
       if (!t.contains("name")) error_in(where, tenant.line, "missing required key \"name\"");
       draft.valid = false;
     }
-    check_keys(t, {"name", "gpus", "devices", "count_managed", "memory"}, where);
+    check_keys(t, {"name", "gpus", "devices", "count_managed", "memory", "limit"}, where);
 
     if (const toml::node* n = t.get("gpus")) {
       draft.gpus_line = line_of(*n);
-      std::optional<double> value;
-      if (const auto* i = n->as_integer()) value = static_cast<double>(i->get());
-      if (const auto* f = n->as_floating_point()) value = f->get();
+      const std::optional<double> value = number_of(*n);
       if (!value) {
         wrong_type(where, "gpus", *n, "a number of GPUs such as 0.5 or 2");
         draft.valid = false;
@@ -492,6 +507,24 @@ class Parser {
           error_in(where, line_of(*n), fmt::format("gpus = {} is below the smallest share (0.000001)", *value));
           draft.valid = false;
         }
+      }
+    }
+    if (const toml::node* n = t.get("limit")) {
+      draft.limit_line = line_of(*n);
+      const std::optional<double> value = number_of(*n);
+      if (!value) {
+        wrong_type(where, "limit", *n, "a fraction of one GPU such as 0.5 or 1.0");
+        draft.valid = false;
+      } else if (!std::isfinite(*value) || *value <= 0 || *value > 1.0) {
+        error_in(where, draft.limit_line, fmt::format("limit = {} must be above 0 and at most 1.0 (one GPU)", *value));
+        draft.valid = false;
+      } else if (!t.contains("gpus")) {
+        error_in(where, draft.limit_line,
+                 "limit needs gpus: a tenant with only memory quotas has no share of GPU time to cap (it may use "
+                 "whatever time nobody with a share wants)");
+        draft.valid = false;
+      } else {
+        draft.limit_ppm = static_cast<uint32_t>(std::llround(*value * kPpmPerGpu));
       }
     }
     if (auto managed = get_bool(t, "count_managed", where)) tenant.count_managed = *managed;
@@ -569,7 +602,8 @@ class Parser {
 
   void grant(Tenant& tenant, size_t gpu, uint32_t ppm) {
     free_[gpu] -= ppm;
-    tenant.grants.push_back({gpu, ppm, fraction_quota(ppm, gpus_[gpu].gpu.memory_bytes)});
+    // The cap defaults to the share (a hard cap); whole GPUs are never capped.
+    tenant.grants.push_back({gpu, ppm, ppm, fraction_quota(ppm, gpus_[gpu].gpu.memory_bytes)});
   }
 
   bool already_granted(const Tenant& tenant, size_t gpu) const {
@@ -665,6 +699,28 @@ class Parser {
 
   static int line_of_gpus(const TenantDraft& draft) { return draft.gpus_line != 0 ? draft.gpus_line : draft.tenant.line; }
 
+  // ---- GPU-time limits ----
+
+  // `limit` caps the fractional piece of a tenant's `gpus`; whole GPUs are
+  // the tenant's alone and never capped. It may not undercut the share.
+  void apply_limits() {
+    for (TenantDraft& draft : tenants_) {
+      if (!draft.valid || draft.limit_ppm == 0) continue;
+      for (Grant& g : draft.tenant.grants) {
+        if (g.share_ppm >= kPpmPerGpu) continue;
+        if (draft.limit_ppm < g.share_ppm) {
+          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), draft.limit_line,
+                   fmt::format("limit = {} is below the tenant's share {} of GPU {}: a limit caps what the share "
+                               "guarantees, it cannot be lower",
+                               format_gpus(draft.limit_ppm), format_gpus(g.share_ppm), gpus_[g.gpu].gpu.index));
+          draft.valid = false;
+          break;
+        }
+        g.limit_ppm = draft.limit_ppm;
+      }
+    }
+  }
+
   // ---- Explicit memory quotas ----
 
   void apply_explicit_memory() {
@@ -697,7 +753,7 @@ class Parser {
         if (it != tenant.grants.end()) {
           it->memory_quota = entry.bytes;  // overrides the fraction's share of memory
         } else if (tenant.gpus_ppm == 0) {
-          tenant.grants.push_back({*gpu, 0, entry.bytes});
+          tenant.grants.push_back({*gpu, 0, kPpmPerGpu, entry.bytes});
         } else {
           std::string placed;
           for (const Grant& g : tenant.grants)

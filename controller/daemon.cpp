@@ -43,9 +43,9 @@ bool store_if_changed(std::atomic<T>& field, T value) {
 
 std::string describe_grant(const NodeConfig& config, const Grant& grant) {
   const ManagedGpu& gpu = config.gpus[grant.gpu];
-  return fmt::format("GPU {} ({}): share {}, memory quota {}", gpu.index, gpu.uuid,
+  return fmt::format("GPU {} ({}): share {}, limit {}, memory quota {}", gpu.index, gpu.uuid,
                      grant.share_ppm == 0 ? std::string("none") : format_gpus(grant.share_ppm),
-                     format_size(grant.memory_quota));
+                     format_gpus(grant.limit_ppm), format_size(grant.memory_quota));
 }
 
 void print_errors(const ConfigResult& result, const Discovery& discovery) {
@@ -114,9 +114,7 @@ bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const Nod
     entry_changed |= store_if_changed(e.context_memory, gpu.context_memory);
     entry_changed |= store_if_changed(e.flags, tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u);
     entry_changed |= store_if_changed(e.share_ppm, grant.share_ppm);
-    // No GPU-time cap yet beyond the share; a memory-only grant (share 0) is
-    // not capped at all rather than capped to nothing.
-    entry_changed |= store_if_changed(e.limit_ppm, grant.share_ppm != 0 ? grant.share_ppm : kPpmPerGpu);
+    entry_changed |= store_if_changed(e.limit_ppm, grant.limit_ppm);
     entry_changed |= store_if_changed(e.state, uint32_t{ledger::kGpuGranted});
     if (entry_changed) log.info("tenant \"{}\": granted {}", name, describe_grant(config, grant));
     changed |= entry_changed;
@@ -294,6 +292,133 @@ void Daemon::apply(const NodeConfig& config) {
     std::string error;
     write_policy(*open.ledger.policy, nullptr, config, *log_, &error);
   }
+  apply_gpu_time(config);
+}
+
+Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
+  if (auto it = arbiters_.find(gpu.uuid); it != arbiters_.end()) return &it->second;
+  std::error_code ec;
+  const fs::path dir = fs::path(config_->daemon.run_dir) / gputime::kGpusDirName / gpu.uuid;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    log_->error("GPU {}: cannot create {}: {}; its time is not shared", gpu.index, dir.string(), ec.message());
+    return nullptr;
+  }
+  GpuArbiter entry;
+  entry.path = (dir / gputime::kGpuTimeFileName).string();
+  char err[512] = {};
+  const ledger::LedgerError rc =
+      gputime::open_arbiter(entry.path.c_str(), true, false, gpu.uuid_bytes.data(), &entry.arbiter, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    // Not ours to repair: processes may be using it. Time on this GPU is
+    // not shared until an operator moves it away and sends SIGHUP.
+    log_->error("GPU {}: GPU-time arbiter left alone ({}): {}; its time is not shared", gpu.index,
+                ledger::ledger_error_name(rc), err);
+    return nullptr;
+  }
+  log_->debug("GPU {}: GPU-time arbiter {} open", gpu.index, entry.path);
+  return &arbiters_.emplace(gpu.uuid, std::move(entry)).first->second;
+}
+
+// <tenant dir>/gputime-<entry> must be the arbiter itself (same inode): the
+// tenant's processes reach it only through their own directory.
+void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry) {
+  const std::string link = fmt::format("{}/{}{}", open.dir, kGpuTimeLinkPrefix, entry);
+  struct stat by_link {}, target {};
+  if (stat(link.c_str(), &by_link) == 0 && fstat(arbiter.arbiter.fd, &target) == 0 && by_link.st_ino == target.st_ino &&
+      by_link.st_dev == target.st_dev)
+    return;
+  const std::string tmp = link + ".tmp";
+  unlink(tmp.c_str());
+  if (::link(arbiter.path.c_str(), tmp.c_str()) != 0 || rename(tmp.c_str(), link.c_str()) != 0) {
+    log_->error("tenant \"{}\": cannot link {} to {}: {}; its GPU time there is not shared", tenant, link,
+                arbiter.path, strerror(errno));
+    unlink(tmp.c_str());
+    return;
+  }
+  log_->debug("tenant \"{}\": {} -> {}", tenant, link, arbiter.path);
+}
+
+void Daemon::apply_gpu_time(const NodeConfig& config) {
+  const uint64_t slice_ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(config.daemon.time_slice).count());
+  for (const ManagedGpu& gpu : config.gpus) {
+    GpuArbiter* arbiter = open_arbiter(gpu);
+    if (arbiter == nullptr) continue;
+    gputime::GpuTimeSegment& seg = *arbiter->arbiter.seg;
+    bool active[gputime::kMaxTenants] = {};
+    bool changed = store_if_changed(seg.slice_ns, slice_ns);
+    for (const Tenant& tenant : config.tenants) {
+      for (const Grant& grant : tenant.grants) {
+        if (config.gpus[grant.gpu].uuid != gpu.uuid) continue;
+        const int row = gputime::bind_tenant(seg, tenant.name.c_str());
+        if (row < 0) {
+          log_->error("GPU {}: more than {} tenants: tenant \"{}\" gets no GPU-time arbitration there", gpu.index,
+                      gputime::kMaxTenants, tenant.name);
+          continue;
+        }
+        active[row] = true;
+        gputime::TenantTime& t = seg.tenants[row];
+        // Limits before the state (release): a reader that sees it active sees them.
+        changed |= store_if_changed(t.share_ppm, grant.share_ppm);
+        changed |= store_if_changed(t.limit_ppm, grant.limit_ppm);
+        changed |= store_if_changed(t.state, uint32_t{gputime::kTenantActive});
+        if (auto it = ledgers_.find(tenant.name); it != ledgers_.end()) {
+          const int entry = ledger::find_gpu(*it->second.ledger.policy, gpu.uuid_bytes.data());
+          if (entry >= 0) link_arbiter(tenant.name, it->second, *arbiter, entry);
+        }
+      }
+    }
+    uint32_t active_count = 0;
+    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row) {
+      gputime::TenantTime& t = seg.tenants[row];
+      if (active[row]) {
+        ++active_count;
+        continue;
+      }
+      if (t.state.load(std::memory_order_acquire) == gputime::kTenantActive) {
+        t.state.store(gputime::kTenantRetired, std::memory_order_release);
+        log_->info("GPU {}: tenant \"{}\" no longer has a share of its time", gpu.index,
+                   std::string(t.name, strnlen(t.name, sizeof t.name)));
+        changed = true;
+      }
+    }
+    changed |= store_if_changed(seg.active_tenants, active_count);
+    if (changed) seg.generation.fetch_add(1, std::memory_order_seq_cst);
+  }
+}
+
+void Daemon::tick_gpu_time(uint64_t now) {
+  constexpr uint64_t kSecond = 1'000'000'000ull;
+  for (auto& [uuid, arbiter] : arbiters_) {
+    gputime::GpuTimeSegment& seg = *arbiter.arbiter.seg;
+    seg.daemon_heartbeat_ns.store(now, std::memory_order_release);
+    gputime::reclaim_dead_processes(arbiter.arbiter, -1);
+    std::array<uint64_t, gputime::kMaxTenants> used{};
+    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row)
+      used[row] = seg.tenants[row].used_ns.load(std::memory_order_acquire);
+    arbiter.samples.emplace_back(now, used);
+    // Keep just over 10 s: the oldest sample at least 10 s old stays.
+    while (arbiter.samples.size() > 2 && now - arbiter.samples[1].first >= 10 * kSecond)
+      arbiter.samples.erase(arbiter.samples.begin());
+    // The achieved share over a window: GPU time used since the newest
+    // sample at least that old, over the time since it.
+    auto achieved = [&](uint32_t row, uint64_t window) -> uint32_t {
+      const auto* base = &arbiter.samples.front();
+      for (const auto& sample : arbiter.samples)
+        if (now - sample.first >= window) base = &sample;
+      if (now <= base->first) return 0;
+      const uint64_t delta = used[row] >= base->second[row] ? used[row] - base->second[row] : 0;
+      const auto ppm = static_cast<unsigned __int128>(delta) * gputime::kPpm / (now - base->first);
+      return static_cast<uint32_t>(std::min<unsigned __int128>(ppm, gputime::kPpm));
+    };
+    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row) {
+      gputime::TenantTime& t = seg.tenants[row];
+      if (t.state.load(std::memory_order_acquire) == gputime::kTenantUnused) continue;
+      t.achieved_1s_ppm.store(achieved(row, kSecond), std::memory_order_relaxed);
+      t.achieved_10s_ppm.store(achieved(row, 10 * kSecond), std::memory_order_relaxed);
+    }
+  }
 }
 
 void Daemon::reap(const std::string& name, OpenLedger& open) {
@@ -339,6 +464,7 @@ void Daemon::tick() {
     open.ledger.policy->daemon_heartbeat_ns.store(now, std::memory_order_release);
     open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   }
+  tick_gpu_time(now);
 }
 
 bool Daemon::reload() {
@@ -406,6 +532,8 @@ void Daemon::close_all() {
     ledger::close_ledger(&open.ledger);
   }
   ledgers_.clear();
+  for (auto& [uuid, arbiter] : arbiters_) gputime::close_arbiter(&arbiter.arbiter);
+  arbiters_.clear();
 }
 
 }  // namespace fracgpu::controller

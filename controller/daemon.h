@@ -6,13 +6,16 @@
 //   start()  discover GPUs, load + validate the config (nothing is touched
 //            if it is invalid), lock the pid file, create or re-adopt every
 //            tenant's ledger and write its policy;
-//   run()    every reap_interval: reclaim dead slots, heartbeat; SIGHUP
+//            and each GPU's time arbiter (tenant shares and limits);
+//   run()    every reap_interval: reclaim dead slots and arbiter entries,
+//            compute achieved GPU-time shares, heartbeat; SIGHUP
 //            reloads, SIGTERM/SIGINT return 0. Signals arrive on a signalfd:
 //            no work ever runs in a signal handler.
 // Everything the daemon writes is a single atomic store into a mapped file,
 // so a SIGKILL at any point leaves valid ledgers; the next start re-adopts them.
 #pragma once
 
+#include <array>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,6 +26,7 @@
 
 #include "config.h"
 #include "gpu_discovery.h"
+#include "gputime.h"
 #include "ledger.h"
 
 namespace fracgpu::controller {
@@ -37,6 +41,9 @@ inline constexpr int kExitInternal = 70;    // a bug: an unexpected exception
 
 inline constexpr const char* kPidFileName = "fracgpud.pid";
 inline constexpr const char* kTenantsDirName = "tenants";
+// <tenant dir>/gputime-<entry>: the hard link to the arbiter of the GPU in
+// that entry of the tenant's policy.
+inline constexpr const char* kGpuTimeLinkPrefix = "gputime-";
 
 struct DaemonOptions {
   std::string config_path;
@@ -99,11 +106,25 @@ class Daemon {
   void reap(const std::string& name, OpenLedger& open);
   void close_all();
 
+  // GPU time (docs/sm-time.md): one arbiter per managed GPU, its tenant
+  // table kept in step with the config, linked into each tenant directory.
+  struct GpuArbiter {
+    std::string path;
+    gputime::Arbiter arbiter;
+    // (CLOCK_MONOTONIC, used_ns) per tenant row, for achieved shares.
+    std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples;
+  };
+  void apply_gpu_time(const NodeConfig& config);
+  GpuArbiter* open_arbiter(const ManagedGpu& gpu);
+  void link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry);
+  void tick_gpu_time(uint64_t now);
+
   DaemonOptions options_;
   std::shared_ptr<spdlog::logger> log_;
   Discovery discovery_;
   std::optional<NodeConfig> config_;
   std::map<std::string, OpenLedger> ledgers_;  // by tenant name
+  std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
   int pid_fd_ = -1;
 };
 

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "daemon.h"
+#include "gputime.h"
 #include "ledger.h"
 #include "units.h"
 #include "uuid.h"
@@ -31,6 +32,46 @@ uint64_t monotonic_ns() {
 }
 
 std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
+
+// The tenant's standing in the GPU-time arbiter linked as gputime-<entry>.
+void read_gpu_time(const std::string& dir, const char* tenant, uint32_t entry, GpuEntryStatus* out) {
+  const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
+  gputime::Arbiter arbiter;
+  char err[512] = {};
+  const ledger::LedgerError rc = gputime::open_arbiter(path.c_str(), false, true, nullptr, &arbiter, err, sizeof err);
+  if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
+  if (rc != ledger::LedgerError::kOk) {
+    out->gpu_time_error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
+    return;
+  }
+  const gputime::GpuTimeSegment& seg = *arbiter.seg;
+  const int row = gputime::find_tenant(seg, tenant);
+  if (row < 0) {
+    out->gpu_time_error = fmt::format("{}: tenant not listed", path);
+    gputime::close_arbiter(&arbiter);
+    return;
+  }
+  const gputime::TenantTime& t = seg.tenants[row];
+  GpuTimeStatus g;
+  g.achieved_1s_ppm = t.achieved_1s_ppm.load(std::memory_order_relaxed);
+  g.achieved_10s_ppm = t.achieved_10s_ppm.load(std::memory_order_relaxed);
+  g.used_ns = t.used_ns.load(std::memory_order_relaxed);
+  g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
+  g.slices = t.slices.load(std::memory_order_relaxed);
+  g.tenants_sharing = seg.active_tenants.load(std::memory_order_relaxed);
+  const uint32_t holder = seg.arbiter.holder.load(std::memory_order_acquire);
+  const uint32_t high = std::min(seg.process_high_water.load(std::memory_order_acquire), gputime::kMaxProcesses);
+  for (uint32_t p = 0; p < high; ++p) {
+    const gputime::ProcessTime& process = seg.processes[p];
+    if (process.state.load(std::memory_order_acquire) != gputime::kProcessLive ||
+        process.tenant.load(std::memory_order_relaxed) != static_cast<uint32_t>(row))
+      continue;
+    if (holder == p + 1) g.holding = true;
+    if (process.want_since_ns.load(std::memory_order_relaxed) != 0) ++g.waiting_processes;
+  }
+  out->gpu_time = g;
+  gputime::close_arbiter(&arbiter);
+}
 
 TenantStatus read_tenant(const std::string& name, const std::string& dir) {
   TenantStatus t;
@@ -65,6 +106,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     s.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
     s.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
     s.count_managed = (e.flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory) != 0;
+    read_gpu_time(dir, policy.tenant, g, &s);
     t.gpus.push_back(std::move(s));
   }
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
@@ -184,6 +226,22 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
   return report;
 }
 
+namespace {
+
+nlohmann::ordered_json gpu_time_json(const GpuEntryStatus& g) {
+  using json = nlohmann::ordered_json;
+  if (!g.gpu_time) return g.gpu_time_error.empty() ? json(nullptr) : json{{"error", g.gpu_time_error}};
+  const GpuTimeStatus& t = *g.gpu_time;
+  return {{"achieved_1s_ppm", t.achieved_1s_ppm},   {"achieved_10s_ppm", t.achieved_10s_ppm},
+          {"used_ns", t.used_ns},                   {"throttled_ns", t.throttled_ns},
+          {"slices", t.slices},                     {"holding", t.holding},
+          {"waiting_processes", t.waiting_processes}, {"tenants_sharing", t.tenants_sharing}};
+}
+
+std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
+
+}  // namespace
+
 nlohmann::ordered_json status_to_json(const StatusReport& report) {
   using json = nlohmann::ordered_json;
   auto optional = [](const auto& v) { return v ? json(*v) : json(nullptr); };
@@ -199,7 +257,8 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
                       {"context_memory", g.context_memory},
                       {"share_ppm", g.share_ppm},
                       {"limit_ppm", g.limit_ppm},
-                      {"count_managed_memory", g.count_managed}});
+                      {"count_managed_memory", g.count_managed},
+                      {"gpu_time", gpu_time_json(g)}});
     json processes = json::array();
     for (const ProcessStatus& p : t.processes) {
       json charges = json::array();
@@ -251,21 +310,27 @@ std::string status_to_text(const StatusReport& report) {
   for (const TenantStatus& t : report.tenants)
     for (const GpuEntryStatus& g : t.gpus) rows.push_back({g.uuid, &t, &g});
   std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.uuid < b.uuid; });
-  std::vector<std::vector<std::string>> gpu_table{{"GPU", "TENANT", "STATE", "SHARE", "QUOTA", "USED", "PROCS"}};
+  std::vector<std::vector<std::string>> gpu_table{
+      {"GPU", "TENANT", "STATE", "SHARE", "LIMIT", "1S", "10S", "THROTTLED", "QUOTA", "USED", "PROCS"}};
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     size_t procs = 0;
     for (const ProcessStatus& p : r.tenant->processes)
       for (const ProcessCharge& c : p.charges) procs += c.uuid == r.uuid ? 1 : 0;
-    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
-                         format_share(r.gpu->share_ppm),
+    const std::optional<GpuTimeStatus>& time = r.gpu->gpu_time;
+    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name,
+                         r.gpu->state + (time && time->holding ? " (running)" : ""),
+                         format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
+                         time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
+                         time ? format_ppm_percent(time->achieved_10s_ppm) : "-",
+                         time ? format_age(time->throttled_ns / 1'000'000) : "-",
                          r.gpu->memory_quota ? format_size(*r.gpu->memory_quota) : "unlimited",
                          format_size(r.gpu->memory_used), std::to_string(procs)});
   }
   // Readable tenants without any GPU entry still get a line: they exist.
   for (const TenantStatus& t : report.tenants)
     if (t.error.empty() && t.gpus.empty())
-      gpu_table.push_back({"-", t.name, "no GPU", "-", "-", "-", std::to_string(t.processes.size())});
+      gpu_table.push_back({"-", t.name, "no GPU", "-", "-", "-", "-", "-", "-", "-", std::to_string(t.processes.size())});
   out += "\n";
   out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
 

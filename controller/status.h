@@ -23,6 +23,18 @@ inline constexpr int kStatusInternal = 70;     // a bug: an unexpected exception
 inline constexpr uint64_t kHeartbeatFreshMs = 2000;
 inline constexpr int kStatusSchemaVersion = 1;
 
+// GPU time on one GPU, from its arbiter (docs/sm-time.md).
+struct GpuTimeStatus {
+  uint32_t achieved_1s_ppm = 0;   // GPU time used over the last 1 s / 10 s (daemon)
+  uint32_t achieved_10s_ppm = 0;
+  uint64_t used_ns = 0;           // GPU time charged, total
+  uint64_t throttled_ns = 0;      // time its launches waited for the GPU, total
+  uint64_t slices = 0;            // times it was given the GPU
+  bool holding = false;           // one of its processes holds the GPU now
+  uint32_t waiting_processes = 0; // its processes waiting for the GPU now
+  uint32_t tenants_sharing = 0;   // tenants with a share of this GPU
+};
+
 struct GpuEntryStatus {
   uint32_t entry = 0;  // index in the ledger's GPU table
   std::string uuid;
@@ -33,6 +45,8 @@ struct GpuEntryStatus {
   uint32_t share_ppm = 0;
   uint32_t limit_ppm = 0;
   bool count_managed = false;
+  std::optional<GpuTimeStatus> gpu_time;  // nullopt: no arbiter for this entry (see gpu_time_error)
+  std::string gpu_time_error;             // why, when there is one but it cannot be read
 };
 
 struct ProcessCharge {

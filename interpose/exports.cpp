@@ -3,6 +3,7 @@
 // cuda.h's declarations, so a signature that differs from the driver's does
 // not compile.
 #include "hook_table.h"
+#include "launch_hooks.h"
 #include "lookup_hooks.h"
 #include "memory_hooks.h"
 

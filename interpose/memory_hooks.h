@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "hook_table.h"
+#include "launch_gate.h"
 #include "tenant.h"
 
 namespace fracgpu::interpose {
@@ -277,7 +278,11 @@ CUresult mem_pool_destroy(CUmemoryPool pool) {
 
 template <HookId id, class... Args>
 CUresult synchronize(Args... args) {
+  // A thread waiting for its own kernels keeps its process active: the GPU
+  // is busy with its work, so the GPU is not handed on as idle.
+  g_threads_in_sync.fetch_add(1, std::memory_order_relaxed);
   CUresult result = FRACGPU_PASS(id, args...);
+  g_threads_in_sync.fetch_sub(1, std::memory_order_relaxed);
   // Pools release memory above their threshold when synchronized: give the
   // charge back now. One relaxed load when no pool has anything to settle.
   if (result == CUDA_SUCCESS && pools_dirty()) [[unlikely]]
@@ -457,6 +462,7 @@ CUresult ctx_destroy(CUcontext ctx) {
   TenantMode mode = gate();
   if (mode != TenantMode::kManaged) [[unlikely]]
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx);
+  gputime_forget_context(ctx);  // the pacer must not drain it any more
   ChargeRecord record;
   const bool charged = forget_handle(reinterpret_cast<uint64_t>(ctx), &record);
   CUresult result = FRACGPU_PASS(id, ctx);
@@ -492,6 +498,7 @@ CUresult primary_ctx_release(CUdevice device) {
   TenantMode mode = gate();
   if (mode != TenantMode::kManaged) [[unlikely]]
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
+  gputime_forget_device(device);  // the last release destroys the context; the next launch notes it again
   CUresult result = FRACGPU_PASS(id, device);
   if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, false);
   return result;
@@ -502,6 +509,7 @@ CUresult primary_ctx_reset(CUdevice device) {
   TenantMode mode = gate();
   if (mode != TenantMode::kManaged) [[unlikely]]
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
+  gputime_forget_device(device);
   CUresult result = FRACGPU_PASS(id, device);
   if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, true);
   return result;

@@ -118,6 +118,7 @@ TenantMode attach() {
   }
   g_tenant.ledger = ledger;
   g_tenant.slot = slot;
+  snprintf(g_tenant.dir, sizeof g_tenant.dir, "%s", dir);
   log_line(LogLevel::kInfo, "attached to tenant \"%s\" (%s), slot %d", ledger.policy->tenant, dir, slot);
   return TenantMode::kManaged;
 }

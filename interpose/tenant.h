@@ -27,6 +27,7 @@ enum class TenantMode : int {
 
 struct TenantState {
   ledger::TenantLedger ledger;
+  char dir[1024] = {};  // the tenant directory: the ledger and the GPU-time arbiters' links
   int slot = -1;
   ChargeTable pointers;  // device pointers (linear, managed, async)
   ChargeTable handles;   // arrays, mipmapped arrays, VMM handles, contexts

@@ -13,8 +13,6 @@
 #include <unistd.h>
 
 namespace fracgpu::ledger {
-namespace {
-
 void set_error(char* err, size_t err_len, const char* fmt, ...) {
   if (err == nullptr || err_len == 0) return;
   va_list args;
@@ -22,6 +20,8 @@ void set_error(char* err, size_t err_len, const char* fmt, ...) {
   vsnprintf(err, err_len, fmt, args);
   va_end(args);
 }
+
+namespace {
 
 LedgerError errno_to_error(int e) {
   switch (e) {
@@ -44,53 +44,24 @@ bool is_all_zero(const void* p, size_t n) {
   return true;
 }
 
-// Writes a complete, stamped segment under a temporary name and renames it
-// into place, so that concurrent openers see either no file or a whole one.
-LedgerError create_segment_file(const char* path, mode_t mode, uint64_t magic, size_t bytes,
-                                const char* tenant_name, char* err, size_t err_len) {
-  char tmp[4096 + 32];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, static_cast<int>(getpid()));
-  int fd = ::open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  if (fd < 0) {
-    set_error(err, err_len, "%s: cannot create: %s", tmp, strerror(errno));
-    return errno_to_error(errno);
-  }
-  fchmod(fd, mode);  // not subject to the umask
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int e = errno;
-    ::close(fd);
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot size: %s", tmp, strerror(e));
-    return errno_to_error(e);
-  }
-  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED) {
-    int e = errno;
-    ::close(fd);
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot map: %s", tmp, strerror(e));
-    return errno_to_error(e);
-  }
+// Stamps a fresh policy or usage segment: its header and the tenant name.
+struct LedgerStamp {
+  uint64_t magic;
+  size_t bytes;
+  const char* tenant_name;
+};
+
+void stamp_ledger_segment(void* map, const void* arg) {
+  const auto* stamp = static_cast<const LedgerStamp*>(arg);
   auto* header = static_cast<SegmentHeader*>(map);
-  header->magic = magic;
+  header->magic = stamp->magic;
   header->layout_version = kLayoutVersion;
   header->header_bytes = sizeof(SegmentHeader);
-  header->segment_bytes = bytes;
-  if (magic == kPolicyMagic && tenant_name != nullptr) {
+  header->segment_bytes = stamp->bytes;
+  if (stamp->magic == kPolicyMagic && stamp->tenant_name != nullptr) {
     auto* policy = static_cast<PolicySegment*>(map);
-    snprintf(policy->tenant, sizeof policy->tenant, "%s", tenant_name);
+    snprintf(policy->tenant, sizeof policy->tenant, "%s", stamp->tenant_name);
   }
-  munmap(map, bytes);
-  ::close(fd);
-  // link() fails if another creator won the race; then we use theirs.
-  if (link(tmp, path) != 0 && errno != EEXIST) {
-    int e = errno;
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot publish: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  unlink(tmp);
-  return LedgerError::kOk;
 }
 
 struct Mapping {
@@ -103,37 +74,12 @@ LedgerError map_segment(const char* dir, const char* file, bool writable, bool c
                         size_t err_len) {
   char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, file);
-  int fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0 && errno == ENOENT && create) {
-    LedgerError e = create_segment_file(path, mode, magic, bytes, tenant_name, err, err_len);
-    if (e != LedgerError::kOk) return e;
-    fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-  }
-  if (fd < 0) {
-    int e = errno;
-    set_error(err, err_len, "%s: cannot open: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    set_error(err, err_len, "%s: cannot stat: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  if (static_cast<uint64_t>(st.st_size) != bytes) {
-    ::close(fd);
-    set_error(err, err_len, "%s: size is %lld bytes, this fracgpu (ledger layout v%u) expects %zu", path,
-              static_cast<long long>(st.st_size), kLayoutVersion, bytes);
-    return LedgerError::kWrongSize;
-  }
-  void* map = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED) {
-    int e = errno;
-    ::close(fd);
-    set_error(err, err_len, "%s: cannot map: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
+  const LedgerStamp stamp{magic, bytes, tenant_name};
+  void* map = nullptr;
+  int fd = -1;
+  LedgerError e = map_shared_file(path, writable, create ? mode : 0, bytes, create ? stamp_ledger_segment : nullptr,
+                                  &stamp, &map, &fd, err, err_len);
+  if (e != LedgerError::kOk) return e;
   LedgerError check = check_header(*static_cast<const SegmentHeader*>(map), magic, bytes);
   if (check != LedgerError::kOk) {
     const auto* h = static_cast<const SegmentHeader*>(map);
@@ -158,14 +104,7 @@ void unmap(Mapping& m, size_t bytes) {
   if (m.fd >= 0) ::close(m.fd);
 }
 
-int set_record_lock(int fd, uint32_t slot, short type) {
-  struct flock fl {};
-  fl.l_type = type;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = slot_lock_offset(slot);
-  fl.l_len = 1;
-  return fcntl(fd, F_SETLK, &fl);
-}
+int set_record_lock(int fd, uint32_t slot, short type) { return set_byte_lock(fd, slot_lock_offset(slot), type); }
 
 void clear_slot_charges(UsageSegment& usage, uint32_t slot) {
   for (uint32_t g = 0; g < kMaxGpus; ++g) usage.charges[g][slot].store(0, std::memory_order_seq_cst);
@@ -197,6 +136,92 @@ bool orphan_grace_over(ProcessSlot& slot) {
 }
 
 }  // namespace
+
+int set_byte_lock(int fd, off_t offset, short type) {
+  struct flock fl {};
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = offset;
+  fl.l_len = 1;
+  return fcntl(fd, F_SETLK, &fl);
+}
+
+LedgerError create_segment_file(const char* path, mode_t mode, size_t bytes, StampFn stamp, const void* stamp_arg,
+                                char* err, size_t err_len) {
+  char tmp[4096 + 32];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, static_cast<int>(getpid()));
+  int fd = ::open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  if (fd < 0) {
+    set_error(err, err_len, "%s: cannot create: %s", tmp, strerror(errno));
+    return errno_to_error(errno);
+  }
+  fchmod(fd, mode);  // not subject to the umask
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int e = errno;
+    ::close(fd);
+    unlink(tmp);
+    set_error(err, err_len, "%s: cannot size: %s", tmp, strerror(e));
+    return errno_to_error(e);
+  }
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    int e = errno;
+    ::close(fd);
+    unlink(tmp);
+    set_error(err, err_len, "%s: cannot map: %s", tmp, strerror(e));
+    return errno_to_error(e);
+  }
+  if (stamp != nullptr) stamp(map, stamp_arg);
+  munmap(map, bytes);
+  ::close(fd);
+  // link() fails if another creator won the race; then we use theirs.
+  if (link(tmp, path) != 0 && errno != EEXIST) {
+    int e = errno;
+    unlink(tmp);
+    set_error(err, err_len, "%s: cannot publish: %s", path, strerror(e));
+    return errno_to_error(e);
+  }
+  unlink(tmp);
+  return LedgerError::kOk;
+}
+
+LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode, size_t bytes, StampFn stamp,
+                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len) {
+  int fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT && create_mode != 0) {
+    LedgerError e = create_segment_file(path, create_mode, bytes, stamp, stamp_arg, err, err_len);
+    if (e != LedgerError::kOk) return e;
+    fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  }
+  if (fd < 0) {
+    int e = errno;
+    set_error(err, err_len, "%s: cannot open: %s", path, strerror(e));
+    return errno_to_error(e);
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    set_error(err, err_len, "%s: cannot stat: %s", path, strerror(e));
+    return errno_to_error(e);
+  }
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    ::close(fd);
+    set_error(err, err_len, "%s: size is %lld bytes, this fracgpu expects %zu", path,
+              static_cast<long long>(st.st_size), bytes);
+    return LedgerError::kWrongSize;
+  }
+  void* map = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    int e = errno;
+    ::close(fd);
+    set_error(err, err_len, "%s: cannot map: %s", path, strerror(e));
+    return errno_to_error(e);
+  }
+  *map_out = map;
+  *fd_out = fd;
+  return LedgerError::kOk;
+}
 
 const char* ledger_error_name(LedgerError e) {
   switch (e) {

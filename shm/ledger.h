@@ -63,6 +63,30 @@ void close_ledger(TenantLedger* ledger);
 // Validates a mapped segment header. All-zero is valid (fresh).
 LedgerError check_header(const SegmentHeader& h, uint64_t expected_magic, uint64_t expected_bytes);
 
+// ---- Shared files (also used by the GPU-time arbiter, shm/gputime.h) ----
+
+// printf into a caller's error buffer (either may be null/0: then nothing).
+void set_error(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+
+// Fills a freshly created, zeroed mapping (header, names) before it is published.
+using StampFn = void (*)(void* map, const void* arg);
+
+// A POSIX record lock (F_WRLCK / F_UNLCK, never waiting) on one byte: how
+// slots and arbiter entries prove their owner alive. Returns fcntl's result.
+int set_byte_lock(int fd, off_t offset, short type);
+
+// Creates `path` complete: written under a temporary name, stamped, then
+// linked into place, so no process can ever map a half-written file. If
+// another creator wins the race, theirs is kept.
+LedgerError create_segment_file(const char* path, mode_t mode, size_t bytes, StampFn stamp, const void* stamp_arg,
+                                char* err, size_t err_len);
+
+// Opens and maps `path` (MAP_SHARED), which must be exactly `bytes` long.
+// With create_mode != 0 a missing file is created first (create_segment_file).
+// Headers are the caller's to check.
+LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode, size_t bytes, StampFn stamp,
+                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len);
+
 // ---- GPU entries (policy) ----
 
 // Index of the granted-or-revoked entry for this UUID, or -1.

@@ -100,6 +100,20 @@ TEST(ConfigErrors, ReapIntervalOutOfRange) {
   expect_error("[daemon]\nreap_interval_ms = 5000\n" + kGpu0, 2, "reap_interval_ms 5000 is out of range (10..1000)");
 }
 
+TEST(ConfigErrors, TimeSliceOutOfRange) {
+  expect_error("[daemon]\ntime_slice_ms = 1\n" + kGpu0, 2, "time_slice_ms 1 is out of range (2..200)");
+  expect_error("[daemon]\ntime_slice_ms = \"20ms\"\n" + kGpu0, 2, "time_slice_ms");
+}
+
+TEST(ConfigErrors, BadLimits) {
+  const std::string t = kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.3\n";  // limit on line 6
+  expect_error(t + "limit = 0.2\n", 6, "limit = 0.2 is below the tenant's share 0.3 of GPU 0");
+  expect_error(t + "limit = 1.5\n", 6, "limit = 1.5 must be above 0 and at most 1.0");
+  expect_error(t + "limit = 0\n", 6, "must be above 0");
+  expect_error(t + "limit = \"all\"\n", 6, "limit");
+  expect_error(kGpu0 + "[[tenant]]\nname = \"m\"\nlimit = 0.5\n[tenant.memory]\n0 = \"1GiB\"\n", 5, "limit needs gpus");
+}
+
 TEST(ConfigErrors, DuplicateTenantName) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"alice\"\ngpus = 0.1\n[[tenant]]\nname = \"alice\"\ngpus = 0.1\n", 7,
                "tenant \"alice\": duplicate tenant name (first defined at line 3)");
@@ -226,7 +240,7 @@ TEST(ConfigErrors, AllErrorsAreCollectedInLineOrder) {
   EXPECT_EQ(r.errors[2].line, 6);
   EXPECT_EQ(r.errors[3].line, 11);
   EXPECT_EQ(r.errors[3].to_string(), "test.toml:11: tenant \"ok\": unknown key \"colour\" (known keys: name, gpus, "
-                                     "devices, count_managed, memory)");
+                                     "devices, count_managed, memory, limit)");
 }
 
 TEST(ConfigErrors, UnreadableFile) {
@@ -272,6 +286,25 @@ TEST(ConfigGood, TwoAndAHalfGpusSpanThreeGpus) {
   EXPECT_EQ(big.grants[2].gpu, 2u);
   EXPECT_EQ(big.grants[2].share_ppm, 500'000u);
   EXPECT_EQ(big.grants[2].memory_quota, 40 * kGiB);
+}
+
+TEST(ConfigGood, LimitsDefaultToTheShareAndCapOnlyFractions) {
+  const std::string gpus = kGpu0 + "[[gpu]]\nindex = 1\n[[gpu]]\nindex = 2\n";
+  ConfigResult r = parse(gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\n[[tenant]]\nname = \"m\"\n"
+                                "[tenant.memory]\n2 = \"1GiB\"\n");
+  ASSERT_TRUE(r.ok()) << r.errors[0].to_string();
+  const Tenant& big = r.config->tenants[0];
+  EXPECT_EQ(big.grants[0].limit_ppm, 1'000'000u);  // whole GPUs are never capped
+  EXPECT_EQ(big.grants[1].limit_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[2].limit_ppm, 500'000u);    // the fraction: a hard cap at its share
+  EXPECT_EQ(r.config->tenants[1].grants[0].limit_ppm, 1'000'000u);  // memory-only: idle time only
+  EXPECT_EQ(r.config->daemon.time_slice, std::chrono::milliseconds(20));
+
+  r = parse("[daemon]\ntime_slice_ms = 50\n" + gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\nlimit = 0.8\n");
+  ASSERT_TRUE(r.ok()) << r.errors[0].to_string();
+  EXPECT_EQ(r.config->tenants[0].grants[0].limit_ppm, 1'000'000u);
+  EXPECT_EQ(r.config->tenants[0].grants[2].limit_ppm, 800'000u);
+  EXPECT_EQ(r.config->daemon.time_slice, std::chrono::milliseconds(50));
 }
 
 TEST(ConfigGood, FirstFitTakesRemainingCapacityIntoAccount) {

@@ -330,7 +330,7 @@ TEST_F(DaemonTest, CheckValidatesWithoutTouchingAnything) {
   std::string output;
   EXPECT_EQ(run_daemon({"--check"}, &output), 0) << output;
   EXPECT_NE(output.find("valid (1 GPU(s), 2 tenant(s))"), std::string::npos) << output;
-  EXPECT_NE(output.find("tenant \"alice\": GPU 0 (" + kUuid + "): share 0.5, memory quota 8 GiB"), std::string::npos);
+  EXPECT_NE(output.find("tenant \"alice\": GPU 0 (" + kUuid + "): share 0.5, limit 0.5, memory quota 8 GiB"), std::string::npos);
   EXPECT_FALSE(fs::exists(run_dir_));
 
   write_config(config(run_dir_, "0.5") + "[daemon]\n");  // a table defined twice

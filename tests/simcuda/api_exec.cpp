@@ -351,6 +351,50 @@ CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, uns
   return launch(guard_, f, gx, gy, gz, bx, by, bz, stream, params, extra, true);
 }
 
+// The legacy launches take their block shape from cuFuncSetBlockShape,
+// which the sim does not model: one thread per block is as good as any for
+// a timeline that only counts the function's duration.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+CUresult cuLaunch(CUfunction f) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunch);
+  return launch(guard_, f, 1, 1, 1, 1, 1, 1, nullptr, nullptr, nullptr, false);
+}
+
+CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchGrid);
+  if (grid_width <= 0 || grid_height <= 0) return CUDA_ERROR_INVALID_VALUE;
+  return launch(guard_, f, static_cast<unsigned>(grid_width), static_cast<unsigned>(grid_height), 1, 1, 1, 1, nullptr,
+                nullptr, nullptr, false);
+}
+
+CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuLaunchGridAsync);
+  if (grid_width <= 0 || grid_height <= 0) return CUDA_ERROR_INVALID_VALUE;
+  return launch(guard_, f, static_cast<unsigned>(grid_width), static_cast<unsigned>(grid_height), 1, 1, 1, 1, stream,
+                nullptr, nullptr, false);
+}
+#pragma GCC diagnostic pop
+
+// The sim has no stream capture: every valid stream reports "not capturing".
+static CUresult stream_is_capturing(CUstream s, CUstreamCaptureStatus* status, bool ptds) {
+  if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, ptds, t)) return r;
+  *status = CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamIsCapturing);
+  return stream_is_capturing(stream, status, false);
+}
+
+CUresult cuStreamIsCapturing_ptsz(CUstream stream, CUstreamCaptureStatus* status) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamIsCapturing_ptsz);
+  return stream_is_capturing(stream, status, true);
+}
+
 CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
   SIMCUDA_LOCKED_ENTRY(cuLaunchKernelEx);
   return launch_ex(guard_, config, f, params, extra, false);

@@ -1,0 +1,50 @@
+// GPU-time shares in the interposer: the launch gate and its pacer thread.
+//
+// Every launch hook asks launch_may_pass() first: one atomic load and one
+// compare against this thread's pass. The pass is valid until the process
+// gate word changes, and the gate word is 0 (always pass) in a process with
+// no GPU whose time is shared. Where time is shared, the pacer thread bumps
+// the gate at every tick and at every change of holder, so each launching
+// thread takes the slow path (wait_for_gpu) about once per millisecond, and
+// a thread that must not launch finds out on its next launch.
+// The policy and the protocol: docs/sm-time.md, shm/gputime.h; the pacer is
+// in launch_gate.cpp.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace fracgpu::interpose {
+
+// 0: no GPU of this process is metered, every launch passes. Otherwise an
+// epoch, changed whenever a thread's pass may have become stale.
+extern std::atomic<uint64_t> g_launch_gate;
+extern thread_local uint64_t t_launch_pass;
+// Threads inside a stream, event or context synchronization right now.
+extern std::atomic<int> g_threads_in_sync;
+
+inline bool launch_may_pass() {
+  return g_launch_gate.load(std::memory_order_acquire) == t_launch_pass;
+}
+
+// Slow path: returns once this thread may launch into `stream` of the
+// current context (its process holds that context's GPU, or the GPU is not
+// metered, or the stream is capturing a graph and nothing will run). Never
+// fails: problems make the launch pass, never block it forever.
+void wait_for_gpu(CUstream stream);
+
+// Like wait_for_gpu, for a stream of any context (multi-device launches).
+void wait_for_gpu_of_stream(CUstream stream);
+
+// A context is about to be destroyed (or a device's primary context
+// released or reset): the pacer must stop draining it.
+void gputime_forget_context(CUcontext ctx);
+void gputime_forget_device(CUdevice device);
+
+// Ends a pass held across a change of current context (cuCtxSetCurrent and
+// friends), so the next launch re-checks which GPU it goes to.
+inline void invalidate_launch_pass() { t_launch_pass = ~0ull; }
+
+}  // namespace fracgpu::interpose

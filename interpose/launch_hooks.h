@@ -1,0 +1,85 @@
+// Launch hooks: every path that puts kernels on the GPU asks the launch gate
+// (launch_gate.h) first. The common case is one atomic load and one compare,
+// then the real call; everything else is wait_for_gpu's business.
+//
+// Copies and memsets are not gated: they use the copy engines, not the SMs
+// whose time the shares divide (docs/sm-time.md).
+#pragma once
+
+#include <cuda.h>
+
+#include "hook_table.h"
+#include "launch_gate.h"
+
+namespace fracgpu::interpose {
+
+// The real function, or CUDA_ERROR_NOT_FOUND if the driver lacks it (the
+// gate never loads the driver on the fast path: a pass implies it is loaded).
+#define FRACGPU_LAUNCH(id, stream, ...)                                  \
+  do {                                                                   \
+    if (!launch_may_pass()) [[unlikely]]                                 \
+      wait_for_gpu(stream);                                              \
+    auto fn = real<id>();                                                \
+    return fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;       \
+  } while (0)
+
+template <HookId id>
+CUresult launch_kernel(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
+                       unsigned int block_x, unsigned int block_y, unsigned int block_z, unsigned int shared_bytes,
+                       CUstream stream, void** params, void** extra) {
+  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params,
+                 extra);
+}
+
+template <HookId id>
+CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
+  FRACGPU_LAUNCH(id, config != nullptr ? config->hStream : nullptr, config, f, params, extra);
+}
+
+template <HookId id>
+CUresult launch_cooperative(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
+                            unsigned int block_x, unsigned int block_y, unsigned int block_z,
+                            unsigned int shared_bytes, CUstream stream, void** params) {
+  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params);
+}
+
+// One kernel per device, each on a stream of that device's context: wait for
+// each GPU in turn. The GPUs are not held together (docs/sm-time.md).
+template <HookId id>
+CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned int device_count, unsigned int flags) {
+  if (!launch_may_pass()) [[unlikely]] {
+    for (unsigned int i = 0; launches != nullptr && i < device_count; ++i)
+      wait_for_gpu_of_stream(launches[i].hStream);
+  }
+  auto fn = real<id>();
+  return fn != nullptr ? fn(launches, device_count, flags) : CUDA_ERROR_NOT_FOUND;
+}
+
+template <HookId id>
+CUresult graph_launch(CUgraphExec graph, CUstream stream) {
+  FRACGPU_LAUNCH(id, stream, graph, stream);
+}
+
+template <HookId id, class... Grid>
+CUresult legacy_launch(CUfunction f, Grid... grid) {
+  FRACGPU_LAUNCH(id, nullptr, f, grid...);
+}
+
+template <HookId id>
+CUresult legacy_launch_async(CUfunction f, int grid_x, int grid_y, CUstream stream) {
+  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, stream);
+}
+
+#undef FRACGPU_LAUNCH
+
+// A thread's launch pass is for the context current when it was issued.
+template <HookId id, class Arg>
+CUresult ctx_switch(Arg ctx) {
+  invalidate_launch_pass();
+  auto fn = real<id>();
+  if (fn == nullptr && !load_real_driver()) return CUDA_ERROR_SHARED_OBJECT_INIT_FAILED;
+  fn = real<id>();
+  return fn != nullptr ? fn(ctx) : CUDA_ERROR_NOT_FOUND;
+}
+
+}  // namespace fracgpu::interpose

@@ -1,0 +1,244 @@
+// A saturating GPU workload for the GPU-time tests and benchmark: one thread
+// per device, each launching kernels back to back on its own stream through
+// the chosen entry point, keeping a bounded amount of work queued ahead (as
+// a training or inference loop does between synchronizations).
+//
+//   gputime_load key=value ...
+//     devices=0,1       devices to load, one thread each (default 0)
+//     kernels_us=50,50000  kernel lengths, cycled (the sim runs sleep_<N>us for N us)
+//     seconds=10        how long to keep launching
+//     ahead_us=2000     queue about this much work ahead, then wait for the older half
+//     path=kernel       kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi |
+//                       graph | graph_ptsz | legacy | legacy_grid | legacy_async
+//     start_ns=T        wait until CLOCK_MONOTONIC T before launching
+//     pause_ms=0,0      after `seconds`, optionally idle this long, then launch again this long
+//
+// Prints launches_<device>=N when done. Exit 0, or 1 on a CUDA error (printed).
+#include <cuda.h>
+#include <dlfcn.h>
+#include <time.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Options {
+  std::vector<int> devices{0};
+  std::vector<unsigned> kernels_us{1000};
+  double seconds = 10;
+  unsigned ahead_us = 2000;
+  std::string path = "kernel";
+  uint64_t start_ns = 0;
+  unsigned pause_ms = 0;
+  double resume_seconds = 0;
+};
+
+uint64_t now_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+std::vector<unsigned> parse_list(const char* s) {
+  std::vector<unsigned> out;
+  for (const char* p = s; *p != '\0';) {
+    char* end = nullptr;
+    out.push_back(static_cast<unsigned>(strtoul(p, &end, 10)));
+    if (end == p) break;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return out;
+}
+
+bool check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return true;
+  const char* name = nullptr;
+  cuGetErrorName(r, &name);
+  fprintf(stderr, "gputime_load: %s: %s (%d)\n", what, name != nullptr ? name : "?", static_cast<int>(r));
+  return false;
+}
+
+#define CHECK(call)                  \
+  do {                               \
+    if (!check((call), #call)) return false; \
+  } while (0)
+
+// The deprecated launches, found at run time as an old application's loader
+// would (through the interposer's dlsym when it is preloaded).
+template <class Fn>
+Fn legacy(const char* name) {
+  static void* symbol = dlsym(RTLD_DEFAULT, name);
+  if (symbol == nullptr) {
+    fprintf(stderr, "gputime_load: the driver has no %s\n", name);
+    exit(1);
+  }
+  return reinterpret_cast<Fn>(symbol);
+}
+
+struct Launcher {
+  explicit Launcher(const Options& options) : o(options) {}
+  const Options& o;
+  CUcontext ctx = nullptr;
+  CUstream stream = nullptr;
+  std::vector<CUfunction> functions;
+  std::vector<CUgraphExec> graphs;
+  unsigned long long launches = 0;
+
+  bool setup(int device) {
+    CUdevice dev = 0;
+    CHECK(cuDeviceGet(&dev, device));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(cuCtxSetCurrent(ctx));
+    CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    CUmodule module = nullptr;
+    static const char image[] = "simulated";  // the simulated driver takes any image
+    CHECK(cuModuleLoadData(&module, image));
+    for (unsigned us : o.kernels_us) {
+      CUfunction f = nullptr;
+      const std::string name = "sleep_" + std::to_string(us) + "us";
+      CHECK(cuModuleGetFunction(&f, module, name.c_str()));
+      functions.push_back(f);
+      if (o.path.rfind("graph", 0) == 0) {
+        CUgraph g = nullptr;
+        CHECK(cuGraphCreate(&g, 0));
+        CUDA_KERNEL_NODE_PARAMS p{};
+        p.func = f;
+        p.gridDimX = p.gridDimY = p.gridDimZ = 1;
+        p.blockDimX = p.blockDimY = p.blockDimZ = 1;
+        CUgraphNode node = nullptr;
+        CHECK(cuGraphAddKernelNode_v2(&node, g, nullptr, 0, &p));
+        CUgraphExec exec = nullptr;
+        CHECK(cuGraphInstantiateWithFlags(&exec, g, 0));
+        graphs.push_back(exec);
+      }
+    }
+    return true;
+  }
+
+  bool launch(size_t i) {
+    CUfunction f = functions[i];
+    const std::string& p = o.path;
+    if (p == "kernel") CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+    else if (p == "kernel_ptsz") CHECK(cuLaunchKernel_ptsz(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+    else if (p == "ex" || p == "ex_ptsz") {
+      CUlaunchConfig config{};
+      config.gridDimX = config.gridDimY = config.gridDimZ = 1;
+      config.blockDimX = 32;
+      config.blockDimY = config.blockDimZ = 1;
+      config.hStream = stream;
+      if (p == "ex") CHECK(cuLaunchKernelEx(&config, f, nullptr, nullptr));
+      else CHECK(cuLaunchKernelEx_ptsz(&config, f, nullptr, nullptr));
+    } else if (p == "coop") CHECK(cuLaunchCooperativeKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr));
+    else if (p == "coop_ptsz") CHECK(cuLaunchCooperativeKernel_ptsz(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr));
+    else if (p == "multi") {
+      CUDA_LAUNCH_PARAMS params{};
+      params.function = f;
+      params.gridDimX = params.gridDimY = params.gridDimZ = 1;
+      params.blockDimX = 32;
+      params.blockDimY = params.blockDimZ = 1;
+      params.hStream = stream;
+      CHECK(cuLaunchCooperativeKernelMultiDevice(&params, 1, 0));
+    } else if (p == "graph") CHECK(cuGraphLaunch(graphs[i], stream));
+    else if (p == "graph_ptsz") CHECK(cuGraphLaunch_ptsz(graphs[i], stream));
+    else if (p == "legacy") CHECK(legacy<decltype(&cuLaunch)>("cuLaunch")(f));
+    else if (p == "legacy_grid") CHECK(legacy<decltype(&cuLaunchGrid)>("cuLaunchGrid")(f, 1, 1));
+    else if (p == "legacy_async") CHECK(legacy<decltype(&cuLaunchGridAsync)>("cuLaunchGridAsync")(f, 1, 1, stream));
+    else {
+      fprintf(stderr, "gputime_load: unknown path %s\n", p.c_str());
+      return false;
+    }
+    ++launches;
+    return true;
+  }
+
+  // The legacy launches go to the null stream: wait on that one.
+  CUstream sync_stream() const { return o.path.rfind("legacy", 0) == 0 && o.path != "legacy_async" ? nullptr : stream; }
+
+  bool run_for(double seconds) {
+    CUevent older = nullptr, newer = nullptr;
+    CHECK(cuEventCreate(&older, CU_EVENT_DISABLE_TIMING));
+    CHECK(cuEventCreate(&newer, CU_EVENT_DISABLE_TIMING));
+    const uint64_t end = now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    uint64_t batch_us = 0;
+    size_t next = 0;
+    bool have_older = false;
+    while (now_ns() < end) {
+      if (!launch(next)) return false;
+      batch_us += o.kernels_us[next];
+      next = (next + 1) % functions.size();
+      if (batch_us < o.ahead_us) continue;
+      // Double buffering: mark this batch, then wait for the one before it,
+      // so about one batch stays queued and the GPU never runs dry.
+      batch_us = 0;
+      CHECK(cuEventRecord(newer, sync_stream()));
+      if (have_older) CHECK(cuEventSynchronize(older));
+      std::swap(older, newer);
+      have_older = true;
+    }
+    CHECK(cuCtxSynchronize());
+    cuEventDestroy(older);
+    cuEventDestroy(newer);
+    return true;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const char* eq = strchr(argv[i], '=');
+    if (eq == nullptr) {
+      fprintf(stderr, "gputime_load: expected key=value, got %s\n", argv[i]);
+      return 64;
+    }
+    const std::string key(argv[i], static_cast<size_t>(eq - argv[i]));
+    const char* value = eq + 1;
+    if (key == "devices") {
+      o.devices.clear();
+      for (unsigned d : parse_list(value)) o.devices.push_back(static_cast<int>(d));
+    } else if (key == "kernels_us") o.kernels_us = parse_list(value);
+    else if (key == "seconds") o.seconds = atof(value);
+    else if (key == "ahead_us") o.ahead_us = static_cast<unsigned>(atoi(value));
+    else if (key == "path") o.path = value;
+    else if (key == "start_ns") o.start_ns = strtoull(value, nullptr, 10);
+    else if (key == "pause_ms") {
+      const std::vector<unsigned> v = parse_list(value);
+      o.pause_ms = v.empty() ? 0 : v[0];
+      o.resume_seconds = v.size() > 1 ? v[1] / 1000.0 : 0;
+    } else {
+      fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
+      return 64;
+    }
+  }
+  if (o.kernels_us.empty() || o.devices.empty()) return 64;
+  if (!check(cuInit(0), "cuInit")) return 1;
+  std::vector<Launcher> launchers(o.devices.size(), Launcher(o));
+  std::vector<int> ok(o.devices.size(), 0);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < o.devices.size(); ++i) {
+    threads.emplace_back([&, i] {
+      Launcher& l = launchers[i];
+      if (!l.setup(o.devices[i])) return;
+      while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (!l.run_for(o.seconds)) return;
+      if (o.resume_seconds > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
+        if (!l.run_for(o.resume_seconds)) return;
+      }
+      ok[i] = 1;
+    });
+  }
+  for (auto& t : threads) t.join();
+  int status = 0;
+  for (size_t i = 0; i < o.devices.size(); ++i) {
+    printf("launches_%d=%llu\n", o.devices[i], launchers[i].launches);
+    if (!ok[i]) status = 1;
+  }
+  return status;
+}
