@@ -68,6 +68,66 @@ bool valid_tenant_name(std::string_view name) {
   return true;
 }
 
+// The units a duration may carry, for error messages.
+constexpr std::string_view kDurationUnitList = "us, ms, s";
+
+// Parses "<number>[ ]<unit>" with unit us, ms or s ("20ms", "2500us", "0.05s").
+// The unit is required: a bare number would not say what it counts. The number
+// may have a decimal part; the result is rounded down to whole microseconds,
+// exactly (no float). Zero is accepted (callers check the range). On failure
+// returns nullopt and sets *why to a phrase that completes `time_slice "x" ...`.
+std::optional<std::chrono::microseconds> parse_duration(std::string_view text, std::string* why) {
+  auto fail = [&](std::string reason) -> std::optional<std::chrono::microseconds> {
+    *why = std::move(reason);
+    return std::nullopt;
+  };
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  const std::string example = fmt::format("write a number and a unit, e.g. \"20ms\"; units: {}", kDurationUnitList);
+  std::string_view s = text;
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  if (!s.empty() && s.front() == '-') return fail("is negative (durations must be greater than zero)");
+  if (s.empty() || !digit(s.front())) return fail(fmt::format("is not a duration ({})", example));
+  constexpr uint64_t kMaxWhole = 1'000'000'000'000ull;  // far above any range; keeps whole * 10^6 in 64 bits
+  size_t i = 0;
+  uint64_t whole = 0;
+  for (; i < s.size() && digit(s[i]); ++i) {
+    whole = whole * 10 + static_cast<uint64_t>(s[i] - '0');
+    if (whole > kMaxWhole) return fail("is too long");
+  }
+  // Six fraction digits are all that can matter: a second is 10^6 us.
+  uint64_t frac = 0;
+  uint64_t frac_scale = 1;
+  if (i < s.size() && s[i] == '.') {
+    ++i;
+    if (i >= s.size() || !digit(s[i])) return fail("is not a duration (a digit must follow the decimal point)");
+    for (; i < s.size() && digit(s[i]); ++i) {
+      if (frac_scale < 1'000'000) {
+        frac = frac * 10 + static_cast<uint64_t>(s[i] - '0');
+        frac_scale *= 10;
+      }
+    }
+  }
+  std::string_view unit = s.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
+  uint64_t us_per_unit = 0;
+  if (unit == "us") us_per_unit = 1;
+  else if (unit == "ms") us_per_unit = 1'000;
+  else if (unit == "s") us_per_unit = 1'000'000;
+  else if (unit.empty()) return fail(fmt::format("has no unit ({})", example));
+  else return fail(fmt::format("has an unknown unit \"{}\" (use {})", unit, kDurationUnitList));
+  const uint64_t us = whole * us_per_unit + frac * us_per_unit / frac_scale;
+  return std::chrono::microseconds(static_cast<int64_t>(us));
+}
+
+// "20ms", "2500us", "1s": the largest unit that names the value exactly.
+std::string format_duration(std::chrono::microseconds d) {
+  const int64_t us = d.count();
+  if (us != 0 && us % 1'000'000 == 0) return fmt::format("{}s", us / 1'000'000);
+  if (us % 1'000 == 0) return fmt::format("{}ms", us / 1'000);
+  return fmt::format("{}us", us);
+}
+
 uint64_t fraction_quota(uint32_t share_ppm, uint64_t memory) {
   const auto bytes = static_cast<unsigned __int128>(memory) * share_ppm / kPpmPerGpu;
   return static_cast<uint64_t>(bytes) / kQuotaGranularity * kQuotaGranularity;
@@ -103,7 +163,7 @@ struct TenantDraft {
   int devices_line = 0;
   std::vector<MemoryEntry> memory;
   int gpus_line = 0;                       // where `gpus` is, for placement errors
-  uint32_t limit_ppm = 0;                  // `limit`; 0 when not given (= the share)
+  std::optional<uint32_t> limit_ppm;       // `limit`; not given: the share
   int limit_line = 0;
   std::map<size_t, int> memory_line;       // GPU -> line of its explicit quota
 };
@@ -251,6 +311,32 @@ class Parser {
     return bytes;
   }
 
+  // A duration string ("20ms") within [min, max]. Messages read
+  // `<key> "<value>" <reason>`, at the value's line.
+  std::optional<std::chrono::microseconds> get_duration(const toml::table& t, std::string_view key,
+                                                        std::string_view where, std::chrono::microseconds min,
+                                                        std::chrono::microseconds max) {
+    const toml::node* n = t.get(key);
+    if (n == nullptr) return std::nullopt;
+    const auto* s = n->as_string();
+    if (s == nullptr) {
+      wrong_type(where, key, *n, "a duration such as \"20ms\"");
+      return std::nullopt;
+    }
+    std::string why;
+    const auto d = parse_duration(s->get(), &why);
+    if (!d) {
+      error_in(where, line_of(*n), fmt::format("{} \"{}\" {}", key, s->get(), why));
+      return std::nullopt;
+    }
+    if (*d < min || *d > max) {
+      error_in(where, line_of(*n), fmt::format("{} \"{}\" is out of range ({}..{})", key, s->get(),
+                                               format_duration(min), format_duration(max)));
+      return std::nullopt;
+    }
+    return d;
+  }
+
   // A tenant's reference to a GPU: an integer index, or a string holding an
   // index or a UUID (memory keys are always strings).
   std::optional<GpuRef> parse_gpu_ref(const toml::node* n, std::string_view text, std::string_view what,
@@ -291,7 +377,7 @@ class Parser {
       return;
     }
     constexpr std::string_view where = "[daemon]";
-    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice_ms"}, where);
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice"}, where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
       if (dir->empty() || dir->front() != '/')
@@ -317,13 +403,7 @@ class Parser {
         d.reap_interval = std::chrono::milliseconds(*ms);
     }
     if (auto overcommit = get_bool(*t, "allow_overcommit", where)) d.allow_overcommit = *overcommit;
-    if (auto ms = get<int64_t>(*t, "time_slice_ms", where, "an integer")) {
-      if (*ms < kMinTimeSliceMs || *ms > kMaxTimeSliceMs)
-        error_in(where, line_of(*t->get("time_slice_ms")),
-                 fmt::format("time_slice_ms {} is out of range ({}..{})", *ms, kMinTimeSliceMs, kMaxTimeSliceMs));
-      else
-        d.time_slice = std::chrono::milliseconds(*ms);
-    }
+    if (auto slice = get_duration(*t, "time_slice", where, kMinTimeSlice, kMaxTimeSlice)) d.time_slice = *slice;
   }
 
   // ---- [[gpu]] ----
@@ -518,6 +598,9 @@ class Parser {
       } else if (!std::isfinite(*value) || *value <= 0 || *value > 1.0) {
         error_in(where, draft.limit_line, fmt::format("limit = {} must be above 0 and at most 1.0 (one GPU)", *value));
         draft.valid = false;
+      } else if (std::llround(*value * kPpmPerGpu) == 0) {
+        error_in(where, draft.limit_line, fmt::format("limit = {} is below the smallest share (0.000001)", *value));
+        draft.valid = false;
       } else if (!t.contains("gpus")) {
         error_in(where, draft.limit_line,
                  "limit needs gpus: a tenant with only memory quotas has no share of GPU time to cap (it may use "
@@ -705,18 +788,18 @@ class Parser {
   // the tenant's alone and never capped. It may not undercut the share.
   void apply_limits() {
     for (TenantDraft& draft : tenants_) {
-      if (!draft.valid || draft.limit_ppm == 0) continue;
+      if (!draft.valid || !draft.limit_ppm) continue;
       for (Grant& g : draft.tenant.grants) {
         if (g.share_ppm >= kPpmPerGpu) continue;
-        if (draft.limit_ppm < g.share_ppm) {
+        if (*draft.limit_ppm < g.share_ppm) {
           error_in(fmt::format("tenant \"{}\"", draft.tenant.name), draft.limit_line,
                    fmt::format("limit = {} is below the tenant's share {} of GPU {}: a limit caps what the share "
                                "guarantees, it cannot be lower",
-                               format_gpus(draft.limit_ppm), format_gpus(g.share_ppm), gpus_[g.gpu].gpu.index));
+                               format_gpus(*draft.limit_ppm), format_gpus(g.share_ppm), gpus_[g.gpu].gpu.index));
           draft.valid = false;
           break;
         }
-        g.limit_ppm = draft.limit_ppm;
+        g.limit_ppm = *draft.limit_ppm;
       }
     }
   }

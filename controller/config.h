@@ -31,15 +31,15 @@ inline constexpr uint64_t kDefaultContextMemory = 256ull << 20;
 inline constexpr uint64_t kQuotaGranularity = 2ull << 20;
 inline constexpr int kMinReapIntervalMs = 10;
 inline constexpr int kMaxReapIntervalMs = 1000;
-inline constexpr int kMinTimeSliceMs = 2;
-inline constexpr int kMaxTimeSliceMs = 200;
+inline constexpr std::chrono::microseconds kMinTimeSlice{2'000};
+inline constexpr std::chrono::microseconds kMaxTimeSlice{200'000};
 
 struct DaemonSettings {
   std::string run_dir = "/run/fracgpu";
   LogLevel log_level = LogLevel::kInfo;
   std::chrono::milliseconds reap_interval{200};
   bool allow_overcommit = false;
-  std::chrono::milliseconds time_slice{20};  // one exclusive GPU time slice (time_slice_ms)
+  std::chrono::microseconds time_slice{20'000};  // one exclusive GPU time slice (`time_slice`, e.g. "20ms")
 };
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.
@@ -57,7 +57,10 @@ struct ManagedGpu {
 struct Grant {
   size_t gpu = 0;          // index into NodeConfig::gpus
   uint32_t share_ppm = 0;  // fraction of the GPU, parts per million; 0 for memory-only grants
-  uint32_t limit_ppm = kPpmPerGpu;  // cap on GPU time, >= share_ppm (see docs/sm-time.md)
+  // Cap on GPU time when others leave it idle, parts per million, >= share_ppm:
+  // the tenant's `limit` (default: the share) on a fractional grant; 1000000 on
+  // whole GPUs and memory-only grants. See docs/sm-time.md.
+  uint32_t limit_ppm = kPpmPerGpu;
   uint64_t memory_quota = 0;
 };
 

@@ -101,17 +101,76 @@ TEST(ConfigErrors, ReapIntervalOutOfRange) {
 }
 
 TEST(ConfigErrors, TimeSliceOutOfRange) {
-  expect_error("[daemon]\ntime_slice_ms = 1\n" + kGpu0, 2, "time_slice_ms 1 is out of range (2..200)");
-  expect_error("[daemon]\ntime_slice_ms = \"20ms\"\n" + kGpu0, 2, "time_slice_ms");
+  const std::string range = "is out of range (2ms..200ms)";
+  expect_error("[daemon]\ntime_slice = \"1ms\"\n" + kGpu0, 2, "[daemon]: time_slice \"1ms\" " + range);
+  expect_error("[daemon]\ntime_slice = \"1999us\"\n" + kGpu0, 2, "time_slice \"1999us\" " + range);
+  expect_error("[daemon]\ntime_slice = \"0ms\"\n" + kGpu0, 2, "time_slice \"0ms\" " + range);
+  expect_error("[daemon]\ntime_slice = \"201ms\"\n" + kGpu0, 2, "time_slice \"201ms\" " + range);
+  expect_error("[daemon]\ntime_slice = \"1s\"\n" + kGpu0, 2, "time_slice \"1s\" " + range);
+  // The bounds themselves are allowed.
+  EXPECT_TRUE(parse("[daemon]\ntime_slice = \"2ms\"\n" + kGpu0).ok());
+  EXPECT_TRUE(parse("[daemon]\ntime_slice = \"200ms\"\n" + kGpu0).ok());
 }
 
-TEST(ConfigErrors, BadLimits) {
+TEST(ConfigErrors, TimeSliceIsNotADuration) {
+  // Errors are at the line of the key, after other [daemon] keys.
+  const std::string d = "[daemon]\nlog_level = \"info\"\n";  // time_slice on line 3
+  expect_error(d + "time_slice = 20\n" + kGpu0, 3,
+               "[daemon]: time_slice must be a duration such as \"20ms\", not an integer");
+  expect_error(d + "time_slice = 0.02\n" + kGpu0, 3, "time_slice must be a duration such as \"20ms\", not a float");
+  expect_error(d + "time_slice = \"20\"\n" + kGpu0, 3,
+               "time_slice \"20\" has no unit (write a number and a unit, e.g. \"20ms\"; units: us, ms, s)");
+  expect_error(d + "time_slice = \"20 msec\"\n" + kGpu0, 3,
+               "time_slice \"20 msec\" has an unknown unit \"msec\" (use us, ms, s)");
+  expect_error(d + "time_slice = \"20MS\"\n" + kGpu0, 3, "has an unknown unit \"MS\"");  // units are case-sensitive
+  expect_error(d + "time_slice = \"fast\"\n" + kGpu0, 3, "time_slice \"fast\" is not a duration");
+  expect_error(d + "time_slice = \"-5ms\"\n" + kGpu0, 3, "time_slice \"-5ms\" is negative");
+  expect_error(d + "time_slice = \"2.ms\"\n" + kGpu0, 3, "a digit must follow the decimal point");
+  expect_error(d + "time_slice = \"99999999999999999s\"\n" + kGpu0, 3, "is too long");
+  // The old integer key is gone; the unknown-key error lists the new one.
+  expect_error(d + "time_slice_ms = 20\n" + kGpu0, 3, "unknown key \"time_slice_ms\" (known keys: run_dir, log_level, "
+                                                       "reap_interval_ms, allow_overcommit, time_slice)");
+  expect_error(d + "time_slise = \"20ms\"\n" + kGpu0, 3, "unknown key \"time_slise\" (did you mean \"time_slice\"?)");
+}
+
+TEST(ConfigErrors, LimitOfTheWrongType) {
   const std::string t = kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.3\n";  // limit on line 6
-  expect_error(t + "limit = 0.2\n", 6, "limit = 0.2 is below the tenant's share 0.3 of GPU 0");
-  expect_error(t + "limit = 1.5\n", 6, "limit = 1.5 must be above 0 and at most 1.0");
-  expect_error(t + "limit = 0\n", 6, "must be above 0");
-  expect_error(t + "limit = \"all\"\n", 6, "limit");
-  expect_error(kGpu0 + "[[tenant]]\nname = \"m\"\nlimit = 0.5\n[tenant.memory]\n0 = \"1GiB\"\n", 5, "limit needs gpus");
+  expect_error(t + "limit = \"all\"\n", 6,
+               "tenant \"a\": limit must be a fraction of one GPU such as 0.5 or 1.0, not a string");
+  expect_error(t + "limit = true\n", 6, "limit must be a fraction of one GPU such as 0.5 or 1.0, not a boolean");
+  expect_error(t + "limmit = 0.5\n", 6, "tenant \"a\": unknown key \"limmit\" (did you mean \"limit\"?)");
+}
+
+TEST(ConfigErrors, LimitOutOfRange) {
+  const std::string t = kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.3\n";  // limit on line 6
+  expect_error(t + "limit = 1.5\n", 6, "tenant \"a\": limit = 1.5 must be above 0 and at most 1.0 (one GPU)");
+  expect_error(t + "limit = 2\n", 6, "limit = 2 must be above 0 and at most 1.0 (one GPU)");
+  expect_error(t + "limit = 0\n", 6, "limit = 0 must be above 0 and at most 1.0 (one GPU)");
+  expect_error(t + "limit = -0.5\n", 6, "limit = -0.5 must be above 0 and at most 1.0 (one GPU)");
+  expect_error(t + "limit = nan\n", 6, "limit = nan must be above 0 and at most 1.0 (one GPU)");
+  expect_error(t + "limit = inf\n", 6, "limit = inf must be above 0 and at most 1.0 (one GPU)");
+  // Above zero but nothing in parts per million: not silently "no limit given".
+  expect_error(t + "limit = 0.0000001\n", 6, "limit = 1e-07 is below the smallest share (0.000001)");
+}
+
+TEST(ConfigErrors, LimitBelowTheShare) {
+  // Pinned to GPU 1: the message names the GPU's index, the limit's line.
+  expect_error(kGpu0 + "[[gpu]]\nindex = 1\n[[tenant]]\nname = \"a\"\ngpus = 0.3\ndevices = [1]\nlimit = 0.2\n", 9,
+               "tenant \"a\": limit = 0.2 is below the tenant's share 0.3 of GPU 1: a limit caps what the share "
+               "guarantees, it cannot be lower");
+  // Only the fractional piece counts: 0.4 is below the 0.5 of gpus = 1.5.
+  expect_error(kGpu0 + "[[gpu]]\nindex = 1\n[[tenant]]\nname = \"a\"\nlimit = 0.4\ngpus = 1.5\n", 7,
+               "limit = 0.4 is below the tenant's share 0.5 of GPU 1");
+  const ConfigResult r = parse(kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.3\nlimit = 0.2\n");
+  ASSERT_EQ(r.errors.size(), 1u);  // one error, and no config
+  EXPECT_FALSE(r.config.has_value());
+}
+
+TEST(ConfigErrors, LimitNeedsGpus) {
+  expect_error(kGpu0 + "[[tenant]]\nname = \"m\"\nlimit = 0.5\n[tenant.memory]\n0 = \"1GiB\"\n", 5,
+               "tenant \"m\": limit needs gpus: a tenant with only memory quotas has no share of GPU time to cap");
+  // Memory-only tenants get idle time without any limit key.
+  EXPECT_TRUE(parse(kGpu0 + "[[tenant]]\nname = \"m\"\n[tenant.memory]\n0 = \"1GiB\"\n").ok());
 }
 
 TEST(ConfigErrors, DuplicateTenantName) {
@@ -290,21 +349,78 @@ TEST(ConfigGood, TwoAndAHalfGpusSpanThreeGpus) {
 
 TEST(ConfigGood, LimitsDefaultToTheShareAndCapOnlyFractions) {
   const std::string gpus = kGpu0 + "[[gpu]]\nindex = 1\n[[gpu]]\nindex = 2\n";
-  ConfigResult r = parse(gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\n[[tenant]]\nname = \"m\"\n"
-                                "[tenant.memory]\n2 = \"1GiB\"\n");
-  ASSERT_TRUE(r.ok()) << r.errors[0].to_string();
-  const Tenant& big = r.config->tenants[0];
+  // Overcommit lets the memory-only tenant sit next to big's whole GPU 1.
+  const ConfigResult ok = parse("[daemon]\nallow_overcommit = true\n" + gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\n"
+                                       "[[tenant]]\nname = \"small\"\ngpus = 0.3\n"
+                                       "[[tenant]]\nname = \"m\"\n[tenant.memory]\n2 = \"1GiB\"\n1 = \"2GiB\"\n");
+  ASSERT_TRUE(ok.ok()) << ok.errors[0].to_string();
+  const Tenant& big = ok.config->tenants[0];
+  ASSERT_EQ(big.grants.size(), 3u);
   EXPECT_EQ(big.grants[0].limit_ppm, 1'000'000u);  // whole GPUs are never capped
   EXPECT_EQ(big.grants[1].limit_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[2].share_ppm, 500'000u);
   EXPECT_EQ(big.grants[2].limit_ppm, 500'000u);    // the fraction: a hard cap at its share
-  EXPECT_EQ(r.config->tenants[1].grants[0].limit_ppm, 1'000'000u);  // memory-only: idle time only
-  EXPECT_EQ(r.config->daemon.time_slice, std::chrono::milliseconds(20));
+  const Tenant& small = ok.config->tenants[1];
+  ASSERT_EQ(small.grants.size(), 1u);
+  EXPECT_EQ(small.grants[0].gpu, 2u);              // next to big's half
+  EXPECT_EQ(small.grants[0].share_ppm, 300'000u);
+  EXPECT_EQ(small.grants[0].limit_ppm, 300'000u);
+  const Tenant& m = ok.config->tenants[2];         // memory-only: no share, may use idle time
+  ASSERT_EQ(m.grants.size(), 2u);
+  for (const Grant& g : m.grants) {
+    EXPECT_EQ(g.share_ppm, 0u);
+    EXPECT_EQ(g.limit_ppm, 1'000'000u);
+  }
+}
 
-  r = parse("[daemon]\ntime_slice_ms = 50\n" + gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\nlimit = 0.8\n");
+TEST(ConfigGood, AWholeGpuTenantIsNeverCapped) {
+  const ConfigResult r = parse(kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 1\n");
   ASSERT_TRUE(r.ok()) << r.errors[0].to_string();
+  EXPECT_EQ(r.config->tenants[0].grants[0].share_ppm, 1'000'000u);
   EXPECT_EQ(r.config->tenants[0].grants[0].limit_ppm, 1'000'000u);
-  EXPECT_EQ(r.config->tenants[0].grants[2].limit_ppm, 800'000u);
-  EXPECT_EQ(r.config->daemon.time_slice, std::chrono::milliseconds(50));
+}
+
+TEST(ConfigGood, AnExplicitLimitCapsOnlyTheFractionalPiece) {
+  const std::string gpus = kGpu0 + "[[gpu]]\nindex = 1\n[[gpu]]\nindex = 2\n";
+  const ConfigResult r = parse(gpus + "[[tenant]]\nname = \"big\"\ngpus = 2.5\nlimit = 0.8\n"
+                                      "[[tenant]]\nname = \"free\"\ngpus = 0.25\nlimit = 1\n"  // integer 1
+                                      "[[tenant]]\nname = \"exact\"\ngpus = 0.25\nlimit = 0.25\n");
+  ASSERT_TRUE(r.ok()) << r.errors[0].to_string();
+  const Tenant& big = r.config->tenants[0];
+  ASSERT_EQ(big.grants.size(), 3u);
+  EXPECT_EQ(big.grants[0].share_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[0].limit_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[1].share_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[1].limit_ppm, 1'000'000u);
+  EXPECT_EQ(big.grants[2].share_ppm, 500'000u);
+  EXPECT_EQ(big.grants[2].limit_ppm, 800'000u);
+  EXPECT_EQ(r.config->tenants[1].grants[0].share_ppm, 250'000u);
+  EXPECT_EQ(r.config->tenants[1].grants[0].limit_ppm, 1'000'000u);  // fully work-conserving
+  EXPECT_EQ(r.config->tenants[2].grants[0].limit_ppm, 250'000u);    // a limit equal to the share is allowed
+  // The limit changes nothing else: the memory quota still follows the share.
+  EXPECT_EQ(big.grants[2].memory_quota, 40 * kGiB);
+  EXPECT_EQ(r.config->tenants[1].grants[0].memory_quota, 20 * kGiB);
+}
+
+TEST(ConfigGood, TimeSlice) {
+  EXPECT_EQ(DaemonSettings{}.time_slice, std::chrono::microseconds(20'000));
+  const ConfigResult def = parse(kGpu0);
+  ASSERT_TRUE(def.ok());
+  EXPECT_EQ(def.config->daemon.time_slice, std::chrono::microseconds(20'000));
+  auto slice = [](const std::string& value) {
+    const ConfigResult r = parse("[daemon]\ntime_slice = \"" + value + "\"\n" + kGpu0);
+    EXPECT_TRUE(r.ok()) << value << ": " << (r.errors.empty() ? "" : r.errors[0].to_string());
+    return r.ok() ? r.config->daemon.time_slice.count() : -1;
+  };
+  EXPECT_EQ(slice("50ms"), 50'000);
+  EXPECT_EQ(slice("2ms"), 2'000);
+  EXPECT_EQ(slice("200ms"), 200'000);
+  EXPECT_EQ(slice("2500us"), 2'500);
+  EXPECT_EQ(slice("0.05s"), 50'000);
+  EXPECT_EQ(slice("0.2s"), 200'000);
+  EXPECT_EQ(slice("12.5ms"), 12'500);
+  EXPECT_EQ(slice(" 10 ms "), 10'000);
+  EXPECT_EQ(slice("7.0009ms"), 7'000);  // rounded down to whole microseconds
 }
 
 TEST(ConfigGood, FirstFitTakesRemainingCapacityIntoAccount) {
