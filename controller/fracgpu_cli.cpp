@@ -30,7 +30,8 @@ int status_command(const std::string& run_dir, bool json) {
 int run(int argc, char** argv) {
   CLI::App app{"fracgpu: inspect fractional GPU sharing on this node"};
   app.require_subcommand(1);
-  CLI::App* status = app.add_subcommand("status", "Quotas, usage and processes of every tenant, per GPU");
+  CLI::App* status =
+      app.add_subcommand("status", "Quotas, usage, GPU-time shares and processes of every tenant, per GPU");
   bool json = false;
   std::string run_dir = default_run_dir();
   status->add_flag("--json", json, "Print JSON (schema in docs/configuration.md)");

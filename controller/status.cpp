@@ -33,21 +33,35 @@ uint64_t monotonic_ns() {
 
 std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
 
-// The tenant's standing in the GPU-time arbiter linked as gputime-<entry>.
-void read_gpu_time(const std::string& dir, const char* tenant, uint32_t entry, GpuEntryStatus* out) {
+// A process entry of the tenant in a GPU's arbiter, to be matched with the
+// process's ledger slot by identity.
+struct ArbiterProcess {
+  int32_t pid = 0;
+  uint64_t start_time = 0;
+  ProcessGpuTime time;
+};
+
+// The tenant's standing in the GPU-time arbiter the daemon linked into its
+// dir as gputime-<entry>, and its process entries there (appended to
+// *processes). No link: gpu_time stays nullopt and there is no error.
+void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, GpuEntryStatus* out,
+                   std::vector<ArbiterProcess>* processes) {
   const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
   gputime::Arbiter arbiter;
   char err[512] = {};
-  const ledger::LedgerError rc = gputime::open_arbiter(path.c_str(), false, true, nullptr, &arbiter, err, sizeof err);
+  // With the entry's UUID: a link to another GPU's arbiter is refused.
+  const ledger::LedgerError rc =
+      gputime::open_arbiter(path.c_str(), false, true, policy.gpus[entry].uuid, &arbiter, err, sizeof err);
   if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
     out->gpu_time_error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
     return;
   }
   const gputime::GpuTimeSegment& seg = *arbiter.seg;
-  const int row = gputime::find_tenant(seg, tenant);
+  const int row = gputime::find_tenant(seg, policy.tenant);
   if (row < 0) {
-    out->gpu_time_error = fmt::format("{}: tenant not listed", path);
+    out->gpu_time_error =
+        fmt::format("{}: tenant \"{}\" not listed", path, bounded(policy.tenant, sizeof policy.tenant));
     gputime::close_arbiter(&arbiter);
     return;
   }
@@ -66,8 +80,20 @@ void read_gpu_time(const std::string& dir, const char* tenant, uint32_t entry, G
     if (process.state.load(std::memory_order_acquire) != gputime::kProcessLive ||
         process.tenant.load(std::memory_order_relaxed) != static_cast<uint32_t>(row))
       continue;
-    if (holder == p + 1) g.holding = true;
-    if (process.want_since_ns.load(std::memory_order_relaxed) != 0) ++g.waiting_processes;
+    // An entry whose owner died is not waiting or holding, though it may not
+    // be reclaimed yet (the daemon is down, say): ask its record lock.
+    const bool alive = gputime::process_alive(arbiter, p);
+    ArbiterProcess a;
+    a.pid = process.pid.load(std::memory_order_relaxed);
+    a.start_time = process.start_time.load(std::memory_order_relaxed);
+    a.time.uuid = out->uuid;
+    a.time.used_ns = process.used_ns.load(std::memory_order_relaxed);
+    a.time.waited_ns = process.waited_ns.load(std::memory_order_relaxed);
+    a.time.waiting = alive && process.want_since_ns.load(std::memory_order_relaxed) != 0;
+    a.time.holding = alive && holder == p + 1;
+    g.holding |= a.time.holding;
+    g.waiting_processes += a.time.waiting ? 1 : 0;
+    processes->push_back(std::move(a));
   }
   out->gpu_time = g;
   gputime::close_arbiter(&arbiter);
@@ -90,6 +116,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
   t.heartbeat_ns = policy.daemon_heartbeat_ns.load(std::memory_order_acquire);
   t.daemon_pid = policy.daemon_pid.load(std::memory_order_acquire);
   std::string uuids[kMaxGpus];
+  std::vector<ArbiterProcess> arbiter_processes;
   for (uint32_t g = 0; g < kMaxGpus; ++g) {
     const ledger::GpuPolicy& e = policy.gpus[g];
     const uint32_t state = e.state.load(std::memory_order_acquire);
@@ -106,7 +133,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     s.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
     s.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
     s.count_managed = (e.flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory) != 0;
-    read_gpu_time(dir, policy.tenant, g, &s);
+    read_gpu_time(dir, policy, g, &s, &arbiter_processes);
     t.gpus.push_back(std::move(s));
   }
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
@@ -126,6 +153,9 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     if (owner > 0) p.host_pid = owner;
     p.pid = slot.pid.load(std::memory_order_relaxed);
     p.comm = bounded(slot.comm, sizeof slot.comm);
+    const uint64_t start_time = slot.start_time.load(std::memory_order_relaxed);
+    for (const ArbiterProcess& a : arbiter_processes)
+      if (a.pid == p.pid && a.start_time == start_time) p.gpu_time.push_back(a.time);
     t.processes.push_back(std::move(p));
   }
   ledger::close_ledger(&l);
@@ -188,7 +218,18 @@ std::string render_table(const std::vector<std::vector<std::string>>& rows) {
 
 std::string format_share(uint32_t ppm) { return ppm == 0 ? "-" : format_gpus(ppm); }
 
-std::string format_age(uint64_t ms) { return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0); }
+// "0.4 s", "59.9 s", "12.5 min", "3.2 h": heartbeat ages and GPU times.
+std::string format_duration_ms(uint64_t ms) {
+  const double s = static_cast<double>(ms) / 1000.0;
+  if (ms < 59'950) return fmt::format("{:.1f} s", s);
+  if (ms < 3'597'000) return fmt::format("{:.1f} min", s / 60.0);
+  return fmt::format("{:.1f} h", s / 3600.0);
+}
+
+std::string format_duration_ns(uint64_t ns) { return format_duration_ms(ns / 1'000'000); }
+
+// "30.0%": an achieved share, a fraction of the window.
+std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
 
 }  // namespace
 
@@ -228,17 +269,18 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
 
 namespace {
 
-nlohmann::ordered_json gpu_time_json(const GpuEntryStatus& g) {
-  using json = nlohmann::ordered_json;
-  if (!g.gpu_time) return g.gpu_time_error.empty() ? json(nullptr) : json{{"error", g.gpu_time_error}};
-  const GpuTimeStatus& t = *g.gpu_time;
-  return {{"achieved_1s_ppm", t.achieved_1s_ppm},   {"achieved_10s_ppm", t.achieved_10s_ppm},
-          {"used_ns", t.used_ns},                   {"throttled_ns", t.throttled_ns},
-          {"slices", t.slices},                     {"holding", t.holding},
-          {"waiting_processes", t.waiting_processes}, {"tenants_sharing", t.tenants_sharing}};
+nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
+  if (!time) return nullptr;
+  const GpuTimeStatus& t = *time;
+  return {{"achieved_1s_ppm", t.achieved_1s_ppm},
+          {"achieved_10s_ppm", t.achieved_10s_ppm},
+          {"used_ns", t.used_ns},
+          {"throttled_ns", t.throttled_ns},
+          {"slices", t.slices},
+          {"holding", t.holding},
+          {"waiting_processes", t.waiting_processes},
+          {"tenants_sharing", t.tenants_sharing}};
 }
-
-std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
 
 }  // namespace
 
@@ -258,18 +300,27 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
                       {"share_ppm", g.share_ppm},
                       {"limit_ppm", g.limit_ppm},
                       {"count_managed_memory", g.count_managed},
-                      {"gpu_time", gpu_time_json(g)}});
+                      {"gpu_time", gpu_time_json(g.gpu_time)},
+                      {"gpu_time_error", g.gpu_time_error.empty() ? json(nullptr) : json(g.gpu_time_error)}});
     json processes = json::array();
     for (const ProcessStatus& p : t.processes) {
       json charges = json::array();
       for (const ProcessCharge& c : p.charges) charges.push_back({{"uuid", c.uuid}, {"bytes", c.bytes}});
+      json gpu_time = json::array();
+      for (const ProcessGpuTime& g : p.gpu_time)
+        gpu_time.push_back({{"uuid", g.uuid},
+                            {"used_ns", g.used_ns},
+                            {"waited_ns", g.waited_ns},
+                            {"waiting", g.waiting},
+                            {"holding", g.holding}});
       processes.push_back({{"slot", p.slot},
                            {"host_pid", optional(p.host_pid)},
                            {"pid", p.pid},
                            {"comm", p.comm},
                            {"running", p.running},
                            {"charges", charges},
-                           {"total_bytes", p.total_bytes}});
+                           {"total_bytes", p.total_bytes},
+                           {"gpu_time", gpu_time}});
     }
     tenants.push_back({{"name", t.name},
                        {"dir", t.dir},
@@ -293,10 +344,10 @@ std::string status_to_text(const StatusReport& report) {
   const std::string pid = d.pid ? fmt::format("pid {}", *d.pid) : "pid unknown";
   if (d.alive)
     out += fmt::format("daemon:  alive ({}{})\n", pid,
-                       d.heartbeat_age_ms ? ", heartbeat " + format_age(*d.heartbeat_age_ms) + " ago" : "");
+                       d.heartbeat_age_ms ? ", heartbeat " + format_duration_ms(*d.heartbeat_age_ms) + " ago" : "");
   else if (d.heartbeat_age_ms)
     out += fmt::format("daemon:  NOT RUNNING{} (last heartbeat {} ago)\n", d.pid ? " or hung, " + pid : "",
-                       format_age(*d.heartbeat_age_ms));
+                       format_duration_ms(*d.heartbeat_age_ms));
   else
     out += "daemon:  NOT RUNNING\n";
 
@@ -310,42 +361,75 @@ std::string status_to_text(const StatusReport& report) {
   for (const TenantStatus& t : report.tenants)
     for (const GpuEntryStatus& g : t.gpus) rows.push_back({g.uuid, &t, &g});
   std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.uuid < b.uuid; });
-  std::vector<std::vector<std::string>> gpu_table{
-      {"GPU", "TENANT", "STATE", "SHARE", "LIMIT", "1S", "10S", "THROTTLED", "QUOTA", "USED", "PROCS"}};
+  // GPU time: share and limit as configured (fractions of a GPU), achieved
+  // shares over 1 s and 10 s, GPU time used and throttled, and whether the
+  // tenant holds the GPU now or waits for it.
+  std::vector<std::vector<std::string>> gpu_table{{"GPU", "TENANT", "STATE", "SHARE", "LIMIT", "1S", "10S", "GPU TIME",
+                                                   "THROTTLED", "NOW", "QUOTA", "USED", "PROCS"}};
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    size_t procs = 0;
-    for (const ProcessStatus& p : r.tenant->processes)
-      for (const ProcessCharge& c : p.charges) procs += c.uuid == r.uuid ? 1 : 0;
+    // Its processes on this GPU: charged there, or listed by its arbiter.
+    const auto on_gpu = [&](const ProcessStatus& p) {
+      const auto here = [&](const auto& e) { return e.uuid == r.uuid; };
+      return std::any_of(p.charges.begin(), p.charges.end(), here) ||
+             std::any_of(p.gpu_time.begin(), p.gpu_time.end(), here);
+    };
+    const auto procs = std::count_if(r.tenant->processes.begin(), r.tenant->processes.end(), on_gpu);
     const std::optional<GpuTimeStatus>& time = r.gpu->gpu_time;
-    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name,
-                         r.gpu->state + (time && time->holding ? " (running)" : ""),
+    std::string now = "-";
+    if (time) now = time->holding ? "holding" : time->waiting_processes > 0 ? "waiting" : "idle";
+    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
                          format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
                          time ? format_ppm_percent(time->achieved_10s_ppm) : "-",
-                         time ? format_age(time->throttled_ns / 1'000'000) : "-",
+                         time ? format_duration_ns(time->used_ns) : "-",
+                         time ? format_duration_ns(time->throttled_ns) : "-", now,
                          r.gpu->memory_quota ? format_size(*r.gpu->memory_quota) : "unlimited",
                          format_size(r.gpu->memory_used), std::to_string(procs)});
   }
   // Readable tenants without any GPU entry still get a line: they exist.
   for (const TenantStatus& t : report.tenants)
-    if (t.error.empty() && t.gpus.empty())
-      gpu_table.push_back({"-", t.name, "no GPU", "-", "-", "-", "-", "-", "-", "-", std::to_string(t.processes.size())});
+    if (t.error.empty() && t.gpus.empty()) {
+      std::vector<std::string> row(gpu_table[0].size(), "-");
+      row[1] = t.name;
+      row[2] = "no GPU";
+      row.back() = std::to_string(t.processes.size());
+      gpu_table.push_back(std::move(row));
+    }
   out += "\n";
   out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
 
-  std::vector<std::vector<std::string>> proc_table{{"TENANT", "HOST PID", "PID", "COMM", "STATUS", "GPU", "CHARGE"}};
+  // A row per process and GPU it is charged on or has GPU time on.
+  std::vector<std::vector<std::string>> proc_table{
+      {"TENANT", "HOST PID", "PID", "COMM", "STATUS", "GPU", "CHARGE", "GPU TIME", "WAITED"}};
   for (const TenantStatus& t : report.tenants) {
     for (const ProcessStatus& p : t.processes) {
       // "?": running in a PID namespace this CLI cannot see into.
       const std::string host = p.host_pid ? std::to_string(*p.host_pid) : p.running ? "?" : "-";
       const std::string status = p.running ? "running" : "exited";
-      if (p.charges.empty()) proc_table.push_back({t.name, host, std::to_string(p.pid), p.comm, status, "-", "0 B"});
-      for (const ProcessCharge& c : p.charges)
-        proc_table.push_back({t.name, host, std::to_string(p.pid), p.comm, status, c.uuid, format_size(c.bytes)});
+      auto add = [&](const std::string& uuid, uint64_t bytes) {
+        const auto time = std::find_if(p.gpu_time.begin(), p.gpu_time.end(),
+                                       [&](const ProcessGpuTime& g) { return g.uuid == uuid; });
+        const bool timed = time != p.gpu_time.end();
+        proc_table.push_back({t.name, host, std::to_string(p.pid), p.comm, status, uuid.empty() ? "-" : uuid,
+                              format_size(bytes), timed ? format_duration_ns(time->used_ns) : "-",
+                              timed ? format_duration_ns(time->waited_ns) : "-"});
+      };
+      for (const ProcessCharge& c : p.charges) add(c.uuid, c.bytes);
+      for (const ProcessGpuTime& g : p.gpu_time)
+        if (std::none_of(p.charges.begin(), p.charges.end(), [&](const ProcessCharge& c) { return c.uuid == g.uuid; }))
+          add(g.uuid, 0);
+      if (p.charges.empty() && p.gpu_time.empty()) add("", 0);
     }
   }
   if (proc_table.size() > 1) out += "\n" + render_table(proc_table);
+
+  std::string arbiter_errors;
+  for (const TenantStatus& t : report.tenants)
+    for (const GpuEntryStatus& g : t.gpus)
+      if (!g.gpu_time_error.empty())
+        arbiter_errors += fmt::format("  {} on {}: {}\n", t.name, g.uuid, g.gpu_time_error);
+  if (!arbiter_errors.empty()) out += "\nunreadable GPU-time arbiters (GPU time not shown):\n" + arbiter_errors;
 
   std::string errors;
   for (const TenantStatus& t : report.tenants)

@@ -23,16 +23,17 @@ inline constexpr int kStatusInternal = 70;     // a bug: an unexpected exception
 inline constexpr uint64_t kHeartbeatFreshMs = 2000;
 inline constexpr int kStatusSchemaVersion = 1;
 
-// GPU time on one GPU, from its arbiter (docs/sm-time.md).
+// A tenant's GPU time on one GPU, from the GPU's arbiter (docs/sm-time.md),
+// which the daemon links into the tenant dir as gputime-<entry>.
 struct GpuTimeStatus {
-  uint32_t achieved_1s_ppm = 0;   // GPU time used over the last 1 s / 10 s (daemon)
+  uint32_t achieved_1s_ppm = 0;   // GPU time used over the last 1 s / 10 s, ppm of the window (daemon)
   uint32_t achieved_10s_ppm = 0;
   uint64_t used_ns = 0;           // GPU time charged, total
-  uint64_t throttled_ns = 0;      // time its launches waited for the GPU, total
-  uint64_t slices = 0;            // times it was given the GPU
-  bool holding = false;           // one of its processes holds the GPU now
-  uint32_t waiting_processes = 0; // its processes waiting for the GPU now
-  uint32_t tenants_sharing = 0;   // tenants with a share of this GPU
+  uint64_t throttled_ns = 0;      // time its launches waited for the GPU, total (overlaps count once)
+  uint64_t slices = 0;            // times one of its processes was given the GPU
+  bool holding = false;           // one of its (live) processes holds the GPU now
+  uint32_t waiting_processes = 0; // its live processes waiting for the GPU now
+  uint32_t tenants_sharing = 0;   // tenants with a share of this GPU (the arbiter's active tenants)
 };
 
 struct GpuEntryStatus {
@@ -45,13 +46,25 @@ struct GpuEntryStatus {
   uint32_t share_ppm = 0;
   uint32_t limit_ppm = 0;
   bool count_managed = false;
-  std::optional<GpuTimeStatus> gpu_time;  // nullopt: no arbiter for this entry (see gpu_time_error)
-  std::string gpu_time_error;             // why, when there is one but it cannot be read
+  // nullopt: no arbiter linked for this entry (a daemon without GPU-time
+  // arbiters), or it cannot be read: then gpu_time_error says why.
+  std::optional<GpuTimeStatus> gpu_time;
+  std::string gpu_time_error;
 };
 
 struct ProcessCharge {
   std::string uuid;
   uint64_t bytes = 0;
+};
+
+// A process's GPU time on one GPU: its arbiter entry, matched to its ledger
+// slot by pid and start time.
+struct ProcessGpuTime {
+  std::string uuid;
+  uint64_t used_ns = 0;    // GPU time charged to it, total
+  uint64_t waited_ns = 0;  // time it waited for the GPU, total
+  bool waiting = false;    // waits for the GPU now
+  bool holding = false;    // holds the GPU now
 };
 
 struct ProcessStatus {
@@ -62,6 +75,7 @@ struct ProcessStatus {
   bool running = false;  // it holds its slot lock; false: exited, awaiting reclaim
   std::vector<ProcessCharge> charges;
   uint64_t total_bytes = 0;
+  std::vector<ProcessGpuTime> gpu_time;  // per GPU whose arbiter lists it
 };
 
 struct TenantStatus {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <sstream>
@@ -17,8 +18,10 @@
 #include "config.h"
 #include "controller_test_util.h"
 #include "daemon.h"
+#include "gputime.h"
 #include "ledger.h"
 #include "status.h"
+#include "uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::controller;
@@ -77,7 +80,11 @@ class CliTest : public ::testing::Test {
     ASSERT_GT(worker_, 0);
   }
 
-  void TearDown() override { kill_and_reap(worker_); }
+  void TearDown() override {
+    kill_and_reap(worker_);
+    for (const pid_t pid : holders_) kill_and_reap(pid);
+    gputime::close_arbiter(&arbiter_);
+  }
 
   static bool fs_mkdirs(const std::string& dir) {
     std::error_code ec;
@@ -104,9 +111,128 @@ class CliTest : public ::testing::Test {
     ledger::close_ledger(&l);
   }
 
+  // An arbiter for `uuid` at `path` (created complete, as fracgpud does);
+  // *out maps it read-write.
+  static void create_arbiter(const std::string& path, const std::string& uuid, gputime::Arbiter* out) {
+    const auto bytes = parse_gpu_uuid(uuid);
+    ASSERT_TRUE(bytes);
+    ASSERT_TRUE(fs_mkdirs(std::filesystem::path(path).parent_path().string()));
+    char err[256];
+    ASSERT_EQ(gputime::open_arbiter(path.c_str(), true, false, bytes->data(), out, err, sizeof err),
+              ledger::LedgerError::kOk)
+        << err;
+  }
+
+  // The GPU's arbiter as fracgpud leaves it: <run>/gpus/<UUID>/gputime, both
+  // tenants active there, hard-linked into their dirs as gputime-0 (the GPU
+  // is entry 0 of both policies).
+  void create_gpu_arbiter() {
+    const std::string path =
+        run_dir_ + "/" + gputime::kGpusDirName + "/" + kUuid + "/" + gputime::kGpuTimeFileName;
+    create_arbiter(path, kUuid, &arbiter_);
+    ASSERT_TRUE(arbiter_.is_open());
+    for (const auto& [name, share] : {std::pair{"alice", 500'000u}, std::pair{"bob", 0u}}) {
+      const int row = gputime::bind_tenant(*arbiter_.seg, name);
+      ASSERT_GE(row, 0);
+      gputime::TenantTime& t = arbiter_.seg->tenants[row];
+      t.share_ppm.store(share);
+      t.limit_ppm.store(share == 0 ? gputime::kPpm : share);
+      t.state.store(gputime::kTenantActive);
+      ASSERT_EQ(link(path.c_str(), gpu_time_link(name).c_str()), 0);
+    }
+    arbiter_.seg->active_tenants.store(2);
+  }
+
+  std::string gpu_time_link(const std::string& tenant) const { return tenant_dir(tenant) + "/gputime-0"; }
+
+  gputime::TenantTime& tenant_row(const char* name) {
+    return arbiter_.seg->tenants[gputime::find_tenant(*arbiter_.seg, name)];
+  }
+
+  // A process of `tenant` in the arbiter (through the tenant's link), and
+  // attached to its ledger (a slot, no charge) if `in_ledger`. Returns its
+  // arbiter entry, or -1.
+  int spawn_gpu_process(const std::string& tenant, bool in_ledger, const char* comm, pid_t* pid_out = nullptr) {
+    const std::string dir = tenant_dir(tenant);
+    const pid_t pid = spawn_holder(
+        [&] {
+          ledger::ProcessIdentity self{};
+          if (!ledger::read_self_identity(&self)) return false;
+          char err[256];
+          if (in_ledger) {
+            ledger::TenantLedger l;
+            ledger::LedgerError e{};
+            if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kTenant, nullptr, &l, err, sizeof err) !=
+                    ledger::LedgerError::kOk ||
+                ledger::claim_slot(l, self, &e) < 0)
+              return false;
+          }
+          gputime::Arbiter a;
+          if (gputime::open_arbiter((dir + "/gputime-0").c_str(), false, false, nullptr, &a, err, sizeof err) !=
+              ledger::LedgerError::kOk)
+            return false;
+          const int row = gputime::find_tenant(*a.seg, tenant.c_str());
+          return row >= 0 && gputime::claim_process(a, static_cast<uint32_t>(row), self.pid, self.start_time) >= 0;
+        },
+        comm);
+    if (pid <= 0) return -1;
+    holders_.push_back(pid);
+    if (pid_out != nullptr) *pid_out = pid;
+    for (uint32_t p = 0; p < gputime::kMaxProcesses; ++p) {
+      const gputime::ProcessTime& e = arbiter_.seg->processes[p];
+      if (e.state.load() == gputime::kProcessLive && e.pid.load() == pid) return static_cast<int>(p);
+    }
+    return -1;
+  }
+
+  // Figures as processes and the daemon would have written them: one of
+  // alice's processes ("sampler", also in her ledger, with no memory
+  // charged) holds the GPU, another
+  // (arbiter only) waits, and a third died while waiting (its entry not yet
+  // reclaimed: neither waiting nor counted). bob is idle.
+  void fill_gpu_time() {
+    create_gpu_arbiter();
+    if (::testing::Test::HasFatalFailure()) return;
+    gputime::TenantTime& alice = tenant_row("alice");
+    alice.achieved_1s_ppm.store(300'000);
+    alice.achieved_10s_ppm.store(287'000);
+    alice.used_ns.store(754'000'000'000);   // 12.6 min
+    alice.throttled_ns.store(2'500'000'000);  // 2.5 s
+    alice.slices.store(42);
+    gputime::TenantTime& bob = tenant_row("bob");
+    bob.achieved_1s_ppm.store(700'000);
+    bob.achieved_10s_ppm.store(713'000);
+    bob.used_ns.store(7'560'000'000'000);  // 2.1 h
+    bob.throttled_ns.store(1'234'000'000);  // 1.2 s
+    bob.slices.store(7);
+
+    holder_entry_ = spawn_gpu_process("alice", true, "sampler", &holder_pid_);
+    ASSERT_GE(holder_entry_, 0);
+    gputime::ProcessTime& holder = arbiter_.seg->processes[holder_entry_];
+    holder.used_ns.store(600'000'000'000);  // 10.0 min
+    holder.waited_ns.store(1'500'000'000);  // 1.5 s
+    arbiter_.seg->arbiter.holder.store(static_cast<uint32_t>(holder_entry_) + 1);
+
+    const int waiter = spawn_gpu_process("alice", false, "waiter");
+    ASSERT_GE(waiter, 0);
+    arbiter_.seg->processes[waiter].want_since_ns.store(monotonic_ns());
+
+    pid_t dead_pid = -1;
+    const int dead = spawn_gpu_process("alice", false, "dead", &dead_pid);
+    ASSERT_GE(dead, 0);
+    arbiter_.seg->processes[dead].want_since_ns.store(monotonic_ns());
+    kill_and_reap(dead_pid);
+    holders_.pop_back();
+    ASSERT_EQ(arbiter_.seg->processes[dead].state.load(), gputime::kProcessLive);
+  }
+
   TempDir tmp_;
   std::string run_dir_ = tmp_ / "run";
   pid_t worker_ = -1;
+  std::vector<pid_t> holders_;  // children of spawn_gpu_process, killed at the end
+  gputime::Arbiter arbiter_;
+  int holder_entry_ = -1;
+  pid_t holder_pid_ = -1;
 };
 
 TEST_F(CliTest, CollectsQuotasUsageAndProcesses) {
@@ -145,15 +271,17 @@ TEST_F(CliTest, CollectsQuotasUsageAndProcesses) {
 }
 
 TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
+  fill_gpu_time();
   const std::string text = status_to_text(collect());
   std::istringstream in(text);
-  std::string line, header, alice, bob, procs_header, proc;
+  std::string line, header, alice, bob, procs_header, proc, sampler;
   while (std::getline(in, line)) {
     if (line.rfind("GPU ", 0) == 0) header = line;
     if (line.rfind(kUuid, 0) == 0) alice = line;
     if (line.find(" bob ") != std::string::npos) bob = line;
     if (line.rfind("TENANT ", 0) == 0) procs_header = line;
-    if (line.rfind("alice ", 0) == 0) proc = line;
+    if (line.rfind("alice ", 0) == 0 && line.find("trainer") != std::string::npos) proc = line;
+    if (line.rfind("alice ", 0) == 0 && line.find("sampler") != std::string::npos) sampler = line;
   }
   EXPECT_NE(text.find("daemon:  alive (pid " + std::to_string(getpid())), std::string::npos) << text;
   ASSERT_FALSE(header.empty()) << text;
@@ -162,14 +290,41 @@ TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
   EXPECT_EQ(header.find("USED"), alice.find("1 GiB")) << text;
   EXPECT_NE(alice.find("granted"), std::string::npos);
   EXPECT_NE(alice.find(" 0.5 "), std::string::npos);
+  // GPU time: share and limit as fractions of a GPU, achieved shares in
+  // percent, times used and throttled, and who holds the GPU.
+  EXPECT_EQ(header.find("SHARE"), alice.find("0.5")) << text;
+  EXPECT_EQ(header.find("LIMIT"), alice.find("0.5", header.find("SHARE") + 1)) << text;
+  EXPECT_EQ(header.find("1S"), alice.find("30.0%")) << text;
+  EXPECT_EQ(header.find("10S"), alice.find("28.7%")) << text;
+  EXPECT_EQ(header.find("GPU TIME"), alice.find("12.6 min")) << text;
+  EXPECT_EQ(header.find("THROTTLED"), alice.find("2.5 s")) << text;
+  EXPECT_EQ(header.find("NOW"), alice.find("holding")) << text;
+  EXPECT_EQ(header.find("PROCS"), alice.rfind("2")) << text;  // trainer (charged) and sampler (in the arbiter)
   // bob shares alice's GPU: its row leaves the GPU column blank.
   EXPECT_EQ(bob.find("bob"), header.find("TENANT")) << text;
   EXPECT_EQ(bob.find_first_not_of(' '), header.find("TENANT"));
   EXPECT_NE(bob.find("2 GiB"), std::string::npos);
+  EXPECT_EQ(header.find("SHARE"), bob.find("-")) << text;  // memory only
+  EXPECT_EQ(header.find("LIMIT"), bob.find("1 ")) << text;
+  EXPECT_EQ(header.find("1S"), bob.find("70.0%")) << text;
+  EXPECT_EQ(header.find("10S"), bob.find("71.3%")) << text;
+  EXPECT_EQ(header.find("GPU TIME"), bob.find("2.1 h")) << text;
+  EXPECT_EQ(header.find("THROTTLED"), bob.find("1.2 s")) << text;
+  EXPECT_EQ(header.find("NOW"), bob.find("idle")) << text;
   ASSERT_FALSE(proc.empty()) << text;
   EXPECT_EQ(procs_header.find("HOST PID"), proc.find(std::to_string(worker_))) << text;
   EXPECT_NE(proc.find("trainer"), std::string::npos);
   EXPECT_NE(proc.find("running"), std::string::npos);
+  EXPECT_EQ(proc.substr(procs_header.find("GPU TIME"), 3), "-  ") << text;  // not in the arbiter
+  EXPECT_EQ(proc.substr(procs_header.find("WAITED")), "-") << text;
+  // sampler: no memory charged, a row for its GPU time.
+  ASSERT_FALSE(sampler.empty()) << text;
+  EXPECT_EQ(procs_header.find("HOST PID"), sampler.find(std::to_string(holder_pid_))) << text;
+  EXPECT_EQ(procs_header.find("GPU"), sampler.find(kUuid)) << text;
+  EXPECT_EQ(procs_header.find("CHARGE"), sampler.find("0 B")) << text;
+  EXPECT_EQ(procs_header.find("GPU TIME"), sampler.find("10.0 min")) << text;
+  EXPECT_EQ(procs_header.find("WAITED"), sampler.find("1.5 s")) << text;
+  EXPECT_EQ(text.find("unreadable"), std::string::npos) << text;
 }
 
 TEST_F(CliTest, JsonFollowsTheDocumentedSchema) {
@@ -204,8 +359,197 @@ TEST_F(CliTest, JsonFollowsTheDocumentedSchema) {
   EXPECT_EQ(proc.at("charges").at(0).at("uuid"), kUuid);
   EXPECT_EQ(proc.at("charges").at(0).at("bytes"), 1 * kGiB);
   EXPECT_EQ(proc.at("total_bytes"), 1 * kGiB);
+  // No arbiter linked (a daemon without GPU-time arbiters): null, no error.
+  EXPECT_TRUE(gpu.at("gpu_time").is_null());
+  EXPECT_TRUE(gpu.at("gpu_time_error").is_null());
+  EXPECT_EQ(proc.at("gpu_time"), nlohmann::json::array());
   // The documented key order.
-  EXPECT_EQ(status_to_json(collect()).begin().key(), "schema_version");
+  const nlohmann::ordered_json ordered = status_to_json(collect());
+  EXPECT_EQ(ordered.begin().key(), "schema_version");
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : ordered["tenants"][0]["gpus"][0].items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"entry", "uuid", "state", "memory_quota", "memory_used", "context_memory",
+                                            "share_ppm", "limit_ppm", "count_managed_memory", "gpu_time",
+                                            "gpu_time_error"}));
+  keys.clear();
+  for (const auto& [key, value] : ordered["tenants"][0]["processes"][0].items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"slot", "host_pid", "pid", "comm", "running", "charges", "total_bytes",
+                                            "gpu_time"}));
+}
+
+// The arbiter's figures for each tenant, exactly as written, in the report,
+// the JSON and the binary's output.
+TEST_F(CliTest, GpuTimeFromTheArbiter) {
+  fill_gpu_time();
+  const StatusReport report = collect();
+  EXPECT_TRUE(report.all_ledgers_read());
+  ASSERT_EQ(report.tenants.size(), 2u);
+  const GpuEntryStatus& alice = report.tenants[0].gpus.at(0);
+  EXPECT_EQ(alice.gpu_time_error, "");
+  ASSERT_TRUE(alice.gpu_time);
+  EXPECT_EQ(alice.gpu_time->achieved_1s_ppm, 300'000u);
+  EXPECT_EQ(alice.gpu_time->achieved_10s_ppm, 287'000u);
+  EXPECT_EQ(alice.gpu_time->used_ns, 754'000'000'000u);
+  EXPECT_EQ(alice.gpu_time->throttled_ns, 2'500'000'000u);
+  EXPECT_EQ(alice.gpu_time->slices, 42u);
+  EXPECT_TRUE(alice.gpu_time->holding);
+  EXPECT_EQ(alice.gpu_time->waiting_processes, 1u);  // not the dead one
+  EXPECT_EQ(alice.gpu_time->tenants_sharing, 2u);
+  const GpuEntryStatus& bob = report.tenants[1].gpus.at(0);
+  ASSERT_TRUE(bob.gpu_time);
+  EXPECT_EQ(bob.gpu_time->achieved_1s_ppm, 700'000u);
+  EXPECT_EQ(bob.gpu_time->achieved_10s_ppm, 713'000u);
+  EXPECT_EQ(bob.gpu_time->used_ns, 7'560'000'000'000u);
+  EXPECT_EQ(bob.gpu_time->throttled_ns, 1'234'000'000u);
+  EXPECT_EQ(bob.gpu_time->slices, 7u);
+  EXPECT_FALSE(bob.gpu_time->holding);
+  EXPECT_EQ(bob.gpu_time->waiting_processes, 0u);
+  EXPECT_EQ(bob.gpu_time->tenants_sharing, 2u);
+  // Per process: matched to its ledger slot by pid and start time.
+  const std::vector<ProcessStatus>& procs = report.tenants[0].processes;
+  ASSERT_EQ(procs.size(), 2u);
+  EXPECT_EQ(procs[0].comm, "trainer");
+  EXPECT_TRUE(procs[0].gpu_time.empty());  // not in the arbiter
+  EXPECT_EQ(procs[1].comm, "sampler");
+  EXPECT_EQ(procs[1].host_pid, holder_pid_);
+  EXPECT_TRUE(procs[1].charges.empty());
+  ASSERT_EQ(procs[1].gpu_time.size(), 1u);
+  EXPECT_EQ(procs[1].gpu_time[0].uuid, kUuid);
+  EXPECT_EQ(procs[1].gpu_time[0].used_ns, 600'000'000'000u);
+  EXPECT_EQ(procs[1].gpu_time[0].waited_ns, 1'500'000'000u);
+  EXPECT_TRUE(procs[1].gpu_time[0].holding);
+  EXPECT_FALSE(procs[1].gpu_time[0].waiting);
+
+  // JSON, in the documented key order.
+  const nlohmann::ordered_json ordered = status_to_json(report);
+  const nlohmann::ordered_json& time = ordered["tenants"][0]["gpus"][0]["gpu_time"];
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : time.items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "throttled_ns", "slices",
+                                            "holding", "waiting_processes", "tenants_sharing"}));
+  EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
+      "used_ns": 754000000000, "throttled_ns": 2500000000, "slices": 42, "holding": true,
+      "waiting_processes": 1, "tenants_sharing": 2})"));
+  EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
+  EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);
+  EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["holding"], false);
+  const nlohmann::ordered_json& proc_time = ordered["tenants"][0]["processes"][1]["gpu_time"];
+  ASSERT_EQ(proc_time.size(), 1u);
+  keys.clear();
+  for (const auto& [key, value] : proc_time[0].items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"uuid", "used_ns", "waited_ns", "waiting", "holding"}));
+  EXPECT_EQ(proc_time[0], nlohmann::ordered_json::parse(R"({"uuid": ")" + kUuid + R"(", "used_ns": 600000000000,
+      "waited_ns": 1500000000, "waiting": false, "holding": true})"));
+
+  // The binary shows the same.
+  std::string out;
+  ASSERT_EQ(run_cli("status --json --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["tenants"][0]["gpus"][0]["gpu_time"], nlohmann::json(time)) << out;
+  ASSERT_EQ(run_cli("status --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_NE(out.find("12.6 min"), std::string::npos) << out;
+  EXPECT_NE(out.find("holding"), std::string::npos) << out;
+}
+
+// The holder of the GPU died (not yet taken over): its tenant does not hold
+// the GPU, and its dead entry is not waiting.
+TEST_F(CliTest, DeadHolderIsNotHolding) {
+  fill_gpu_time();
+  kill_and_reap(holder_pid_);
+  holders_.erase(std::find(holders_.begin(), holders_.end(), holder_pid_));
+  const StatusReport report = collect();
+  ASSERT_TRUE(report.tenants[0].gpus.at(0).gpu_time);
+  EXPECT_FALSE(report.tenants[0].gpus[0].gpu_time->holding);
+  EXPECT_EQ(report.tenants[0].gpus[0].gpu_time->waiting_processes, 1u);
+  // Its totals still show, on its exited slot.
+  const ProcessStatus& sampler = report.tenants[0].processes.at(1);
+  EXPECT_FALSE(sampler.running);
+  ASSERT_EQ(sampler.gpu_time.size(), 1u);
+  EXPECT_FALSE(sampler.gpu_time[0].holding);
+  EXPECT_EQ(sampler.gpu_time[0].used_ns, 600'000'000'000u);
+  EXPECT_NE(status_to_text(report).find(" waiting "), std::string::npos) << status_to_text(report);
+}
+
+// No gputime-<entry> link (memory only, or a daemon without GPU-time
+// arbiters): no GPU time, and no error either.
+TEST_F(CliTest, NoArbiterLinkMeansNoGpuTime) {
+  const StatusReport report = collect();
+  for (const TenantStatus& t : report.tenants) {
+    ASSERT_EQ(t.gpus.size(), 1u);
+    EXPECT_FALSE(t.gpus[0].gpu_time) << t.name;
+    EXPECT_EQ(t.gpus[0].gpu_time_error, "") << t.name;
+    for (const ProcessStatus& p : t.processes) EXPECT_TRUE(p.gpu_time.empty());
+  }
+  const std::string text = status_to_text(report);
+  std::istringstream in(text);
+  std::string line, header, alice;
+  while (std::getline(in, line)) {
+    if (line.rfind("GPU ", 0) == 0) header = line;
+    if (line.rfind(kUuid, 0) == 0) alice = line;
+  }
+  for (const char* column : {"1S", "10S", "GPU TIME", "THROTTLED", "NOW"})
+    EXPECT_EQ(alice.substr(header.find(column), 3), "-  ") << column << "\n" << text;
+  EXPECT_EQ(text.find("unreadable"), std::string::npos) << text;
+  const nlohmann::json j = nlohmann::json::parse(status_to_json(report).dump());
+  EXPECT_TRUE(j["tenants"][0]["gpus"][0]["gpu_time"].is_null());
+  EXPECT_TRUE(j["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
+}
+
+// An arbiter that cannot be used is named with the reason; the rest of the
+// report (the other tenant's GPU time included) is still read, and the exit
+// code stays 0: every ledger was read.
+TEST_F(CliTest, CorruptArbiterIsReportedNotFatal) {
+  fill_gpu_time();
+  // alice's link now names a file that is no arbiter.
+  ASSERT_EQ(unlink(gpu_time_link("alice").c_str()), 0);
+  write_file(gpu_time_link("alice"), std::string(sizeof(gputime::GpuTimeSegment), '\x5a'));
+  StatusReport report = collect();
+  const GpuEntryStatus& alice = report.tenants[0].gpus.at(0);
+  EXPECT_FALSE(alice.gpu_time);
+  EXPECT_NE(alice.gpu_time_error.find("foreign segment"), std::string::npos) << alice.gpu_time_error;
+  EXPECT_NE(alice.gpu_time_error.find(gpu_time_link("alice") + ": not a fracgpu GPU-time arbiter (bad magic)"),
+            std::string::npos)
+      << alice.gpu_time_error;
+  EXPECT_EQ(alice.memory_used, 1 * kGiB);  // the ledger is still read
+  EXPECT_TRUE(report.tenants[0].processes.at(1).gpu_time.empty());
+  ASSERT_TRUE(report.tenants[1].gpus.at(0).gpu_time);  // bob's link still works
+  EXPECT_EQ(report.tenants[1].gpus[0].gpu_time->slices, 7u);
+  EXPECT_TRUE(report.all_ledgers_read());
+  std::string text = status_to_text(report);
+  EXPECT_NE(text.find("unreadable GPU-time arbiters (GPU time not shown):\n  alice on " + kUuid + ": foreign segment"),
+            std::string::npos)
+      << text;
+
+  std::string out;
+  EXPECT_EQ(run_cli("status --json --run-dir " + run_dir_, &out), kStatusOk) << out;
+  const nlohmann::json j = nlohmann::json::parse(out);
+  EXPECT_TRUE(j["tenants"][0]["gpus"][0]["gpu_time"].is_null());
+  EXPECT_NE(j["tenants"][0]["gpus"][0]["gpu_time_error"].get<std::string>().find("bad magic"), std::string::npos);
+  EXPECT_TRUE(j["tenants"][1]["gpus"][0]["gpu_time"].is_object());
+
+  // bob's link names another GPU's arbiter: refused, not misreported.
+  const std::string other_uuid = "GPU-5a1c0de0-0000-4000-8000-000000000002";
+  gputime::Arbiter other;
+  create_arbiter(tmp_ / "other/gputime", other_uuid, &other);
+  ASSERT_EQ(gputime::bind_tenant(*other.seg, "bob"), 0);
+  gputime::close_arbiter(&other);
+  ASSERT_EQ(unlink(gpu_time_link("bob").c_str()), 0);
+  ASSERT_EQ(link((tmp_ / "other/gputime").c_str(), gpu_time_link("bob").c_str()), 0);
+  report = collect();
+  EXPECT_FALSE(report.tenants[1].gpus.at(0).gpu_time);
+  EXPECT_NE(report.tenants[1].gpus[0].gpu_time_error.find("governs another GPU"), std::string::npos)
+      << report.tenants[1].gpus[0].gpu_time_error;
+
+  // bob's link names this GPU's arbiter, which does not list bob.
+  gputime::Arbiter unlisted;
+  create_arbiter(tmp_ / "unlisted/gputime", kUuid, &unlisted);
+  gputime::close_arbiter(&unlisted);
+  ASSERT_EQ(unlink(gpu_time_link("bob").c_str()), 0);
+  ASSERT_EQ(link((tmp_ / "unlisted/gputime").c_str(), gpu_time_link("bob").c_str()), 0);
+  report = collect();
+  EXPECT_FALSE(report.tenants[1].gpus.at(0).gpu_time);
+  EXPECT_EQ(report.tenants[1].gpus[0].gpu_time_error, gpu_time_link("bob") + ": tenant \"bob\" not listed");
+  text = status_to_text(report);
+  EXPECT_NE(text.find("  bob on " + kUuid + ": " + gpu_time_link("bob")), std::string::npos) << text;
 }
 
 TEST_F(CliTest, BinaryPrintsTextAndJson) {

@@ -78,10 +78,11 @@ inline void kill_and_reap(pid_t pid) {
   waitpid(pid, nullptr, 0);
 }
 
-// Forks a process that attaches to the tenant ledger in `dir` the way the
-// interposer does (claims a slot, charges `bytes` on GPU entry `gpu`), then
-// sleeps until killed. Returns its pid once it holds the charge, or -1.
-inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t bytes, const char* comm = "trainer") {
+// Forks a process named `comm` that runs `setup` (attach to a ledger, claim
+// an arbiter entry: whatever the test needs it to hold) and then sleeps
+// until killed, keeping its record locks. Returns its pid once `setup`
+// returned true, or -1 (the child is then reaped).
+inline pid_t spawn_holder(const std::function<bool()>& setup, const char* comm = "holder") {
   int ready[2];
   if (pipe(ready) != 0) return -1;
   const pid_t pid = fork();
@@ -89,17 +90,7 @@ inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t
   if (pid == 0) {
     close(ready[0]);
     prctl(PR_SET_NAME, comm);
-    char result = 0;
-    ledger::TenantLedger l;
-    char err[256];
-    ledger::ProcessIdentity self{};
-    if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kTenant, nullptr, &l, err, sizeof err) ==
-            ledger::LedgerError::kOk &&
-        ledger::read_self_identity(&self)) {
-      ledger::LedgerError e{};
-      const int slot = ledger::claim_slot(l, self, &e);
-      if (slot >= 0 && ledger::try_charge(*l.policy, *l.usage, gpu, static_cast<uint32_t>(slot), bytes)) result = 1;
-    }
+    const char result = setup() ? 1 : 0;
     if (write(ready[1], &result, 1) != 1 || result == 0) _exit(1);
     for (;;) pause();
   }
@@ -112,6 +103,26 @@ inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t
     return -1;
   }
   return pid;
+}
+
+// Forks a process that attaches to the tenant ledger in `dir` the way the
+// interposer does (claims a slot, charges `bytes` on GPU entry `gpu`), then
+// sleeps until killed. Returns its pid once it holds the charge, or -1.
+inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t bytes, const char* comm = "trainer") {
+  return spawn_holder(
+      [&] {
+        ledger::TenantLedger l;
+        char err[256];
+        ledger::ProcessIdentity self{};
+        if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kTenant, nullptr, &l, err, sizeof err) !=
+                ledger::LedgerError::kOk ||
+            !ledger::read_self_identity(&self))
+          return false;
+        ledger::LedgerError e{};
+        const int slot = ledger::claim_slot(l, self, &e);
+        return slot >= 0 && ledger::try_charge(*l.policy, *l.usage, gpu, static_cast<uint32_t>(slot), bytes);
+      },
+      comm);
 }
 
 }  // namespace fracgpu::testing
