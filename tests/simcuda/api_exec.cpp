@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "sim_internal.h"
 
@@ -353,9 +354,9 @@ CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, uns
 
 // The legacy launches take their block shape from cuFuncSetBlockShape,
 // which the sim does not model: one thread per block is as good as any for
-// a timeline that only counts the function's duration.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+// a timeline that only counts the function's duration. (No pragma for
+// cuda.h's deprecation attributes: __CUDA_API_VERSION_INTERNAL, set for
+// every user of the CUDA headers here, defines them away.)
 CUresult cuLaunch(CUfunction f) {
   SIMCUDA_LOCKED_ENTRY(cuLaunch);
   return launch(guard_, f, 1, 1, 1, 1, 1, 1, nullptr, nullptr, nullptr, false);
@@ -374,7 +375,39 @@ CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstre
   return launch(guard_, f, static_cast<unsigned>(grid_width), static_cast<unsigned>(grid_height), 1, 1, 1, 1, stream,
                 nullptr, nullptr, false);
 }
-#pragma GCC diagnostic pop
+
+// The setters the legacy launches read their shape and parameters from.
+// Nothing is stored (a launch takes only its function's duration), so they
+// only check the handle, and a program written against the old API runs.
+CUresult cuFuncSetBlockShape(CUfunction f, int /*x*/, int /*y*/, int /*z*/) {
+  SIMCUDA_LOCKED_ENTRY(cuFuncSetBlockShape);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+CUresult cuFuncSetSharedSize(CUfunction f, unsigned int /*bytes*/) {
+  SIMCUDA_LOCKED_ENTRY(cuFuncSetSharedSize);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+CUresult cuParamSetSize(CUfunction f, unsigned int /*numbytes*/) {
+  SIMCUDA_LOCKED_ENTRY(cuParamSetSize);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+CUresult cuParamSeti(CUfunction f, int /*offset*/, unsigned int /*value*/) {
+  SIMCUDA_LOCKED_ENTRY(cuParamSeti);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+CUresult cuParamSetf(CUfunction f, int /*offset*/, float /*value*/) {
+  SIMCUDA_LOCKED_ENTRY(cuParamSetf);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+CUresult cuParamSetv(CUfunction f, int /*offset*/, void* /*ptr*/, unsigned int /*numbytes*/) {
+  SIMCUDA_LOCKED_ENTRY(cuParamSetv);
+  return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
 
 // The sim has no stream capture: every valid stream reports "not capturing".
 static CUresult stream_is_capturing(CUstream s, CUstreamCaptureStatus* status, bool ptds) {
@@ -393,6 +426,19 @@ CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
 CUresult cuStreamIsCapturing_ptsz(CUstream stream, CUstreamCaptureStatus* status) {
   SIMCUDA_LOCKED_ENTRY(cuStreamIsCapturing_ptsz);
   return stream_is_capturing(stream, status, true);
+}
+
+// Per thread, as in the driver. With no capture to restrict the mode changes
+// nothing else, but code that sets a mode and later restores the previous
+// one gets back what it stored.
+CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
+  SIMCUDA_LOCKED_ENTRY(cuThreadExchangeStreamCaptureMode);
+  if (mode == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (*mode != CU_STREAM_CAPTURE_MODE_GLOBAL && *mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+      *mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+    return CUDA_ERROR_INVALID_VALUE;
+  std::swap(*mode, thread_capture_mode());
+  return CUDA_SUCCESS;
 }
 
 CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {

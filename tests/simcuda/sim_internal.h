@@ -300,6 +300,7 @@ CUresult require_ctx(Ctx*& out);                // INVALID_CONTEXT / CONTEXT_IS_
 CUresult resolve_ctx(CUcontext c, Ctx*& out);   // null -> current
 void teardown_ctx(Ctx* c);                      // frees what the context owns
 std::vector<Ctx*>& ctx_stack();
+CUstreamCaptureMode& thread_capture_mode();    // cuThreadExchangeStreamCaptureMode's, per thread
 
 // ---- Pools (Guard held) ----
 Pool* default_pool(int dev);

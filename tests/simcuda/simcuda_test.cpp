@@ -33,6 +33,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -1654,6 +1655,175 @@ TEST_F(Timeline, StreamsOfOneProcessShareTheDevice) {
   ASSERT_CU(cuCtxSynchronize());
   EXPECT_CU(cuGraphExecDestroy(exec));
   EXPECT_CU(cuGraphDestroy(g));
+}
+
+TEST_F(Timeline, LegacyLaunchesRunLikeLaunchKernel) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_2000us");
+  ASSERT_NE(f, nullptr);
+  int not_a_function = 0;
+  CUfunction bad = reinterpret_cast<CUfunction>(&not_a_function);
+  float value = 1.5f;
+  // The old API's setters are accepted (and ignored) for a known function.
+  EXPECT_CU(cuFuncSetBlockShape(f, 32, 2, 1));
+  EXPECT_CU(cuFuncSetSharedSize(f, 1024));
+  EXPECT_CU(cuParamSetSize(f, 8));
+  EXPECT_CU(cuParamSeti(f, 0, 7));
+  EXPECT_CU(cuParamSetf(f, 4, value));
+  EXPECT_CU(cuParamSetv(f, 0, &value, sizeof value));
+  for (CUfunction h : {bad, static_cast<CUfunction>(nullptr)}) {
+    EXPECT_EQ(cuFuncSetBlockShape(h, 32, 1, 1), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(cuFuncSetSharedSize(h, 0), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(cuParamSetSize(h, 8), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(cuParamSeti(h, 0, 7), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(cuParamSetf(h, 4, value), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(cuParamSetv(h, 0, &value, sizeof value), CUDA_ERROR_INVALID_HANDLE);
+  }
+
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  const uint64_t dev_busy = simcuda_device_busy_ns(0), my_busy = simcuda_busy_ns(0, 0),
+                 launches = simcuda_launch_count(0, 0);
+  // Refused launches take no time and are not counted.
+  EXPECT_EQ(cuLaunch(bad), CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(cuLaunchGrid(nullptr, 1, 1), CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(cuLaunchGridAsync(bad, 1, 1, s), CUDA_ERROR_INVALID_HANDLE);
+  for (auto [w, h] : {std::pair{0, 1}, {1, 0}, {-1, 1}, {1, -4}}) {
+    EXPECT_EQ(cuLaunchGrid(f, w, h), CUDA_ERROR_INVALID_VALUE) << w << "x" << h;
+    EXPECT_EQ(cuLaunchGridAsync(f, w, h, s), CUDA_ERROR_INVALID_VALUE) << w << "x" << h;
+  }
+  int not_a_stream = 0;
+  EXPECT_EQ(cuLaunchGridAsync(f, 1, 1, reinterpret_cast<CUstream>(&not_a_stream)), CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy);
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches);
+
+  const uint64_t t0 = simcuda_now_ns();
+  ASSERT_CU(cuLaunchGridAsync(f, 1, 1, s));
+  ASSERT_CU(cuLaunch(f));
+  ASSERT_CU(cuLaunchGrid(f, 4, 2));
+  ASSERT_CU(cuLaunchGridAsync(f, 3, 1, nullptr));
+  // Four kernels of the function's duration, whatever the grid.
+  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 8 * kMs);
+  EXPECT_EQ(simcuda_busy_ns(0, 0), my_busy + 8 * kMs);
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches + 4);
+  EXPECT_GE(simcuda_device_busy_until_ns(0), t0 + 8 * kMs);
+  EXPECT_EQ(cuStreamQuery(nullptr), CUDA_ERROR_NOT_READY) << "they ran on the legacy stream";
+  // The legacy stream waits for the process's other streams too: syncing it
+  // drains the kernel launched on s.
+  ASSERT_CU(cuStreamSynchronize(nullptr));
+  EXPECT_GE(simcuda_now_ns() - t0, 8 * kMs);
+  EXPECT_CU(cuStreamQuery(s));
+  EXPECT_LE(simcuda_device_busy_until_ns(0), simcuda_now_ns());
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+TEST_F(Timeline, NoStreamIsEverCapturing) {
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  EXPECT_EQ(cuStreamIsCapturing(nullptr, &st), CUDA_ERROR_INVALID_CONTEXT) << "the null stream needs a context";
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  for (CUstream h : {static_cast<CUstream>(nullptr), CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, s}) {
+    SCOPED_TRACE(reinterpret_cast<uintptr_t>(h));
+    st = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    EXPECT_CU(cuStreamIsCapturing(h, &st));
+    EXPECT_EQ(st, CU_STREAM_CAPTURE_STATUS_NONE);
+    st = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    EXPECT_CU(cuStreamIsCapturing_ptsz(h, &st));
+    EXPECT_EQ(st, CU_STREAM_CAPTURE_STATUS_NONE);
+    EXPECT_EQ(cuStreamIsCapturing(h, nullptr), CUDA_ERROR_INVALID_VALUE);
+    EXPECT_EQ(cuStreamIsCapturing_ptsz(h, nullptr), CUDA_ERROR_INVALID_VALUE);
+  }
+  int not_a_stream = 0;
+  EXPECT_EQ(cuStreamIsCapturing(reinterpret_cast<CUstream>(&not_a_stream), &st), CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(cuStreamIsCapturing_ptsz(reinterpret_cast<CUstream>(&not_a_stream), &st), CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_CU(cuStreamDestroy_v2(s));
+  EXPECT_EQ(cuStreamIsCapturing(s, &st), CUDA_ERROR_INVALID_HANDLE) << "destroyed";
+}
+
+TEST_F(Timeline, CaptureModeIsExchangedPerThread) {
+  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  ASSERT_CU(cuThreadExchangeStreamCaptureMode(&mode));
+  EXPECT_EQ(mode, CU_STREAM_CAPTURE_MODE_GLOBAL) << "the default";
+  EXPECT_EQ(cuThreadExchangeStreamCaptureMode(nullptr), CUDA_ERROR_INVALID_VALUE);
+  mode = static_cast<CUstreamCaptureMode>(7);
+  EXPECT_EQ(cuThreadExchangeStreamCaptureMode(&mode), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(mode, static_cast<CUstreamCaptureMode>(7)) << "a refused exchange changes nothing";
+
+  // Another thread starts from the default and its changes stay its own.
+  CUresult r1 = CUDA_ERROR_UNKNOWN, r2 = CUDA_ERROR_UNKNOWN;
+  CUstreamCaptureMode first = CU_STREAM_CAPTURE_MODE_RELAXED, second = CU_STREAM_CAPTURE_MODE_RELAXED;
+  std::thread([&] {
+    first = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    r1 = cuThreadExchangeStreamCaptureMode(&first);
+    second = CU_STREAM_CAPTURE_MODE_GLOBAL;
+    r2 = cuThreadExchangeStreamCaptureMode(&second);
+  }).join();
+  EXPECT_CU(r1);
+  EXPECT_CU(r2);
+  EXPECT_EQ(first, CU_STREAM_CAPTURE_MODE_GLOBAL);
+  EXPECT_EQ(second, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+
+  // A forked child is a new process: its thread starts from the default.
+  Child child([](Child&) {
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    CHECK_CU(cuThreadExchangeStreamCaptureMode(&m));
+    CHECK_EQ(static_cast<int>(m), static_cast<int>(CU_STREAM_CAPTURE_MODE_GLOBAL));
+  });
+  EXPECT_CHILD_PASSED(child);
+
+  mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+  ASSERT_CU(cuThreadExchangeStreamCaptureMode(&mode));
+  EXPECT_EQ(mode, CU_STREAM_CAPTURE_MODE_RELAXED) << "what this thread stored, untouched by the others";
+}
+
+TEST_F(Timeline, AnotherThreadDrainsTheProcessByPushingItsContext) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_20000us");
+  ASSERT_NE(f, nullptr);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  // This thread queues 80 ms on its legacy, per-thread and created streams.
+  ASSERT_CU(launch(f));
+  ASSERT_CU(cuLaunchKernel_ptsz(f, 1, 1, 1, 32, 1, 1, 0, nullptr, nullptr, nullptr));
+  ASSERT_CU(launch(f, s));
+  ASSERT_CU(cuLaunch(f));
+  const uint64_t until = simcuda_device_busy_until_ns(0);
+
+  struct Seen {
+    CUcontext before = reinterpret_cast<CUcontext>(1), popped = nullptr, after = reinterpret_cast<CUcontext>(1);
+    CUresult unbound = CUDA_SUCCESS, push = CUDA_ERROR_UNKNOWN, sync = CUDA_ERROR_UNKNOWN,
+             pop = CUDA_ERROR_UNKNOWN;
+    uint64_t started = 0, returned = 0;
+  } seen;
+  std::thread([&] {
+    cuCtxGetCurrent(&seen.before);
+    seen.unbound = cuCtxSynchronize();
+    seen.push = cuCtxPushCurrent_v2(c.ctx);
+    seen.started = simcuda_now_ns();
+    seen.sync = cuCtxSynchronize();
+    seen.returned = simcuda_now_ns();
+    seen.pop = cuCtxPopCurrent_v2(&seen.popped);
+    cuCtxGetCurrent(&seen.after);
+  }).join();
+  EXPECT_EQ(seen.before, nullptr) << "contexts are current per thread";
+  EXPECT_EQ(seen.unbound, CUDA_ERROR_INVALID_CONTEXT);
+  EXPECT_CU(seen.push);
+  EXPECT_CU(seen.sync);
+  EXPECT_CU(seen.pop);
+  EXPECT_EQ(seen.popped, c.ctx);
+  EXPECT_EQ(seen.after, nullptr);
+  EXPECT_LT(seen.started, until) << "the work was still queued when it synchronized";
+  EXPECT_GE(seen.returned, until) << "synchronize returned before the launching thread's kernels finished";
+  EXPECT_LE(simcuda_device_busy_until_ns(0), seen.returned);
+  // Every stream of the launching thread is drained.
+  EXPECT_CU(cuStreamQuery(nullptr));
+  EXPECT_CU(cuStreamQuery_ptsz(nullptr));
+  EXPECT_CU(cuStreamQuery(s));
+  EXPECT_CU(cuStreamDestroy_v2(s));
 }
 
 TEST_F(Timeline, KernelsOfTwoProcessesSerializeOnTheDevice) {

@@ -640,7 +640,7 @@ CUdeviceptr reserve_va32(uint64_t size) {
 }
 
 // ---------------------------------------------------------------------------
-// Per-thread context stack and default streams
+// Per-thread context stack, default streams and stream-capture mode
 // ---------------------------------------------------------------------------
 
 namespace {
@@ -649,6 +649,7 @@ struct ThreadState {
   uint64_t gen = 0;
   std::vector<Ctx*> stack;
   U64 ptds_tail[kMaxDevices];  // per-thread default stream, per device
+  CUstreamCaptureMode capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
 };
 
 // A pointer, not an object: thread_local objects are destroyed at exit before
@@ -664,6 +665,7 @@ ThreadState& thread_state() {
     t_state.gen = g;
     t_state.stack.clear();
     for (auto& t : t_state.ptds_tail) t.store(0, std::memory_order_relaxed);
+    t_state.capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
   }
   return t_state;
 }
@@ -677,6 +679,8 @@ void atomic_max(U64& a, uint64_t v) {
 }  // namespace
 
 std::vector<Ctx*>& ctx_stack() { return thread_state().stack; }
+
+CUstreamCaptureMode& thread_capture_mode() { return thread_state().capture_mode; }
 
 Ctx* current_ctx() {
   auto& st = ctx_stack();
