@@ -1,41 +1,430 @@
 #!/usr/bin/env python3
-"""A saturating PyTorch workload for the real-GPU GPU-time check.
+"""Workload and helpers for tests/gpu/run_sm_share.sh, the real-GPU check of
+GPU-time shares (docs/sm-time.md).
 
-    sm_share_workload.py START_NS SECONDS SIZE
+  sm_share_workload.py run --seconds S (--start-ns NS | --start-file F) [--ready-file F]
+                           [--kind matmul|mixed] [--size N] [--sync-every K]
+      Saturate CUDA device 0 with PyTorch for S seconds from a common start
+      time (CLOCK_MONOTONIC, in ns) and print one JSON line.
+  sm_share_workload.py accounting --uuid GPU-... [PID ...]
+      NVML per-process accounting of processes that have ended, as JSON
+      (with no PID: only whether accounting can be read at all).
+  sm_share_workload.py report RESULTS_DIR [--threshold 0.05]
+      The Markdown tables for run_sm_share.sh's results directory; exit 1 if
+      any tenant's measured share is off by more than the threshold.
 
-Waits until CLOCK_MONOTONIC reaches START_NS (so tenants start together),
-then runs SIZE x SIZE fp16 matmuls for SECONDS, synchronizing every 8, and
-prints one JSON line: iterations, wall seconds, iterations per second.
-Throughput is the independent measure: against the same workload alone on
-the GPU, a tenant's throughput ratio is the share of GPU time it really got
-(each matmul takes the same GPU time whoever else is on the GPU, because
-fracgpu gives the GPU to one tenant at a time).
+How a tenant's share of GPU time is measured without trusting fracgpu:
+
+- NVML accounting (when pynvml is installed and the GPU's accounting mode is
+  on, which takes root: nvidia-smi -i 0 -am 1). For each process the driver
+  records the percentage of its lifetime during which one or more of its
+  kernels ran, and that lifetime. Busy time = percentage x lifetime; the share
+  is busy time over the workload's measured window. The driver reports the
+  lifetime only once the process has ended (it reads 0 while it runs), so the
+  runner asks after the tenants exit (`accounting`), not the workload itself.
+  Busy time outside the window (the warm-up: a few kernels) is negligible; the
+  integer percentage costs up to about 1.5 points over a 20 s window.
+- Throughput against the same workload alone on the GPU (always reported).
+  fracgpu gives the GPU to one process at a time, so each kernel takes the
+  same GPU time whoever else is on the GPU, and iterations/s shared over
+  iterations/s alone is the fraction of the time the tenant held the GPU.
+  Hand-over costs (drain, context switch) count against the tenant, so the
+  shares of one split add up to a little under 1.
+
+The workload is "saturating": it keeps the GPU's queue full (it synchronizes
+only every --sync-every iterations), so the GPU is busy whenever the tenant
+holds it and both measures read the time fracgpu charges. The baseline runs
+alone report NVML's busy fraction; below ~0.95 the workload does not saturate
+this GPU and the NVML shares read low (raise --size).
 """
+from __future__ import annotations
+
+import argparse
 import json
+import os
+import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
+
+def now_ns() -> int:
+    # CLOCK_MONOTONIC explicitly: the runner and every tenant compare the same clock.
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+# ---------------------------------------------------------------------------
+# run: the workload
+
+
+def make_step(torch, kind: str, size: int):
+    """One iteration's kernel launches. Buffers are allocated once (out=) so the
+    loop launches kernels and nothing else: no allocator traffic, no host work
+    that would leave the GPU idle while the tenant holds it."""
+    f16 = torch.float16  # tensor cores on every GPU since Volta
+    a = torch.randn(size, size, device="cuda", dtype=f16)
+    b = torch.randn(size, size, device="cuda", dtype=f16)
+    c = torch.empty(size, size, device="cuda", dtype=f16)
+    if kind == "matmul":
+
+        def step():
+            torch.matmul(a, b, out=c)
+
+        return step
+    # mixed: one large kernel then 16 small ones, so fracgpu's slices end in
+    # either kind (what the simulated tests vary with 50 us vs 50 ms kernels).
+    # The large matmul gives the CPU time to queue the small ones, so the queue
+    # stays full.
+    small = max(size // 4, 256)
+    sa = torch.randn(small, small, device="cuda", dtype=f16)
+    sb = torch.randn(small, small, device="cuda", dtype=f16)
+    sc = torch.empty(small, small, device="cuda", dtype=f16)
+
+    def step():
+        torch.matmul(a, b, out=c)
+        for _ in range(16):
+            torch.matmul(sa, sb, out=sc)
+
+    return step
+
+
+def wait_for_start(args) -> int:
+    """The common start time: given, or read from --start-file once the runner
+    has seen every tenant ready (it writes the file atomically)."""
+    if args.start_ns is not None:
+        return args.start_ns
+    while True:
+        try:
+            text = Path(args.start_file).read_text().strip()
+            if text:
+                return int(text)
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.005)
+
+
+def run(args) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("torch.cuda.is_available() is False: no CUDA device for the workload")
+    step = make_step(torch, args.kind, args.size)
+    # Warm up outside the measured window: context creation, cuBLAS handle
+    # and kernel selection, first allocations.
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    if args.ready_file:
+        Path(args.ready_file).write_text(f"{os.getpid()}\n")
+
+    start_ns = wait_for_start(args)
+    # Sleep to 2 ms before the start, then spin: tenants start within ~0.1 ms.
+    while (left := start_ns - now_ns()) > 2_000_000:
+        time.sleep((left - 2_000_000) / 1e9)
+    while now_ns() < start_ns:
+        pass
+    t0 = now_ns()
+    late_s = (t0 - start_ns) / 1e9  # > 0 only if the warm-up ended after the start
+    deadline = t0 + int(args.seconds * 1e9)
+    iterations = 0
+    longest_ns = 0
+    prev = t0
+    while True:
+        for _ in range(args.sync_every):
+            step()
+        # Bounded queue: the window ends at most one batch after the deadline,
+        # and only completed batches are counted.
+        torch.cuda.synchronize()
+        iterations += args.sync_every
+        now = now_ns()
+        longest_ns = max(longest_ns, now - prev)  # long batches = waits for the GPU
+        prev = now
+        if now >= deadline:
+            break
+    wall_s = (now - t0) / 1e9
+    print(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "tenant": os.environ.get("FRACGPU_TENANT"),
+                "under_fracgpu": "libfracgpu" in os.environ.get("LD_PRELOAD", ""),
+                "kind": args.kind,
+                "size": args.size,
+                "sync_every": args.sync_every,
+                "gpu": torch.cuda.get_device_name(0),
+                "torch": torch.__version__,
+                "start_ns": start_ns,
+                "late_start_s": round(late_s, 6),
+                "iterations": iterations,
+                "wall_s": wall_s,
+                "per_s": iterations / wall_s,
+                "longest_batch_s": longest_ns / 1e9,
+                # Independent GPU time: NVML accounting, read by the runner once
+                # this process has ended (`accounting`); throughput: per_s
+                # against the same workload alone (`report`).
+            }
+        ),
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------
+# accounting: NVML per-process accounting
+
+
+def nvml_handle(pynvml, uuid: str):
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except (TypeError, AttributeError):  # older nvidia-ml-py wants bytes
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+
+
+def accounting(uuid: str, pids: list[int], settle_s: float = 5.0) -> dict:
+    """{"state": "enabled"|"disabled"|"unavailable", "reason": ..., "pids": {...}}.
+    Never raises: the throughput measure does not depend on it."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"state": "unavailable", "reason": "pynvml is not installed (pip install nvidia-ml-py)"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError and friends
+        return {"state": "unavailable", "reason": f"nvmlInit failed: {e}"}
+    try:
+        handle = nvml_handle(pynvml, uuid)
+        if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+            return {
+                "state": "disabled",
+                "reason": f"accounting mode is off on {uuid}; as root: nvidia-smi -i {uuid} -am 1",
+            }
+        out = {}
+        for pid in pids:
+            # A process that just exited may still read as running for a moment,
+            # and its time reads 0 until the driver has closed its record.
+            deadline = time.monotonic() + settle_s
+            while True:
+                try:
+                    s = pynvml.nvmlDeviceGetAccountingStats(handle, pid)
+                except Exception as e:  # NVMLError_NotFound: no record for this pid
+                    out[str(pid)] = {"error": str(e)}
+                    break
+                if not s.isRunning or time.monotonic() >= deadline:
+                    out[str(pid)] = {
+                        "gpu_utilization_pct": int(s.gpuUtilization),
+                        "time_ms": int(s.time),
+                        "is_running": bool(s.isRunning),
+                        "busy_s": s.gpuUtilization / 100 * s.time / 1000,
+                    }
+                    break
+                time.sleep(0.1)
+        return {"state": "enabled", "reason": "", "pids": out}
+    except Exception as e:  # NotSupported (e.g. MIG), NoPermission, ...
+        return {"state": "unavailable", "reason": f"NVML accounting: {e}"}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------
+# report: the Markdown tables
+
+
+def load_json(path: Path):
+    """A file as JSON (fracgpu status: pretty-printed), else its last line as
+    JSON (a workload's output), else None (missing, empty, not JSON)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    for candidate in (text, text.splitlines()[-1] if text else ""):
+        try:
+            return json.loads(candidate)
+        except ValueError:
+            pass
+    return None
+
+
+def nvml_busy_share(acct, result):
+    """Busy time by NVML accounting over the measured window, or None."""
+    if not acct or acct.get("state") != "enabled" or not result:
+        return None
+    rec = acct.get("pids", {}).get(str(result["pid"]))
+    if not rec or "error" in rec or rec["is_running"] or rec["time_ms"] <= 0:
+        return None
+    return rec["busy_s"] / result["wall_s"]
+
+
+def achieved_10s(status, tenant):
+    """tenants[].gpus[0].gpu_time.achieved_10s_ppm as a fraction, or None when
+    the status, the tenant, gpu_time or the field is missing."""
+    for t in (status or {}).get("tenants", []):
+        if t.get("name") == tenant and t.get("gpus"):
+            ppm = (t["gpus"][0].get("gpu_time") or {}).get("achieved_10s_ppm")
+            return None if ppm is None else ppm / 1e6
+    return None
+
+
+def tenant_limit(status, tenant):
+    for t in (status or {}).get("tenants", []):
+        if t.get("name") == tenant and t.get("gpus"):
+            g = t["gpus"][0]
+            return g.get("share_ppm"), g.get("limit_ppm")
+    return None, None
+
+
+def fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def report(results: Path, threshold: float) -> int:
+    # manifest.tsv: group, tenant, share ("alone" for a baseline run), kind.
+    rows = [line.split("\t") for line in (results / "manifest.tsv").read_text().splitlines() if line]
+    groups: dict[str, list] = {}
+    for group, tenant, share, kind in rows:
+        groups.setdefault(group, []).append((tenant, share, kind))
+
+    def group_files(group):
+        d = results / group
+        return load_json(d / "accounting.json"), load_json(d / "status.json")
+
+    notes, failures = [], []
+    # Whether NVML accounting could be read, asked once before the runs.
+    nvml_state = load_json(results / "accounting-probe.json") or {"state": "unavailable", "reason": "not queried"}
+
+    # Baselines: each kind alone, before and after the splits (drift = clocks, heat).
+    alone: dict[str, list] = {}
+    alone_busy: dict[str, list] = {}
+    for group, members in groups.items():
+        for tenant, share, kind in members:
+            if share != "alone":
+                continue
+            acct, _ = group_files(group)
+            r = load_json(results / group / f"{tenant}.json")
+            if r:
+                alone.setdefault(kind, []).append(r["per_s"])
+                b = nvml_busy_share(acct, r)
+                if b is not None:
+                    alone_busy.setdefault(kind, []).append(b)
+            else:
+                alone.setdefault(kind, [])
+                failures.append(f"baseline {group}: the workload failed (see {results / group / tenant}.err)")
+    baseline = {k: statistics.mean(v) for k, v in alone.items() if v}
+
+    print("## Baselines: each workload alone on the GPU, without fracgpu\n")
+    print("| workload | iterations/s (runs) | drift | NVML busy share alone |")
+    print("|---|---|---|---|")
+    for kind, v in alone.items():
+        drift = (v[-1] - v[0]) / v[0] if len(v) > 1 else None
+        busy = statistics.mean(alone_busy[kind]) if alone_busy.get(kind) else None
+        runs = ", ".join(f"{x:.1f}" for x in v) or "failed"
+        print(f"| {kind} | {runs} | {fmt(drift, '+.1%')} | {fmt(busy)} |")
+        if drift is not None and abs(drift) > 0.03:
+            notes.append(f"{kind}: throughput alone drifted {drift:+.1%} between the first and the last baseline "
+                         "(clocks or temperature); throughput shares carry that uncertainty")
+        if busy is not None and busy < 0.95:
+            notes.append(f"{kind}: NVML busy share alone is {busy:.3f}: the workload does not saturate this GPU, "
+                         "so NVML-measured shares read low (raise --size)")
+
+    print("\n## Shares: tenants pinned to GPU 0, limit = share\n")
+    if nvml_state.get("state") == "enabled":
+        print("Measured share: **NVML accounting** (busy time = gpuUtilization x lifetime, over the "
+              "measured window); throughput vs alone shown beside it.\n")
+    else:
+        print(f"Measured share: **throughput vs alone** (NVML accounting {nvml_state.get('state')}: "
+              f"{nvml_state.get('reason')}).\n")
+    print("| split | tenant | workload | share | measured share | by | throughput vs alone "
+          "| fracgpu achieved_10s | off (points) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for group, members in groups.items():
+        if members[0][1] == "alone":
+            continue
+        label = "/".join(share for _, share, _ in members)
+        acct, status = group_files(group)
+        sums = {"share": 0.0, "measured": 0.0, "tput": 0.0, "achieved": 0.0}
+        complete = {"measured": True, "tput": True, "achieved": True}
+        for tenant, share_s, kind in members:
+            share = float(share_s)
+            r = load_json(results / group / f"{tenant}.json")
+            tput = r["per_s"] / baseline[kind] if r and kind in baseline else None
+            busy = nvml_busy_share(acct, r)
+            measured, by = (busy, "NVML") if busy is not None else (tput, "throughput")
+            got = achieved_10s(status, tenant)
+            off = None if measured is None else round((measured - share) * 100, 1) + 0.0  # no "-0.0"
+            print(f"| {label} | {tenant} | {kind} | {share:.2f} | {fmt(measured)} | "
+                  f"{by if measured is not None else 'failed'} | {fmt(tput)} | {fmt(got)} | {fmt(off, '+.1f')} |")
+            sums["share"] += share
+            for key, val in (("measured", measured), ("tput", tput), ("achieved", got)):
+                if val is None:
+                    complete[key] = False
+                else:
+                    sums[key] += val
+            if measured is None:
+                failures.append(f"{label} {tenant}: no measurement (see {results / group / tenant}.err)")
+            elif abs(measured - share) > threshold:
+                failures.append(f"{label} {tenant}: measured {measured:.3f} against a share of {share:.2f} "
+                                f"({off:+.1f} points, more than {threshold * 100:.0f})")
+            if busy is not None and tput is not None and abs(busy - tput) > threshold:
+                notes.append(f"{label} {tenant}: NVML ({busy:.3f}) and throughput ({tput:.3f}) disagree by more "
+                             f"than {threshold * 100:.0f} points: kernels ran slower or faster than alone, or the "
+                             "GPU idled while the tenant held it")
+            if r and r["late_start_s"] > 0.25:
+                notes.append(f"{label} {tenant}: started {r['late_start_s']:.2f} s late (slow warm-up)")
+            share_ppm, limit_ppm = tenant_limit(status, tenant)
+            if limit_ppm is not None and share_ppm is not None and limit_ppm != share_ppm:
+                notes.append(f"{label} {tenant}: limit_ppm {limit_ppm} is not the share {share_ppm}: "
+                             "the cap is not the default this check assumes")
+            if status is not None and got is None:
+                notes.append(f"{label} {tenant}: fracgpu status --json has no "
+                             "tenants[].gpus[].gpu_time.achieved_10s_ppm")
+        total = {k: (fmt(v) if complete.get(k, True) else "n/a") for k, v in sums.items()}
+        print(f"| {label} | (sum) | | {sums['share']:.2f} | {total['measured']} | | {total['tput']} "
+              f"| {total['achieved']} | |")
+
+    print()
+    for n in dict.fromkeys(notes):  # de-duplicated, in order
+        print(f"note: {n}")
+    for f in failures:
+        print(f"FAIL: {f}")
+    if notes or failures:
+        print()
+    if failures:
+        print(f"{len(failures)} failure(s); threshold {threshold * 100:.0f} points (a smoke threshold on a real "
+              "GPU; the simulated-driver tests hold 2).")
+        return 1
+    print(f"Every tenant within {threshold * 100:.0f} points of its share.")
+    return 0
+
+
+# ---------------------------------------------------------------------------
 
 
 def main() -> None:
-    start_ns, seconds, size = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-    a = torch.randn(size, size, device="cuda", dtype=torch.float16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.float16)
-    for _ in range(3):  # warm up cuBLAS outside the measured time
-        a @ b
-    torch.cuda.synchronize()
-    while time.clock_gettime_ns(time.CLOCK_MONOTONIC) < start_ns:
-        time.sleep(0.001)
-    t0 = time.monotonic()
-    iterations = 0
-    while time.monotonic() - t0 < seconds:
-        for _ in range(8):
-            a @ b
-        torch.cuda.synchronize()
-        iterations += 8
-    wall = time.monotonic() - t0
-    print(json.dumps({"iterations": iterations, "wall_s": wall, "per_s": iterations / wall}))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the saturating workload")
+    r.add_argument("--seconds", type=float, required=True, help="length of the measured window")
+    start = r.add_mutually_exclusive_group(required=True)
+    start.add_argument("--start-ns", type=int, help="common start, CLOCK_MONOTONIC ns")
+    start.add_argument("--start-file", help="file that will hold the common start (CLOCK_MONOTONIC ns)")
+    r.add_argument("--ready-file", help="written once warmed up")
+    r.add_argument("--kind", choices=("matmul", "mixed"), default="matmul")
+    r.add_argument("--size", type=int, default=8192, help="matrix size (fp16 SIZE x SIZE)")
+    r.add_argument("--sync-every", type=int, default=8, help="iterations between synchronizations")
+    a = sub.add_parser("accounting", help="NVML accounting of ended processes, as JSON")
+    a.add_argument("--uuid", required=True, help="the GPU, as nvidia-smi --query-gpu=uuid prints it")
+    a.add_argument("pids", type=int, nargs="*")
+    rep = sub.add_parser("report", help="Markdown tables of a run_sm_share.sh results directory")
+    rep.add_argument("results", type=Path)
+    rep.add_argument("--threshold", type=float, default=0.05, help="largest allowed |measured - share|")
+    args = p.parse_args()
+    if args.cmd == "run":
+        run(args)
+    elif args.cmd == "accounting":
+        print(json.dumps(accounting(args.uuid, args.pids)))
+    else:
+        sys.exit(report(args.results, args.threshold))
 
 
 if __name__ == "__main__":
