@@ -1,4 +1,4 @@
-// The launch gate and the pacer (see gputime.h, docs/sm-time.md).
+// The launch gate and the pacer (see launch_gate.h, shm/gputime.h, docs/sm-time.md).
 //
 // Per GPU entry of the tenant this process tracks whether the GPU is
 // metered (shared with another tenant, or capped below a whole GPU), whether
@@ -264,9 +264,10 @@ bool open_gpu(int gpu) {
     gputime::close_arbiter(&arbiter);
     return false;
   }
-  ledger::ProcessIdentity self{};
-  ledger::read_self_identity(&self);
-  const int process = gputime::claim_process(arbiter, static_cast<uint32_t>(tenant), self.pid, self.start_time);
+  // Our identity as attach read it (/proc/self/stat), from our ledger slot.
+  const ledger::ProcessSlot& self = g_tenant.ledger.usage->slots[g_tenant.slot];
+  const int process = gputime::claim_process(arbiter, static_cast<uint32_t>(tenant), self.pid.load(),
+                                             self.start_time.load());
   if (process < 0) {
     gputime::reclaim_dead_processes(arbiter, -1);
     log_line(LogLevel::kError, "%s: no free process entry: this process's GPU time is not shared", path);

@@ -100,8 +100,8 @@ bool try_claim(GpuTimeSegment& seg, uint32_t process, uint64_t now);
 bool hand_over(GpuTimeSegment& seg, uint32_t from, int to, uint64_t now);
 // Takes the GPU from a holder that is dead (its record lock is free) or whose
 // heartbeat is older than kStaleHolderNs. Charges the time since the holder's
-// last charge to its tenant, at its share as last known (`share_ppm` 0 means
-// unknown: then vtime is left alone). True if `process` now holds the GPU.
+// last charge to its tenant, at the share and limit the daemon recorded in
+// the tenant table. True if `process` now holds the GPU.
 inline constexpr uint64_t kStaleHolderNs = 1'000'000'000;
 bool try_take_over(Arbiter& arbiter, uint32_t process, uint64_t now);
 
