@@ -1,0 +1,391 @@
+// simnvml: a stand-in libnvidia-ml.so.1 for tests (see README.md).
+//
+// It shows the simulated driver's GPUs (tests/simcuda) through NVML: it is
+// built with the sim's own state code (state.cpp), so it maps the same
+// SIMCUDA_STATE file the sim's processes use and reads the same devices and
+// per-process memory, with dead processes swept the same way. It never calls
+// cuInit, so a process using NVML is not itself a GPU process.
+//
+// Faults are read from the file named by SIMNVML_FAULTS on every call, so a
+// test can flip them (rename a new file into place) while a daemon runs.
+#include <time.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "sim_internal.h"
+
+#pragma GCC visibility push(default)
+#include "fracgpu/nvml_abi.h"
+#pragma GCC visibility pop
+
+namespace {
+
+using simcuda::kMaxDevices;
+
+// One handle per device: nvmlDevice_t points at its entry.
+struct nvmlDeviceEntry {
+  unsigned index;
+};
+nvmlDeviceEntry g_handles[kMaxDevices] = {{0},  {1},  {2},  {3},  {4},  {5},  {6},  {7},
+                                          {8},  {9},  {10}, {11}, {12}, {13}, {14}, {15}};
+
+std::mutex g_mu;  // init count and event sets
+int g_init_count = 0;
+
+struct Faults {
+  bool init_fail = false;
+  bool lost[kMaxDevices] = {};
+  bool no_temperature[kMaxDevices] = {};
+  bool no_power[kMaxDevices] = {};
+  unsigned long long ecc[kMaxDevices] = {};
+  std::vector<unsigned long long> xids[kMaxDevices];  // in file order
+};
+
+std::string uuid_text(int dev) {
+  const unsigned char* u = simcuda::S()->devices[dev].uuid;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  return buf;
+}
+
+int device_count() { return simcuda::S() == nullptr ? 0 : static_cast<int>(simcuda::S()->device_count); }
+
+// "<gpu> <fault>[=<value>]" per line, gpu an index or a UUID; "init_fail"
+// alone. Unknown lines are reported once on stderr and ignored.
+Faults read_faults() {
+  Faults f;
+  const char* path = std::getenv("SIMNVML_FAULTS");
+  if (path == nullptr || *path == 0) return f;
+  std::ifstream in(path);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    std::istringstream words(line);
+    std::string gpu, fault;
+    if (!(words >> gpu)) continue;
+    if (gpu == "init_fail") {
+      f.init_fail = true;
+      continue;
+    }
+    words >> fault;
+    int dev = -1;
+    for (int d = 0; d < device_count(); ++d)
+      if (gpu == std::to_string(d) || gpu == uuid_text(d)) dev = d;
+    std::string value;
+    if (auto eq = fault.find('='); eq != std::string::npos) {
+      value = fault.substr(eq + 1);
+      fault.resize(eq);
+    }
+    const unsigned long long number = std::strtoull(value.c_str(), nullptr, 10);
+    if (dev < 0 || fault.empty()) {
+      std::fprintf(stderr, "simnvml: %s:%d: ignored (unknown GPU or no fault): %s\n", path, lineno, line.c_str());
+      continue;
+    }
+    if (fault == "lost") f.lost[dev] = true;
+    else if (fault == "no_temperature") f.no_temperature[dev] = true;
+    else if (fault == "no_power") f.no_power[dev] = true;
+    else if (fault == "ecc") f.ecc[dev] = number;
+    else if (fault == "xid") f.xids[dev].push_back(number);
+    else std::fprintf(stderr, "simnvml: %s:%d: unknown fault '%s'\n", path, lineno, fault.c_str());
+  }
+  return f;
+}
+
+bool initialized() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_init_count > 0;
+}
+
+// Common checks of every per-device query; fills *dev.
+nvmlReturn_t device_of(nvmlDevice_t handle, int* dev, const Faults& faults) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (handle == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  auto* e = reinterpret_cast<nvmlDeviceEntry*>(handle);
+  if (e < g_handles || e >= g_handles + kMaxDevices || static_cast<int>(e->index) >= device_count())
+    return NVML_ERROR_INVALID_ARGUMENT;
+  *dev = static_cast<int>(e->index);
+  return faults.lost[*dev] ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+nvmlReturn_t copy_string(const std::string& s, char* out, unsigned int length) {
+  if (out == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (s.size() + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
+  std::memcpy(out, s.c_str(), s.size() + 1);
+  return NVML_SUCCESS;
+}
+
+// Live processes holding memory on the device, with their bytes. Sweeps dead
+// processes first (as every reader of the sim's state does).
+std::vector<std::pair<unsigned, unsigned long long>> processes(int dev) {
+  std::vector<std::pair<unsigned, unsigned long long>> out;
+  simcuda::Guard guard;
+  simcuda::StateLock lock;
+  for (auto& slot : simcuda::S()->slots) {
+    if (slot.state.load(std::memory_order_acquire) != simcuda::kSlotLive) continue;
+    const uint64_t used = slot.used[dev].load(std::memory_order_relaxed);
+    if (used > 0) out.emplace_back(static_cast<unsigned>(slot.pid.load(std::memory_order_relaxed)), used);
+  }
+  return out;
+}
+
+template <typename Info>
+nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  const auto list = processes(dev);
+  const unsigned capacity = *count;
+  *count = static_cast<unsigned>(list.size());
+  if (list.size() > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
+  if (!list.empty() && infos == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  for (size_t i = 0; i < list.size(); ++i) {
+    Info info{};
+    info.pid = list[i].first;
+    info.usedGpuMemory = list[i].second;
+    if constexpr (requires { info.gpuInstanceId; }) {
+      info.gpuInstanceId = 0xFFFFFFFFu;  // no MIG: NVML reports "invalid"
+      info.computeInstanceId = 0xFFFFFFFFu;
+    }
+    infos[i] = info;
+  }
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t memory(nvmlDevice_t device, unsigned long long* total, unsigned long long* used) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  simcuda::Guard guard;
+  simcuda::StateLock lock;
+  *total = simcuda::S()->devices[dev].capacity;
+  *used = std::min<unsigned long long>(simcuda::sum_live_locked(dev), *total);
+  return NVML_SUCCESS;
+}
+
+// Event sets: Xid events are the fault file's "xid" lines, delivered in order
+// once each per set (counted from the set's registration).
+struct EventSet {
+  bool registered[kMaxDevices] = {};
+  size_t delivered[kMaxDevices] = {};
+};
+
+}  // namespace
+
+extern "C" {
+
+nvmlReturn_t nvmlInit_v2(void) {
+  {
+    simcuda::Guard guard;
+    if (!simcuda::attach()) return NVML_ERROR_DRIVER_NOT_LOADED;  // bad SIMCUDA_DEVICES / state (the sim logged why)
+  }
+  if (read_faults().init_fail) return NVML_ERROR_DRIVER_NOT_LOADED;
+  std::lock_guard<std::mutex> lock(g_mu);
+  ++g_init_count;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlShutdown(void) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
+  --g_init_count;
+  return NVML_SUCCESS;
+}
+
+const char* nvmlErrorString(nvmlReturn_t result) {
+  switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    default: return "Unknown Error";
+  }
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char* version, unsigned int length) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  return copy_string("simnvml", version, length);
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int* count) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *count = static_cast<unsigned>(device_count());
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t* device) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (device == nullptr || static_cast<int>(index) >= device_count()) return NVML_ERROR_INVALID_ARGUMENT;
+  *device = reinterpret_cast<nvmlDevice_t>(&g_handles[index]);
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char* uuid, nvmlDevice_t* device) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (uuid == nullptr || device == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  for (int d = 0; d < device_count(); ++d) {
+    if (uuid_text(d) == uuid) {
+      *device = reinterpret_cast<nvmlDevice_t>(&g_handles[d]);
+      return NVML_SUCCESS;
+    }
+  }
+  return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int* index) {
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
+  if (index == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *index = static_cast<unsigned>(dev);
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char* uuid, unsigned int length) {
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
+  return copy_string(uuid_text(dev), uuid, length);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char* name, unsigned int length) {
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
+  return copy_string(simcuda::S()->devices[dev].name, name, length);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t* mem) {
+  if (mem == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  unsigned long long total = 0, used = 0;
+  if (nvmlReturn_t rc = memory(device, &total, &used)) return rc;
+  mem->total = total;
+  mem->used = used;
+  mem->free = total - used;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t* mem) {
+  if (mem == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (mem->version != nvmlMemory_v2) return NVML_ERROR_INVALID_ARGUMENT;  // real NVML: ARGUMENT_VERSION_MISMATCH
+  unsigned long long total = 0, used = 0;
+  if (nvmlReturn_t rc = memory(device, &total, &used)) return rc;
+  mem->total = total;
+  mem->reserved = 0;
+  mem->used = used;
+  mem->free = total - used;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int* count,
+                                                  nvmlProcessInfo_v1_t* infos) {
+  return running_processes(device, count, infos);
+}
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int* count,
+                                                     nvmlProcessInfo_v2_t* infos) {
+  return running_processes(device, count, infos);
+}
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int* count,
+                                                     nvmlProcessInfo_t* infos) {
+  return running_processes(device, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensor, unsigned int* temp) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (sensor != NVML_TEMPERATURE_GPU || temp == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (faults.no_temperature[dev]) return NVML_ERROR_UNKNOWN;
+  *temp = 40 + static_cast<unsigned>(dev);
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int* power) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (power == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (faults.no_power[dev]) return NVML_ERROR_UNKNOWN;
+  *power = 100000;  // 100 W
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t type, nvmlEccCounterType_t,
+                                         unsigned long long* count) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *count = type == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? faults.ecc[dev] : 0;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t* set) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (set == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *set = reinterpret_cast<nvmlEventSet_t>(new EventSet());
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (set == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if ((types & ~static_cast<unsigned long long>(nvmlEventTypeXidCriticalError)) != 0) return NVML_ERROR_NOT_SUPPORTED;
+  auto* s = reinterpret_cast<EventSet*>(set);
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->registered[dev] = true;
+  s->delivered[dev] = faults.xids[dev].size();  // only Xids that happen from now on
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t* data, unsigned int timeoutms) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (set == nullptr || data == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  auto* s = reinterpret_cast<EventSet*>(set);
+  timespec start{};
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  for (;;) {
+    const Faults faults = read_faults();
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      for (int d = 0; d < device_count(); ++d) {
+        if (!s->registered[d] || s->delivered[d] >= faults.xids[d].size()) continue;
+        *data = nvmlEventData_t{};
+        data->device = reinterpret_cast<nvmlDevice_t>(&g_handles[d]);
+        data->eventType = nvmlEventTypeXidCriticalError;
+        data->eventData = faults.xids[d][s->delivered[d]++];
+        data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+        return NVML_SUCCESS;
+      }
+    }
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const long long waited_ms = (now.tv_sec - start.tv_sec) * 1000LL + (now.tv_nsec - start.tv_nsec) / 1000000;
+    if (waited_ms >= timeoutms) return NVML_ERROR_TIMEOUT;
+    timespec step{0, 10 * 1000 * 1000};
+    nanosleep(&step, nullptr);
+  }
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+  delete reinterpret_cast<EventSet*>(set);
+  return NVML_SUCCESS;
+}
+
+}  // extern "C"
