@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Sampler and report of the end-to-end benchmark (bench/e2e/run_e2e.sh).
+Standard library only.
+
+  e2e.py now
+      CLOCK_MONOTONIC in ns (the clock the workloads' start_ns uses).
+  e2e.py sample --lib LIBCUDA --start-ns NS --seconds S [--interval 0.25] --out CSV PID:TENANT...
+      Every interval from start_ns until start_ns + S (+ one interval), the
+      simulated driver's device time per process (simcuda_busy_ns) and in
+      total (simcuda_device_busy_ns) of device 0: the ground truth, what the
+      simulated GPU ran, never what fracgpu believes it gave.
+  e2e.py report OUT_DIR
+      Reads OUT_DIR/runs/*/ (written by run_e2e.sh) and writes
+      e2e_runs.csv (one row per process), e2e_summary.csv (one row per run),
+      e2e_shares.csv (each tenant's achieved share over time), e2e_shares.svg
+      (its plot) and e2e_table.md (printed too).
+
+Achieved share of a tenant over a window = device time its processes were
+credited in the window / the window's length. The simulated driver credits a
+kernel when it is launched, so a window can be off by the work a process
+queues ahead (compute: 20 ms); the plotted trailing 1 s window bounds that
+to 2 points.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import html
+import sys
+import time
+from pathlib import Path
+
+WINDOW_S = 1.0       # the plotted and reported achieved-share window
+SKIP_S = 1.0         # the first second (start-up, first hand-overs) is left out of the figures
+
+
+def now_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+# --------------------------------------------------------------------------
+# sample
+
+
+def cmd_sample(args) -> int:
+    lib = ctypes.CDLL(args.lib)
+    busy = lib.simcuda_busy_ns
+    busy.restype, busy.argtypes = ctypes.c_uint64, [ctypes.c_int, ctypes.c_int]
+    device_busy = lib.simcuda_device_busy_ns
+    device_busy.restype, device_busy.argtypes = ctypes.c_uint64, [ctypes.c_int]
+    procs = []
+    for spec in args.procs:
+        pid, _, tenant = spec.partition(":")
+        procs.append((int(pid), tenant))
+    interval = int(args.interval * 1e9)
+    end = args.start_ns + int(args.seconds * 1e9) + interval
+    t = args.start_ns
+    with open(args.out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t_s", "pid", "tenant", "busy_ns", "device_busy_ns"])
+        while t <= end:
+            delay = (t - now_ns()) / 1e9
+            if delay > 0:
+                time.sleep(delay)
+            dev = device_busy(0)
+            for pid, tenant in procs:
+                w.writerow([f"{(t - args.start_ns) / 1e9:.3f}", pid, tenant, busy(0, pid), dev])
+            t += interval
+    return 0
+
+
+# --------------------------------------------------------------------------
+# generic writers (also used by bench/gpu/gpu_report.py)
+
+
+def parse_kv(line: str) -> dict:
+    """key=value pairs of one line (the workloads' result line)."""
+    out = {}
+    for part in line.split():
+        key, eq, value = part.partition("=")
+        if eq:
+            out[key] = value
+    return out
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def fmt_ratio(x) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10000 else f"{x:.1f}"
+
+
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+
+
+def svg_panels(panels: list[dict], title: str, y_label: str, columns: int = 2) -> str:
+    """Line plots in a grid. Each panel: title, series [(label, [(x, y)...])],
+    targets [(label, y)] drawn dashed in the series' colour, x_max, y_max."""
+    pw, ph, margin_l, margin_t, gap = 430, 250, 55, 40, 30
+    rows = (len(panels) + columns - 1) // columns
+    width = columns * (pw + gap) + 20
+    height = margin_t + rows * (ph + gap + 40) + 20
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
+    for i, p in enumerate(panels):
+        ox = 10 + (i % columns) * (pw + gap) + margin_l
+        oy = margin_t + (i // columns) * (ph + gap + 40) + 20
+        w, h = pw - margin_l, ph - 40
+        x_max = p.get("x_max") or 1.0
+        y_max = p.get("y_max") or 1.0
+
+        def sx(x, ox=ox, w=w, x_max=x_max):
+            return ox + w * min(max(x / x_max, 0.0), 1.0)
+
+        def sy(y, oy=oy, h=h, y_max=y_max):
+            return oy + h * (1 - min(max(y / y_max, 0.0), 1.0))
+
+        out.append(f'<text x="{ox + w / 2}" y="{oy - 6}" text-anchor="middle" font-size="12">'
+                   f'{html.escape(p["title"])}</text>')
+        out.append(f'<rect x="{ox}" y="{oy}" width="{w}" height="{h}" fill="none" stroke="#444"/>')
+        for k in range(6):  # y grid: 0, 0.2, ... of y_max
+            y = y_max * k / 5
+            out.append(f'<line x1="{ox}" y1="{sy(y):.1f}" x2="{ox + w}" y2="{sy(y):.1f}" stroke="#ddd"/>')
+            out.append(f'<text x="{ox - 4}" y="{sy(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
+        step = max(1, round(x_max / 6))
+        x = 0
+        while x <= x_max + 1e-9:
+            out.append(f'<text x="{sx(x):.1f}" y="{oy + h + 14}" text-anchor="middle">{x:g}</text>')
+            x += step
+        out.append(f'<text x="{ox + w / 2}" y="{oy + h + 28}" text-anchor="middle">time (s)</text>')
+        out.append(f'<text x="{ox - 40}" y="{oy + h / 2}" text-anchor="middle" '
+                   f'transform="rotate(-90 {ox - 40} {oy + h / 2})">{html.escape(y_label)}</text>')
+        for j, (label, points) in enumerate(p["series"]):
+            colour = COLOURS[j % len(COLOURS)]
+            if points:
+                pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
+                out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.6"/>')
+            # Legend in a row under the axis, where no line can hide it.
+            lx, ly = ox + 90 * j, oy + h + 44
+            out.append(f'<line x1="{lx}" y1="{ly - 4}" x2="{lx + 18}" y2="{ly - 4}" '
+                       f'stroke="{colour}" stroke-width="2"/>')
+            out.append(f'<text x="{lx + 22}" y="{ly}">{html.escape(label)}</text>')
+        for j, (label, y) in enumerate(p.get("targets", [])):
+            colour = COLOURS[j % len(COLOURS)]
+            out.append(f'<line x1="{ox}" y1="{sy(y):.1f}" x2="{ox + w}" y2="{sy(y):.1f}" stroke="{colour}" '
+                       f'stroke-dasharray="5,4" stroke-width="1"/>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------
+# report
+
+
+def read_run(d: Path) -> dict:
+    meta = parse_kv((d / "run.txt").read_text())
+    meta["seconds"] = float(meta["seconds"])
+    procs = []
+    with open(d / "procs.tsv") as f:  # tenant, share, pid, exit status (fracgpu_run.sh)
+        for line in f:
+            tenant, share, pid, rc = line.rstrip("\n").split("\t")
+            out = (d / f"{tenant}.out").read_text().strip() if (d / f"{tenant}.out").exists() else ""
+            kv = parse_kv(out.splitlines()[-1]) if out else {}
+            procs.append({"tenant": tenant, "share": share, "pid": int(pid), "rc": int(rc),
+                          "ok": bool(kv) and int(rc) == 0, "rate": float(kv.get("rate", 0)),
+                          "ops": int(kv.get("ops", 0)), "seconds": float(kv.get("seconds", 0)),
+                          "unit": kv.get("unit", "")})
+    samples: dict[str, list[tuple[float, int, int]]] = {}  # tenant -> [(t, busy summed, device busy)]
+    if (d / "samples.csv").exists():
+        by_t: dict[float, dict] = {}
+        with open(d / "samples.csv") as f:
+            for r in csv.DictReader(f):
+                t = float(r["t_s"])
+                slot = by_t.setdefault(t, {"device": int(r["device_busy_ns"]), "tenants": {}})
+                slot["tenants"][r["tenant"]] = slot["tenants"].get(r["tenant"], 0) + int(r["busy_ns"])
+        for t in sorted(by_t):
+            for tenant, b in by_t[t]["tenants"].items():
+                samples.setdefault(tenant, []).append((t, b, by_t[t]["device"]))
+    return {"dir": d.name, **meta, "procs": procs, "samples": samples}
+
+
+def windows(series: list[tuple[float, int, int]], width: float) -> list[tuple[float, float]]:
+    """(t, busy fraction over the trailing `width`) for each sample at least `width` in."""
+    out = []
+    j = 0
+    for i, (t, b, _) in enumerate(series):
+        while j + 1 < i and t - series[j + 1][0] >= width - 1e-6:
+            j += 1
+        if j < i and t - series[j][0] >= width - 1e-6:
+            out.append((t, (b - series[j][1]) / ((t - series[j][0]) * 1e9)))
+    return out
+
+
+def share_figures(series, seconds: float):
+    """Mean achieved share over [SKIP_S, seconds] and the min/max of the
+    trailing 1 s windows ending in it; also the device's busy fraction."""
+    skip = min(SKIP_S, seconds / 2)  # short (smoke) runs keep their second half
+    inside = [s for s in series if skip - 1e-6 <= s[0] <= seconds + 1e-6]
+    if len(inside) < 2:
+        return None, None, None, None
+    a, b = inside[0], inside[-1]
+    span = (b[0] - a[0]) * 1e9
+    mean = (b[1] - a[1]) / span
+    busy = (b[2] - a[2]) / span
+    ws = [y for t, y in windows(series, WINDOW_S) if skip + WINDOW_S - 1e-6 <= t <= seconds + 1e-6]
+    return mean, (min(ws) if ws else None), (max(ws) if ws else None), busy
+
+
+def cmd_report(args) -> int:
+    out = Path(args.out_dir)
+    runs = [read_run(d) for d in sorted((out / "runs").iterdir()) if (d / "run.txt").exists()]
+    if not runs:
+        print(f"e2e.py: no runs under {out / 'runs'}", file=sys.stderr)
+        return 2
+    # Reference throughputs per workload: one process alone, native and under fracgpu.
+    ref = {}
+    for r in runs:
+        if len(r["procs"]) == 1 and r["procs"][0]["ok"]:
+            ref[(r["workload"], r["mode"])] = r["procs"][0]["rate"]
+
+    proc_rows, summary_rows, share_rows, table, panels = [], [], [], [], []
+    failed = 0
+    for r in runs:
+        total = sum(p["rate"] for p in r["procs"])
+        ok = all(p["ok"] for p in r["procs"])
+        failed += not ok
+        native = ref.get((r["workload"], "native"))
+        alone = ref.get((r["workload"], "fracgpu"))
+        vs_native = total / native if native and ok else None
+        vs_alone = total / alone if alone and ok and r["mode"] == "fracgpu" and len(r["procs"]) > 1 else None
+        tenants = []
+        for p in r["procs"]:
+            if p["tenant"] not in [t for t, _ in tenants]:
+                tenants.append((p["tenant"], p.get("share", "")))
+        busy_fraction = None
+        shares_text = []
+        for tenant, share in tenants:
+            mean, lo, hi, busy = share_figures(r["samples"].get(tenant, []), r["seconds"])
+            busy_fraction = busy if busy is not None else busy_fraction
+            if mean is not None:
+                rng = f" ({lo:.3f}–{hi:.3f})" if lo is not None else ""
+                shares_text.append(f"{tenant}{f' ({share})' if share else ''}: {mean:.3f}{rng}")
+            for t, y in windows(r["samples"].get(tenant, []), WINDOW_S):
+                if t > r["seconds"] + 1e-6:
+                    break  # past the end: the processes have stopped
+                share_rows.append({"run": r["dir"], "tenant": tenant, "share": share, "t_s": f"{t:.2f}",
+                                   "achieved_1s": f"{y:.4f}"})
+            for p in r["procs"]:
+                if p["tenant"] == tenant:
+                    proc_rows.append({"run": r["dir"], "workload": r["workload"], "mode": r["mode"],
+                                      "tenant": tenant, "share": share, "pid": p["pid"], "exit": p.get("rc"),
+                                      "ops": p["ops"], "seconds": p["seconds"], "rate": f"{p['rate']:.1f}",
+                                      "unit": p["unit"], "achieved_share": "" if mean is None else f"{mean:.4f}"})
+        unit = r["procs"][0]["unit"] if r["procs"] else ""
+        summary_rows.append({"run": r["dir"], "workload": r["workload"], "mode": r["mode"],
+                             "processes": len(r["procs"]), "ok": int(ok), "total_rate": f"{total:.1f}",
+                             "unit": unit, "vs_native_alone": fmt_ratio(vs_native),
+                             "vs_fracgpu_alone": fmt_ratio(vs_alone),
+                             "gpu_busy": fmt_ratio(busy_fraction)})
+        label = "native" if r["mode"] == "native" else "fracgpu"
+        who = ", ".join(f"{t}={s}" if s else t for t, s in tenants)
+        table.append([r["workload"], f"{label}: {who}" if r["mode"] == "fracgpu" or len(tenants) > 1 else label,
+                      ("" if ok else "FAILED ") + f"{fmt_rate(total)} {unit}", fmt_ratio(vs_native),
+                      fmt_ratio(vs_alone), fmt_ratio(busy_fraction), "; ".join(shares_text)])
+        # Plotted: runs of several processes that use the GPU (the allocation
+        # workload's kernels take well under 1% of it: nothing to see).
+        if len(tenants) > 1 and (busy_fraction or 0) > 0.05:
+            panels.append({"title": f"{r['workload']}, {label}: " + " / ".join(
+                f"{t} {s}" if s else t for t, s in tenants),
+                "series": [(f"{t} ({s})" if s else t, [(x, y) for x, y in windows(r["samples"].get(t, []), WINDOW_S)
+                                                       if x <= r["seconds"] + 1e-6])
+                           for t, s in tenants],
+                "targets": [(t, float(s)) for t, s in tenants if s],
+                "x_max": r["seconds"], "y_max": 1.0})
+
+    write_csv(out / "e2e_runs.csv", proc_rows, ["run", "workload", "mode", "tenant", "share", "pid", "exit", "ops",
+                                                "seconds", "rate", "unit", "achieved_share"])
+    write_csv(out / "e2e_summary.csv", summary_rows, ["run", "workload", "mode", "processes", "ok", "total_rate",
+                                                      "unit", "vs_native_alone", "vs_fracgpu_alone", "gpu_busy"])
+    write_csv(out / "e2e_shares.csv", share_rows, ["run", "tenant", "share", "t_s", "achieved_1s"])
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    (out / "e2e_shares.svg").write_text(svg_panels(
+        panels, f"Achieved share of GPU time, trailing 1 s window (simulated driver, {stamp}); dashed: configured share",
+        "share of GPU time"))
+    text = markdown_table(
+        ["workload", "run", "throughput (sum)", "vs native alone", "vs fracgpu alone", "GPU busy",
+         f"achieved share: mean from {SKIP_S:g} s (1 s windows min–max)"], table)
+    (out / "e2e_table.md").write_text(text + "\n")
+    print(text)
+    if failed:
+        print(f"\n{failed} run(s) FAILED: see {out / 'runs'}/*/*.err", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("now")
+    s = sub.add_parser("sample")
+    s.add_argument("--lib", required=True)
+    s.add_argument("--start-ns", type=int, required=True)
+    s.add_argument("--seconds", type=float, required=True)
+    s.add_argument("--interval", type=float, default=0.25)
+    s.add_argument("--out", required=True)
+    s.add_argument("procs", nargs="+", metavar="PID:TENANT")
+    r = sub.add_parser("report")
+    r.add_argument("out_dir")
+    args = ap.parse_args()
+    if args.cmd == "now":
+        print(now_ns())
+        return 0
+    return cmd_sample(args) if args.cmd == "sample" else cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

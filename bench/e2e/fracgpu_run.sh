@@ -1,0 +1,75 @@
+# shellcheck shell=bash disable=SC2154,SC2034 # $fracgpud, $out, $work, $seconds, $pids, $tenants, $shares come from the caller; $daemon_pid, $name, $dir, $run_dir go to it
+# Shell functions shared by the benchmark drivers (bench/e2e/run_e2e.sh,
+# bench/gpu/run_gpu.sh). Source it; it expects $fracgpud to be set.
+
+# begin_run LABEL WORKLOAD MODE: the next run, numbered so that reports keep
+# the order runs were made in. Sets the caller's $name, $dir (its results,
+# under $out/runs) and $run_dir (fracgpud's, under $work), creates both and
+# writes $dir/run.txt, which the reports read.
+runs=0
+begin_run() {
+  runs=$((runs + 1))
+  name=$(printf '%02d-%s' "$runs" "$1")
+  dir=$out/runs/$name
+  run_dir=$work/$name
+  mkdir -p "$dir" "$run_dir"
+  printf 'workload=%s mode=%s seconds=%s\n' "$2" "$3" "$seconds" >"$dir/run.txt"
+}
+
+# wait_procs: waits for the caller's processes $pids (of tenants $tenants,
+# with shares $shares), writes $dir/procs.tsv (tenant, share, pid, exit
+# status; what the reports read) and says which failed.
+wait_procs() {
+  local i rc
+  : >"$dir/procs.tsv"
+  for i in "${!pids[@]}"; do
+    rc=0
+    wait "${pids[i]}" || rc=$?
+    printf '%s\t%s\t%s\t%s\n' "${tenants[i]}" "${shares[i]}" "${pids[i]}" "$rc" >>"$dir/procs.tsv"
+    ((rc == 0)) || echo "$name: ${tenants[i]} exited $rc: $(tail -n 3 "$dir/${tenants[i]}.err")" >&2
+  done
+  pids=()
+}
+
+# stop PID...: TERM, up to 3 s to exit, then KILL; reaps them. Only ever
+# called with processes the calling script started.
+stop() {
+  local pid
+  for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "$@"; do
+    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+}
+
+# start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE...
+# Writes DIR/fracgpud.toml (run dir RUN_DIR, the [[gpu]] table's keys
+# GPU_TABLE, each TENANT given SHARE of that GPU), starts fracgpud with it
+# (log: DIR/fracgpud.log; pid: $daemon_pid) and waits until every tenant's
+# GPU-time arbiter is linked into its ledger. Returns 1 (with the log's tail)
+# if that takes over 10 s.
+start_fracgpud() {
+  local dir=$1 run_dir=$2 gpu=$3 spec tenant share i
+  shift 3
+  {
+    printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n\n[[gpu]]\n%s\n' "$run_dir" "$gpu"
+    for spec in "$@"; do
+      IFS=: read -r tenant share <<<"$spec"
+      printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
+    done
+  } >"$dir/fracgpud.toml"
+  "$fracgpud" --config "$dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
+  daemon_pid=$!
+  for spec in "$@"; do
+    tenant=${spec%%:*}
+    for i in $(seq 100); do
+      [[ -e $run_dir/tenants/$tenant/gputime-0 ]] && break
+      if ((i == 100)); then
+        echo "fracgpud did not set up tenant $tenant in 10 s: $(tail -n 5 "$dir/fracgpud.log")" >&2
+        return 1
+      fi
+      sleep 0.1
+    done
+  done
+}

@@ -1,0 +1,236 @@
+// Real-GPU benchmark workload (bench/gpu/run_gpu.sh; docs/performance.md,
+// "Real GPU"). Two shapes of GPU use:
+//
+//   compute  a long arithmetic kernel (about --kernel-ms each) over the whole
+//            GPU, back to back, synchronizing every --sync-every kernels;
+//   launch   a stream of tiny kernels (one block, a few instructions) as fast
+//            as the CPU launches them, synchronizing every --sync-every.
+//
+// It measures its own GPU time with CUPTI activity records (the kernels'
+// start and end timestamps as the GPU recorded them): the harness's measure,
+// independent of fracgpu, which never uses CUPTI. GPU time = the union of the
+// process's kernel intervals inside the timed window.
+//
+//   gpu_workload --mode compute|launch --seconds S
+//                [--start-file F | --start-ns NS] [--ready-file F]
+//                [--kernel-ms 5] [--sync-every N]
+//
+// Warms up (context, module, a few kernels, the compute kernel's length
+// calibrated to --kernel-ms), writes --ready-file, waits for the common start
+// (CLOCK_MONOTONIC ns, read from --start-file once it exists), runs S seconds
+// and prints one JSON line: mode, kernels, seconds, rate (kernels/s),
+// gpu_time_s, gpu_fraction (GPU time / window). Exit 0, 1 on a CUDA or CUPTI
+// error, 2 on a bad argument.
+//
+// Build: nvcc -O2 -std=c++17 -o gpu_workload gpu_workload.cu -lcupti
+//        (run_gpu.sh does this; CUPTI is in the toolkit's lib64).
+#include <cuda_runtime.h>
+#include <cupti.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+#define CUDA_OK(call)                                                                     \
+  do {                                                                                    \
+    cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "gpu_workload: %s: %s\n", #call, cudaGetErrorString(e_));           \
+      return 1;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+#define CUPTI_OK(call)                                                                    \
+  do {                                                                                    \
+    CUptiResult r_ = (call);                                                              \
+    if (r_ != CUPTI_SUCCESS) {                                                            \
+      const char* s_ = nullptr;                                                           \
+      cuptiGetResultString(r_, &s_);                                                      \
+      fprintf(stderr, "gpu_workload: %s: %s\n", #call, s_ != nullptr ? s_ : "?");        \
+      return 1;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+__global__ void compute_kernel(float* out, int iterations) {
+  float a = threadIdx.x * 1e-3f, b = 1.0001f, c = 0.9999f;
+  for (int i = 0; i < iterations; ++i) {
+    a = fmaf(a, b, c);
+    b = fmaf(b, c, a) * 0.5f;
+  }
+  if (a == 12345.0f) out[blockIdx.x] = b;  // never true: keeps the loop alive
+}
+
+__global__ void tiny_kernel(float* out) {
+  if (threadIdx.x == 0) out[blockIdx.x] += 1.0f;
+}
+
+uint64_t now_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// Kernel intervals (GPU timestamps, ns) from CUPTI's completed buffers.
+std::mutex g_mutex;
+std::vector<std::pair<uint64_t, uint64_t>> g_intervals;
+std::atomic<uint64_t> g_dropped{0};
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *size = 8u << 20;
+  *buffer = static_cast<uint8_t*>(aligned_alloc(8, *size));
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t stream_id, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* record = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+      if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+      // start/end sit at the same place in every kernel record version.
+      const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+      g_intervals.emplace_back(k->start, k->end);
+    }
+  }
+  size_t dropped = 0;
+  if (cuptiActivityGetNumDroppedRecords(nullptr, stream_id, &dropped) == CUPTI_SUCCESS) g_dropped += dropped;
+  free(buffer);
+}
+
+// Union of the intervals clipped to [lo, hi]: GPU time in the window.
+uint64_t busy_in(uint64_t lo, uint64_t hi) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::sort(g_intervals.begin(), g_intervals.end());
+  uint64_t busy = 0, cur_s = 0, cur_e = 0;
+  bool open = false;
+  for (auto [s, e] : g_intervals) {
+    s = std::max(s, lo);
+    e = std::min(e, hi);
+    if (e <= s) continue;
+    if (open && s <= cur_e) {
+      cur_e = std::max(cur_e, e);
+      continue;
+    }
+    if (open) busy += cur_e - cur_s;
+    cur_s = s, cur_e = e, open = true;
+  }
+  if (open) busy += cur_e - cur_s;
+  return busy;
+}
+
+struct Options {
+  std::string mode;
+  double seconds = 10;
+  std::string start_file, ready_file;
+  uint64_t start_ns = 0;
+  double kernel_ms = 5;
+  int sync_every = 0;  // 0: the mode's default
+};
+
+int usage(const char* why) {
+  fprintf(stderr, "gpu_workload: %s\nusage: gpu_workload --mode compute|launch --seconds S [--start-file F | --start-ns NS] "
+                  "[--ready-file F] [--kernel-ms MS] [--sync-every N]\n", why);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
+    const char* v = argv[++i];
+    if (a == "--mode") o.mode = v;
+    else if (a == "--seconds") o.seconds = atof(v);
+    else if (a == "--start-file") o.start_file = v;
+    else if (a == "--start-ns") o.start_ns = strtoull(v, nullptr, 10);
+    else if (a == "--ready-file") o.ready_file = v;
+    else if (a == "--kernel-ms") o.kernel_ms = atof(v);
+    else if (a == "--sync-every") o.sync_every = atoi(v);
+    else return usage(("unknown option " + a).c_str());
+  }
+  if (o.mode != "compute" && o.mode != "launch") return usage("--mode must be compute or launch");
+  if (o.seconds <= 0 || o.kernel_ms <= 0) return usage("--seconds and --kernel-ms must be above 0");
+  const bool compute = o.mode == "compute";
+  const int sync_every = o.sync_every > 0 ? o.sync_every : (compute ? 4 : 1024);
+
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  float* out = nullptr;
+  CUDA_OK(cudaMalloc(&out, 4096 * sizeof(float)));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int blocks = sms * 8, threads = 256;
+
+  // Calibrate the compute kernel to about --kernel-ms (alone or not, the
+  // figure is only a kernel length; throughput is compared run against run).
+  int iterations = 1 << 14;
+  if (compute) {
+    cudaEvent_t a = nullptr, b = nullptr;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
+    CUDA_OK(cudaEventRecord(a, stream));
+    compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
+    CUDA_OK(cudaEventRecord(b, stream));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    iterations = std::max(1, static_cast<int>(iterations * (o.kernel_ms / std::max(ms, 1e-3f))));
+  }
+  for (int i = 0; i < 16; ++i) tiny_kernel<<<1, 32, 0, stream>>>(out);
+  CUDA_OK(cudaStreamSynchronize(stream));
+
+  CUPTI_OK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+  CUPTI_OK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
+
+  if (!o.ready_file.empty()) {
+    FILE* f = fopen(o.ready_file.c_str(), "w");
+    if (f != nullptr) fputs("ready\n", f), fclose(f);
+  }
+  if (!o.start_file.empty()) {
+    for (;;) {
+      FILE* f = fopen(o.start_file.c_str(), "r");
+      unsigned long long v = 0;
+      if (f != nullptr && fscanf(f, "%llu", &v) == 1) o.start_ns = v;
+      if (f != nullptr) fclose(f);
+      if (o.start_ns != 0) break;
+      usleep(2000);
+    }
+  }
+  while (now_ns() < o.start_ns) usleep(200);
+
+  uint64_t gpu_lo = 0, gpu_hi = 0;
+  CUPTI_OK(cuptiGetTimestamp(&gpu_lo));
+  const uint64_t t0 = now_ns(), end = t0 + static_cast<uint64_t>(o.seconds * 1e9);
+  unsigned long long kernels = 0;
+  while (now_ns() < end) {
+    for (int i = 0; i < sync_every; ++i) {
+      if (compute) compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
+      else tiny_kernel<<<1, 32, 0, stream>>>(out);
+    }
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaStreamSynchronize(stream));
+    kernels += sync_every;
+  }
+  const double wall = (now_ns() - t0) / 1e9;
+  CUPTI_OK(cuptiGetTimestamp(&gpu_hi));
+  CUPTI_OK(cuptiActivityFlushAll(1));
+  const double gpu_s = busy_in(gpu_lo, gpu_hi) / 1e9;
+  printf("{\"mode\": \"%s\", \"kernels\": %llu, \"seconds\": %.3f, \"rate\": %.2f, \"gpu_time_s\": %.4f, "
+         "\"gpu_fraction\": %.4f, \"kernel_ms\": %.3f, \"cupti_dropped\": %llu, \"pid\": %d}\n",
+         o.mode.c_str(), kernels, wall, kernels / wall, gpu_s, gpu_s / wall, compute ? o.kernel_ms : 0.0,
+         static_cast<unsigned long long>(g_dropped.load()), static_cast<int>(getpid()));
+  return 0;
+}
