@@ -35,6 +35,43 @@ extern void* const kHookAddresses[kHookCount];
 extern void* g_real[kHookCount];
 extern std::atomic<bool> g_real_ready;
 
+// The glibc dlsym, found without going through our own export.
+using DlsymFn = void* (*)(void*, const char*);
+DlsymFn real_dlsym();
+
+// A library whose functions we hook: the CUDA driver (hooks.def) and NVML
+// (nvml_hooks.def, nvml_hooks.h). One loader serves both: the library is
+// dlopen()ed on first use (never linked), and real[i] = dlsym(its handle,
+// names[i]), null where it lacks the symbol or the address is our own.
+struct RealTable {
+  const char* soname;              // what to dlopen
+  const char* file_stem;           // how a loaded copy's path reads (dladdr), for dlsym
+  const char* what;                // for the one log line if it cannot be loaded
+  const char* const* names;        // exported names, in hook-id order
+  void* const* hooks;              // our wrappers' addresses, same order
+  void** real;                     // filled by load_real_table_slow
+  size_t count;
+  unsigned loading_bit;            // this table's bit in the loading thread's mask
+  std::atomic<bool>* ready;        // set (release) once real[] is filled
+  void (*resolve_extra)(DlsymFn sym, void* handle);  // unhooked functions; may be null
+  std::atomic<int> state;          // 0 idle, 1 loading, 2 done, 3 failed
+};
+extern RealTable g_driver_table;
+extern RealTable g_nvml_table;  // nvml_hooks.cpp
+
+// Loads the table's library (once, thread-safe, re-entrancy safe: a call
+// from the thread that is loading it returns false). False if it cannot.
+bool load_real_table_slow(RealTable& table);
+inline bool load_real_table(RealTable& table) {
+  if (table.ready->load(std::memory_order_acquire)) [[likely]]
+    return true;
+  return load_real_table_slow(table);
+}
+
+// Our hook for a real address of the table's library, or `address` itself
+// if we do not hook it (or the library is not loaded yet).
+void* hook_for_real_address(const RealTable& table, void* address);
+
 // Loads libcuda.so.1 (once, thread-safe, re-entrancy safe) and fills g_real.
 // Returns false if the driver cannot be loaded.
 bool load_real_driver_slow();
@@ -63,9 +100,5 @@ extern DriverCalls g_driver;
 // True if `symbol` (as passed to cuGetProcAddress) names a function we hook
 // in some variant.
 bool is_hooked_name(const char* symbol);
-
-// The glibc dlsym, found without going through our own export.
-using DlsymFn = void* (*)(void*, const char*);
-DlsymFn real_dlsym();
 
 }  // namespace fracgpu::interpose

@@ -27,6 +27,10 @@
 //    variant from the name: we let the real driver choose and translate only
 //    the address it chose, so the caller gets exactly the ABI it asked for.
 // Everything we do not hook passes through untouched (cuGetExportTable too).
+// 4. NVML (nvml_hooks.def) is reached the same way, minus cuGetProcAddress:
+//    exports for linked calls, and the dlsym mapping for the usual
+//    dlopen("libnvidia-ml.so.1") + dlsym. Both libraries go through one
+//    loader (RealTable), each loaded on first use.
 #include <dlfcn.h>
 #include <link.h>
 #include <sched.h>
@@ -51,9 +55,8 @@ namespace {
 
 std::atomic<DlsymFn> g_real_dlsym{nullptr};
 
-// 0 idle, 1 loading, 2 done, 3 failed.
-std::atomic<int> g_load_state{0};
-thread_local bool t_loading = false;
+// Bits of the tables (RealTable::loading_bit) this thread is loading.
+thread_local unsigned t_loading = 0;
 
 bool is_inside_this_library(void* address) {
   Dl_info mine{}, theirs{};
@@ -76,43 +79,56 @@ DlsymFn real_dlsym() {
   return fn;
 }
 
-bool load_real_driver_slow() {
-  int state = g_load_state.load(std::memory_order_acquire);
+bool load_real_table_slow(RealTable& table) {
+  int state = table.state.load(std::memory_order_acquire);
   if (state == 2) return true;
   if (state == 3) return false;
-  // The driver's own initialisation can call back into us (its dlsym calls,
+  // The library's own initialisation can call back into us (its dlsym calls,
   // for one); on this thread, while loading, behave as not loaded yet.
-  if (t_loading) return false;
+  if (t_loading & table.loading_bit) return false;
   int expected = 0;
-  if (!g_load_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-    while ((state = g_load_state.load(std::memory_order_acquire)) == 1) sched_yield();
+  if (!table.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    while ((state = table.state.load(std::memory_order_acquire)) == 1) sched_yield();
     return state == 2;
   }
-  t_loading = true;
+  t_loading |= table.loading_bit;
   DlsymFn sym = real_dlsym();
-  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  void* handle = dlopen(table.soname, RTLD_NOW | RTLD_GLOBAL);
   bool ok = sym != nullptr && handle != nullptr;
   if (!ok) {
-    log_line(LogLevel::kError, "cannot load the CUDA driver (libcuda.so.1): %s", dlerror());
+    log_line(LogLevel::kError, "cannot load %s (%s): %s", table.what, table.soname, dlerror());
   } else {
-    for (size_t i = 0; i < kHookCount; ++i) {
-      void* address = sym(handle, kHookNames[i]);
+    for (size_t i = 0; i < table.count; ++i) {
+      void* address = sym(handle, table.names[i]);
       // A "real" function inside ourselves would make every call recurse.
       if (address != nullptr && is_inside_this_library(address)) {
-        log_line(LogLevel::kError, "real %s resolves into libfracgpu itself; treating it as absent", kHookNames[i]);
+        log_line(LogLevel::kError, "real %s resolves into libfracgpu itself; treating it as absent", table.names[i]);
         address = nullptr;
       }
-      g_real[i] = address;
+      table.real[i] = address;
     }
+    if (table.resolve_extra != nullptr) table.resolve_extra(sym, handle);
+    table.ready->store(true, std::memory_order_release);
+  }
+  t_loading &= ~table.loading_bit;
+  table.state.store(ok ? 2 : 3, std::memory_order_release);
+  return ok;
+}
+
+namespace {
+
+void resolve_driver_calls(DlsymFn sym, void* handle) {
 #define FRACGPU_CALL(name, params) \
   g_driver.name = reinterpret_cast<decltype(g_driver.name)>(sym(handle, #name));
 #include "driver_calls.def"
-    g_real_ready.store(true, std::memory_order_release);
-  }
-  t_loading = false;
-  g_load_state.store(ok ? 2 : 3, std::memory_order_release);
-  return ok;
 }
+
+}  // namespace
+
+RealTable g_driver_table = {"libcuda.so.1", "libcuda.so", "the CUDA driver", kHookNames, kHookAddresses, g_real,
+                            kHookCount, 1u << 0, &g_real_ready, resolve_driver_calls, {0}};
+
+bool load_real_driver_slow() { return load_real_table_slow(g_driver_table); }
 
 bool is_hooked_name(const char* symbol) {
   const size_t length = strlen(symbol);
@@ -125,17 +141,31 @@ bool is_hooked_name(const char* symbol) {
   return false;
 }
 
-void* hook_for_real_address(void* address) {
-  if (address == nullptr || !g_real_ready.load(std::memory_order_acquire)) return address;
-  for (size_t i = 0; i < kHookCount; ++i)
-    if (g_real[i] == address) return kHookAddresses[i];
+void* hook_for_real_address(const RealTable& table, void* address) {
+  if (address == nullptr || !table.ready->load(std::memory_order_acquire)) return address;
+  for (size_t i = 0; i < table.count; ++i)
+    if (table.real[i] == address) return table.hooks[i];
   return address;
+}
+
+void* hook_for_real_address(void* address) { return hook_for_real_address(g_driver_table, address); }
+
+// dlsym's answer for a name that landed in `table`'s library: our hook if we
+// hook that function. Loads the table only for a lookup that landed in its
+// library, so a process that never touches the driver or NVML loads neither.
+void* hook_for_lookup(RealTable& table, void* address) {
+  if (!table.ready->load(std::memory_order_acquire)) {
+    Dl_info info{};
+    if (dladdr(address, &info) == 0 || info.dli_fname == nullptr || strstr(info.dli_fname, table.file_stem) == nullptr)
+      return address;
+    if (!load_real_table(table)) return address;
+  }
+  return hook_for_real_address(table, address);
 }
 
 }  // namespace fracgpu::interpose
 
-using fracgpu::interpose::hook_for_real_address;
-using fracgpu::interpose::load_real_driver;
+using fracgpu::interpose::hook_for_lookup;
 using fracgpu::interpose::real_dlsym;
 
 // glibc resolves RTLD_NEXT relative to the object that called dlsym, which
@@ -150,14 +180,12 @@ extern "C" __attribute__((visibility("default"), optimize("O2", "optimize-siblin
   if (sym == nullptr) return nullptr;
   if (handle == RTLD_NEXT) return sym(RTLD_NEXT, symbol);  // a sibling call: see above
   void* address = sym(handle, symbol);
-  // Only driver names can be ours; everything else returns at once.
-  if (address == nullptr || symbol[0] != 'c' || symbol[1] != 'u') return address;
-  if (!fracgpu::interpose::g_real_ready.load(std::memory_order_acquire)) {
-    // Load the driver only for a lookup that landed in it.
-    Dl_info info{};
-    if (dladdr(address, &info) == 0 || info.dli_fname == nullptr || strstr(info.dli_fname, "libcuda.so") == nullptr)
-      return address;
-    if (!load_real_driver()) return address;
-  }
-  return hook_for_real_address(address);
+  // Only driver and NVML names can be ours; everything else returns at once.
+  // nvidia-smi and most NVML users dlopen libnvidia-ml.so.1 and reach every
+  // function this way, so NVML's hooks depend on this path as much as on
+  // their exports.
+  if (address == nullptr) return address;
+  if (symbol[0] == 'c' && symbol[1] == 'u') return hook_for_lookup(fracgpu::interpose::g_driver_table, address);
+  if (strncmp(symbol, "nvml", 4) == 0) return hook_for_lookup(fracgpu::interpose::g_nvml_table, address);
+  return address;
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # libfracgpu.so links neither libcuda nor NVML, and exports exactly the hooked
-# CUDA entry points (hooks.def) and dlsym.
+# entry points of the .def lists given (hooks.def, nvml_hooks.def) and dlsym.
+# Usage: check_library.sh LIB DEF...
 set -euo pipefail
 lib=$1
-hooks_def=$2
+shift
+defs=("$@")
 status=0
 needed=$(readelf -d "$lib" | awk '/NEEDED/ {print $5}' | tr -d '[]')
 echo "NEEDED: $needed"
@@ -11,9 +13,9 @@ if echo "$needed" | grep -Eq 'libcuda|libnvidia-ml|libstdc\+\+'; then
   echo "FAIL: links a library it must load at run time (or the C++ runtime)"; status=1
 fi
 exported=$(nm -D --defined-only "$lib" | awk '{print $3}' | sort)
-expected=$( (sed -n 's/^FRACGPU_HOOK(\([A-Za-z0-9_]*\),.*/\1/p' "$hooks_def"; echo dlsym) | sort)
+expected=$( (sed -n 's/^FRACGPU_\(NVML_\)\{0,1\}HOOK(\([A-Za-z0-9_]*\),.*/\2/p' "${defs[@]}"; echo dlsym) | sort)
 if [ "$exported" != "$expected" ]; then
-  echo "FAIL: exports differ from hooks.def + dlsym:"
+  echo "FAIL: exports differ from ${defs[*]} + dlsym:"
   diff <(echo "$expected") <(echo "$exported") || true
   status=1
 fi

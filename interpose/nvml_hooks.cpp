@@ -1,0 +1,238 @@
+// NVML inside the tenant: what nvidia-smi and frameworks read about memory
+// and processes, shown as the tenant's share of the GPU.
+//
+// - Memory (nvmlDeviceGetMemoryInfo, _v2): the same view as cuMemGetInfo
+//   (tenant_memory_view): total = the quota, used = the tenant's usage on
+//   that GPU (all its processes, from the ledger), free = total - used capped
+//   by the device's real free memory; _v2's `reserved` is 0. No quota: the
+//   real figures. A GPU not granted to the tenant: all 0.
+// - Processes (compute lists, v1/_v2/_v3): the tenant's own processes only,
+//   taken from its ledger, not from NVML's list. The driver reports host
+//   PIDs, which mean nothing inside a container's PID namespace (an empty
+//   process table in nvidia-smi, HAMi's failure); the ledger's record locks
+//   give each live process's PID *in this process's namespace* (F_GETLK), so
+//   the rows carry the PIDs `ps` shows here and nvidia-smi can name them.
+//   Each row's memory is what fracgpu charged that process on that GPU, so
+//   the rows add up to the `used` shown above them.
+// - Graphics and MPS lists: empty (fracgpu charges neither).
+//
+// The NVML device is matched to the tenant's GPU entry by UUID (the real
+// nvmlDeviceGetUUID), never by index. None of this is a hot path, but the
+// user's process rules hold: no exit, NVML errors returned, log once.
+#include "nvml_hooks.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "log.h"
+#include "memory_hooks.h"
+#include "tenant.h"
+
+namespace fracgpu::interpose {
+
+namespace {
+
+decltype(&::nvmlDeviceGetUUID) g_nvml_get_uuid = nullptr;
+
+void resolve_nvml_calls(DlsymFn sym, void* handle) {
+  g_nvml_get_uuid = reinterpret_cast<decltype(&::nvmlDeviceGetUUID)>(sym(handle, "nvmlDeviceGetUUID"));
+}
+
+}  // namespace
+
+const char* const kNvmlHookNames[kNvmlHookCount] = {
+#define FRACGPU_NVML_HOOK(name, impl, params, args) #name,
+#include "nvml_hooks.def"
+};
+void* const kNvmlHookAddresses[kNvmlHookCount] = {
+#define FRACGPU_NVML_HOOK(name, impl, params, args) reinterpret_cast<void*>(&::name),
+#include "nvml_hooks.def"
+};
+void* g_nvml_real[kNvmlHookCount] = {};
+std::atomic<bool> g_nvml_ready{false};
+
+RealTable g_nvml_table = {"libnvidia-ml.so.1", "libnvidia-ml.so", "NVML", kNvmlHookNames, kNvmlHookAddresses,
+                          g_nvml_real, kNvmlHookCount, 1u << 1, &g_nvml_ready, resolve_nvml_calls, {0}};
+
+namespace {
+
+// No real function to call: NVML could not be loaded, or lacks this one.
+nvmlReturn_t no_real_function() {
+  return g_nvml_table.state.load(std::memory_order_acquire) == 3 ? NVML_ERROR_LIBRARY_NOT_FOUND
+                                                                 : NVML_ERROR_FUNCTION_NOT_FOUND;
+}
+
+// "GPU-" + 32 hex digits (dashes anywhere) to the 16 bytes of a CUuuid.
+// Anything else, MIG devices' "MIG-..." included, is not a GPU we grant.
+bool parse_gpu_uuid(const char* text, uint8_t out[16]) {
+  if (strncmp(text, "GPU-", 4) != 0) return false;
+  int nibbles = 0;
+  for (const char* p = text + 4; *p != '\0'; ++p) {
+    if (*p == '-') continue;
+    int v;
+    if (*p >= '0' && *p <= '9') v = *p - '0';
+    else if (*p >= 'a' && *p <= 'f') v = *p - 'a' + 10;
+    else if (*p >= 'A' && *p <= 'F') v = *p - 'A' + 10;
+    else return false;
+    if (nibbles == 32) return false;
+    if (nibbles % 2 == 0) out[nibbles / 2] = static_cast<uint8_t>(v << 4);
+    else out[nibbles / 2] = static_cast<uint8_t>(out[nibbles / 2] | v);
+    ++nibbles;
+  }
+  return nibbles == 32;
+}
+
+enum class Scope {
+  kReal,     // not a managed tenant: NVML's own answer
+  kTenant,   // the tenant's view of GPU entry *gpu (kNotGranted: none)
+  kRefused,  // answer *error
+};
+
+Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
+  const TenantMode mode = tenant_mode();
+  if (mode == TenantMode::kPassthrough) return Scope::kReal;
+  if (mode != TenantMode::kManaged) {
+    // A refused ledger: the real figures would show other tenants' memory and
+    // processes, and the quota is unknown.
+    FRACGPU_LOG_ONCE(LogLevel::kError, "NVML memory and process queries refused: the tenant ledger was refused");
+    *error = NVML_ERROR_NO_PERMISSION;
+    return Scope::kRefused;
+  }
+  if (g_nvml_get_uuid == nullptr) {
+    FRACGPU_LOG_ONCE(LogLevel::kError, "NVML lacks nvmlDeviceGetUUID: cannot tell which GPU a query is about");
+    *error = NVML_ERROR_FUNCTION_NOT_FOUND;
+    return Scope::kRefused;
+  }
+  char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = {};
+  // Also what checks the handle, initialisation and a lost GPU for us.
+  const nvmlReturn_t result = g_nvml_get_uuid(device, text, sizeof text);
+  if (result != NVML_SUCCESS) {
+    *error = result;
+    return Scope::kRefused;
+  }
+  uint8_t uuid[16];
+  *gpu = parse_gpu_uuid(text, uuid) ? ledger::find_gpu(*g_tenant.ledger.policy, uuid) : kNotGranted;
+  return Scope::kTenant;
+}
+
+// The tenant's memory on GPU entry `gpu`; false: no quota, keep the real figures.
+bool tenant_memory(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* total, uint64_t* free, uint64_t* used) {
+  if (!tenant_memory_view(gpu, real_free, real_total, free, total)) return false;
+  *used = gpu < 0 || *total == 0 ? 0 : std::min(ledger::tenant_used(*g_tenant.ledger.usage, static_cast<uint32_t>(gpu)), *total);
+  return true;
+}
+
+struct OwnProcess {
+  unsigned pid;
+  uint64_t bytes;
+};
+
+// The tenant's live processes holding a charge on GPU entry `gpu`, with PIDs
+// in this process's PID namespace. Processes of the tenant in a namespace we
+// cannot see (another container of the same tenant) are counted in `used`
+// but not listed: there is no PID to show for them here.
+unsigned own_processes(int gpu, OwnProcess* rows) {
+  const ledger::TenantLedger& ledger = g_tenant.ledger;
+  const uint32_t high = std::min(ledger.usage->slot_high_water.load(std::memory_order_acquire), ledger::kMaxSlots);
+  unsigned n = 0;
+  for (uint32_t s = 0; s < high; ++s) {
+    if (ledger.usage->slots[s].state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
+    const uint64_t bytes = ledger.usage->charges[gpu][s].load(std::memory_order_relaxed);
+    if (bytes == 0) continue;
+    // The kernel names a record lock's holder in the asker's namespace (0 if
+    // it is not visible there); nobody holding it means the owner is gone and
+    // only awaits reclaiming. A process cannot see its own lock.
+    const int32_t pid = static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+    if (pid > 0) rows[n++] = {static_cast<unsigned>(pid), bytes};
+  }
+  return n;
+}
+
+// What every hook starts with: its real function and whose view applies.
+template <NvmlHookId id>
+struct Query {
+  typename NvmlHookTraits<id>::Fn real = nullptr;
+  Scope scope = Scope::kRefused;
+  int gpu = kNotGranted;
+  nvmlReturn_t error = NVML_SUCCESS;  // the answer when kRefused
+};
+
+template <NvmlHookId id>
+Query<id> query(nvmlDevice_t device) {
+  Query<id> q;
+  q.real = nvml_real<id>();
+  if (q.real == nullptr) q.error = no_real_function();
+  else q.scope = scope_of(device, &q.gpu, &q.error);
+  return q;
+}
+
+}  // namespace
+
+template <NvmlHookId id, class Memory>
+nvmlReturn_t nvml_memory_info(nvmlDevice_t device, Memory* memory) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  // The real call checks the arguments (_v2's version field too) and gives
+  // the device's real free memory, which caps the tenant's.
+  const nvmlReturn_t result = q.real(device, memory);
+  if (result != NVML_SUCCESS || q.scope == Scope::kReal) return result;
+  uint64_t total = 0, free = 0, used = 0;
+  if (!tenant_memory(q.gpu, memory->free, memory->total, &total, &free, &used)) return result;
+  memory->total = total;
+  memory->free = free;
+  memory->used = used;
+  // The driver's own reservation is not the tenant's to see; fracgpu's
+  // context charges are already inside `used`.
+  if constexpr (requires { memory->reserved; }) memory->reserved = 0;
+  return NVML_SUCCESS;
+}
+
+// NVML's contract: *count in = capacity, out = rows; a short array gets
+// NVML_ERROR_INSUFFICIENT_SIZE with the count needed.
+template <NvmlHookId id, class Info>
+nvmlReturn_t nvml_processes(nvmlDevice_t device, unsigned int* count, Info* infos, bool list_own) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, count, infos);
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  OwnProcess rows[ledger::kMaxSlots];
+  const unsigned n = list_own && q.gpu >= 0 ? own_processes(q.gpu, rows) : 0;
+  const unsigned capacity = *count;
+  *count = n;
+  if (n > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
+  if (n > 0 && infos == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  for (unsigned i = 0; i < n; ++i) {
+    Info info{};
+    info.pid = rows[i].pid;
+    info.usedGpuMemory = rows[i].bytes;
+    if constexpr (requires { info.gpuInstanceId; }) {
+      info.gpuInstanceId = 0xFFFFFFFFu;  // not a MIG instance, as NVML reports it
+      info.computeInstanceId = 0xFFFFFFFFu;
+    }
+    infos[i] = info;
+  }
+  return NVML_SUCCESS;
+}
+
+template <NvmlHookId id, class Info>
+nvmlReturn_t nvml_own_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
+  return nvml_processes<id>(device, count, infos, true);
+}
+
+template <NvmlHookId id, class Info>
+nvmlReturn_t nvml_no_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
+  return nvml_processes<id>(device, count, infos, false);
+}
+
+}  // namespace fracgpu::interpose
+
+// The exported entry points; the definitions repeat NVML's declarations, so
+// a signature that differs does not compile.
+#define FRACGPU_NVML_HOOK(name, impl, params, args)                                  \
+  extern "C" __attribute__((visibility("default"))) nvmlReturn_t name params {        \
+    return ::fracgpu::interpose::impl<::fracgpu::interpose::NvmlHookId::name> args; \
+  }
+#include "nvml_hooks.def"

@@ -1,0 +1,306 @@
+// NVML inside the tenant, end to end: nvml_probe (an NVML client, direct
+// calls and dlopen + dlsym like nvidia-smi) runs under LD_PRELOAD=libfracgpu.so
+// against the stand-in NVML (tests/simnvml), which reports the simulated
+// driver's real figures: every process's memory, every tenant's processes.
+// Tenant processes are fracgpu_probe runs that allocate through the
+// interposer and hold. The tests play the daemon (they write the policy).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "controller_test_util.h"
+#include "ledger.h"
+
+using namespace fracgpu::ledger;
+using fracgpu::testing::TempDir;
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr uint64_t kContext = 64 * kMiB;  // per context, in the sim and in the policy
+constexpr const char* kUuids[2] = {"GPU-aaaaaaaa-0000-0000-0000-000000000000",
+                                   "GPU-aaaaaaaa-0000-0000-0000-000000000001"};
+constexpr const char* kInsufficientSize = "7";
+constexpr const char* kFunctionNotFound = "13";
+constexpr const char* kNoPermission = "4";
+
+using Values = std::map<std::string, std::string>;
+
+Values parse(const std::string& out) {
+  Values v;
+  size_t start = 0;
+  while (start < out.size()) {
+    size_t end = out.find('\n', start);
+    if (end == std::string::npos) end = out.size();
+    const std::string line = out.substr(start, end - start);
+    if (const size_t eq = line.find('='); eq != std::string::npos && line.find(' ') == std::string::npos)
+      v[line.substr(0, eq)] = line.substr(eq + 1);
+    start = end + 1;
+  }
+  return v;
+}
+
+std::string get(const Values& v, const std::string& key) {
+  auto it = v.find(key);
+  return it == v.end() ? "<missing " + key + ">" : it->second;
+}
+
+class NvmlInTenantTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (pid_t pid : holders_) fracgpu::testing::kill_and_reap(pid);
+    for (auto& [name, ledger] : ledgers_) close_ledger(&ledger);
+  }
+
+  std::string tenant_dir(const std::string& tenant) { return root_ / ("tenants/" + tenant); }
+
+  // Plays the daemon: grants GPU `device` to `tenant` with `quota` bytes.
+  void grant(const std::string& tenant, int device, uint64_t quota) {
+    TenantLedger& l = ledgers_[tenant];
+    if (!l.is_open()) {
+      char err[256];
+      std::filesystem::create_directories(tenant_dir(tenant));
+      ASSERT_EQ(open_ledger(tenant_dir(tenant).c_str(), AccessMode::kDaemon, tenant.c_str(), &l, err, sizeof err),
+                LedgerError::kOk)
+          << err;
+    }
+    uint8_t uuid[16];
+    std::string hex;
+    for (const char* p = kUuids[device] + 4; *p; ++p)
+      if (*p != '-') hex += *p;
+    for (int i = 0; i < 16; ++i) uuid[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+    const int g = bind_gpu(*l.policy, uuid);
+    ASSERT_GE(g, 0);
+    l.policy->gpus[g].memory_quota.store(quota);
+    l.policy->gpus[g].context_memory.store(kContext);
+    l.policy->gpus[g].state.store(kGpuGranted);
+    publish_policy_change(*l.policy);
+  }
+
+  // tenant "" : no tenant state at all. preload false: no interposer.
+  std::vector<std::string> env(const std::string& tenant, bool preload = true) {
+    std::vector<std::string> e = {
+        "PATH=/usr/bin:/bin",
+        std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
+        "SIMCUDA_STATE=" + (root_ / "sim-state"),
+        std::string("SIMCUDA_DEVICES=uuid=") + kUuids[0] + ",mem=16GiB,ctx=64MiB;uuid=" + kUuids[1] +
+            ",mem=16GiB,ctx=64MiB",
+    };
+    if (!tenant.empty()) e.push_back("FRACGPU_TENANT_DIR=" + tenant_dir(tenant));
+    if (preload) e.push_back(std::string("LD_PRELOAD=") + FRACGPU_LIB);
+    return e;
+  }
+
+  // Starts `program` with `args`; returns its pid and its stdout's read end.
+  static pid_t start(const char* program, const std::vector<std::string>& args, const std::vector<std::string>& envs,
+                     int* out_fd) {
+    int out[2];
+    if (pipe(out) != 0) return -1;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out[1], 1);
+      close(out[0]);
+      std::vector<char*> argv{const_cast<char*>(program)};
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      std::vector<char*> envp;
+      for (const auto& e : envs) envp.push_back(const_cast<char*>(e.c_str()));
+      envp.push_back(nullptr);
+      execve(program, argv.data(), envp.data());
+      _exit(127);
+    }
+    close(out[1]);
+    *out_fd = out[0];
+    return pid;
+  }
+
+  static std::string read_until(int fd, const char* marker) {
+    std::string acc;
+    char buf[1024];
+    ssize_t n;
+    while ((marker == nullptr || acc.find(marker) == std::string::npos) && (n = read(fd, buf, sizeof buf)) > 0)
+      acc.append(buf, static_cast<size_t>(n));
+    return acc;
+  }
+
+  // Runs nvml_probe to the end; its key=value lines.
+  Values nvml(const std::vector<std::string>& args, const std::vector<std::string>& envs) {
+    int fd = -1;
+    const pid_t pid = start(NVML_PROBE_PATH, args, envs, &fd);
+    const std::string out = read_until(fd, nullptr);
+    close(fd);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+    return parse(out);
+  }
+
+  // A process of `tenant` that allocates `bytes` on `device` through the
+  // interposer (after its primary context) and holds. Returns its pid.
+  pid_t hold(const std::string& tenant, int device, const std::string& bytes) {
+    int fd = -1;
+    const std::string dev = std::to_string(device);
+    const pid_t pid = start(PROBE_PATH, {"init", "primary", dev, "alloc", bytes, "hold"}, env(tenant), &fd);
+    holders_.push_back(pid);
+    const Values v = parse(read_until(fd, "holding="));
+    close(fd);
+    EXPECT_EQ(get(v, "alloc"), "0") << tenant << " could not allocate " << bytes;
+    return pid;
+  }
+
+  static std::string row(pid_t pid, uint64_t bytes) { return std::to_string(pid) + ":" + std::to_string(bytes); }
+  static std::string rows(std::vector<std::pair<pid_t, uint64_t>> list) {
+    std::sort(list.begin(), list.end());
+    std::string s;
+    for (const auto& [pid, bytes] : list) s += (s.empty() ? "" : ",") + row(pid, bytes);
+    return s;
+  }
+
+  // Alice (1 GiB on GPU 0) runs two processes there; bob (no memory limit on
+  // GPU 0, and GPU 1) one on each GPU.
+  void two_tenants() {
+    grant("alice", 0, 1 * kGiB);
+    grant("bob", 0, kUnlimited);
+    grant("bob", 1, kUnlimited);
+    a1_ = hold("alice", 0, "100MiB");
+    a2_ = hold("alice", 0, "200MiB");
+    b1_ = hold("bob", 0, "300MiB");
+    b2_ = hold("bob", 1, "50MiB");
+  }
+
+  TempDir root_;
+  std::map<std::string, TenantLedger> ledgers_;
+  std::vector<pid_t> holders_;
+  pid_t a1_ = -1, a2_ = -1, b1_ = -1, b2_ = -1;
+};
+
+const std::vector<std::string> kPaths = {"dlsym", "direct"};
+
+TEST_F(NvmlInTenantTest, MemoryShowsTheQuotaAndTheUsageOfAllTheTenantsProcesses) {
+  two_tenants();
+  const uint64_t alice = 2 * kContext + 300 * kMiB;
+  const uint64_t everyone = alice + kContext + 300 * kMiB;  // bob's process on GPU 0 too
+  std::vector<std::string> args = {"init"};
+  for (const auto& path : kPaths) args.insert(args.end(), {"mem", "0", path, "mem2", "0", path});
+  const Values v = nvml(args, env("alice"));
+  for (const auto& path : kPaths) {
+    for (const std::string& p : {"mem_" + path + "_0", "mem2_" + path + "_0"}) {
+      SCOPED_TRACE(p);
+      EXPECT_EQ(get(v, p + "_rc"), "0");
+      EXPECT_EQ(get(v, p + "_total"), std::to_string(1 * kGiB));
+      EXPECT_EQ(get(v, p + "_used"), std::to_string(alice));
+      EXPECT_EQ(get(v, p + "_free"), std::to_string(1 * kGiB - alice));
+    }
+    EXPECT_EQ(get(v, "mem2_" + path + "_0_reserved"), "0");
+  }
+  // The device as it is, for comparison: what the hook must have replaced.
+  const Values real = nvml({"init", "mem", "0", "dlsym"}, env("alice", false));
+  EXPECT_EQ(get(real, "mem_dlsym_0_total"), std::to_string(16 * kGiB));
+  EXPECT_EQ(get(real, "mem_dlsym_0_used"), std::to_string(everyone));
+}
+
+TEST_F(NvmlInTenantTest, ProcessListsShowOnlyTheTenantsOwnProcesses) {
+  two_tenants();
+  std::vector<std::string> args = {"init", "which", "nvmlDeviceGetComputeRunningProcesses_v3"};
+  for (const auto& path : kPaths)
+    for (const char* version : {"1", "2", "3"}) args.insert(args.end(), {"procs", "0", version, path});
+  const Values v = nvml(args, env("alice"));
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetComputeRunningProcesses_v3"), "libfracgpu.so");
+  const std::string own = rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}});
+  for (const auto& path : kPaths) {
+    for (const char* version : {"1", "2", "3"}) {
+      const std::string p = std::string("procs") + version + "_" + path + "_0";
+      SCOPED_TRACE(p);
+      EXPECT_EQ(get(v, p + "_sized_rc"), kInsufficientSize);  // NVML's contract: asked with no room, told how many
+      EXPECT_EQ(get(v, p + "_rc"), "0");
+      EXPECT_EQ(get(v, p + "_list"), own);
+    }
+  }
+  // Bob sees his own on GPU 0 (no memory limit: his memory figures are the
+  // device's, but the process list is still his alone).
+  const Values bob = nvml({"init", "procs", "0", "3", "dlsym", "mem", "0", "dlsym"}, env("bob"));
+  EXPECT_EQ(get(bob, "procs3_dlsym_0_list"), rows({{b1_, kContext + 300 * kMiB}}));
+  EXPECT_EQ(get(bob, "mem_dlsym_0_total"), std::to_string(16 * kGiB));
+  // Without the interposer, or without tenant state, NVML's own list: everyone.
+  const std::string everyone =
+      rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}, {b1_, kContext + 300 * kMiB}});
+  EXPECT_EQ(get(nvml({"init", "procs", "0", "3", "dlsym"}, env("alice", false)), "procs3_dlsym_0_list"), everyone);
+  const Values unmanaged = nvml({"init", "procs", "0", "3", "dlsym", "mem", "0", "direct"}, env(""));
+  EXPECT_EQ(get(unmanaged, "procs3_dlsym_0_list"), everyone);
+  EXPECT_EQ(get(unmanaged, "mem_direct_0_total"), std::to_string(16 * kGiB));
+}
+
+TEST_F(NvmlInTenantTest, AGpuNotGrantedShowsNoMemoryAndNoProcesses) {
+  two_tenants();  // alice has no grant on GPU 1; bob runs a process there
+  const Values v = nvml({"init", "mem", "1", "dlsym", "mem2", "1", "direct", "procs", "1", "3", "dlsym",
+                         "procs", "1", "1", "direct"},
+                        env("alice"));
+  for (const std::string& p : std::vector<std::string>{"mem_dlsym_1", "mem2_direct_1"}) {
+    SCOPED_TRACE(p);
+    EXPECT_EQ(get(v, p + "_rc"), "0");
+    EXPECT_EQ(get(v, p + "_total"), "0");
+    EXPECT_EQ(get(v, p + "_used"), "0");
+    EXPECT_EQ(get(v, p + "_free"), "0");
+  }
+  EXPECT_EQ(get(v, "procs3_dlsym_1_sized_rc"), "0");
+  EXPECT_EQ(get(v, "procs3_dlsym_1_list"), "");
+  EXPECT_EQ(get(v, "procs1_direct_1_list"), "");
+}
+
+TEST_F(NvmlInTenantTest, GraphicsAndMpsListsAreNeverOtherTenants) {
+  // The stand-in NVML has no graphics list: only the interposer's export
+  // answers, and with the real function absent it says so.
+  grant("alice", 0, 1 * kGiB);
+  EXPECT_EQ(get(nvml({"init", "graphics", "0"}, env("alice")), "graphics_0_rc"), kFunctionNotFound);
+  EXPECT_EQ(get(nvml({"init", "graphics", "0"}, env("alice", false)), "graphics_0_rc"), "none");
+}
+
+TEST_F(NvmlInTenantTest, ARefusedLedgerGetsNoFiguresAtAll) {
+  two_tenants();
+  fracgpu::testing::write_file(tenant_dir("mallory") + "/policy", "not a ledger");
+  fracgpu::testing::write_file(tenant_dir("mallory") + "/usage", "not a ledger");
+  const Values v = nvml({"init", "mem", "0", "dlsym", "procs", "0", "3", "direct"}, env("mallory"));
+  EXPECT_EQ(get(v, "mem_dlsym_0_rc"), kNoPermission);  // not the device's real figures
+  EXPECT_EQ(get(v, "procs3_direct_0_rc"), kNoPermission);
+}
+
+// Inside a PID namespace (a container), the driver's PIDs are the host's;
+// the list must carry the PIDs this namespace uses. Needs root for unshare.
+TEST_F(NvmlInTenantTest, InAPidNamespaceTheListCarriesTheNamespacesPids) {
+  if (geteuid() != 0 || access("/usr/bin/unshare", X_OK) != 0) GTEST_SKIP() << "needs root and unshare(1)";
+  two_tenants();
+  const std::string script =
+      std::string("\"$PROBE\" init primary 0 alloc 10MiB hold > \"$OUT\" & h=$!\n"
+                  "while ! grep -q holding= \"$OUT\"; do sleep 0.01; done\n"
+                  "echo \"inside=$h\"\n"
+                  "\"$NVML\" init procs 0 3 dlsym mem 0 dlsym\n"
+                  "kill -9 $h\n");
+  std::vector<std::string> envs = env("alice");
+  envs.push_back(std::string("PROBE=") + PROBE_PATH);
+  envs.push_back(std::string("NVML=") + NVML_PROBE_PATH);
+  envs.push_back("OUT=" + (root_ / "ns-holder.out"));
+  int fd = -1;
+  const pid_t pid = start("/usr/bin/unshare", {"--pid", "--fork", "/bin/sh", "-c", script}, envs, &fd);
+  const std::string out = read_until(fd, nullptr);
+  close(fd);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (out.find("inside=") == std::string::npos) GTEST_SKIP() << "unshare --pid did not run here: " << out;
+  const Values v = parse(out);
+  const Values holder = parse(fracgpu::testing::read_file(root_ / "ns-holder.out"));
+  // The holder's own getpid() inside the namespace is what the list shows;
+  // alice's two processes outside are not visible from in here (counted in
+  // `used`, not listed), and bob's are not alice's.
+  EXPECT_EQ(get(holder, "holding"), get(v, "inside"));
+  EXPECT_EQ(get(v, "procs3_dlsym_0_list"), get(v, "inside") + ":" + std::to_string(kContext + 10 * kMiB)) << out;
+  EXPECT_EQ(get(v, "mem_dlsym_0_used"), std::to_string(3 * kContext + 310 * kMiB)) << out;
+}
+
+}  // namespace

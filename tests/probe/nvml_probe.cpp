@@ -1,0 +1,160 @@
+// A small NVML client for the tests of NVML inside the tenant: runs the
+// commands on its command line in order and prints `key=value` lines. It
+// links libnvidia-ml.so.1 (the tests' stand-in, tests/simnvml) for the
+// "direct" path, and reaches the same functions through
+// dlopen("libnvidia-ml.so.1") + dlsym for the "dlsym" path, the way
+// nvidia-smi does. Under LD_PRELOAD=libfracgpu.so both must reach the hooks.
+//
+//   init                         nvmlInit_v2
+//   mem DEV PATH                 nvmlDeviceGetMemoryInfo     -> mem_PATH_DEV_{rc,total,used,free}
+//   mem2 DEV PATH                nvmlDeviceGetMemoryInfo_v2  -> mem2_PATH_DEV_{rc,total,reserved,used,free}
+//   procs DEV VERSION PATH       nvmlDeviceGetComputeRunningProcesses{,_v2,_v3}
+//                                -> procsV_PATH_DEV_{sized_rc,rc,count} and ..._list=pid:bytes,... (by pid)
+//   graphics DEV                 nvmlDeviceGetGraphicsRunningProcesses_v3 found by dlsym(RTLD_DEFAULT):
+//                                the stand-in NVML lacks it, so only the interposer's export can answer
+//                                -> graphics_DEV_rc ("none": no such symbol anywhere)
+//   which NAME                   which library dlsym(NVML handle, NAME) lands in -> which_NAME=<file>
+// PATH is "direct" or "dlsym"; DEV an NVML index. Bad usage exits 64.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fracgpu/nvml_abi.h"
+
+namespace {
+
+[[noreturn]] void usage(const char* what) {
+  fprintf(stderr, "nvml_probe: %s\n", what);
+  exit(64);
+}
+
+void* nvml_handle() {
+  static void* handle = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  return handle;
+}
+
+// The function `name` by the chosen path: our own linked reference, or dlsym.
+template <class Fn>
+Fn pick(const std::string& path, Fn linked, const char* name) {
+  if (path == "direct") return linked;
+  if (path == "dlsym") return reinterpret_cast<Fn>(dlsym(nvml_handle(), name));
+  usage("path is direct or dlsym");
+}
+
+void print(const std::string& key, unsigned long long value) {
+  printf("%s=%llu\n", key.c_str(), value);
+  fflush(stdout);
+}
+
+nvmlDevice_t device(const char* index) {
+  nvmlDevice_t d = nullptr;
+  if (nvmlDeviceGetHandleByIndex_v2(static_cast<unsigned>(atoi(index)), &d) != NVML_SUCCESS) usage("no such device");
+  return d;
+}
+
+template <class Info>
+void processes(const std::string& prefix, nvmlDevice_t dev,
+               nvmlReturn_t (*fn)(nvmlDevice_t, unsigned int*, Info*)) {
+  if (fn == nullptr) {
+    printf("%s_rc=none\n", prefix.c_str());
+    return;
+  }
+  unsigned count = 0;
+  print(prefix + "_sized_rc", fn(dev, &count, nullptr));  // NVML's way of asking for the count
+  std::vector<Info> infos(count + 8);
+  count = static_cast<unsigned>(infos.size());
+  const nvmlReturn_t rc = fn(dev, &count, infos.data());
+  print(prefix + "_rc", rc);
+  print(prefix + "_count", count);
+  std::vector<std::pair<unsigned, unsigned long long>> rows;
+  for (unsigned i = 0; rc == NVML_SUCCESS && i < count; ++i) rows.emplace_back(infos[i].pid, infos[i].usedGpuMemory);
+  std::sort(rows.begin(), rows.end());
+  std::string list;
+  for (const auto& [pid, bytes] : rows) list += (list.empty() ? "" : ",") + std::to_string(pid) + ":" + std::to_string(bytes);
+  printf("%s_list=%s\n", prefix.c_str(), list.c_str());
+  fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int i = 1;
+  auto arg = [&]() -> const char* {
+    if (i >= argc) usage("missing argument");
+    return argv[i++];
+  };
+  while (i < argc) {
+    const std::string cmd = arg();
+    if (cmd == "init") {
+      print("init", nvmlInit_v2());
+    } else if (cmd == "mem") {
+      const char* index = arg();
+      const std::string path = arg();
+      auto fn = pick(path, &nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo");
+      const std::string p = "mem_" + path + "_" + index;
+      nvmlMemory_t m{};
+      print(p + "_rc", fn(device(index), &m));
+      print(p + "_total", m.total);
+      print(p + "_used", m.used);
+      print(p + "_free", m.free);
+    } else if (cmd == "mem2") {
+      const char* index = arg();
+      const std::string path = arg();
+      auto fn = pick(path, &nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2");
+      const std::string p = "mem2_" + path + "_" + index;
+      nvmlMemory_v2_t m{};
+      m.version = nvmlMemory_v2;
+      m.reserved = 12345;  // a value the hook must overwrite
+      print(p + "_rc", fn(device(index), &m));
+      print(p + "_total", m.total);
+      print(p + "_reserved", m.reserved);
+      print(p + "_used", m.used);
+      print(p + "_free", m.free);
+    } else if (cmd == "procs") {
+      const char* index = arg();
+      const std::string version = arg();
+      const std::string path = arg();
+      const std::string p = "procs" + version + "_" + path + "_" + index;
+      if (version == "1")
+        processes(p, device(index), pick(path, &nvmlDeviceGetComputeRunningProcesses, "nvmlDeviceGetComputeRunningProcesses"));
+      else if (version == "2")
+        processes(p, device(index),
+                  pick(path, &nvmlDeviceGetComputeRunningProcesses_v2, "nvmlDeviceGetComputeRunningProcesses_v2"));
+      else if (version == "3")
+        processes(p, device(index),
+                  pick(path, &nvmlDeviceGetComputeRunningProcesses_v3, "nvmlDeviceGetComputeRunningProcesses_v3"));
+      else
+        usage("version is 1, 2 or 3");
+    } else if (cmd == "graphics") {
+      const char* index = arg();
+      using Fn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
+      auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "nvmlDeviceGetGraphicsRunningProcesses_v3"));
+      const std::string p = std::string("graphics_") + index;
+      if (fn == nullptr) {
+        printf("%s_rc=none\n", p.c_str());
+        fflush(stdout);
+        continue;
+      }
+      unsigned count = 4;
+      nvmlProcessInfo_t infos[4];
+      print(p + "_rc", fn(device(index), &count, infos));
+      print(p + "_count", count);
+    } else if (cmd == "which") {
+      const char* name = arg();
+      Dl_info info{};
+      void* address = dlsym(nvml_handle(), name);
+      const char* file = address != nullptr && dladdr(address, &info) != 0 && info.dli_fname ? info.dli_fname : "none";
+      const char* base = strrchr(file, '/');
+      printf("which_%s=%s\n", name, base ? base + 1 : file);
+      fflush(stdout);
+    } else {
+      usage(("unknown command " + cmd).c_str());
+    }
+  }
+  return 0;
+}
