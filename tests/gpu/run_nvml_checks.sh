@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# NVML inside the tenant on a real NVIDIA GPU: nvidia-smi run under the
+# interposer as tenant "alice" (0.5 of GPU 0) must show alice's quota as the
+# GPU's memory, alice's usage (both of her processes) as used, and only her
+# processes; bob's process on the same GPU must not appear. The same query
+# without the interposer must show everyone (the sanity check). With root and
+# unshare(1), it also runs alice's process and nvidia-smi inside a new PID
+# namespace (what a container is) and checks the listed PID is the one
+# inside it, not the host's.
+# Needs the project built (scripts/build.sh) and PyTorch. Prints a report;
+# record it in docs/gpu-results.md with date, GPU and driver.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
+run_dir=$(mktemp -d /tmp/fracgpu-nvml-XXXXXX)
+check=tests/gpu/check_memory_quota.py
+lib=$build/interpose/libfracgpu.so
+failures=0
+holders=()
+
+fail() { echo "FAILED: $*"; failures=$((failures + 1)); }
+ok() { echo "ok: $*"; }
+
+echo "== $(date -u +%Y-%m-%dT%H:%MZ)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+cat >"$run_dir/fracgpud.toml" <<TOML
+[daemon]
+run_dir = "$run_dir"
+log_level = "info"
+
+[[gpu]]
+index = 0
+context_memory = "512MiB"
+
+[[tenant]]
+name = "alice"
+gpus = 0.5
+
+[[tenant]]
+name = "bob"
+gpus = 0.25
+TOML
+"$build/controller/fracgpud" --config "$run_dir/fracgpud.toml" 2>"$run_dir/fracgpud.log" &
+daemon=$!
+cleanup() {
+  for h in "${holders[@]}"; do kill "$h" 2>/dev/null; done
+  kill -TERM "$daemon" 2>/dev/null
+  wait 2>/dev/null
+}
+trap cleanup EXIT
+for _ in $(seq 50); do [ -f "$run_dir/tenants/bob/policy" ] && break; sleep 0.1; done
+
+# as TENANT CMD...: run CMD under the interposer as TENANT.
+as() {
+  local tenant=$1
+  shift
+  env FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib" "$@"
+}
+# hold TENANT BYTES: a PyTorch process of TENANT holding BYTES; sets $held.
+hold() {
+  local out=$run_dir/hold.$RANDOM
+  as "$1" python3 $check hold "$2" 600 >"$out" 2>&1 &
+  held=$!
+  holders+=("$held")
+  for _ in $(seq 300); do grep -q holding "$out" && return 0; sleep 0.1; done
+  fail "$1's process did not start holding: $(cat "$out")"
+}
+status_json() { "$build/controller/fracgpu" status --run-dir "$run_dir" --json; }
+# tenant_field TENANT EXPR: a Python expression over t (the tenant's JSON).
+tenant_field() {
+  status_json | python3 -c "import json,sys; t=[t for t in json.load(sys.stdin)['tenants'] if t['name']=='$1'][0]; print($2)"
+}
+# near A B: A and B (MiB) differ by at most 2 (nvidia-smi rounds to MiB).
+near() { [ $(($1 > $2 ? $1 - $2 : $2 - $1)) -le 2 ]; }
+
+hold alice $((1 << 30)); alice1=$held
+hold alice $((512 << 20)); alice2=$held
+hold bob $((256 << 20)); bob1=$held
+sleep 1
+"$build/controller/fracgpu" status --run-dir "$run_dir"
+
+quota_mib=$(($(tenant_field alice "t['gpus'][0]['memory_quota']") >> 20))
+used_mib=$(($(tenant_field alice "t['gpus'][0]['memory_used']") >> 20))
+echo "== alice: quota $quota_mib MiB, ledger usage $used_mib MiB; her processes $alice1 $alice2, bob's $bob1"
+
+echo "== nvidia-smi as alice"
+as alice nvidia-smi
+
+echo "== nvidia-smi --query-gpu=memory.total,memory.used as alice"
+line=$(as alice nvidia-smi -i 0 --query-gpu=memory.total,memory.used --format=csv,noheader,nounits | tr -d ' ')
+echo "$line"
+total=${line%%,*}
+used=${line##*,}
+if near "$total" "$quota_mib"; then ok "memory.total $total MiB is the quota"; else fail "memory.total $total MiB, quota $quota_mib MiB"; fi
+if near "$used" "$used_mib"; then ok "memory.used $used MiB is alice's usage"; else fail "memory.used $used MiB, alice uses $used_mib MiB"; fi
+
+echo "== nvidia-smi --query-compute-apps as alice"
+apps=$(as alice nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' ')
+echo "$apps"
+pids=$(echo "$apps" | cut -d, -f1 | grep -E '^[0-9]+$' | sort -n | tr '\n' ' ')
+want=$(printf '%s\n' "$alice1" "$alice2" | sort -n | tr '\n' ' ')
+if [ "$pids" = "$want" ]; then ok "exactly alice's processes: $pids"; else fail "listed [$pids], alice's are [$want]"; fi
+echo "$apps" | grep -q "^$bob1," && fail "bob's process $bob1 is shown to alice"
+for p in $alice1 $alice2; do
+  shown=$(echo "$apps" | awk -F, -v p="$p" '$1 == p {print $2}')
+  charged=$(($(tenant_field alice "sum(c['bytes'] for q in t['processes'] if q['host_pid'] == $p for c in q['charges'])") >> 20))
+  if [ -n "$shown" ] && near "$shown" "$charged"; then ok "process $p: $shown MiB, as charged"; else fail "process $p: shown '${shown}' MiB, charged $charged MiB"; fi
+done
+
+echo "== the same without the interposer (everyone, real figures)"
+real=$(nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' ')
+echo "$real"
+echo "$real" | grep -q "^$bob1," || fail "without the interposer bob's process is not listed: the check itself is off"
+
+if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
+  echo "== in a PID namespace (as a container): alice's process and nvidia-smi inside"
+  inside=$(as alice unshare --pid --fork --mount-proc bash -c '
+      python3 '"$check"' hold $((128 << 20)) 600 > '"$run_dir"'/ns.out 2>&1 & h=$!
+      for _ in $(seq 300); do grep -q holding '"$run_dir"'/ns.out && break; sleep 0.1; done
+      echo "inside_pid=$h"
+      nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits
+      nvidia-smi
+      kill $h')
+  echo "$inside"
+  h=$(echo "$inside" | sed -n 's/^inside_pid=//p')
+  listed=$(echo "$inside" | grep -E '^ *[0-9]+, *[0-9]+ *$' | cut -d, -f1 | tr -d ' ' | tr '\n' ' ')
+  if [ "$listed" = "$h " ]; then ok "inside the namespace: only its own process, by its namespace PID $h"
+  else fail "inside the namespace: listed [$listed], expected [$h ] (alice's processes outside are counted in used, not listed)"; fi
+else
+  echo "== PID namespace check skipped (needs root and unshare)"
+fi
+
+echo "== daemon log"; cat "$run_dir/fracgpud.log"
+echo "== $failures failure(s)"
+exit $((failures > 0))
