@@ -148,7 +148,17 @@ int claim_process(Arbiter& arbiter, uint32_t tenant, int32_t pid, uint64_t start
     if (entry.state.load(std::memory_order_acquire) == kProcessLive && entry.pid.load(std::memory_order_relaxed) == pid &&
         entry.start_time.load(std::memory_order_relaxed) == start_time)
       continue;
+    // The entry of a holder that died holding the GPU stays its own until
+    // someone takes the GPU over (try_take_over charges its last stretch to
+    // its tenant). Reused now, the newcomer would find itself the holder and
+    // pay for the dead process's time, under its own tenant.
+    if (seg.arbiter.holder.load(std::memory_order_acquire) == p + 1) continue;
     if (set_process_lock(arbiter.fd, p, F_WRLCK) != 0) continue;  // a live owner
+    if (seg.arbiter.holder.load(std::memory_order_acquire) == p + 1) {
+      // Handed to the dead owner between the two checks: leave it to the takeover.
+      set_process_lock(arbiter.fd, p, F_UNLCK);
+      continue;
+    }
     entry.want_since_ns.store(0, std::memory_order_relaxed);
     entry.used_ns.store(0, std::memory_order_relaxed);
     entry.waited_ns.store(0, std::memory_order_relaxed);

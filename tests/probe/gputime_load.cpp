@@ -9,15 +9,29 @@
 //     seconds=10        how long to keep launching
 //     ahead_us=2000     queue about this much work ahead, then wait for the older half
 //     path=kernel       kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi |
-//                       graph | graph_ptsz | legacy | legacy_grid | legacy_async
+//                       graph | graph_ptsz | legacy | legacy_grid | legacy_async |
+//                       capture (capture the kernel into a graph on the stream, then
+//                       launch the graph; the launch into the capturing stream is timed)
 //     start_ns=T        wait until CLOCK_MONOTONIC T before launching
 //     pause_ms=0,0      after `seconds`, optionally idle this long, then launch again this long
+//     switch=set|push   one thread for all devices, launching on each in turn and
+//                       changing context between launches with cuCtxSetCurrent, or
+//                       cuCtxPushCurrent/cuCtxPopCurrent (default: a thread per device)
+//     fork_after=S      run S seconds, then fork: the child starts CUDA afresh and runs
+//                       `seconds`; the parent waits for it and exits with its status
+//     last_us=N         after the run, launch one N us kernel and exit without waiting
+//                       for it (the process exits while it holds the GPU)
 //
-// Prints launches_<device>=N when done. Exit 0, or 1 on a CUDA error (printed).
+// Prints launches_<device>=N when done (and, for path=capture,
+// capture_launch_max_us=N: the slowest launch into a capturing stream).
+// Exit 0, or 1 on a CUDA error (printed).
 #include <cuda.h>
 #include <dlfcn.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +50,9 @@ struct Options {
   uint64_t start_ns = 0;
   unsigned pause_ms = 0;
   double resume_seconds = 0;
+  std::string switch_mode;  // "", "set" or "push"
+  double fork_after = 0;
+  unsigned last_us = 0;
 };
 
 uint64_t now_ns() {
@@ -87,7 +104,9 @@ struct Launcher {
   CUstream stream = nullptr;
   std::vector<CUfunction> functions;
   std::vector<CUgraphExec> graphs;
+  CUfunction last = nullptr;  // last_us
   unsigned long long launches = 0;
+  uint64_t capture_launch_max_ns = 0;
 
   bool setup(int device) {
     CUdevice dev = 0;
@@ -117,6 +136,25 @@ struct Launcher {
         graphs.push_back(exec);
       }
     }
+    if (o.last_us != 0) CHECK(cuModuleGetFunction(&last, module, ("sleep_" + std::to_string(o.last_us) + "us").c_str()));
+    return true;
+  }
+
+  // Captures f into a graph on the stream, then launches the graph. The
+  // launch into the capturing stream runs nothing, so it must never wait
+  // for the GPU: its latency is recorded.
+  bool launch_captured(CUfunction f) {
+    CHECK(cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+    const uint64_t t0 = now_ns();
+    CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+    capture_launch_max_ns = std::max(capture_launch_max_ns, now_ns() - t0);
+    CUgraph graph = nullptr;
+    CHECK(cuStreamEndCapture(stream, &graph));
+    CUgraphExec exec = nullptr;
+    CHECK(cuGraphInstantiateWithFlags(&exec, graph, 0));
+    CHECK(cuGraphLaunch(exec, stream));
+    CHECK(cuGraphExecDestroy(exec));
+    CHECK(cuGraphDestroy(graph));
     return true;
   }
 
@@ -148,7 +186,9 @@ struct Launcher {
     else if (p == "legacy") CHECK(legacy<decltype(&cuLaunch)>("cuLaunch")(f));
     else if (p == "legacy_grid") CHECK(legacy<decltype(&cuLaunchGrid)>("cuLaunchGrid")(f, 1, 1));
     else if (p == "legacy_async") CHECK(legacy<decltype(&cuLaunchGridAsync)>("cuLaunchGridAsync")(f, 1, 1, stream));
-    else {
+    else if (p == "capture") {
+      if (!launch_captured(f)) return false;
+    } else {
       fprintf(stderr, "gputime_load: unknown path %s\n", p.c_str());
       return false;
     }
@@ -159,33 +199,133 @@ struct Launcher {
   // The legacy launches go to the null stream: wait on that one.
   CUstream sync_stream() const { return o.path.rfind("legacy", 0) == 0 && o.path != "legacy_async" ? nullptr : stream; }
 
-  bool run_for(double seconds) {
-    CUevent older = nullptr, newer = nullptr;
+  // One run, step by step (with this launcher's context current).
+  CUevent older = nullptr, newer = nullptr;
+  uint64_t batch_us = 0;
+  size_t next = 0;
+  bool have_older = false;
+
+  bool begin() {
     CHECK(cuEventCreate(&older, CU_EVENT_DISABLE_TIMING));
     CHECK(cuEventCreate(&newer, CU_EVENT_DISABLE_TIMING));
-    const uint64_t end = now_ns() + static_cast<uint64_t>(seconds * 1e9);
-    uint64_t batch_us = 0;
-    size_t next = 0;
-    bool have_older = false;
-    while (now_ns() < end) {
-      if (!launch(next)) return false;
-      batch_us += o.kernels_us[next];
-      next = (next + 1) % functions.size();
-      if (batch_us < o.ahead_us) continue;
-      // Double buffering: mark this batch, then wait for the one before it,
-      // so about one batch stays queued and the GPU never runs dry.
-      batch_us = 0;
-      CHECK(cuEventRecord(newer, sync_stream()));
-      if (have_older) CHECK(cuEventSynchronize(older));
-      std::swap(older, newer);
-      have_older = true;
-    }
+    batch_us = 0;
+    next = 0;
+    have_older = false;
+    return true;
+  }
+
+  bool step() {
+    if (!launch(next)) return false;
+    batch_us += o.kernels_us[next];
+    next = (next + 1) % functions.size();
+    if (batch_us < o.ahead_us) return true;
+    // Double buffering: mark this batch, then wait for the one before it,
+    // so about one batch stays queued and the GPU never runs dry.
+    batch_us = 0;
+    CHECK(cuEventRecord(newer, sync_stream()));
+    if (have_older) CHECK(cuEventSynchronize(older));
+    std::swap(older, newer);
+    have_older = true;
+    return true;
+  }
+
+  bool end() {
     CHECK(cuCtxSynchronize());
     cuEventDestroy(older);
     cuEventDestroy(newer);
     return true;
   }
+
+  bool run_for(double seconds) {
+    if (!begin()) return false;
+    const uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    while (now_ns() < until)
+      if (!step()) return false;
+    return end();
+  }
 };
+
+// Makes `ctx` current the way switch= asks; pop() undoes a push.
+struct Switcher {
+  bool push;
+  bool enter(CUcontext ctx) const { return push ? check(cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent") : check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent"); }
+  bool leave() const {
+    CUcontext popped = nullptr;
+    return !push || check(cuCtxPopCurrent_v2(&popped), "cuCtxPopCurrent");
+  }
+};
+
+// switch=: one thread launches on every device in turn, changing the
+// current context before each launch.
+bool run_switching(std::vector<Launcher>& launchers, double seconds, const Switcher& sw) {
+  for (Launcher& l : launchers) {
+    if (!sw.enter(l.ctx) || !l.begin() || !sw.leave()) return false;
+  }
+  const uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
+  while (now_ns() < until) {
+    for (Launcher& l : launchers) {
+      if (!sw.enter(l.ctx) || !l.step() || !sw.leave()) return false;
+    }
+  }
+  for (Launcher& l : launchers) {
+    if (!sw.enter(l.ctx) || !l.end() || !sw.leave()) return false;
+  }
+  return true;
+}
+
+// Runs the whole workload for `seconds` (then pause_ms and its resumption).
+int run_all(const Options& o, double seconds) {
+  std::vector<Launcher> launchers(o.devices.size(), Launcher(o));
+  std::vector<int> ok(o.devices.size(), 0);
+  auto wait_start = [&] {
+    while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  };
+  if (!o.switch_mode.empty()) {
+    const Switcher sw{o.switch_mode == "push"};
+    bool good = true;
+    for (size_t i = 0; good && i < o.devices.size(); ++i) good = launchers[i].setup(o.devices[i]);
+    wait_start();
+    good = good && run_switching(launchers, seconds, sw);
+    if (good && o.resume_seconds > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
+      good = run_switching(launchers, o.resume_seconds, sw);
+    }
+    ok.assign(ok.size(), good ? 1 : 0);
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < o.devices.size(); ++i) {
+      threads.emplace_back([&, i] {
+        Launcher& l = launchers[i];
+        if (!l.setup(o.devices[i])) return;
+        wait_start();
+        if (!l.run_for(seconds)) return;
+        if (o.resume_seconds > 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
+          if (!l.run_for(o.resume_seconds)) return;
+        }
+        ok[i] = 1;
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  int status = 0;
+  for (size_t i = 0; i < o.devices.size(); ++i) {
+    printf("launches_%d=%llu\n", o.devices[i], launchers[i].launches);
+    if (!ok[i]) status = 1;
+  }
+  uint64_t capture_max = 0;
+  for (const Launcher& l : launchers) capture_max = std::max(capture_max, l.capture_launch_max_ns);
+  if (o.path == "capture") printf("capture_launch_max_us=%llu\n", static_cast<unsigned long long>(capture_max / 1000));
+  if (status == 0 && o.last_us != 0) {
+    // One more kernel, then exit at once: the exit hands the GPU on.
+    Launcher& l = launchers[0];
+    if (!check(cuCtxSetCurrent(l.ctx), "cuCtxSetCurrent") ||
+        !check(cuLaunchKernel(l.last, 1, 1, 1, 32, 1, 1, 0, l.stream, nullptr, nullptr), "cuLaunchKernel"))
+      status = 1;
+  }
+  fflush(stdout);
+  return status;
+}
 
 }  // namespace
 
@@ -211,34 +351,35 @@ int main(int argc, char** argv) {
       const std::vector<unsigned> v = parse_list(value);
       o.pause_ms = v.empty() ? 0 : v[0];
       o.resume_seconds = v.size() > 1 ? v[1] / 1000.0 : 0;
-    } else {
+    } else if (key == "switch") o.switch_mode = value;
+    else if (key == "fork_after") o.fork_after = atof(value);
+    else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
+    else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
       return 64;
     }
   }
   if (o.kernels_us.empty() || o.devices.empty()) return 64;
+  if (!o.switch_mode.empty() && o.switch_mode != "set" && o.switch_mode != "push") {
+    fprintf(stderr, "gputime_load: switch must be set or push\n");
+    return 64;
+  }
   if (!check(cuInit(0), "cuInit")) return 1;
-  std::vector<Launcher> launchers(o.devices.size(), Launcher(o));
-  std::vector<int> ok(o.devices.size(), 0);
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < o.devices.size(); ++i) {
-    threads.emplace_back([&, i] {
-      Launcher& l = launchers[i];
-      if (!l.setup(o.devices[i])) return;
-      while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      if (!l.run_for(o.seconds)) return;
-      if (o.resume_seconds > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
-        if (!l.run_for(o.resume_seconds)) return;
-      }
-      ok[i] = 1;
-    });
+  if (o.fork_after <= 0) return run_all(o, o.seconds);
+  if (run_all(o, o.fork_after) != 0) return 1;
+  const pid_t child = fork();
+  if (child < 0) {
+    perror("gputime_load: fork");
+    return 1;
   }
-  for (auto& t : threads) t.join();
+  if (child == 0) {
+    // A forked child starts the driver afresh (the parent's handles are not its own).
+    if (!check(cuInit(0), "cuInit in the child")) _exit(1);
+    const int status = run_all(o, o.seconds);
+    fflush(stdout);
+    exit(status);
+  }
   int status = 0;
-  for (size_t i = 0; i < o.devices.size(); ++i) {
-    printf("launches_%d=%llu\n", o.devices[i], launchers[i].launches);
-    if (!ok[i]) status = 1;
-  }
-  return status;
+  if (waitpid(child, &status, 0) != child) return 1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
 }

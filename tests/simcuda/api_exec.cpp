@@ -94,6 +94,13 @@ CUresult launch(Guard& guard, CUfunction f, unsigned gx, unsigned gy, unsigned g
   if (params != nullptr && extra != nullptr) return CUDA_ERROR_INVALID_VALUE;
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  if (t.hold != nullptr && t.hold->capture != nullptr) {
+    // Captured, not run: the kernel becomes a node of the stream's graph.
+    auto n = std::make_unique<GraphNode>();
+    n->fn = fn;
+    t.hold->capture->nodes.push_back(std::move(n));
+    return CUDA_SUCCESS;
+  }
   uint64_t d = fn->duration_ns.load(std::memory_order_relaxed);
   guard.unlock();  // the timeline is lock-free
   enqueue_kernel(t, d, 1);
@@ -143,6 +150,15 @@ CUresult graph_launch(Guard& guard, CUgraphExec exec, CUstream stream, bool ptds
   if (it == P.graph_execs.end()) return CUDA_ERROR_INVALID_VALUE;
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  if (t.hold != nullptr && t.hold->capture != nullptr) {
+    // Captured: the graph's kernels become nodes of the capturing graph.
+    for (const auto& fn : it->second->kernels) {
+      auto n = std::make_unique<GraphNode>();
+      n->fn = fn;
+      t.hold->capture->nodes.push_back(std::move(n));
+    }
+    return CUDA_SUCCESS;
+  }
   // One interval on the timeline: the sum of its kernels' durations (nodes
   // run back to back; dependencies cannot shorten a serialized device).
   uint64_t total = 0;
@@ -409,12 +425,51 @@ CUresult cuParamSetv(CUfunction f, int /*offset*/, void* /*ptr*/, unsigned int /
   return find_function(f) == nullptr ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
 }
 
-// The sim has no stream capture: every valid stream reports "not capturing".
+// Minimal stream capture: a user stream between cuStreamBeginCapture and
+// cuStreamEndCapture records the kernels and graphs launched into it as the
+// nodes of a new graph (nothing runs); other work on it (copies, events,
+// synchronization) is not captured, and the legacy stream cannot capture.
 static CUresult stream_is_capturing(CUstream s, CUstreamCaptureStatus* status, bool ptds) {
   if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
   StreamTarget t;
   if (CUresult r = resolve_stream(s, ptds, t)) return r;
-  *status = CU_STREAM_CAPTURE_STATUS_NONE;
+  *status = t.hold != nullptr && t.hold->capture != nullptr ? CU_STREAM_CAPTURE_STATUS_ACTIVE
+                                                            : CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+
+static CUresult begin_capture(CUstream s, CUstreamCaptureMode mode) {
+  if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL && mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+      mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+    return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(s, false, t)) return r;
+  if (t.hold == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  if (t.hold->capture != nullptr) return CUDA_ERROR_ILLEGAL_STATE;
+  auto g = std::make_unique<Graph>();
+  t.hold->capture = g.get();
+  proc().graphs[g.get()] = std::move(g);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamBeginCapture(CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamBeginCapture);
+  return begin_capture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+
+CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamBeginCapture_v2);
+  return begin_capture(stream, mode);
+}
+
+CUresult cuStreamEndCapture(CUstream stream, CUgraph* graph) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamEndCapture);
+  if (graph == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(stream, false, t)) return r;
+  if (t.hold == nullptr || t.hold->capture == nullptr) return CUDA_ERROR_ILLEGAL_STATE;
+  *graph = reinterpret_cast<CUgraph>(t.hold->capture);
+  t.hold->capture = nullptr;
   return CUDA_SUCCESS;
 }
 

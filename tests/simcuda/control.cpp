@@ -3,6 +3,7 @@
 // answers 0 (or -1) rather than failing hard.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "sim_internal.h"
@@ -113,6 +114,30 @@ uint64_t simcuda_device_busy_ns(int ordinal) {
 uint64_t simcuda_device_busy_until_ns(int ordinal) {
   Guard guard;
   return attached_device(ordinal) ? S()->devices[ordinal].busy_until.load(std::memory_order_acquire) : 0;
+}
+
+uint64_t simcuda_kernel_log_next(int ordinal) {
+  Guard guard;
+  return attached_device(ordinal) ? S()->kernel_logs[ordinal].next.load(std::memory_order_acquire) : 0;
+}
+
+size_t simcuda_kernel_log(int ordinal, uint64_t first, simcuda_kernel_record* out, size_t max) {
+  Guard guard;
+  if (!attached_device(ordinal) || out == nullptr) return 0;
+  const KernelLog& log = S()->kernel_logs[ordinal];
+  const uint64_t next = log.next.load(std::memory_order_acquire);
+  uint64_t index = std::max(first, next > kKernelLogEntries ? next - kKernelLogEntries : 0);
+  size_t n = 0;
+  for (; index < next && n < max; ++index) {
+    const KernelRecord& rec = log.records[index % kKernelLogEntries];
+    // A record still being written (or already overwritten) is skipped.
+    if (rec.seq.load(std::memory_order_acquire) != index + 1) continue;
+    simcuda_kernel_record r{index, rec.start.load(std::memory_order_relaxed), rec.end.load(std::memory_order_relaxed),
+                            rec.pid.load(std::memory_order_relaxed), 0};
+    if (rec.seq.load(std::memory_order_acquire) != index + 1) continue;
+    out[n++] = r;
+  }
+  return n;
 }
 
 uint64_t simcuda_call_count(const char* exported_name) {

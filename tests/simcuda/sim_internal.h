@@ -71,7 +71,9 @@ static_assert(std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
 
 inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
-inline constexpr uint32_t kLayoutVersion = 3;
+inline constexpr uint32_t kLayoutVersion = 4;
+// Kernel log entries kept per device (a ring: older ones are overwritten).
+inline constexpr uint64_t kKernelLogEntries = 16384;
 
 struct SharedDevice {
   unsigned char uuid[16];
@@ -98,6 +100,22 @@ struct SharedSlot {
   U64 launches[kMaxDevices];
 };
 
+// One kernel (or graph launch) as it was placed on a device's timeline.
+// Written lock-free by the launching process: `seq` (index + 1) is stored
+// last, so a reader can tell a complete record from one being overwritten.
+struct KernelRecord {
+  U64 seq;
+  U64 start;
+  U64 end;
+  std::atomic<int32_t> pid;
+  uint32_t reserved;
+};
+
+struct KernelLog {
+  U64 next;  // index of the next record
+  KernelRecord records[kKernelLogEntries];
+};
+
 struct SharedState {
   U64 magic;                    // written last when the file is (re)initialized
   uint32_t layout_version;
@@ -106,6 +124,7 @@ struct SharedState {
   char spec[4096];              // canonical device spec it was created from
   SharedDevice devices[kMaxDevices];
   SharedSlot slots[kMaxSlots];
+  KernelLog kernel_logs[kMaxDevices];
 };
 
 // ---------------------------------------------------------------------------
@@ -120,12 +139,15 @@ struct Ctx {
   unsigned refcount = 0;  // primary only
 };
 
+struct Graph;
+
 struct Stream {
   int dev = 0;
   Ctx* ctx = nullptr;
   unsigned flags = 0;
   int priority = 0;
   U64 tail{0};  // when the last work enqueued on it ends
+  Graph* capture = nullptr;  // capturing into this graph (owned by Process::graphs), or null
 };
 
 struct Event {

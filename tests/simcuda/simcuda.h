@@ -96,6 +96,23 @@ SIMCUDA_API uint64_t simcuda_device_busy_until_ns(int ordinal);
 SIMCUDA_API void simcuda_set_function_duration_ns(CUfunction f, uint64_t ns);
 SIMCUDA_API uint64_t simcuda_function_duration_ns(CUfunction f);
 
+/* Kernel log: every kernel or graph launch placed on the device's timeline
+ * (by any process), in the order they were enqueued, as [start, end) on the
+ * simcuda_now_ns clock and the launching pid. It is a ring of the last
+ * 16384 launches per device: older records are gone.
+ * simcuda_kernel_log_next is the index the next launch will get;
+ * simcuda_kernel_log copies the records with index >= `first` still kept
+ * (at most `max`) into `out` and returns how many it copied. */
+typedef struct simcuda_kernel_record {
+  uint64_t index;
+  uint64_t start_ns;
+  uint64_t end_ns;
+  int32_t pid;
+  uint32_t reserved;
+} simcuda_kernel_record;
+SIMCUDA_API uint64_t simcuda_kernel_log_next(int ordinal);
+SIMCUDA_API size_t simcuda_kernel_log(int ordinal, uint64_t first, simcuda_kernel_record* out, size_t max);
+
 /* ---- Entry points --------------------------------------------------------- */
 
 /* Calls this process made to the exported entry point `exported_name`
@@ -125,6 +142,8 @@ typedef void (*simcuda_reset_peak_fn)(int ordinal);
 typedef uint64_t (*simcuda_device_pid_u64_fn)(int ordinal, int pid);  /* process_used, busy_ns */
 typedef uint64_t (*simcuda_call_count_fn)(const char* exported_name);
 typedef void (*simcuda_set_function_duration_ns_fn)(CUfunction f, uint64_t ns);
+typedef uint64_t (*simcuda_kernel_log_next_fn)(int ordinal);
+typedef size_t (*simcuda_kernel_log_fn)(int ordinal, uint64_t first, simcuda_kernel_record* out, size_t max);
 
 #ifdef __cplusplus
 }

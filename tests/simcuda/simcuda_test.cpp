@@ -1718,7 +1718,7 @@ TEST_F(Timeline, LegacyLaunchesRunLikeLaunchKernel) {
   EXPECT_CU(cuStreamDestroy_v2(s));
 }
 
-TEST_F(Timeline, NoStreamIsEverCapturing) {
+TEST_F(Timeline, NoStreamCapturesUnlessAsked) {
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_ACTIVE;
   EXPECT_EQ(cuStreamIsCapturing(nullptr, &st), CUDA_ERROR_INVALID_CONTEXT) << "the null stream needs a context";
   ScopedCtx c(0);
@@ -1741,6 +1741,87 @@ TEST_F(Timeline, NoStreamIsEverCapturing) {
   EXPECT_EQ(cuStreamIsCapturing_ptsz(reinterpret_cast<CUstream>(&not_a_stream), &st), CUDA_ERROR_INVALID_HANDLE);
   EXPECT_CU(cuStreamDestroy_v2(s));
   EXPECT_EQ(cuStreamIsCapturing(s, &st), CUDA_ERROR_INVALID_HANDLE) << "destroyed";
+}
+
+// Between cuStreamBeginCapture and cuStreamEndCapture a user stream records
+// its kernel and graph launches into a graph: nothing runs until the graph
+// is launched.
+TEST_F(Timeline, CaptureRecordsLaunchesIntoAGraph) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_20000us");
+  ASSERT_NE(f, nullptr);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  EXPECT_EQ(cuStreamBeginCapture_v2(nullptr, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  EXPECT_EQ(cuStreamBeginCapture_v2(s, static_cast<CUstreamCaptureMode>(7)), CUDA_ERROR_INVALID_VALUE);
+  CUgraph graph = nullptr;
+  EXPECT_EQ(cuStreamEndCapture(s, &graph), CUDA_ERROR_ILLEGAL_STATE) << "not capturing";
+  ASSERT_CU(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+  EXPECT_EQ(cuStreamBeginCapture(s), CUDA_ERROR_ILLEGAL_STATE) << "already capturing";
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  EXPECT_CU(cuStreamIsCapturing(s, &st));
+  EXPECT_EQ(st, CU_STREAM_CAPTURE_STATUS_ACTIVE);
+  const uint64_t busy = simcuda_busy_ns(0, 0), launches = simcuda_launch_count(0, 0);
+  const uint64_t t0 = simcuda_now_ns();
+  EXPECT_CU(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, nullptr, nullptr));
+  EXPECT_CU(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, nullptr, nullptr));
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_LT(simcuda_now_ns() - t0, 20 * kMs) << "captured kernels do not run";
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy);
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches);
+  ASSERT_CU(cuStreamEndCapture(s, &graph));
+  ASSERT_NE(graph, nullptr);
+  EXPECT_CU(cuStreamIsCapturing(s, &st));
+  EXPECT_EQ(st, CU_STREAM_CAPTURE_STATUS_NONE);
+  CUgraphExec exec = nullptr;
+  ASSERT_CU(cuGraphInstantiateWithFlags(&exec, graph, 0));
+  EXPECT_CU(cuGraphLaunch(exec, s));
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 40 * kMs) << "the graph runs its two kernels";
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches + 2);
+  // A graph launched into a capturing stream is captured too.
+  ASSERT_CU(cuStreamBeginCapture(s));
+  EXPECT_CU(cuGraphLaunch(exec, s));
+  CUgraph outer = nullptr;
+  ASSERT_CU(cuStreamEndCapture(s, &outer));
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 40 * kMs);
+  CUgraphExec outer_exec = nullptr;
+  ASSERT_CU(cuGraphInstantiateWithFlags(&outer_exec, outer, 0));
+  EXPECT_CU(cuGraphLaunch(outer_exec, s));
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 80 * kMs);
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_CU(cuGraphExecDestroy(outer_exec));
+  EXPECT_CU(cuGraphExecDestroy(exec));
+  EXPECT_CU(cuGraphDestroy(outer));
+  EXPECT_CU(cuGraphDestroy(graph));
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+// The kernel log has one record per launch, where it ran on the timeline.
+TEST_F(Timeline, KernelLogRecordsEveryLaunchInPlace) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_1000us");
+  ASSERT_NE(f, nullptr);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  const uint64_t first = simcuda_kernel_log_next(0);
+  for (int i = 0; i < 3; ++i) EXPECT_CU(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, nullptr, nullptr));
+  EXPECT_EQ(simcuda_kernel_log_next(0), first + 3);
+  simcuda_kernel_record log[8] = {};
+  ASSERT_EQ(simcuda_kernel_log(0, first, log, 8), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(log[i].index, first + static_cast<uint64_t>(i));
+    EXPECT_EQ(log[i].pid, getpid());
+    EXPECT_EQ(log[i].end_ns - log[i].start_ns, 1000000u);
+    if (i > 0) EXPECT_GE(log[i].start_ns, log[i - 1].end_ns) << "one kernel at a time";
+  }
+  EXPECT_EQ(simcuda_kernel_log(0, first + 1, log, 1), 1u);
+  EXPECT_EQ(log[0].index, first + 1);
+  EXPECT_EQ(simcuda_kernel_log(0, first + 3, log, 8), 0u);
+  EXPECT_EQ(simcuda_kernel_log(99, 0, log, 8), 0u) << "bad ordinal";
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_CU(cuStreamDestroy_v2(s));
 }
 
 TEST_F(Timeline, CaptureModeIsExchangedPerThread) {

@@ -760,6 +760,14 @@ uint64_t enqueue_kernel(const StreamTarget& t, uint64_t d, uint64_t launches) {
   }
   atomic_max(*t.tail, end);
   atomic_max(P.dev[t.dev].proc_tail, end);
+  KernelLog& log = P.S->kernel_logs[t.dev];
+  const uint64_t index = log.next.fetch_add(1, std::memory_order_acq_rel);
+  KernelRecord& rec = log.records[index % kKernelLogEntries];
+  rec.seq.store(0, std::memory_order_release);  // incomplete until seq is written again
+  rec.start.store(end - d, std::memory_order_relaxed);
+  rec.end.store(end, std::memory_order_relaxed);
+  rec.pid.store(P.pid, std::memory_order_relaxed);
+  rec.seq.store(index + 1, std::memory_order_release);
   dev.busy_ns.fetch_add(d, std::memory_order_relaxed);
   dev.launches.fetch_add(launches, std::memory_order_relaxed);
   slot.busy_ns[t.dev].fetch_add(d, std::memory_order_relaxed);
