@@ -65,6 +65,11 @@ start_fracgpud() {
     tenant=${spec%%:*}
     for i in $(seq 100); do
       [[ -e $run_dir/tenants/$tenant/gputime-0 ]] && break
+      if ! kill -0 "$daemon_pid" 2>/dev/null; then
+        wait "$daemon_pid" || echo "fracgpud exited with status $?: $(tail -n 5 "$dir/fracgpud.log")" >&2
+        daemon_pid=""
+        return 1
+      fi
       if ((i == 100)); then
         echo "fracgpud did not set up tenant $tenant in 10 s: $(tail -n 5 "$dir/fracgpud.log")" >&2
         return 1

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The whole performance report in one command (docs/performance.md).
+#
+#   bash bench/run_report.sh [OUT_DIR] [--smoke]
+#
+# Builds what it runs in $FRACGPU_BUILD_DIR (default build/; configured with
+# scripts/build.sh if it is not yet), then runs, each into its own folder of OUT_DIR (default
+# <build dir>/report):
+#   micro/  the driver-call microbenchmarks (bench/micro/run_micro.sh), if present;
+#   e2e/    the end-to-end workloads on the simulated driver (bench/e2e/run_e2e.sh);
+#   gpu/    the real-GPU benchmark (bench/gpu/run_gpu.sh), only where
+#           `nvidia-smi -L` finds a GPU.
+# --smoke makes every part as short as it goes (what CI's smoke runs).
+# Prints each part's tables and where everything was written. Exit status: the
+# first part that failed, else 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out="" smoke=()
+for arg in "$@"; do
+  case $arg in
+    --smoke) smoke=(--smoke) ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "run_report.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *) out=$arg ;;
+  esac
+done
+build=${FRACGPU_BUILD_DIR:-build}
+# Only what the report runs; cmake rebuilds what changed, fast when up to date.
+targets=(e2e_workload fracgpud fracgpu_cli fracgpu simcuda)
+[[ ! -f bench/micro/run_micro.sh ]] || targets+=(micro_driver_calls)
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  echo "== building into $build (scripts/build.sh)" >&2
+  FRACGPU_BUILD_DIR=$build bash scripts/build.sh
+fi
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >/dev/null ||
+  { echo "run_report.sh: building ${targets[*]} in $build failed" >&2; exit 2; }
+out=${out:-$build/report}
+mkdir -p "$out"
+out=$(realpath "$out")
+
+status=0
+part() {  # part NAME COMMAND...: runs one part, keeps the first failure's status
+  local rc=0
+  echo "== $1" >&2
+  shift
+  "$@" || rc=$?
+  if ((rc != 0)); then
+    echo "run_report.sh: that part exited $rc" >&2
+    ((status != 0)) || status=$rc
+  fi
+}
+
+{
+  echo "Machine: $(lscpu | sed -n 's/^Model name: *//p' | head -n 1), $(nproc) CPUs, $(uname -sr)"
+  echo "Date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "Command: bash bench/run_report.sh${smoke:+ --smoke}"
+} >"$out/machine.txt"
+cat "$out/machine.txt"
+
+if [[ -f bench/micro/run_micro.sh ]]; then
+  part "driver-call microbenchmarks (simulated driver)" bash bench/micro/run_micro.sh "$build" "$out/micro" "${smoke[@]}"
+else
+  echo "== no bench/micro/run_micro.sh: microbenchmarks skipped" >&2
+fi
+part "end-to-end workloads (simulated driver)" bash bench/e2e/run_e2e.sh "$build" "$out/e2e" "${smoke[@]}"
+if nvidia-smi -L >/dev/null 2>&1; then
+  gpu_args=()
+  ((${#smoke[@]} == 0)) || gpu_args=(--seconds 3)
+  part "real GPU" bash bench/gpu/run_gpu.sh "$build" "$out/gpu" "${gpu_args[@]}"
+else
+  echo "== no NVIDIA GPU (nvidia-smi -L failed): real-GPU part skipped" >&2
+fi
+echo "== report written to $out (machine.txt; micro/, e2e/, gpu/ where run)" >&2
+exit "$status"
