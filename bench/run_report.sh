@@ -28,7 +28,6 @@ done
 build=${FRACGPU_BUILD_DIR:-build}
 # Only what the report runs; cmake rebuilds what changed, fast when up to date.
 targets=(e2e_workload fracgpud fracgpu_cli fracgpu simcuda)
-[[ ! -f bench/micro/run_micro.sh ]] || targets+=(micro_driver_calls)
 if [[ ! -f $build/CMakeCache.txt ]]; then
   echo "== building into $build (scripts/build.sh)" >&2
   FRACGPU_BUILD_DIR=$build bash scripts/build.sh
@@ -58,10 +57,13 @@ part() {  # part NAME COMMAND...: runs one part, keeps the first failure's statu
 } >"$out/machine.txt"
 cat "$out/machine.txt"
 
-if [[ -f bench/micro/run_micro.sh ]]; then
-  part "driver-call microbenchmarks (simulated driver)" bash bench/micro/run_micro.sh "$build" "$out/micro" "${smoke[@]}"
-else
+if [[ ! -f bench/micro/run_micro.sh ]]; then
   echo "== no bench/micro/run_micro.sh: microbenchmarks skipped" >&2
+elif ! cmake --build "$build" -j "$(nproc)" --target micro_driver_calls >/dev/null; then
+  echo "run_report.sh: building micro_driver_calls failed: microbenchmarks skipped" >&2
+  status=2
+else
+  part "driver-call microbenchmarks (simulated driver)" bash bench/micro/run_micro.sh "$build" "$out/micro" "${smoke[@]}"
 fi
 part "end-to-end workloads (simulated driver)" bash bench/e2e/run_e2e.sh "$build" "$out/e2e" "${smoke[@]}"
 if nvidia-smi -L >/dev/null 2>&1; then
