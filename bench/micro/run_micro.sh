@@ -106,7 +106,7 @@ EOF
 
 "$build/controller/fracgpud" --config "$run/fracgpud.toml" 2>"$out/fracgpud.log" &
 daemon=$!
-for _ in $(seq 100); do
+for _ in $(seq 300); do  # up to 30 s: CI machines can be slow to start it
   [ -f "$run/tenants/solo/usage" ] && [ -e "$run/tenants/shared/gputime-0" ] && break
   kill -0 "$daemon" 2>/dev/null || { echo "$0: fracgpud exited:" >&2; cat "$out/fracgpud.log" >&2; exit 1; }
   sleep 0.1
