@@ -14,6 +14,7 @@
 #include <toml++/toml.h>
 
 #include "fracgpu/ledger_layout.h"
+#include "metrics.h"
 
 namespace fracgpu::controller {
 namespace {
@@ -170,7 +171,8 @@ struct TenantDraft {
 
 class Parser {
  public:
-  Parser(std::string_view source, const std::vector<DiscoveredGpu>& node) : source_(source), node_(node) {}
+  Parser(std::string_view source, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior)
+      : source_(source), node_(node), prior_(prior) {}
 
   ConfigResult run(std::string_view text) {
     toml::table root;
@@ -377,7 +379,9 @@ class Parser {
       return;
     }
     constexpr std::string_view where = "[daemon]";
-    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice"}, where);
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
+                    "metrics_address"},
+               where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
       if (dir->empty() || dir->front() != '/')
@@ -404,6 +408,22 @@ class Parser {
     }
     if (auto overcommit = get_bool(*t, "allow_overcommit", where)) d.allow_overcommit = *overcommit;
     if (auto slice = get_duration(*t, "time_slice", where, kMinTimeSlice, kMaxTimeSlice)) d.time_slice = *slice;
+    if (auto policy = get_string(*t, "placement", where)) {
+      if (auto parsed = parse_placement_policy(*policy))
+        d.placement = *parsed;
+      else
+        error_in(where, line_of(*t->get("placement")),
+                 fmt::format("placement \"{}\" is not a placement policy (use {})", *policy, kPlacementPolicyList));
+    }
+    if (auto address = get_string(*t, "metrics_address", where)) {
+      std::string why;
+      if (*address == "" || *address == "off")
+        d.metrics_address.clear();
+      else if (!parse_host_port(*address, &why))
+        error_in(where, line_of(*t->get("metrics_address")), fmt::format("metrics_address \"{}\" {}", *address, why));
+      else
+        d.metrics_address = *address;
+    }
   }
 
   // ---- [[gpu]] ----
@@ -668,13 +688,6 @@ class Parser {
 
   // ---- Placement ----
 
-  // Splits `gpus` into pieces of at most one GPU: 2.5 -> 1, 1, 0.5.
-  static std::vector<uint32_t> pieces_of(uint64_t ppm) {
-    std::vector<uint32_t> pieces(ppm / kPpmPerGpu, kPpmPerGpu);
-    if (ppm % kPpmPerGpu != 0) pieces.push_back(static_cast<uint32_t>(ppm % kPpmPerGpu));
-    return pieces;
-  }
-
   std::string free_list() const {
     std::string list;
     for (size_t i = 0; i < gpus_.size(); ++i)
@@ -683,41 +696,67 @@ class Parser {
     return list;
   }
 
+  // The cap defaults to the share (a hard cap); whole GPUs are never capped.
+  Grant fraction_grant(size_t gpu, uint32_t ppm) const {
+    return {gpu, ppm, ppm, fraction_quota(ppm, gpus_[gpu].gpu.memory_bytes)};
+  }
+
   void grant(Tenant& tenant, size_t gpu, uint32_t ppm) {
     free_[gpu] -= ppm;
-    // The cap defaults to the share (a hard cap); whole GPUs are never capped.
-    tenant.grants.push_back({gpu, ppm, ppm, fraction_quota(ppm, gpus_[gpu].gpu.memory_bytes)});
+    tenant.grants.push_back(fraction_grant(gpu, ppm));
   }
 
-  bool already_granted(const Tenant& tenant, size_t gpu) const {
-    return std::any_of(tenant.grants.begin(), tenant.grants.end(), [&](const Grant& g) { return g.gpu == gpu; });
-  }
-
-  // Deterministic first fit. Tenants that name their devices are placed first
-  // (in config order), so a tenant listed earlier but placed automatically
-  // can never take the GPU another tenant explicitly asked for.
+  // Tenants that name their devices are placed first (in config order), so a
+  // tenant listed earlier but placed automatically can never take the GPU
+  // another tenant explicitly asked for. The rest: placement.h.
   void place_fractions() {
     free_.assign(gpus_.size(), kPpmPerGpu);
     size_t configured = 0;
     for (const GpuDraft& d : gpus_) configured += d.valid ? 1 : 0;
+    for (TenantDraft& draft : tenants_) {
+      if (!draft.valid || draft.tenant.gpus_ppm == 0 || !draft.has_devices) continue;
+      const std::string where = fmt::format("tenant \"{}\"", draft.tenant.name);
+      draft.tenant.placement = PlacementReason::kPinned;
+      if (place_pinned(draft, pieces_of(draft.tenant.gpus_ppm), where, format_gpus(draft.tenant.gpus_ppm))) continue;
+      draft.valid = false;
+      draft.tenant.grants.clear();
+    }
     // With a broken [[gpu]] the capacity is unknown: placing automatic
     // tenants would only add misleading errors to the one that matters.
     const bool capacity_known = configured == gpus_.size();
-    for (const bool pinned_pass : {true, false}) {
-      for (TenantDraft& draft : tenants_) {
-        if (!draft.valid || draft.tenant.gpus_ppm == 0 || draft.has_devices != pinned_pass) continue;
-        if (!pinned_pass && !capacity_known) {
-          draft.valid = false;
-          continue;
-        }
-        const std::string where = fmt::format("tenant \"{}\"", draft.tenant.name);
-        const std::vector<uint32_t> pieces = pieces_of(draft.tenant.gpus_ppm);
-        const std::string asked = format_gpus(draft.tenant.gpus_ppm);
-        if (pinned_pass ? place_pinned(draft, pieces, where, asked) : place_first_fit(draft, pieces, where, asked, configured))
-          continue;
+    std::vector<TenantDraft*> automatic;
+    std::vector<PlacementAsk> asks;
+    for (TenantDraft& draft : tenants_) {
+      if (!draft.valid || draft.tenant.gpus_ppm == 0 || draft.has_devices) continue;
+      const size_t needed = pieces_of(draft.tenant.gpus_ppm).size();
+      if (!capacity_known || needed > configured) {
+        if (capacity_known)
+          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line_of_gpus(draft),
+                   fmt::format("gpus = {} needs {} GPUs but only {} are configured", format_gpus(draft.tenant.gpus_ppm),
+                               needed, configured));
         draft.valid = false;
-        draft.tenant.grants.clear();
+        continue;
       }
+      automatic.push_back(&draft);
+      asks.push_back({draft.tenant.name, draft.tenant.gpus_ppm});
+    }
+    std::vector<PlacementGpu> capacity;
+    for (size_t g = 0; g < gpus_.size(); ++g) capacity.push_back({gpus_[g].gpu.uuid_bytes, gpus_[g].valid, free_[g]});
+    const std::vector<PlacementResult> results = place_automatic(config_.daemon.placement, capacity, asks, prior_);
+    for (size_t g = 0; g < gpus_.size(); ++g) free_[g] = capacity[g].free_ppm;
+    for (size_t i = 0; i < automatic.size(); ++i) {
+      TenantDraft& draft = *automatic[i];
+      const PlacementResult& r = results[i];
+      if (!r.placed) {
+        error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line_of_gpus(draft),
+                 fmt::format("cannot place gpus = {}: no other configured GPU has {} unallocated (unallocated: {})",
+                             format_gpus(draft.tenant.gpus_ppm), format_gpus(r.failed_piece), free_list()));
+        draft.valid = false;
+        continue;
+      }
+      draft.tenant.placement = r.reason;
+      // Capacity is already taken by place_automatic: only the grants remain.
+      for (const auto& [g, ppm] : r.grants) draft.tenant.grants.push_back(fraction_grant(g, ppm));
     }
   }
 
@@ -750,32 +789,6 @@ class Parser {
         return false;
       }
       grant(tenant, targets[i], pieces[i]);
-    }
-    return true;
-  }
-
-  bool place_first_fit(TenantDraft& draft, const std::vector<uint32_t>& pieces, const std::string& where,
-                       const std::string& asked, size_t configured) {
-    Tenant& tenant = draft.tenant;
-    const int line = line_of_gpus(draft);
-    if (pieces.size() > configured) {
-      error_in(where, line,
-               fmt::format("gpus = {} needs {} GPUs but only {} are configured", asked, pieces.size(), configured));
-      return false;
-    }
-    for (uint32_t piece : pieces) {
-      bool placed = false;
-      for (size_t g = 0; g < gpus_.size() && !placed; ++g) {
-        if (!gpus_[g].valid || free_[g] < piece || already_granted(tenant, g)) continue;
-        grant(tenant, g, piece);
-        placed = true;
-      }
-      if (!placed) {
-        error_in(where, line,
-                 fmt::format("cannot place gpus = {}: no other configured GPU has {} unallocated (unallocated: {})",
-                             asked, format_gpus(piece), free_list()));
-        return false;
-      }
     }
     return true;
   }
@@ -898,6 +911,7 @@ class Parser {
   std::vector<GpuDraft> gpus_;
   std::vector<TenantDraft> tenants_;
   std::vector<uint32_t> free_;
+  const PriorPlacement* prior_ = nullptr;
 };
 
 }  // namespace
@@ -919,11 +933,12 @@ const Tenant* NodeConfig::find_tenant(std::string_view name) const {
 
 std::string ConfigError::to_string() const { return fmt::format("{}:{}: {}", file, line, message); }
 
-ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node) {
-  return Parser(source, node).run(text);
+ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
+                          const PriorPlacement* prior) {
+  return Parser(source, node, prior).run(text);
 }
 
-ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node) {
+ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior) {
   auto unreadable = [&](std::string why) {
     ConfigResult result;
     result.errors.push_back({path, 0, "cannot read the config file: " + why});
@@ -936,7 +951,7 @@ ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGp
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) return unreadable(std::strerror(errno));
-  return parse_config(text.str(), path, node);
+  return parse_config(text.str(), path, node, prior);
 }
 
 }  // namespace fracgpu::controller

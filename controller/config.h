@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpu_discovery.h"
+#include "placement.h"
 #include "units.h"
 #include "uuid.h"
 
@@ -33,6 +34,8 @@ inline constexpr int kMinReapIntervalMs = 10;
 inline constexpr int kMaxReapIntervalMs = 1000;
 inline constexpr std::chrono::microseconds kMinTimeSlice{2'000};
 inline constexpr std::chrono::microseconds kMaxTimeSlice{200'000};
+// Loopback only unless the operator says otherwise: the figures name tenants.
+inline constexpr std::string_view kDefaultMetricsAddress = "127.0.0.1:9410";
 
 struct DaemonSettings {
   std::string run_dir = "/run/fracgpu";
@@ -40,6 +43,9 @@ struct DaemonSettings {
   std::chrono::milliseconds reap_interval{200};
   bool allow_overcommit = false;
   std::chrono::microseconds time_slice{20'000};  // one exclusive GPU time slice (`time_slice`, e.g. "20ms")
+  PlacementPolicy placement = PlacementPolicy::kBundle;  // `placement`: where `gpus` without `devices` go
+  // `metrics_address`: "host:port" of the Prometheus endpoint; empty: off.
+  std::string metrics_address = std::string(kDefaultMetricsAddress);
 };
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.
@@ -69,6 +75,7 @@ struct Tenant {
   bool count_managed = true;
   uint64_t gpus_ppm = 0;      // `gpus` in parts per million; 0 when not given
   std::vector<Grant> grants;  // placement order; at most one per GPU
+  PlacementReason placement = PlacementReason::kMemoryOnly;  // why the grants are where they are
   int line = 0;
 };
 
@@ -98,9 +105,13 @@ struct ConfigResult {
 };
 
 // Parses `text` (named `source` in messages) against the GPUs of the node.
-ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node);
+// `prior` (may be null): running tenants' current placement, kept where the
+// config still allows (placement.h).
+ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
+                          const PriorPlacement* prior = nullptr);
 
 // Reads and parses a file; an unreadable file is reported as an error at line 0.
-ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node);
+ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node,
+                         const PriorPlacement* prior = nullptr);
 
 }  // namespace fracgpu::controller

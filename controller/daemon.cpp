@@ -16,6 +16,8 @@
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 
+#include "placement.h"
+#include "status.h"
 #include "units.h"
 
 namespace fracgpu::controller {
@@ -130,6 +132,18 @@ bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const Nod
   return ok;
 }
 
+// Parses twice when tenants already run: the first pass only finds run_dir.
+ConfigResult load_placed(const std::string& path, const Discovery& discovery) {
+  ConfigResult result = load_config(path, discovery.gpus);
+  if (!result.ok()) return result;
+  std::string error;
+  const auto report = collect_status(result.config->daemon.run_dir, &error);
+  if (!report) return result;  // no run dir yet: nothing runs
+  const PriorPlacement prior = prior_placement_from(*report);
+  if (prior.empty()) return result;
+  return load_config(path, discovery.gpus, &prior);
+}
+
 void block_daemon_signals() {
   const sigset_t set = daemon_signals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
@@ -137,15 +151,20 @@ void block_daemon_signals() {
 
 int check_config(const DaemonOptions& options) {
   const Discovery discovery = discover_gpus(options.cuda_library.c_str());
-  const ConfigResult result = load_config(options.config_path, discovery.gpus);
+  const ConfigResult result = load_placed(options.config_path, discovery);
   if (!result.ok()) {
     print_errors(result, discovery);
     return kExitCheckFailed;
   }
   const NodeConfig& config = *result.config;
-  fmt::print("{}: valid ({} GPU(s), {} tenant(s))\n", options.config_path, config.gpus.size(), config.tenants.size());
+  fmt::print("{}: valid ({} GPU(s), {} tenant(s))\nplacement policy: {} (each grant says why: devices, kept, "
+             "policy or memory)\n",
+             options.config_path, config.gpus.size(), config.tenants.size(),
+             placement_policy_name(config.daemon.placement));
   for (const Tenant& tenant : config.tenants)
-    for (const Grant& grant : tenant.grants) fmt::print("  tenant \"{}\": {}\n", tenant.name, describe_grant(config, grant));
+    for (const Grant& grant : tenant.grants)
+      fmt::print("  tenant \"{}\": {} [{}]\n", tenant.name, describe_grant(config, grant),
+                 placement_reason_name(tenant.placement));
   return kExitOk;
 }
 
@@ -153,6 +172,7 @@ Daemon::Daemon(DaemonOptions options, std::shared_ptr<spdlog::logger> log)
     : options_(std::move(options)), log_(std::move(log)) {}
 
 Daemon::~Daemon() {
+  metrics_.stop();
   close_all();
   if (pid_fd_ >= 0) {
     // Emptied rather than removed: unlinking a locked file races with a
@@ -165,7 +185,7 @@ Daemon::~Daemon() {
 int Daemon::start() {
   if (options_.log_level) set_log_level(*log_, *options_.log_level);
   discovery_ = discover_gpus(options_.cuda_library.c_str());
-  ConfigResult result = load_config(options_.config_path, discovery_.gpus);
+  ConfigResult result = load_placed_config();
   if (!result.ok()) {
     print_errors(result, discovery_);
     return kExitBadConfig;
@@ -178,8 +198,40 @@ int Daemon::start() {
   if (!prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
+  apply_metrics();
   tick();  // heartbeat at once: `fracgpu status` should not report a fresh daemon as dead
   return kExitOk;
+}
+
+ConfigResult Daemon::load_placed_config() const { return load_placed(options_.config_path, discovery_); }
+
+void Daemon::record_placement(const NodeConfig& config) {
+  PlacementRecord record;
+  record.policy = placement_policy_name(config.daemon.placement);
+  for (const Tenant& tenant : config.tenants) record.why.emplace(tenant.name, placement_reason_name(tenant.placement));
+  std::string error;
+  if (!write_placement_record(config.daemon.run_dir, record, &error))
+    log_->warn("{}; `fracgpu status` will not explain placement", error);
+}
+
+void Daemon::apply_metrics() {
+  const std::string& wanted = config_->daemon.metrics_address;
+  if (wanted.empty()) {
+    if (metrics_.running()) log_->info("metrics: endpoint {} stopped", metrics_.address());
+    metrics_.stop();
+    return;
+  }
+  std::string why;
+  const std::optional<HostPort> address = parse_host_port(wanted, &why);
+  if (!address) return;  // the config check refused it already
+  if (metrics_.running() && metrics_.address() == format_host_port(*address)) return;
+  std::string error;
+  // Metrics are an aid: a taken port must not stop quotas from being enforced.
+  if (!metrics_.start(*address, config_->daemon.run_dir, log_, &error)) {
+    log_->error("{}; running without metrics", error);
+    return;
+  }
+  log_->info("metrics: serving http://{}/metrics", format_host_port({address->host, metrics_.port()}));
 }
 
 bool Daemon::prepare_run_dir() {
@@ -293,6 +345,7 @@ void Daemon::apply(const NodeConfig& config) {
     write_policy(*open.ledger.policy, nullptr, config, *log_, &error);
   }
   apply_gpu_time(config);
+  record_placement(config);
 }
 
 Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
@@ -469,7 +522,7 @@ void Daemon::tick() {
 
 bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
-  ConfigResult result = load_config(options_.config_path, discovery_.gpus);
+  ConfigResult result = load_placed_config();
   if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
     result.errors.push_back({options_.config_path, 0,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
@@ -482,6 +535,7 @@ bool Daemon::reload() {
   config_ = std::move(result.config);
   if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
   apply(*config_);
+  apply_metrics();
   log_->info("reload applied: {} tenant(s)", config_->tenants.size());
   return true;
 }

@@ -28,6 +28,7 @@
 #include "gpu_discovery.h"
 #include "gputime.h"
 #include "ledger.h"
+#include "metrics.h"
 
 namespace fracgpu::controller {
 
@@ -99,6 +100,12 @@ class Daemon {
     bool configured = false;  // in the current config (else all its GPUs are revoked)
   };
 
+  // The config at options_.config_path, placed keeping running tenants where
+  // they are (placement.h): their current placement is read from the run dir.
+  ConfigResult load_placed_config() const;
+  void record_placement(const NodeConfig& config);
+  // Starts, restarts or stops the metrics endpoint to match the config.
+  void apply_metrics();
   bool prepare_run_dir();
   bool lock_pid_file();
   void apply(const NodeConfig& config);
@@ -126,6 +133,7 @@ class Daemon {
   std::map<std::string, OpenLedger> ledgers_;  // by tenant name
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
   int pid_fd_ = -1;
+  MetricsServer metrics_;
 };
 
 }  // namespace fracgpu::controller

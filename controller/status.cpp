@@ -264,6 +264,7 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
   std::sort(report.tenants.begin(), report.tenants.end(),
             [](const TenantStatus& a, const TenantStatus& b) { return a.name < b.name; });
   report.daemon = daemon_status(report);
+  report.placement = read_placement_record(run_dir);
   return report;
 }
 
@@ -335,7 +336,9 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
            {{"alive", report.daemon.alive},
             {"pid", optional(report.daemon.pid)},
             {"heartbeat_age_ms", optional(report.daemon.heartbeat_age_ms)}}},
-          {"tenants", tenants}};
+          {"tenants", tenants},
+          {"placement", report.placement ? json{{"policy", report.placement->policy}, {"tenants", report.placement->why}}
+                                         : json(nullptr)}};
 }
 
 std::string status_to_text(const StatusReport& report) {
@@ -423,6 +426,20 @@ std::string status_to_text(const StatusReport& report) {
     }
   }
   if (proc_table.size() > 1) out += "\n" + render_table(proc_table);
+
+  if (report.placement && !report.placement->why.empty()) {
+    const std::string& policy = report.placement->policy;
+    out += fmt::format("\nplacement (policy {}):\n", policy);
+    std::vector<std::vector<std::string>> why_table;
+    for (const auto& [name, why] : report.placement->why) {
+      const std::string text = why == "devices" ? "pinned by devices"
+                               : why == "kept"  ? "kept from before (it has running processes there)"
+                               : why == "memory" ? "named by its memory table"
+                                                 : "chosen by " + policy;
+      why_table.push_back({"  " + name, text});
+    }
+    out += render_table(why_table);
+  }
 
   std::string arbiter_errors;
   for (const TenantStatus& t : report.tenants)

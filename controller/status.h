@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "placement.h"
+
 namespace fracgpu::controller {
 
 // `fracgpu` exit codes.
@@ -99,6 +101,8 @@ struct StatusReport {
   std::string run_dir;
   DaemonStatus daemon;
   std::vector<TenantStatus> tenants;  // by name
+  // What the daemon last applied: policy, and why each tenant is where it is.
+  std::optional<PlacementRecord> placement;
 
   bool all_ledgers_read() const;
 };

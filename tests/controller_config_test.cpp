@@ -129,7 +129,7 @@ TEST(ConfigErrors, TimeSliceIsNotADuration) {
   expect_error(d + "time_slice = \"99999999999999999s\"\n" + kGpu0, 3, "is too long");
   // The old integer key is gone; the unknown-key error lists the new one.
   expect_error(d + "time_slice_ms = 20\n" + kGpu0, 3, "unknown key \"time_slice_ms\" (known keys: run_dir, log_level, "
-                                                       "reap_interval_ms, allow_overcommit, time_slice)");
+                                                       "reap_interval_ms, allow_overcommit, time_slice, ");
   expect_error(d + "time_slise = \"20ms\"\n" + kGpu0, 3, "unknown key \"time_slise\" (did you mean \"time_slice\"?)");
 }
 

@@ -20,3 +20,28 @@ foreach(name controller_daemon_test controller_cli_test)
   add_dependencies(${name} fracgpud fracgpu_cli simcuda)
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
 endforeach()
+
+# Placement policies and the [daemon] keys of node operations (no daemon).
+add_executable(controller_placement_test controller_placement_test.cpp)
+target_link_libraries(controller_placement_test PRIVATE fracgpu_controller GTest::gtest_main)
+gtest_discover_tests(controller_placement_test DISCOVERY_TIMEOUT 30)
+
+# Metrics scraped over loopback with a real tenant process (the probe under
+# the interposer), and placement kept across restarts and reloads.
+add_executable(controller_ops_test controller_ops_test.cpp)
+target_link_libraries(controller_ops_test PRIVATE fracgpu_controller GTest::gtest_main)
+target_compile_definitions(controller_ops_test PRIVATE
+  FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+  FRACGPU_CLI_PATH="$<TARGET_FILE:fracgpu_cli>"
+  FRACGPU_LIB="$<TARGET_FILE:fracgpu>"
+  PROBE_PATH="$<TARGET_FILE:fracgpu_probe>"
+  SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
+add_dependencies(controller_ops_test fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda)
+gtest_discover_tests(controller_ops_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
+
+# `cmake --install` layout, the installed daemon and CLI, and the container
+# recipes (docs/containers.md, examples/k8s) checked against that install.
+add_test(NAME install_layout_and_recipes
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install_test.sh ${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}
+                 $<TARGET_FILE_DIR:simcuda>)
+set_tests_properties(install_layout_and_recipes PROPERTIES TIMEOUT 120)

@@ -1,0 +1,287 @@
+#include "metrics.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "status.h"
+
+namespace fracgpu::controller {
+namespace {
+
+// Label values: backslash, double quote and newline escaped (text format).
+std::string escape(std::string_view value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\') out += "\\\\";
+    else if (c == '"') out += "\\\"";
+    else if (c == '\n') out += "\\n";
+    else out += c;
+  }
+  return out;
+}
+
+// Accumulates samples grouped by metric, each metric with one HELP and TYPE,
+// as the format requires.
+class Exposition {
+ public:
+  void describe(std::string_view name, std::string_view type, std::string_view help) {
+    order_.emplace_back(name);
+    metrics_[std::string(name)] = fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  }
+  template <typename T>
+  void sample(std::string_view name, std::string_view labels, T value) {
+    std::string& out = metrics_.at(std::string(name));
+    if (labels.empty())
+      out += fmt::format("{} {}\n", name, value);
+    else
+      out += fmt::format("{}{{{}}} {}\n", name, labels, value);
+  }
+  std::string text() const {
+    std::string out;
+    for (const std::string& name : order_) out += metrics_.at(name);
+    return out;
+  }
+
+ private:
+  std::vector<std::string> order_;
+  std::map<std::string, std::string> metrics_;
+};
+
+double ppm_fraction(uint32_t ppm) { return static_cast<double>(ppm) / 1e6; }
+double ns_seconds(uint64_t ns) { return static_cast<double>(ns) / 1e9; }
+
+std::string http_response(std::string_view status, std::string_view type, std::string_view body) {
+  return fmt::format("HTTP/1.0 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status,
+                     type, body.size(), body);
+}
+
+// Writes all of `data` (the socket has a send timeout). False on error.
+bool send_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<HostPort> parse_host_port(std::string_view text, std::string* why) {
+  auto fail = [&](std::string reason) -> std::optional<HostPort> {
+    *why = std::move(reason);
+    return std::nullopt;
+  };
+  const std::string example = "write host:port, e.g. \"127.0.0.1:9410\", or \"off\"";
+  std::string_view host;
+  std::string_view port;
+  if (text.starts_with('[')) {  // [IPv6]:port
+    const size_t close = text.find(']');
+    if (close == std::string_view::npos || close + 1 >= text.size() || text[close + 1] != ':')
+      return fail(fmt::format("is not an address ({})", example));
+    host = text.substr(1, close - 1);
+    port = text.substr(close + 2);
+  } else {
+    const size_t colon = text.rfind(':');
+    if (colon == std::string_view::npos) return fail(fmt::format("has no port ({})", example));
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+  }
+  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return fail(fmt::format("has a bad port \"{}\" (0..65535)", port));
+  const unsigned long number = std::stoul(std::string(port));
+  if (number > 65535) return fail(fmt::format("has a bad port \"{}\" (0..65535)", port));
+  HostPort out;
+  out.port = static_cast<uint16_t>(number);
+  out.host = host == "localhost" ? "127.0.0.1" : std::string(host);
+  unsigned char buf[sizeof(struct in6_addr)];
+  if (inet_pton(AF_INET, out.host.c_str(), buf) != 1 && inet_pton(AF_INET6, out.host.c_str(), buf) != 1)
+    return fail(fmt::format("has a host \"{}\" that is not a numeric IP address (names are not resolved)", host));
+  return out;
+}
+
+std::string format_host_port(const HostPort& address) {
+  return address.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", address.host, address.port)
+                                                     : fmt::format("{}:{}", address.host, address.port);
+}
+
+std::string render_metrics(const StatusReport& report) {
+  Exposition m;
+  m.describe("fracgpu_daemon_up", "gauge", "1 if fracgpud's heartbeat is fresh");
+  m.describe("fracgpu_tenant_ledger_readable", "gauge", "1 if the tenant's ledger could be read (else see fracgpu status)");
+  m.describe("fracgpu_tenant_processes", "gauge", "Processes attached to the tenant's ledger and still running");
+  m.describe("fracgpu_grant_revoked", "gauge", "1 if the tenant's grant on this GPU is revoked (new charges refused)");
+  m.describe("fracgpu_memory_quota_bytes", "gauge", "Memory quota of the tenant on the GPU (absent: unlimited)");
+  m.describe("fracgpu_memory_used_bytes", "gauge", "Memory charged to the tenant on the GPU");
+  m.describe("fracgpu_gpu_time_share", "gauge", "Guaranteed share of the GPU's time, fraction of one GPU");
+  m.describe("fracgpu_gpu_time_limit", "gauge", "Cap on the GPU's time when others leave it idle, fraction of one GPU");
+  m.describe("fracgpu_gpu_time_achieved", "gauge", "GPU time used over the window, fraction of the window");
+  m.describe("fracgpu_gpu_time_used_seconds_total", "counter", "GPU time charged to the tenant");
+  m.describe("fracgpu_gpu_time_throttled_seconds_total", "counter", "Time the tenant's launches waited for the GPU");
+  m.describe("fracgpu_processes", "gauge", "The tenant's processes on the GPU (charged there or listed by its arbiter)");
+  m.sample("fracgpu_daemon_up", "", uint64_t{report.daemon.alive ? 1u : 0u});
+  for (const TenantStatus& t : report.tenants) {
+    const std::string tenant = fmt::format("tenant=\"{}\"", escape(t.name));
+    m.sample("fracgpu_tenant_ledger_readable", tenant, uint64_t{t.error.empty() ? 1u : 0u});
+    if (!t.error.empty()) continue;
+    const auto running = std::count_if(t.processes.begin(), t.processes.end(), [](const ProcessStatus& p) { return p.running; });
+    m.sample("fracgpu_tenant_processes", tenant, static_cast<uint64_t>(running));
+    for (const GpuEntryStatus& g : t.gpus) {
+      const std::string labels = fmt::format("gpu=\"{}\",{}", escape(g.uuid), tenant);
+      m.sample("fracgpu_grant_revoked", labels, uint64_t{g.state == "granted" ? 0u : 1u});
+      if (g.memory_quota) m.sample("fracgpu_memory_quota_bytes", labels, *g.memory_quota);
+      m.sample("fracgpu_memory_used_bytes", labels, g.memory_used);
+      m.sample("fracgpu_gpu_time_share", labels, ppm_fraction(g.share_ppm));
+      m.sample("fracgpu_gpu_time_limit", labels, ppm_fraction(g.limit_ppm));
+      if (g.gpu_time) {
+        m.sample("fracgpu_gpu_time_achieved", labels + ",window=\"1s\"", ppm_fraction(g.gpu_time->achieved_1s_ppm));
+        m.sample("fracgpu_gpu_time_achieved", labels + ",window=\"10s\"", ppm_fraction(g.gpu_time->achieved_10s_ppm));
+        m.sample("fracgpu_gpu_time_used_seconds_total", labels, ns_seconds(g.gpu_time->used_ns));
+        m.sample("fracgpu_gpu_time_throttled_seconds_total", labels, ns_seconds(g.gpu_time->throttled_ns));
+      }
+      // As `fracgpu status` counts its PROCS column, but running ones only:
+      // an exited process awaiting reclaim is not "on" the GPU any more.
+      const auto here = [&](const auto& e) { return e.uuid == g.uuid; };
+      const auto procs = std::count_if(t.processes.begin(), t.processes.end(), [&](const ProcessStatus& p) {
+        return p.running && (std::any_of(p.charges.begin(), p.charges.end(), here) ||
+                             std::any_of(p.gpu_time.begin(), p.gpu_time.end(), here));
+      });
+      m.sample("fracgpu_processes", labels, static_cast<uint64_t>(procs));
+    }
+  }
+  return m.text();
+}
+
+bool MetricsServer::start(const HostPort& address, std::string run_dir, std::shared_ptr<spdlog::logger> log,
+                          std::string* error) {
+  stop();
+  run_dir_ = std::move(run_dir);
+  log_ = std::move(log);
+  address_ = format_host_port(address);
+  struct sockaddr_storage storage {};
+  socklen_t length = 0;
+  int family = AF_INET;
+  auto* v4 = reinterpret_cast<struct sockaddr_in*>(&storage);
+  auto* v6 = reinterpret_cast<struct sockaddr_in6*>(&storage);
+  if (inet_pton(AF_INET, address.host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(address.port);
+    length = sizeof *v4;
+  } else if (inet_pton(AF_INET6, address.host.c_str(), &v6->sin6_addr) == 1) {
+    family = AF_INET6;
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(address.port);
+    length = sizeof *v6;
+  } else {
+    *error = fmt::format("metrics_address {}: not a numeric IP address", address_);
+    return false;
+  }
+  listen_fd_ = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const int on = 1;
+  if (listen_fd_ < 0 || setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) != 0 ||
+      ::bind(listen_fd_, reinterpret_cast<struct sockaddr*>(&storage), length) != 0 || ::listen(listen_fd_, 16) != 0) {
+    *error = fmt::format("metrics: cannot listen on {}: {}", address_, std::strerror(errno));
+    if (listen_fd_ >= 0) ::close(listen_fd_);
+    listen_fd_ = -1;
+    return false;
+  }
+  struct sockaddr_storage bound {};
+  socklen_t bound_length = sizeof bound;
+  getsockname(listen_fd_, reinterpret_cast<struct sockaddr*>(&bound), &bound_length);
+  port_ = ntohs(family == AF_INET ? reinterpret_cast<struct sockaddr_in*>(&bound)->sin_port
+                                  : reinterpret_cast<struct sockaddr_in6*>(&bound)->sin6_port);
+  stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (stop_fd_ < 0) {
+    *error = fmt::format("metrics: eventfd: {}", std::strerror(errno));
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+    return false;
+  }
+  thread_ = std::thread([this] { serve(); });
+  return true;
+}
+
+void MetricsServer::stop() {
+  if (!thread_.joinable()) return;
+  const uint64_t one = 1;
+  if (::write(stop_fd_, &one, sizeof one) != static_cast<ssize_t>(sizeof one)) log_->warn("metrics: cannot stop: {}", std::strerror(errno));
+  thread_.join();
+  ::close(stop_fd_);
+  ::close(listen_fd_);
+  stop_fd_ = listen_fd_ = -1;
+  port_ = 0;
+}
+
+void MetricsServer::serve() {
+  for (;;) {
+    struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      log_->error("metrics: poll: {}; the endpoint stops", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    const int client = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (client < 0) continue;  // the client gave up, or EAGAIN: poll again
+    handle(client);
+    ::close(client);
+  }
+}
+
+// One request per connection (HTTP/1.0 style). Bounded: 8 KiB of request
+// head and 2 s for the whole exchange, so a stuck client delays the next
+// scrape at most that long and never the daemon.
+void MetricsServer::handle(int client) {
+  const struct timeval timeout {2, 0};
+  setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  std::string request;
+  char buf[2048];
+  while (request.find("\r\n\r\n") == std::string::npos && request.find("\n\n") == std::string::npos &&
+         request.size() < 8192 && std::chrono::steady_clock::now() < deadline) {
+    const ssize_t n = ::recv(client, buf, sizeof buf, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    request.append(buf, static_cast<size_t>(n));
+  }
+  const std::string line = request.substr(0, request.find_first_of("\r\n"));
+  const size_t sp1 = line.find(' ');
+  const size_t sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
+  const std::string method = line.substr(0, sp1);
+  std::string path = sp1 == std::string::npos ? "" : line.substr(sp1 + 1, sp2 == std::string::npos ? sp2 : sp2 - sp1 - 1);
+  path = path.substr(0, path.find('?'));
+  std::string response;
+  if (method != "GET" && method != "HEAD") {
+    response = http_response("405 Method Not Allowed", "text/plain", "only GET\n");
+  } else if (path == "/metrics") {
+    std::string error;
+    const auto report = collect_status(run_dir_, &error);
+    if (report)
+      response = http_response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_metrics(*report));
+    else
+      response = http_response("503 Service Unavailable", "text/plain", error + "\n");
+  } else if (path == "/") {
+    response = http_response("200 OK", "text/plain", "fracgpud: metrics at /metrics\n");
+  } else {
+    response = http_response("404 Not Found", "text/plain", "not found; metrics at /metrics\n");
+  }
+  if (method == "HEAD") response = response.substr(0, response.find("\r\n\r\n") + 4);
+  if (!send_all(client, response)) log_->debug("metrics: client went away: {}", std::strerror(errno));
+}
+
+}  // namespace fracgpu::controller

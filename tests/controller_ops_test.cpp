@@ -1,0 +1,342 @@
+// fracgpud's operator-facing parts end to end, on the simulated driver: the
+// Prometheus endpoint scraped over loopback and checked against the ledger,
+// and placement that keeps running tenants on their GPUs across a restart
+// and a reload, explained by `fracgpu status`.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "controller_test_util.h"
+#include "ledger.h"
+#include "metrics.h"
+#include "placement.h"
+#include "status.h"
+#include "uuid.h"
+
+using namespace fracgpu;
+using namespace fracgpu::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+const std::string kUuid0 = "GPU-0be7a000-0000-4000-8000-000000000001";
+const std::string kUuid1 = "GPU-0be7a000-0000-4000-8000-000000000002";
+const std::string kDevices =
+    "uuid=" + kUuid0 + ",name=Sim A,mem=16GiB,ctx=64MiB;uuid=" + kUuid1 + ",name=Sim B,mem=16GiB,ctx=64MiB";
+
+class OpsTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (pid_t pid : children_) kill_and_reap(pid);
+    kill_and_reap(daemon_);
+  }
+
+  std::string daemon_section(const std::string& extra) const {
+    return "[daemon]\nrun_dir = \"" + run_dir_ + "\"\nreap_interval_ms = 50\nlog_level = \"debug\"\n" + extra +
+           "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n[[gpu]]\nindex = 1\ncontext_memory = \"64MiB\"\n";
+  }
+
+  // Runs `args` with the simulated driver and `env` added; output to `log`.
+  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      setenv("LD_LIBRARY_PATH", SIMCUDA_DIR, 1);
+      setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
+      unsetenv("SIMCUDA_STATE");  // private simulated state unless `env` shares one
+      for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    return pid;
+  }
+
+  // Starts fracgpud; waits until the pid-file lock is held and `ready` is logged.
+  void start_daemon(const std::string& ready = "started: config") {
+    const size_t before = read_file(log_path_).size();
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_);
+    ASSERT_TRUE(eventually([&] { return read_file(log_path_).find(ready, before) != std::string::npos; }))
+        << read_file(log_path_);
+    std::string error;
+    ASSERT_TRUE(eventually([&] {
+      const auto report = controller::collect_status(run_dir_, &error);
+      // A heartbeat in a ledger, not only the pid-file lock: the policies are written.
+      return report && report->daemon.alive && report->daemon.heartbeat_age_ms.has_value();
+    }));
+  }
+
+  void stop_daemon() {
+    kill(daemon_, SIGTERM);
+    EXPECT_EQ(wait_exit(daemon_, 10s), 0) << read_file(log_path_);
+    daemon_ = -1;
+  }
+
+  // The ledger's granted share (ppm) of `tenant` per GPU UUID.
+  std::map<std::string, uint32_t> shares(const std::string& tenant) {
+    std::map<std::string, uint32_t> out;
+    ledger::TenantLedger l;
+    char err[256];
+    if (ledger::open_ledger((run_dir_ + "/tenants/" + tenant).c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
+                            sizeof err) != ledger::LedgerError::kOk)
+      return out;
+    for (const auto& g : l.policy->gpus)
+      if (g.state.load() == ledger::kGpuGranted) out[controller::format_gpu_uuid(g.uuid)] = g.share_ppm.load();
+    ledger::close_ledger(&l);
+    return out;
+  }
+
+  std::string run_cli(const std::vector<std::string>& args) {
+    const std::string log = tmp_ / "cli.out";
+    std::filesystem::remove(log);
+    std::vector<std::string> argv{FRACGPU_CLI_PATH};
+    argv.insert(argv.end(), args.begin(), args.end());
+    EXPECT_EQ(wait_exit(spawn(argv, log), 10s), 0) << read_file(log);
+    return read_file(log);
+  }
+
+  TempDir tmp_;
+  std::string run_dir_ = tmp_ / "run";
+  std::string config_path_ = tmp_ / "fracgpud.toml";
+  std::string log_path_ = tmp_ / "fracgpud.log";
+  std::vector<pid_t> children_;
+  pid_t daemon_ = -1;
+};
+
+// An HTTP GET over loopback; the whole response, or "" if unreachable.
+std::string http_get(uint16_t port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in addr {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  std::string out;
+  if (connect(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// Parses the text format strictly: every line a HELP, a TYPE or a sample,
+// every sample's metric described first. Returns series -> value.
+std::map<std::string, double> parse_exposition(const std::string& body) {
+  static const std::regex help(R"(# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .+)");
+  static const std::regex type(R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (gauge|counter))");
+  static const std::regex sample(R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-z_]+="[^"\\]*",?)*\})? ([-+0-9.eE]+|NaN))");
+  std::map<std::string, double> out;
+  std::map<std::string, int> described;
+  size_t start = 0;
+  while (start < body.size()) {
+    const size_t end = body.find('\n', start);
+    EXPECT_NE(end, std::string::npos) << "the last line must end with a newline";
+    const std::string line = body.substr(start, end - start);
+    start = end == std::string::npos ? body.size() : end + 1;
+    std::smatch m;
+    if (std::regex_match(line, m, help)) {
+      described[m[1]] |= 1;
+    } else if (std::regex_match(line, m, type)) {
+      described[m[1]] |= 2;
+    } else if (std::regex_match(line, m, sample)) {
+      EXPECT_EQ(described[m[1]], 3) << "no HELP and TYPE before: " << line;
+      const size_t space = line.rfind(' ');
+      EXPECT_TRUE(out.emplace(line.substr(0, space), std::stod(line.substr(space + 1))).second) << "duplicate " << line;
+    } else {
+      ADD_FAILURE() << "not in the text format: \"" << line << "\"";
+    }
+  }
+  return out;
+}
+
+TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
+  write_file(config_path_, daemon_section("metrics_address = \"127.0.0.1:0\"\n") +
+                               "[[tenant]]\nname = \"alice\"\ngpus = 0.5\nlimit = 0.75\n"
+                               "[[tenant]]\nname = \"bob\"\nmemory = { \"1\" = \"2GiB\" }\n");
+  start_daemon("metrics: serving http://127.0.0.1:");
+  const std::string log = read_file(log_path_);
+  const size_t at = log.find("metrics: serving http://127.0.0.1:");
+  const auto port = static_cast<uint16_t>(std::stoi(log.substr(at + std::string("metrics: serving http://127.0.0.1:").size())));
+  ASSERT_GT(port, 0);
+
+  // A real tenant process: the probe allocates through the interposer.
+  const std::string probe_log = tmp_ / "probe.log";
+  const std::string tenant_env = "FRACGPU_TENANT_DIR=" + run_dir_ + "/tenants/alice";
+  const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
+  const std::string state = "SIMCUDA_STATE=" + (tmp_ / "sim-state");
+  const pid_t probe = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "100MiB", "hold"}, probe_log,
+                            {tenant_env, preload, state});
+  children_.push_back(probe);
+  ASSERT_TRUE(eventually([&] { return read_file(probe_log).find("holding=") != std::string::npos; }))
+      << read_file(probe_log);
+  EXPECT_NE(read_file(probe_log).find("alloc=0"), std::string::npos) << read_file(probe_log);
+
+  const std::string response = http_get(port, "/metrics");
+  ASSERT_EQ(response.rfind("HTTP/1.0 200 OK\r\n", 0), 0u) << response;
+  EXPECT_NE(response.find("Content-Type: text/plain; version=0.0.4"), std::string::npos);
+  const std::string body = response.substr(response.find("\r\n\r\n") + 4);
+  const std::map<std::string, double> series = parse_exposition(body);
+  // A series' value; a missing one fails the test, showing the whole scrape.
+  const auto value = [&](const std::string& name) {
+    const auto it = series.find(name);
+    if (it != series.end()) return it->second;
+    ADD_FAILURE() << "no series " << name << " in:\n" << body;
+    return -1.0;
+  };
+
+  // The same figures, read from the ledgers directly (what `fracgpu status` reads).
+  std::string error;
+  const auto report = controller::collect_status(run_dir_, &error);
+  ASSERT_TRUE(report) << error;
+  const controller::TenantStatus* alice = nullptr;
+  for (const auto& t : report->tenants)
+    if (t.name == "alice") alice = &t;
+  ASSERT_NE(alice, nullptr);
+  ASSERT_EQ(alice->gpus.size(), 1u);
+  const controller::GpuEntryStatus& g = alice->gpus[0];
+  EXPECT_EQ(g.uuid, kUuid0);
+  EXPECT_EQ(g.memory_used, 164 * kMiB);  // the context (64 MiB) and the allocation
+  const std::string a = "{gpu=\"" + kUuid0 + "\",tenant=\"alice\"}";
+  EXPECT_EQ(value("fracgpu_memory_used_bytes" + a), static_cast<double>(g.memory_used)) << body;
+  EXPECT_EQ(value("fracgpu_memory_quota_bytes" + a), static_cast<double>(*g.memory_quota));
+  EXPECT_EQ(value("fracgpu_memory_quota_bytes" + a), 8.0 * (1ull << 30));
+  EXPECT_EQ(value("fracgpu_gpu_time_share" + a), 0.5);
+  EXPECT_EQ(value("fracgpu_gpu_time_limit" + a), 0.75);
+  EXPECT_EQ(value("fracgpu_processes" + a), 1.0);
+  EXPECT_EQ(value("fracgpu_grant_revoked" + a), 0.0);
+  EXPECT_EQ(value("fracgpu_tenant_processes{tenant=\"alice\"}"), 1.0);
+  EXPECT_EQ(value("fracgpu_tenant_ledger_readable{tenant=\"alice\"}"), 1.0);
+  EXPECT_EQ(value("fracgpu_daemon_up"), 1.0);
+  ASSERT_TRUE(g.gpu_time.has_value());
+  const std::string a1 = "{gpu=\"" + kUuid0 + "\",tenant=\"alice\",window=\"1s\"}";
+  EXPECT_GE(value("fracgpu_gpu_time_achieved" + a1), 0.0);
+  EXPECT_LE(value("fracgpu_gpu_time_achieved" + a1), 1.0);
+  EXPECT_TRUE(series.contains("fracgpu_gpu_time_achieved{gpu=\"" + kUuid0 + "\",tenant=\"alice\",window=\"10s\"}"));
+  EXPECT_GE(value("fracgpu_gpu_time_throttled_seconds_total" + a), 0.0);
+  EXPECT_GE(value("fracgpu_gpu_time_used_seconds_total" + a), 0.0);
+  // bob: a memory quota on GPU 1, no share, nothing used.
+  const std::string b = "{gpu=\"" + kUuid1 + "\",tenant=\"bob\"}";
+  EXPECT_EQ(value("fracgpu_memory_quota_bytes" + b), 2.0 * (1ull << 30));
+  EXPECT_EQ(value("fracgpu_memory_used_bytes" + b), 0.0);
+  EXPECT_EQ(value("fracgpu_gpu_time_share" + b), 0.0);
+  EXPECT_EQ(value("fracgpu_processes" + b), 0.0);
+
+  // The process exits: its charge and its count leave the metrics.
+  kill_and_reap(probe);
+  children_.clear();
+  ASSERT_TRUE(eventually([&] {
+    const auto body2 = http_get(port, "/metrics");
+    return body2.find("fracgpu_memory_used_bytes" + a + " 0\n") != std::string::npos &&
+           body2.find("fracgpu_processes" + a + " 0\n") != std::string::npos;
+  })) << http_get(port, "/metrics");
+
+  EXPECT_EQ(http_get(port, "/nothing").rfind("HTTP/1.0 404", 0), 0u);
+
+  // Reload with metrics off: the endpoint goes away, the daemon stays.
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\n") +
+                               "[[tenant]]\nname = \"alice\"\ngpus = 0.5\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return read_file(log_path_).find("metrics: endpoint") != std::string::npos; }))
+      << read_file(log_path_);
+  EXPECT_EQ(http_get(port, "/metrics"), "");
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0);
+}
+
+TEST_F(OpsTest, ATakenMetricsPortDoesNotStopTheDaemon) {
+  const int blocker = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in addr {};
+  addr.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(bind(blocker, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(blocker, 1), 0);
+  socklen_t len = sizeof addr;
+  getsockname(blocker, reinterpret_cast<struct sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  write_file(config_path_, daemon_section("metrics_address = \"127.0.0.1:" + std::to_string(port) + "\"\n") +
+                               "[[tenant]]\nname = \"alice\"\ngpus = 0.5\n");
+  start_daemon("running without metrics");
+  EXPECT_EQ(shares("alice").at(kUuid0), 500'000u);
+  close(blocker);
+}
+
+// Config 1 puts a = 0.5 on GPU 0 and b = 0.75 on GPU 1. Config 2 lists them
+// the other way round, where a fresh bundle placement would swap them.
+const std::string kTenantsAB = "[[tenant]]\nname = \"a\"\ngpus = 0.5\n[[tenant]]\nname = \"b\"\ngpus = 0.75\n";
+const std::string kTenantsBA = "[[tenant]]\nname = \"b\"\ngpus = 0.75\n[[tenant]]\nname = \"a\"\ngpus = 0.5\n";
+
+TEST_F(OpsTest, ARestartKeepsARunningTenantOnItsGpu) {
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\n") + kTenantsAB);
+  start_daemon();
+  ASSERT_EQ(shares("b"), (std::map<std::string, uint32_t>{{kUuid1, 750'000u}}));
+  ASSERT_EQ(shares("a"), (std::map<std::string, uint32_t>{{kUuid0, 500'000u}}));
+  const pid_t worker = spawn_tenant_process(run_dir_ + "/tenants/b", 0, 10 * kMiB);
+  ASSERT_GT(worker, 0);
+  children_.push_back(worker);
+  stop_daemon();
+
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\n") + kTenantsBA);
+  start_daemon();
+  EXPECT_EQ(shares("b"), (std::map<std::string, uint32_t>{{kUuid1, 750'000u}})) << read_file(log_path_);
+  EXPECT_EQ(shares("a"), (std::map<std::string, uint32_t>{{kUuid0, 500'000u}}));
+  const std::string status = run_cli({"status", "--run-dir", run_dir_});
+  EXPECT_NE(status.find("placement (policy bundle):"), std::string::npos) << status;
+  EXPECT_TRUE(std::regex_search(status, std::regex("  b +kept from before")) ) << status;
+  EXPECT_TRUE(std::regex_search(status, std::regex("  a +chosen by bundle"))) << status;
+  const std::string json = run_cli({"status", "--json", "--run-dir", run_dir_});
+  EXPECT_NE(json.find("\"placement\": {\n    \"policy\": \"bundle\""), std::string::npos) << json;
+
+  // The control: once b has no running process, a restart places afresh.
+  kill_and_reap(worker);
+  children_.clear();
+  stop_daemon();
+  start_daemon();
+  EXPECT_EQ(shares("b"), (std::map<std::string, uint32_t>{{kUuid0, 750'000u}})) << read_file(log_path_);
+  EXPECT_EQ(shares("a"), (std::map<std::string, uint32_t>{{kUuid1, 500'000u}}));
+}
+
+TEST_F(OpsTest, AReloadKeepsARunningTenantOnItsGpu) {
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\n") + kTenantsAB);
+  start_daemon();
+  const pid_t worker = spawn_tenant_process(run_dir_ + "/tenants/b", 0, 10 * kMiB);
+  ASSERT_GT(worker, 0);
+  children_.push_back(worker);
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\nplacement = \"spread\"\n") + kTenantsBA +
+                               "[[tenant]]\nname = \"c\"\ngpus = 0.25\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return shares("c").size() == 1; })) << read_file(log_path_);
+  EXPECT_EQ(shares("b"), (std::map<std::string, uint32_t>{{kUuid1, 750'000u}}));
+  // a has no process: spread places it afresh, on the emptier GPU 0; c
+  // then goes to the least loaded GPU, also 0 (0.5 free against 0.25).
+  EXPECT_EQ(shares("a"), (std::map<std::string, uint32_t>{{kUuid0, 500'000u}}));
+  EXPECT_EQ(shares("c"), (std::map<std::string, uint32_t>{{kUuid0, 250'000u}}));
+  const auto record = controller::read_placement_record(run_dir_);
+  ASSERT_TRUE(record);
+  EXPECT_EQ(record->policy, "spread");
+  EXPECT_EQ(record->why.at("b"), "kept");
+  EXPECT_EQ(record->why.at("a"), "policy");
+}
+
+}  // namespace
+
