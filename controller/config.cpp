@@ -380,7 +380,7 @@ class Parser {
     }
     constexpr std::string_view where = "[daemon]";
     check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
-                    "metrics_address"},
+                    "metrics_address", "health_interval", "audit_interval", "audit_action"},
                where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
@@ -414,6 +414,17 @@ class Parser {
       else
         error_in(where, line_of(*t->get("placement")),
                  fmt::format("placement \"{}\" is not a placement policy (use {})", *policy, kPlacementPolicyList));
+    }
+    if (auto every = get_duration(*t, "health_interval", where, kMinCheckInterval, kMaxCheckInterval))
+      d.health_interval = *every;
+    if (auto every = get_duration(*t, "audit_interval", where, kMinCheckInterval, kMaxCheckInterval))
+      d.audit_interval = *every;
+    if (auto action = get_string(*t, "audit_action", where)) {
+      if (auto parsed = parse_audit_action(*action))
+        d.audit_action = *parsed;
+      else
+        error_in(where, line_of(*t->get("audit_action")),
+                 fmt::format("audit_action \"{}\" is not an audit action (use {})", *action, kAuditActionList));
     }
     if (auto address = get_string(*t, "metrics_address", where)) {
       std::string why;

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "audit.h"
 #include "gpu_discovery.h"
 #include "placement.h"
 #include "units.h"
@@ -34,6 +35,9 @@ inline constexpr int kMinReapIntervalMs = 10;
 inline constexpr int kMaxReapIntervalMs = 1000;
 inline constexpr std::chrono::microseconds kMinTimeSlice{2'000};
 inline constexpr std::chrono::microseconds kMaxTimeSlice{200'000};
+// GPU health probe and bypass audit periods (docs/operations.md).
+inline constexpr std::chrono::microseconds kMinCheckInterval{10'000};
+inline constexpr std::chrono::microseconds kMaxCheckInterval{3'600'000'000};
 // Loopback only unless the operator says otherwise: the figures name tenants.
 inline constexpr std::string_view kDefaultMetricsAddress = "127.0.0.1:9410";
 
@@ -46,6 +50,9 @@ struct DaemonSettings {
   PlacementPolicy placement = PlacementPolicy::kBundle;  // `placement`: where `gpus` without `devices` go
   // `metrics_address`: "host:port" of the Prometheus endpoint; empty: off.
   std::string metrics_address = std::string(kDefaultMetricsAddress);
+  std::chrono::microseconds health_interval{5'000'000};  // `health_interval`: NVML health probe period
+  std::chrono::microseconds audit_interval{10'000'000};  // `audit_interval`: NVML bypass audit period
+  AuditAction audit_action = AuditAction::kReport;       // `audit_action`: report, deny, terminate
 };
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.

@@ -150,7 +150,7 @@ void block_daemon_signals() {
 }
 
 int check_config(const DaemonOptions& options) {
-  const Discovery discovery = discover_gpus(options.cuda_library.c_str());
+  const Discovery discovery = discover_gpus(options.cuda_library.c_str(), options.nvml_library.c_str());
   const ConfigResult result = load_placed(options.config_path, discovery);
   if (!result.ok()) {
     print_errors(result, discovery);
@@ -184,7 +184,7 @@ Daemon::~Daemon() {
 
 int Daemon::start() {
   if (options_.log_level) set_log_level(*log_, *options_.log_level);
-  discovery_ = discover_gpus(options_.cuda_library.c_str());
+  discovery_ = discover_gpus(options_.cuda_library.c_str(), options_.nvml_library.c_str());
   ConfigResult result = load_placed_config();
   if (!result.ok()) {
     print_errors(result, discovery_);
@@ -194,11 +194,18 @@ int Daemon::start() {
   if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
   if (!discovery_.problem.empty()) log_->warn("GPU discovery: {}", discovery_.problem);
   for (const DiscoveredGpu& gpu : discovery_.gpus)
-    log_->info("found GPU {} {} ({}, {})", gpu.index, gpu.uuid, gpu.name, format_size(gpu.memory_bytes));
+    log_->info("found GPU {} {} ({}, {}, {} SMs)", gpu.index, gpu.uuid, gpu.name, format_size(gpu.memory_bytes),
+               gpu.sm_count);
+  if (discovery_.nvml)
+    log_->info("NVML: GPUs listed by NVML{}", discovery_.nvml_problem.empty() ? "" : "; " + discovery_.nvml_problem);
+  else
+    log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
+               discovery_.nvml_problem);
   if (!prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
   apply_metrics();
+  start_gpu_checks();
   tick();  // heartbeat at once: `fracgpu status` should not report a fresh daemon as dead
   return kExitOk;
 }
@@ -346,6 +353,7 @@ void Daemon::apply(const NodeConfig& config) {
   }
   apply_gpu_time(config);
   record_placement(config);
+  apply_unavailable();
 }
 
 Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
@@ -518,6 +526,98 @@ void Daemon::tick() {
     open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   }
   tick_gpu_time(now);
+  check_gpus(now);
+}
+
+void Daemon::start_gpu_checks() {
+  if (discovery_.nvml) {
+    std::string problem;
+    nvml_ = Nvml::open(options_.nvml_library.c_str(), &problem);
+    if (nvml_ == nullptr) log_->warn("{}; GPU health and bypass audit are off", problem);
+  }
+  health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_);
+  auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
+  next_health_ns_ = next_audit_ns_ = 0;  // both at the first tick
+  if (nvml_ == nullptr) {
+    // Written once, so `fracgpu status` says why there is no health data.
+    std::string error;
+    if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);
+  }
+}
+
+NodeChecks Daemon::node_checks() const {
+  NodeChecks checks;
+  checks.nvml = nvml_ != nullptr;
+  checks.nvml_problem = discovery_.nvml_problem;
+  if (health_ != nullptr) checks.gpus = health_->gpus();
+  if (config_) checks.audit_action = config_->daemon.audit_action;
+  if (auditor_ != nullptr) checks.findings = auditor_->findings();
+  return checks;
+}
+
+void Daemon::check_gpus(uint64_t now) {
+  if (health_ == nullptr || nvml_ == nullptr) return;
+  const auto ns = [](std::chrono::microseconds d) { return static_cast<uint64_t>(d.count()) * 1000; };
+  bool ran = false, changed = false;
+  if (now >= next_health_ns_) {
+    changed |= health_->probe();
+    next_health_ns_ = now + ns(config_->daemon.health_interval);
+    ran = true;
+  }
+  if (now >= next_audit_ns_) {
+    // Host PIDs of every live slot: F_GETLK names the lock holder in our
+    // namespace whatever namespace the tenant process runs in.
+    std::set<int32_t> charged;
+    for (const auto& [name, open] : ledgers_) {
+      const uint32_t high = std::min(open.ledger.usage->slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+      for (uint32_t s = 0; s < high; ++s)
+        if (open.ledger.usage->slots[s].state.load(std::memory_order_acquire) == ledger::kSlotLive)
+          if (const int32_t pid = ledger::slot_owner_pid(open.ledger, s); pid > 0) charged.insert(pid);
+    }
+    changed |= auditor_->audit(charged, config_->daemon.audit_action, config_->daemon.run_dir);
+    next_audit_ns_ = now + ns(config_->daemon.audit_interval);
+    ran = true;
+  }
+  if (changed) apply_unavailable();
+  if (ran) {
+    std::string error;
+    if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);
+  }
+}
+
+void Daemon::apply_unavailable() {
+  if (health_ == nullptr || !config_) return;
+  const bool deny = config_->daemon.audit_action == AuditAction::kDeny;
+  for (auto& [name, open] : ledgers_) {
+    ledger::PolicySegment& policy = *open.ledger.policy;
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      GpuPolicy& e = policy.gpus[g];
+      if (e.state.load(std::memory_order_acquire) == ledger::kGpuUnused) continue;
+      const std::string uuid = format_gpu_uuid(e.uuid);
+      uint32_t reason = ledger::kGpuAvailable, detail = 0;
+      if (const GpuHealth* h = health_->find(uuid); h != nullptr && !h->healthy) {
+        reason = h->reason;
+        detail = h->detail;
+      } else if (deny && auditor_ != nullptr) {
+        for (const AuditFinding& f : auditor_->findings()) {
+          if (f.tenant != name || f.gpu_uuid != uuid) continue;
+          reason = ledger::kGpuBypassDenied;
+          detail = static_cast<uint32_t>(f.pid);
+        }
+      }
+      const uint32_t before = e.unavailable.load(std::memory_order_relaxed);
+      if (before == reason && e.unavailable_detail.load(std::memory_order_relaxed) == detail) continue;
+      // Detail first, reason last (release): a reader that sees the reason sees its detail.
+      e.unavailable_detail.store(detail, std::memory_order_relaxed);
+      e.unavailable.store(reason, std::memory_order_release);
+      // Health changes are logged once per GPU by the probe; a denial is per tenant.
+      if (reason == ledger::kGpuBypassDenied)
+        log_->warn("audit: tenant \"{}\": new processes on GPU {} are refused (process {} uses it uncharged)", name,
+                   uuid, detail);
+      else if (before == ledger::kGpuBypassDenied)
+        log_->info("audit: tenant \"{}\": GPU {} accepts new processes again", name, uuid);
+    }
+  }
 }
 
 bool Daemon::reload() {

@@ -27,6 +27,7 @@
 #include "config.h"
 #include "gpu_discovery.h"
 #include "gputime.h"
+#include "health.h"
 #include "ledger.h"
 #include "metrics.h"
 
@@ -50,6 +51,7 @@ struct DaemonOptions {
   std::string config_path;
   std::optional<LogLevel> log_level;  // --log-level: wins over [daemon] log_level
   std::string cuda_library = "libcuda.so.1";
+  std::string nvml_library = "libnvidia-ml.so.1";  // absent: discovery by CUDA alone, no health or audit
 };
 
 // A stderr logger with fracgpud's format.
@@ -92,6 +94,9 @@ class Daemon {
   void tick();
   // SIGHUP: re-read the config; keeps the old policy if it is invalid.
   bool reload();
+  // What the health probe and the bypass audit last found (also in
+  // <run_dir>/health.json).
+  NodeChecks node_checks() const;
 
  private:
   struct OpenLedger {
@@ -126,6 +131,13 @@ class Daemon {
   void link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry);
   void tick_gpu_time(uint64_t now);
 
+  // GPU health and bypass audit through NVML (docs/operations.md).
+  void start_gpu_checks();
+  void check_gpus(uint64_t now);
+  // Writes GpuPolicy::unavailable of every ledger entry from the health
+  // probe's and the audit's findings (deny), so new processes see them.
+  void apply_unavailable();
+
   DaemonOptions options_;
   std::shared_ptr<spdlog::logger> log_;
   Discovery discovery_;
@@ -134,6 +146,11 @@ class Daemon {
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
   int pid_fd_ = -1;
   MetricsServer metrics_;
+  std::unique_ptr<Nvml> nvml_;
+  std::unique_ptr<HealthMonitor> health_;
+  std::unique_ptr<Auditor> auditor_;
+  uint64_t next_health_ns_ = 0;
+  uint64_t next_audit_ns_ = 0;
 };
 
 }  // namespace fracgpu::controller

@@ -2,8 +2,13 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <memory>
+
 #include <cuda.h>
 #include <fmt/format.h>
+
+#include "nvml.h"
 
 namespace fracgpu::controller {
 namespace {
@@ -17,18 +22,9 @@ struct DriverApi {
   decltype(&cuDeviceGetName) get_name = nullptr;
   decltype(&cuDeviceGetUuid_v2) get_uuid = nullptr;
   decltype(&cuDeviceTotalMem_v2) total_mem = nullptr;
+  decltype(&cuDeviceGetAttribute) get_attribute = nullptr;
   decltype(&cuGetErrorName) error_name = nullptr;  // optional: only for messages
 };
-
-template <typename Fn>
-bool load(void* handle, const char* symbol, Fn* out, std::string* missing) {
-  *out = reinterpret_cast<Fn>(dlsym(handle, symbol));
-  if (*out == nullptr) {
-    if (!missing->empty()) *missing += ", ";
-    *missing += symbol;
-  }
-  return *out != nullptr;
-}
 
 std::string describe(const DriverApi& api, CUresult rc) {
   const char* name = nullptr;
@@ -36,9 +32,7 @@ std::string describe(const DriverApi& api, CUresult rc) {
   return fmt::format("CUresult {}", static_cast<int>(rc));
 }
 
-}  // namespace
-
-Discovery discover_gpus(const char* library) {
+Discovery discover_cuda(const char* library) {
   Discovery out;
   // Kept open for the life of the process on purpose: unloading the driver
   // after cuInit is unsupported (its threads and atexit handlers stay).
@@ -50,14 +44,15 @@ Discovery discover_gpus(const char* library) {
   }
   DriverApi api;
   std::string missing;
-  load(handle, "cuInit", &api.init, &missing);
-  load(handle, "cuDeviceGetCount", &api.get_count, &missing);
-  load(handle, "cuDeviceGet", &api.get, &missing);
-  load(handle, "cuDeviceGetName", &api.get_name, &missing);
-  load(handle, "cuDeviceGetUuid_v2", &api.get_uuid, &missing);
-  load(handle, "cuDeviceTotalMem_v2", &api.total_mem, &missing);
+  load_symbol(handle, "cuInit", &api.init, &missing);
+  load_symbol(handle, "cuDeviceGetCount", &api.get_count, &missing);
+  load_symbol(handle, "cuDeviceGet", &api.get, &missing);
+  load_symbol(handle, "cuDeviceGetName", &api.get_name, &missing);
+  load_symbol(handle, "cuDeviceGetUuid_v2", &api.get_uuid, &missing);
+  load_symbol(handle, "cuDeviceTotalMem_v2", &api.total_mem, &missing);
+  load_symbol(handle, "cuDeviceGetAttribute", &api.get_attribute, &missing);
   std::string optional_missing;
-  load(handle, "cuGetErrorName", &api.error_name, &optional_missing);
+  load_symbol(handle, "cuGetErrorName", &api.error_name, &optional_missing);
   if (!missing.empty()) {
     out.problem = fmt::format("the CUDA driver ({}) lacks {}: driver too old?", library, missing);
     return out;
@@ -80,6 +75,7 @@ Discovery discover_gpus(const char* library) {
     char name[256] = {};
     CUuuid uuid{};
     size_t bytes = 0;
+    int sms = 0;
     const char* step = "cuDeviceGet";
     rc = api.get(&dev, i);
     if (rc == CUDA_SUCCESS) {
@@ -94,6 +90,10 @@ Discovery discover_gpus(const char* library) {
       step = "cuDeviceTotalMem_v2";
       rc = api.total_mem(&bytes, dev);
     }
+    if (rc == CUDA_SUCCESS) {
+      step = "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)";
+      rc = api.get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    }
     if (rc != CUDA_SUCCESS) {
       // One unreadable GPU must not hide the others: list what we can.
       out.problem = fmt::format("GPU {}: {} failed: {}", i, step, describe(api, rc));
@@ -104,8 +104,106 @@ Discovery discover_gpus(const char* library) {
     gpu.uuid = format_gpu_uuid(reinterpret_cast<const uint8_t*>(uuid.bytes));
     gpu.name = name;
     gpu.memory_bytes = bytes;
+    gpu.sm_count = sms;
     out.gpus.push_back(std::move(gpu));
   }
+  return out;
+}
+
+// NVML's list (uuid, name, memory, nvml_index), or false with *problem.
+bool discover_nvml(const char* library, std::vector<DiscoveredGpu>* gpus, std::string* problem) {
+  std::unique_ptr<Nvml> nvml = Nvml::open(library, problem);
+  if (nvml == nullptr) return false;
+  const Nvml::Api& api = nvml->api();
+  unsigned count = 0;
+  if (nvmlReturn_t rc = api.get_count(&count); rc != NVML_SUCCESS) {
+    *problem = fmt::format("nvmlDeviceGetCount_v2 failed: {}", nvml->describe(rc));
+    return false;
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    nvmlDevice_t dev = nullptr;
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = {};
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE] = {};
+    nvmlMemory_t memory{};
+    const char* step = "nvmlDeviceGetHandleByIndex_v2";
+    nvmlReturn_t rc = api.get_handle(i, &dev);
+    if (rc == NVML_SUCCESS) {
+      step = "nvmlDeviceGetUUID";
+      rc = api.get_uuid(dev, uuid, sizeof uuid);
+    }
+    if (rc == NVML_SUCCESS) {
+      step = "nvmlDeviceGetName";
+      rc = api.get_name(dev, name, sizeof name);
+    }
+    if (rc == NVML_SUCCESS) {
+      step = "nvmlDeviceGetMemoryInfo";
+      rc = api.get_memory(dev, &memory);
+    }
+    if (rc != NVML_SUCCESS) {
+      // A lost GPU must not hide the others; CUDA may still list it.
+      *problem = fmt::format("NVML GPU {}: {} failed: {}", i, step, nvml->describe(rc));
+      continue;
+    }
+    DiscoveredGpu gpu;
+    gpu.index = static_cast<int>(i);
+    gpu.nvml_index = static_cast<int>(i);
+    // NVML prints UUIDs as the CUDA bytes; normalize the case through a parse.
+    const auto parsed = parse_gpu_uuid(uuid);
+    gpu.uuid = parsed ? format_gpu_uuid(*parsed) : uuid;
+    gpu.name = name;
+    gpu.memory_bytes = memory.total;
+    gpus->push_back(std::move(gpu));
+  }
+  return true;
+}
+
+void append_problem(std::string* problem, const std::string& more) {
+  if (more.empty()) return;
+  if (!problem->empty()) *problem += "; ";
+  *problem += more;
+}
+
+}  // namespace
+
+Discovery discover_gpus(const char* cuda_library, const char* nvml_library) {
+  Discovery cuda = discover_cuda(cuda_library);
+  std::vector<DiscoveredGpu> listed;
+  std::string nvml_problem;
+  if (!discover_nvml(nvml_library, &listed, &nvml_problem)) {
+    cuda.nvml_problem = nvml_problem;
+    return cuda;  // CUDA alone, as on a node without NVML
+  }
+  Discovery out;
+  out.nvml = true;
+  append_problem(&out.nvml_problem, nvml_problem);  // a GPU NVML could not read
+  const bool cuda_answered = cuda.problem.empty() || !cuda.gpus.empty();
+  if (!cuda.problem.empty()) append_problem(&out.problem, cuda.problem + " (SM counts unknown)");
+  for (DiscoveredGpu& gpu : listed) {
+    auto match = std::find_if(cuda.gpus.begin(), cuda.gpus.end(), [&](const DiscoveredGpu& c) { return c.uuid == gpu.uuid; });
+    if (match != cuda.gpus.end()) {
+      // The driver ordinal is what the config and the interposer's device
+      // numbering use; NVML's index follows PCI order and may differ.
+      gpu.index = match->index;
+      gpu.sm_count = match->sm_count;
+      if (gpu.memory_bytes == 0) gpu.memory_bytes = match->memory_bytes;
+      out.gpus.push_back(std::move(gpu));
+    } else if (!cuda_answered) {
+      out.gpus.push_back(std::move(gpu));  // CUDA unusable: NVML's index stands in for the ordinal
+    } else {
+      append_problem(&out.problem, fmt::format("GPU {} (NVML index {}) is listed by NVML but not by the CUDA driver "
+                                               "(CUDA_VISIBLE_DEVICES set for fracgpud?): not managed",
+                                               gpu.uuid, gpu.nvml_index));
+    }
+  }
+  for (const DiscoveredGpu& c : cuda.gpus) {
+    const bool seen = std::any_of(out.gpus.begin(), out.gpus.end(), [&](const DiscoveredGpu& g) { return g.uuid == c.uuid; });
+    if (!seen) {
+      // NVML could not read it (a lost GPU?) but CUDA can: still a GPU of
+      // this node; the health probe will report what NVML says about it.
+      out.gpus.push_back(c);
+    }
+  }
+  std::sort(out.gpus.begin(), out.gpus.end(), [](const DiscoveredGpu& a, const DiscoveredGpu& b) { return a.index < b.index; });
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -231,6 +232,36 @@ std::string format_duration_ns(uint64_t ns) { return format_duration_ms(ns / 1'0
 // "30.0%": an achieved share, a fraction of the window.
 std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
 
+// The health.json section: one row per GPU, then the bypass audit's findings.
+std::string gpu_health_text(const nlohmann::json& h) {
+  if (!h.value("nvml", false))
+    return fmt::format("\nGPU health: off (no NVML: {})\n", h.value("nvml_problem", std::string()));
+  std::vector<std::vector<std::string>> rows{{"  GPU", "UUID", "HEALTH", "TEMP", "POWER", "ECC", "XIDS", "WHY"}};
+  for (const auto& g : h.value("gpus", nlohmann::json::array())) {
+    const int64_t temp = g.value("temperature_c", int64_t{-1}), mw = g.value("power_mw", int64_t{-1});
+    const int64_t ecc = g.value("ecc_uncorrected", int64_t{-1});
+    rows.push_back({fmt::format("  {}", g.value("index", 0)), g.value("uuid", std::string()),
+                    g.value("healthy", true) ? "ok" : "UNHEALTHY", temp < 0 ? "-" : fmt::format("{}C", temp),
+                    mw < 0 ? "-" : fmt::format("{}W", mw / 1000), ecc < 0 ? "-" : std::to_string(ecc),
+                    std::to_string(g.value("xid_events", uint64_t{0})), g.value("why", std::string())});
+  }
+  std::string out = "\nGPU health (NVML):\n" + render_table(rows);
+  const auto& audit = h.value("audit", nlohmann::json::object());
+  const auto& findings = audit.value("findings", nlohmann::json::array());
+  out += fmt::format("\nbypass audit (action {}): {}\n", audit.value("action", std::string("report")),
+                     findings.empty() ? "no process uses a GPU uncharged" : "processes using a GPU uncharged:");
+  if (!findings.empty()) {
+    std::vector<std::vector<std::string>> frows{{"  PID", "COMMAND", "TENANT", "GPU", "MEMORY", "ACTION"}};
+    for (const auto& f : findings)
+      frows.push_back({fmt::format("  {}", f.value("pid", 0)), f.value("comm", std::string()),
+                       f.value("tenant", std::string()).empty() ? "?" : f.value("tenant", std::string()),
+                       std::to_string(f.value("gpu_index", 0)), format_size(f.value("bytes", uint64_t{0})),
+                       f.value("action", std::string())});
+    out += render_table(frows);
+  }
+  return out;
+}
+
 }  // namespace
 
 bool StatusReport::all_ledgers_read() const {
@@ -265,6 +296,11 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
             [](const TenantStatus& a, const TenantStatus& b) { return a.name < b.name; });
   report.daemon = daemon_status(report);
   report.placement = read_placement_record(run_dir);
+  {
+    std::ifstream in(fs::path(run_dir) / kHealthFileName);
+    nlohmann::json health = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (health.is_object()) report.gpu_health = std::move(health);
+  }
   return report;
 }
 
@@ -338,7 +374,8 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
             {"heartbeat_age_ms", optional(report.daemon.heartbeat_age_ms)}}},
           {"tenants", tenants},
           {"placement", report.placement ? json{{"policy", report.placement->policy}, {"tenants", report.placement->why}}
-                                         : json(nullptr)}};
+                                         : json(nullptr)},
+          {"gpu_health", report.gpu_health ? json(*report.gpu_health) : json(nullptr)}};
 }
 
 std::string status_to_text(const StatusReport& report) {
@@ -440,6 +477,8 @@ std::string status_to_text(const StatusReport& report) {
     }
     out += render_table(why_table);
   }
+
+  if (report.gpu_health) out += gpu_health_text(*report.gpu_health);
 
   std::string arbiter_errors;
   for (const TenantStatus& t : report.tenants)

@@ -103,6 +103,9 @@ struct StatusReport {
   std::vector<TenantStatus> tenants;  // by name
   // What the daemon last applied: policy, and why each tenant is where it is.
   std::optional<PlacementRecord> placement;
+  // GPU health and bypass audit findings: <run_dir>/health.json as the daemon
+  // last wrote it (health.h); nullopt when absent or unreadable.
+  std::optional<nlohmann::json> gpu_health;
 
   bool all_ledgers_read() const;
 };

@@ -15,7 +15,12 @@ CUresult init(unsigned int flags) {
   if (result != CUDA_SUCCESS) return result;
   // Attach now, so a refused ledger is reported where the process starts
   // using the GPU rather than at some later allocation.
-  return tenant_mode() == TenantMode::kDenied ? kDenied : CUDA_SUCCESS;
+  const TenantMode mode = tenant_mode();
+  if (mode == TenantMode::kDenied) return kDenied;
+  // A GPU the daemon marked unavailable (unhealthy, or a bypass found) turns
+  // new processes away here, where the application expects device errors.
+  if (mode == TenantMode::kManaged && visible_gpu_unavailable()) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+  return CUDA_SUCCESS;
 }
 
 // Both versions: let the real driver pick the variant for (symbol,

@@ -167,6 +167,50 @@ int gpu_entry_for_device(CUdevice device) {
   return entry;
 }
 
+namespace {
+
+const char* unavailable_text(uint32_t reason) {
+  switch (reason) {
+    case ledger::kGpuLost: return "NVML cannot reach it";
+    case ledger::kGpuXid: return "critical Xid";
+    case ledger::kGpuEcc: return "uncorrected ECC errors:";
+    case ledger::kGpuSensors: return "its temperature or power cannot be read";
+    case ledger::kGpuBypassDenied: return "tenant denied: a process uses this GPU without fracgpu, pid";
+    default: return "reason code";
+  }
+}
+
+}  // namespace
+
+bool visible_gpu_unavailable() {
+  int count = 0;
+  if (g_driver.cuDeviceGetCount == nullptr || g_driver.cuDeviceGetUuid_v2 == nullptr ||
+      g_driver.cuDeviceGetCount(&count) != CUDA_SUCCESS)
+    return false;  // the driver will report its own trouble on the next call
+  const ledger::PolicySegment& policy = *g_tenant.ledger.policy;
+  for (int device = 0; device < count; ++device) {
+    CUuuid uuid{};
+    if (g_driver.cuDeviceGetUuid_v2(&uuid, device) != CUDA_SUCCESS) continue;
+    const int entry = ledger::find_gpu(policy, reinterpret_cast<const uint8_t*>(uuid.bytes));
+    if (entry < 0 || policy.gpus[entry].state.load(std::memory_order_acquire) != ledger::kGpuGranted) continue;
+    const uint32_t reason = policy.gpus[entry].unavailable.load(std::memory_order_acquire);
+    if (reason == ledger::kGpuAvailable) continue;
+    const uint32_t detail = policy.gpus[entry].unavailable_detail.load(std::memory_order_relaxed);
+    const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
+    const bool has_detail = reason != ledger::kGpuLost && reason != ledger::kGpuSensors;
+    char number[16] = "";
+    if (has_detail) snprintf(number, sizeof number, " %u", detail);
+    log_line(LogLevel::kError,
+             "cuInit refused: device %d (GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x) "
+             "is marked unavailable by fracgpud (%s%s); new processes of tenant \"%s\" get "
+             "CUDA_ERROR_DEVICE_UNAVAILABLE until it is cleared, running ones are not affected",
+             device, u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+             u[15], unavailable_text(reason), number, policy.tenant);
+    return true;
+  }
+  return false;
+}
+
 bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu) {
   if (g_driver.cuCtxGetCurrent == nullptr || g_driver.cuCtxGetDevice == nullptr) return false;
   if (g_driver.cuCtxGetCurrent(ctx) != CUDA_SUCCESS || *ctx == nullptr) return false;

@@ -64,6 +64,12 @@ void unreserve(int gpu, uint64_t bytes);
 
 const ledger::GpuPolicy& gpu_policy(int gpu);
 
+// cuInit (managed mode): true, after one log line naming the GPU and why,
+// when a GPU this process can see is granted to its tenant but marked
+// unavailable by the daemon (unhealthy, or the tenant denied for a bypass).
+// Slow path: asks the driver for each visible device's UUID.
+bool visible_gpu_unavailable();
+
 // Pool slack that can be given back before refusing (memory.cpp).
 void settle_all_pools();
 // Forgets per-process pool and primary-context bookkeeping (a forked child

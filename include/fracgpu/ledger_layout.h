@@ -63,6 +63,18 @@ enum GpuGrantState : uint32_t {
   kGpuRevoked = 2,  // was granted, no longer is: new charges are refused
 };
 
+// Why new processes may not start on a GPU (GpuPolicy::unavailable). Written
+// by the daemon's health probe and bypass audit (docs/operations.md); read by
+// the interposer at cuInit only, so processes already running keep running.
+enum GpuUnavailableReason : uint32_t {
+  kGpuAvailable = 0,
+  kGpuLost = 1,          // NVML cannot reach the GPU (lost, fallen off the bus, not listed)
+  kGpuXid = 2,           // a critical Xid error was reported; detail: the Xid
+  kGpuEcc = 3,           // uncorrected ECC errors since the driver loaded; detail: the count
+  kGpuSensors = 4,       // temperature or power cannot be read
+  kGpuBypassDenied = 5,  // a process of this tenant uses the GPU without the interposer; detail: its PID
+};
+
 enum GpuPolicyFlags : uint32_t {
   kCountManagedMemory = 1u << 0,  // cuMemAllocManaged is charged to the quota
 };
@@ -78,9 +90,15 @@ struct alignas(64) GpuPolicy {
   std::atomic<uint64_t> context_memory;   // bytes charged per context on this GPU
   std::atomic<uint32_t> share_ppm;        // guaranteed GPU-time share, parts per million
   std::atomic<uint32_t> limit_ppm;        // GPU-time cap, parts per million
-  uint64_t reserved[2];
+  // GpuUnavailableReason; not kGpuAvailable: cuInit refuses new processes.
+  // Zero in files written before it existed (the bytes were reserved), so the
+  // layout version did not change.
+  std::atomic<uint32_t> unavailable;
+  std::atomic<uint32_t> unavailable_detail;  // Xid, ECC count or PID, for the message
+  uint64_t reserved;
 };
 static_assert(sizeof(GpuPolicy) == 64);
+static_assert(offsetof(GpuPolicy, unavailable) == 48);
 static_assert(offsetof(GpuPolicy, uuid) == 8);
 static_assert(offsetof(GpuPolicy, memory_quota) == 24);
 static_assert(offsetof(GpuPolicy, context_memory) == 32);

@@ -1,0 +1,227 @@
+#include "health.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace fracgpu::controller {
+
+HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log)
+    : nvml_(nvml), log_(log) {
+  const uint64_t now = static_cast<uint64_t>(time(nullptr));
+  for (const DiscoveredGpu& g : gpus) {
+    GpuHealth h;
+    h.index = g.index;
+    h.uuid = g.uuid;
+    h.since_unix = now;
+    gpus_.push_back(std::move(h));
+  }
+  handles_.assign(gpus_.size(), nullptr);
+  registered_.assign(gpus_.size(), false);
+  sticky_xid_.assign(gpus_.size(), std::string());
+  if (nvml_ == nullptr) return;
+  const Nvml::Api& api = nvml_->api();
+  if (api.event_set_create == nullptr || api.register_events == nullptr || api.event_wait == nullptr) {
+    log_.warn("health: this NVML has no event API: Xid errors are not watched");
+  } else if (nvmlReturn_t rc = api.event_set_create(&events_); rc != NVML_SUCCESS) {
+    log_.warn("health: nvmlEventSetCreate failed ({}): Xid errors are not watched", nvml_->describe(rc));
+    events_ = nullptr;
+  }
+}
+
+HealthMonitor::~HealthMonitor() {
+  if (events_ != nullptr && nvml_->api().event_set_free != nullptr) nvml_->api().event_set_free(events_);
+}
+
+const GpuHealth* HealthMonitor::find(const std::string& uuid) const {
+  for (const GpuHealth& g : gpus_)
+    if (g.uuid == uuid) return &g;
+  return nullptr;
+}
+
+void HealthMonitor::drain_xid_events() {
+  if (events_ == nullptr) return;
+  // Timeout 0: take what is queued, never wait (the daemon's loop must not stall).
+  for (int n = 0; n < 1024; ++n) {
+    nvmlEventData_t data{};
+    if (nvml_->api().event_wait(events_, &data, 0) != NVML_SUCCESS) return;
+    if ((data.eventType & nvmlEventTypeXidCriticalError) == 0) continue;
+    for (size_t i = 0; i < gpus_.size(); ++i) {
+      if (handles_[i] != data.device) continue;
+      GpuHealth& g = gpus_[i];
+      ++g.xid_events;
+      g.last_xid = data.eventData;
+      if (kApplicationXids.contains(data.eventData)) {
+        log_.info("health: GPU {} ({}): Xid {} (an application fault, not the GPU's: ignored)", g.index, g.uuid,
+                  data.eventData);
+      } else {
+        sticky_xid_[i] = fmt::format("critical Xid {} reported by NVML", data.eventData);
+      }
+    }
+  }
+}
+
+HealthMonitor::Probe HealthMonitor::probe_one(GpuHealth& gpu, nvmlDevice_t* handle) {
+  const Nvml::Api& api = nvml_->api();
+  Probe lost, ecc, sensors;
+  if (*handle == nullptr) {
+    nvmlDevice_t h = nullptr;
+    if (nvmlReturn_t rc = api.get_handle_by_uuid(gpu.uuid.c_str(), &h); rc != NVML_SUCCESS)
+      return {ledger::kGpuLost, 0, fmt::format("NVML cannot find it: {}", nvml_->describe(rc))};
+    *handle = h;
+  }
+  auto note_lost = [&](nvmlReturn_t rc, const char* call) {
+    if (rc == NVML_ERROR_GPU_IS_LOST && lost.reason == ledger::kGpuAvailable)
+      lost = {ledger::kGpuLost, 0, fmt::format("{}: {}", call, nvml_->describe(rc))};
+    return rc == NVML_ERROR_GPU_IS_LOST;
+  };
+  // Temperature and power: reachable and readable. NOT_SUPPORTED is a
+  // property of the board (some report no power), not a failure.
+  if (api.get_temperature != nullptr) {
+    unsigned temp = 0;
+    const nvmlReturn_t rc = api.get_temperature(*handle, NVML_TEMPERATURE_GPU, &temp);
+    gpu.temperature_c = rc == NVML_SUCCESS ? static_cast<int64_t>(temp) : -1;
+    if (!note_lost(rc, "nvmlDeviceGetTemperature") && rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_SUPPORTED)
+      sensors = {ledger::kGpuSensors, 0, fmt::format("temperature cannot be read: {}", nvml_->describe(rc))};
+  }
+  if (api.get_power != nullptr) {
+    unsigned mw = 0;
+    const nvmlReturn_t rc = api.get_power(*handle, &mw);
+    gpu.power_mw = rc == NVML_SUCCESS ? static_cast<int64_t>(mw) : -1;
+    if (!note_lost(rc, "nvmlDeviceGetPowerUsage") && rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_SUPPORTED &&
+        sensors.reason == ledger::kGpuAvailable)
+      sensors = {ledger::kGpuSensors, 0, fmt::format("power cannot be read: {}", nvml_->describe(rc))};
+  }
+  if (api.get_ecc != nullptr) {
+    // Volatile: since the driver loaded (a GPU reset clears it), so a GPU
+    // that was reset after its errors counts as healthy again.
+    unsigned long long count = 0;
+    const nvmlReturn_t rc = api.get_ecc(*handle, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, &count);
+    gpu.ecc_uncorrected = rc == NVML_SUCCESS ? static_cast<int64_t>(count) : -1;
+    if (!note_lost(rc, "nvmlDeviceGetTotalEccErrors") && rc == NVML_SUCCESS && count > 0)
+      ecc = {ledger::kGpuEcc, static_cast<uint32_t>(std::min<unsigned long long>(count, UINT32_MAX)),
+             fmt::format("{} uncorrected ECC error(s) since the driver loaded", count)};
+  }
+  if (!registered_[&gpu - gpus_.data()] && events_ != nullptr && lost.reason == ledger::kGpuAvailable) {
+    const nvmlReturn_t rc = api.register_events(*handle, nvmlEventTypeXidCriticalError, events_);
+    registered_[&gpu - gpus_.data()] = true;  // tried: a GPU without event support says so once
+    if (rc != NVML_SUCCESS)
+      log_.warn("health: GPU {} ({}): Xid events not available ({}): Xid errors are not watched there", gpu.index,
+                gpu.uuid, nvml_->describe(rc));
+  }
+  if (lost.reason != ledger::kGpuAvailable) return lost;
+  if (ecc.reason != ledger::kGpuAvailable) return ecc;
+  return sensors;
+}
+
+bool HealthMonitor::probe() {
+  if (nvml_ == nullptr) return false;
+  drain_xid_events();
+  bool changed = false;
+  const uint64_t now = static_cast<uint64_t>(time(nullptr));
+  for (size_t i = 0; i < gpus_.size(); ++i) {
+    GpuHealth& g = gpus_[i];
+    Probe p = probe_one(g, &handles_[i]);
+    if (p.reason == ledger::kGpuAvailable && !sticky_xid_[i].empty())
+      p = {ledger::kGpuXid, static_cast<uint32_t>(g.last_xid), sticky_xid_[i]};
+    if (p.reason == g.reason && p.detail == g.detail) {
+      g.why = p.why;  // same state: refresh the text (error strings), log nothing
+      continue;
+    }
+    changed = true;
+    const bool was_healthy = g.healthy;
+    g.healthy = p.reason == ledger::kGpuAvailable;
+    g.reason = p.reason;
+    g.detail = p.detail;
+    g.why = p.why;
+    g.since_unix = now;
+    if (!g.healthy)
+      log_.warn("health: GPU {} ({}) is unhealthy: {}; new processes of its tenants are refused at cuInit, running "
+                "ones are left alone",
+                g.index, g.uuid, g.why);
+    else if (!was_healthy)
+      log_.info("health: GPU {} ({}) is healthy again; new processes are accepted", g.index, g.uuid);
+  }
+  return changed;
+}
+
+}  // namespace fracgpu::controller
+
+namespace fracgpu::controller {
+
+const char* unavailable_reason_name(ledger::GpuUnavailableReason reason) {
+  switch (reason) {
+    case ledger::kGpuAvailable: return "healthy";
+    case ledger::kGpuLost: return "lost";
+    case ledger::kGpuXid: return "xid";
+    case ledger::kGpuEcc: return "ecc";
+    case ledger::kGpuSensors: return "sensors";
+    case ledger::kGpuBypassDenied: return "bypass";
+  }
+  return "unknown";
+}
+
+std::string node_checks_json(const NodeChecks& checks) {
+  nlohmann::json j;
+  j["nvml"] = checks.nvml;
+  j["nvml_problem"] = checks.nvml_problem;
+  j["updated_unix"] = static_cast<uint64_t>(time(nullptr));
+  j["gpus"] = nlohmann::json::array();
+  for (const GpuHealth& g : checks.gpus) {
+    j["gpus"].push_back({{"index", g.index},
+                         {"uuid", g.uuid},
+                         {"healthy", g.healthy},
+                         {"reason", unavailable_reason_name(g.reason)},
+                         {"why", g.why},
+                         {"since_unix", g.since_unix},
+                         {"temperature_c", g.temperature_c},
+                         {"power_mw", g.power_mw},
+                         {"ecc_uncorrected", g.ecc_uncorrected},
+                         {"xid_events", g.xid_events},
+                         {"last_xid", g.last_xid}});
+  }
+  j["audit"]["action"] = audit_action_name(checks.audit_action);
+  j["audit"]["findings"] = nlohmann::json::array();
+  for (const AuditFinding& f : checks.findings) {
+    j["audit"]["findings"].push_back({{"gpu_index", f.gpu_index},
+                                      {"gpu_uuid", f.gpu_uuid},
+                                      {"pid", f.pid},
+                                      {"bytes", f.bytes},
+                                      {"comm", f.comm},
+                                      {"tenant", f.tenant},
+                                      {"action", f.action},
+                                      {"first_seen_unix", f.first_seen_unix}});
+  }
+  return j.dump(2) + "\n";
+}
+
+bool write_node_checks(const std::string& run_dir, const NodeChecks& checks, std::string* error) {
+  const std::string path = run_dir + "/" + kHealthFileName;
+  const std::string tmp = path + ".tmp";
+  const std::string text = node_checks_json(checks);
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out.flush()) {
+      *error = fmt::format("cannot write {}: {}", tmp, strerror(errno));
+      return false;
+    }
+  }
+  chmod(tmp.c_str(), 0644);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    *error = fmt::format("cannot rename {} to {}: {}", tmp, path, strerror(errno));
+    unlink(tmp.c_str());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace fracgpu::controller

@@ -1,0 +1,95 @@
+// GPU liveness, probed through NVML by fracgpud every [daemon] health_interval
+// (docs/operations.md). A GPU is unhealthy while NVML cannot reach it, its
+// temperature or power cannot be read, or its volatile uncorrected ECC counter
+// is above zero; and from a critical Xid on, until fracgpud restarts. The
+// daemon turns an unhealthy GPU into GpuPolicy::unavailable in every tenant
+// ledger that has it, so new processes are refused at cuInit.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <spdlog/logger.h>
+
+#include "audit.h"
+#include "fracgpu/ledger_layout.h"
+#include "gpu_discovery.h"
+#include "nvml.h"
+
+namespace fracgpu::controller {
+
+// Xids that report an application's own fault (illegal address, MMU fault
+// caused by a kernel, ...), not the GPU's: they do not make it unhealthy.
+// The same set NVIDIA's Kubernetes device plugin skips by default.
+inline const std::set<uint64_t> kApplicationXids = {13, 31, 43, 45, 68, 109};
+
+struct GpuHealth {
+  int index = 0;     // driver ordinal (DiscoveredGpu::index)
+  std::string uuid;  // "GPU-..."
+  bool healthy = true;
+  ledger::GpuUnavailableReason reason = ledger::kGpuAvailable;
+  uint32_t detail = 0;     // Xid or ECC count
+  std::string why;         // one line; empty while healthy
+  uint64_t since_unix = 0; // when the current state began (wall clock, seconds)
+  // Last readings; -1 when unreadable.
+  int64_t temperature_c = -1;
+  int64_t power_mw = -1;
+  int64_t ecc_uncorrected = -1;
+  uint64_t xid_events = 0;     // critical Xids seen since fracgpud started
+  uint64_t last_xid = 0;
+};
+
+class HealthMonitor {
+ public:
+  // `nvml` may be null (no NVML): then every GPU stays healthy and
+  // probe() does nothing; available() says so.
+  HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log);
+  ~HealthMonitor();
+  HealthMonitor(const HealthMonitor&) = delete;
+  HealthMonitor& operator=(const HealthMonitor&) = delete;
+
+  bool available() const { return nvml_ != nullptr; }
+  // Probes every GPU once. Logs each change of state once (warn when a GPU
+  // turns unhealthy, info when it recovers). Returns true if any changed.
+  bool probe();
+  const std::vector<GpuHealth>& gpus() const { return gpus_; }
+  const GpuHealth* find(const std::string& uuid) const;
+
+ private:
+  struct Probe {
+    ledger::GpuUnavailableReason reason = ledger::kGpuAvailable;
+    uint32_t detail = 0;
+    std::string why;
+  };
+  Probe probe_one(GpuHealth& gpu, nvmlDevice_t* handle);
+  void drain_xid_events();
+
+  Nvml* nvml_;
+  spdlog::logger& log_;
+  std::vector<GpuHealth> gpus_;
+  std::vector<nvmlDevice_t> handles_;  // parallel to gpus_; null until found
+  std::vector<bool> registered_;       // Xid events registered for the GPU
+  nvmlEventSet_t events_ = nullptr;
+  std::vector<std::string> sticky_xid_;  // parallel to gpus_: why, once a critical Xid was seen
+};
+
+// What fracgpud last found, written to <run_dir>/health.json after every probe
+// and audit (temporary file + rename: a reader never sees half of it) for
+// `fracgpu status` and anything else that wants it. Schema: docs/configuration.md.
+inline constexpr const char* kHealthFileName = "health.json";
+
+struct NodeChecks {
+  bool nvml = false;
+  std::string nvml_problem;
+  std::vector<GpuHealth> gpus;
+  AuditAction audit_action = AuditAction::kReport;
+  std::vector<AuditFinding> findings;
+};
+
+const char* unavailable_reason_name(ledger::GpuUnavailableReason reason);  // "lost", "xid", ...
+std::string node_checks_json(const NodeChecks& checks);
+bool write_node_checks(const std::string& run_dir, const NodeChecks& checks, std::string* error);
+
+}  // namespace fracgpu::controller

@@ -1,0 +1,436 @@
+// The daemon's NVML side end to end: discovery with and without NVML, the GPU
+// health probe (faults injected into the stand-in NVML while fracgpud runs)
+// and the bypass audit. fracgpud, the probes and the stand-in NVML all share
+// one simulated driver state, so NVML's per-process memory is what the
+// probes really allocated.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "config.h"
+#include "controller_test_util.h"
+#include "gpu_discovery.h"
+#include "ledger.h"
+#include "uuid.h"
+
+using namespace fracgpu;
+using namespace fracgpu::testing;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kUuid = "GPU-5a1c0de0-0000-4000-8000-0000000000a1";
+const std::string kUuid2 = "GPU-5a1c0de0-0000-4000-8000-0000000000a2";
+const std::string kDevices =
+    "uuid=" + kUuid + ",name=Sim A,mem=16GiB,ctx=64MiB,sms=100;uuid=" + kUuid2 + ",name=Sim B,mem=8GiB,ctx=64MiB,sms=50";
+constexpr int kDeviceUnavailable = 46;  // CUDA_ERROR_DEVICE_UNAVAILABLE
+
+// ---- Discovery (each case in a child: the sim attaches once per process) ----
+
+// Runs discover_gpus in a child with SIMCUDA_DEVICES = devices and returns
+// its result as text lines: "nvml=<0|1>", "problem=...", "nvml_problem=...",
+// then "gpu=<index> <uuid> <name>|<bytes> <sms> <nvml_index>" per GPU.
+std::string discover_in_child(const std::string& devices, const std::string& nvml_library) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    setenv("SIMCUDA_DEVICES", devices.c_str(), 1);
+    unsetenv("SIMCUDA_STATE");
+    unsetenv("SIMNVML_FAULTS");
+    const controller::Discovery d = controller::discover_gpus(SIMCUDA_DIR "/libcuda.so.1", nvml_library.c_str());
+    std::ostringstream out;
+    out << "nvml=" << d.nvml << "\nproblem=" << d.problem << "\nnvml_problem=" << d.nvml_problem << "\n";
+    for (const auto& g : d.gpus)
+      out << "gpu=" << g.index << " " << g.uuid << " " << g.name << "|" << g.memory_bytes << " " << g.sm_count << " "
+          << g.nvml_index << "\n";
+    const std::string text = out.str();
+    if (write(fds[1], text.data(), text.size()) < 0) _exit(1);
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  return text;
+}
+
+TEST(NvmlDiscovery, ListsGpusThroughNvmlWithCudaOrdinalsAndSmCounts) {
+  const std::string out = discover_in_child(kDevices, SIMNVML_DIR "/libnvidia-ml.so.1");
+  EXPECT_NE(out.find("nvml=1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("problem=\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("gpu=0 " + kUuid + " Sim A|" + std::to_string(16ull << 30) + " 100 0\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("gpu=1 " + kUuid2 + " Sim B|" + std::to_string(8ull << 30) + " 50 1\n"), std::string::npos) << out;
+}
+
+TEST(NvmlDiscovery, WithoutNvmlFallsBackToCudaAndSaysSo) {
+  const std::string out = discover_in_child(kDevices, "/nonexistent/libnvidia-ml.so.1");
+  EXPECT_NE(out.find("nvml=0\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("nvml_problem=NVML is not available (/nonexistent/libnvidia-ml.so.1)"), std::string::npos) << out;
+  EXPECT_NE(out.find("problem=\n"), std::string::npos) << out;
+  // CUDA alone: ordinals, names, memory and SM counts, no NVML index.
+  EXPECT_NE(out.find("gpu=0 " + kUuid + " Sim A|" + std::to_string(16ull << 30) + " 100 -1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("gpu=1 " + kUuid2 + " Sim B|" + std::to_string(8ull << 30) + " 50 -1\n"), std::string::npos) << out;
+}
+
+TEST(NvmlDiscovery, NodeWithoutGpusIsEmptyNotAnError) {
+  const std::string out = discover_in_child("", SIMNVML_DIR "/libnvidia-ml.so.1");
+  EXPECT_NE(out.find("nvml=1\nproblem=\nnvml_problem=\n"), std::string::npos) << out;
+  EXPECT_EQ(out.find("gpu="), std::string::npos) << out;
+}
+
+TEST(NvmlDiscovery, NvmlThatFailsToInitializeIsReportedAndCudaStillLists) {
+  // init_fail: NVML present but not initializing (driver not loaded).
+  const std::string faults = "/tmp/fracgpu-nvml-initfail-" + std::to_string(getpid());
+  write_file(faults, "init_fail\n");
+  setenv("SIMNVML_FAULTS", faults.c_str(), 1);
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
+    const controller::Discovery d =
+        controller::discover_gpus(SIMCUDA_DIR "/libcuda.so.1", SIMNVML_DIR "/libnvidia-ml.so.1");
+    const std::string text = std::to_string(d.nvml) + " " + std::to_string(d.gpus.size()) + " " + d.nvml_problem;
+    if (write(fds[1], text.data(), text.size()) < 0) _exit(1);
+    _exit(0);
+  }
+  close(fds[1]);
+  char buf[1024] = {};
+  const ssize_t n = read(fds[0], buf, sizeof buf - 1);
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  unsetenv("SIMNVML_FAULTS");
+  fs::remove(faults);
+  ASSERT_GT(n, 0);
+  EXPECT_NE(std::string(buf).find("0 2 NVML (" SIMNVML_DIR "/libnvidia-ml.so.1) did not initialize: "
+                                  "NVML_ERROR_DRIVER_NOT_LOADED"),
+            std::string::npos)
+      << buf;
+}
+
+// ---- Config keys ----
+
+TEST(NvmlConfig, HealthAndAuditKeysAreValidatedWithFileAndLine) {
+  const std::vector<controller::DiscoveredGpu> node{{0, kUuid, "Sim A", 16ull << 30}};
+  auto parse = [&](const std::string& daemon_keys) {
+    return controller::parse_config("[daemon]\n" + daemon_keys + "\n[[gpu]]\nindex = 0\n", "node.toml", node);
+  };
+  const auto good = parse("health_interval = \"250ms\"\naudit_interval = \"2s\"\naudit_action = \"deny\"");
+  ASSERT_TRUE(good.ok()) << (good.errors.empty() ? "" : good.errors[0].to_string());
+  EXPECT_EQ(good.config->daemon.health_interval, 250ms);
+  EXPECT_EQ(good.config->daemon.audit_interval, 2s);
+  EXPECT_EQ(good.config->daemon.audit_action, controller::AuditAction::kDeny);
+  const auto defaults = parse("");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults.config->daemon.audit_action, controller::AuditAction::kReport);
+  EXPECT_EQ(defaults.config->daemon.health_interval, 5s);
+
+  const auto bad = parse("audit_action = \"kill\"\nhealth_interval = \"1ms\"\naudit_interval = 5");
+  ASSERT_EQ(bad.errors.size(), 3u);
+  EXPECT_EQ(bad.errors[0].to_string(),
+            "node.toml:2: [daemon]: audit_action \"kill\" is not an audit action (use report, deny, terminate)");
+  EXPECT_NE(bad.errors[1].to_string().find("node.toml:3: [daemon]: health_interval \"1ms\" is out of range"),
+            std::string::npos)
+      << bad.errors[1].to_string();
+  EXPECT_NE(bad.errors[2].to_string().find("node.toml:4:"), std::string::npos) << bad.errors[2].to_string();
+}
+
+// ---- The daemon with NVML: health and audit ----
+
+class NvmlDaemonTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    // Only children not yet reaped: a reaped PID may already name another process.
+    for (pid_t pid : children_)
+      if (waitpid(pid, nullptr, WNOHANG) == 0) kill_and_reap(pid);
+    kill_and_reap(daemon_);
+  }
+
+  void write_config(const std::string& audit_action = "report") {
+    write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir_ +
+                                 "\"\nreap_interval_ms = 20\nlog_level = \"debug\"\n"
+                                 "health_interval = \"20ms\"\naudit_interval = \"20ms\"\naudit_action = \"" +
+                                 audit_action +
+                                 "\"\n[[gpu]]\nindex = 0\n[[tenant]]\nname = \"alice\"\ngpus = 0.5\ndevices = [0]\n");
+  }
+
+  // Faults for the stand-in NVML, replaced atomically (it re-reads the file on every call).
+  void set_faults(const std::string& text) {
+    write_file(faults_path_ + ".new", text);
+    fs::rename(faults_path_ + ".new", faults_path_);
+  }
+
+  std::vector<std::string> environment(bool with_nvml) const {
+    return {"LD_LIBRARY_PATH=" + std::string(with_nvml ? SIMNVML_DIR ":" : "") + SIMCUDA_DIR,
+            "SIMCUDA_DEVICES=" + kDevices,
+            "SIMCUDA_STATE=" + (tmp_ / "sim-state"),
+            "SIMNVML_FAULTS=" + faults_path_,
+            "PATH=/usr/bin:/bin"};
+  }
+
+  pid_t spawn(const std::vector<std::string>& args, std::vector<std::string> env, const std::string& log) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv, envp;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      for (std::string& e : env) envp.push_back(e.data());
+      envp.push_back(nullptr);
+      execve(argv[0], argv.data(), envp.data());
+      _exit(127);
+    }
+    children_.push_back(pid);
+    return pid;
+  }
+
+  void start_daemon(bool with_nvml = true) {
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, environment(with_nvml), log_path_);
+    children_.pop_back();
+    // health.json is written after the first probe, which registers for Xid
+    // events: an Xid injected before that would (as with real NVML) be missed.
+    ASSERT_TRUE(eventually([&] {
+      return fs::exists(run_dir_ + "/tenants/alice/policy") && log_contains("started") &&
+             (!with_nvml || fs::exists(run_dir_ + "/health.json"));
+    })) << daemon_log();
+  }
+
+  // fracgpud with NVML, no faults, and the given audit action.
+  void start_with(const std::string& audit_action) {
+    write_config(audit_action);
+    set_faults("");
+    start_daemon();
+  }
+
+  // A process holding 32 MiB on GPU 0 (with or without the interposer).
+  pid_t holder(const std::string& name, bool preload) {
+    return probe(name, {"init", "primary", "0", "alloc", "32MiB", "hold"}, preload);
+  }
+
+  // fracgpu_probe with the given commands; under the interposer as alice
+  // unless `preload` is false. Its output goes to `name`.log.
+  pid_t probe(const std::string& name, const std::vector<std::string>& commands, bool preload = true,
+              const std::string& tenant_dir = "") {
+    std::vector<std::string> args{PROBE_PATH};
+    args.insert(args.end(), commands.begin(), commands.end());
+    std::vector<std::string> env = environment(true);
+    env.push_back("FRACGPU_TENANT_DIR=" + (tenant_dir.empty() ? run_dir_ + "/tenants/alice" : tenant_dir));
+    if (preload) env.push_back(std::string("LD_PRELOAD=") + FRACGPU_LIB);
+    return spawn(args, env, tmp_ / (name + ".log"));
+  }
+  std::string probe_output(const std::string& name) const { return read_file(tmp_ / (name + ".log")); }
+  bool probe_says(const std::string& name, const std::string& text) const {
+    return probe_output(name).find(text) != std::string::npos;
+  }
+
+  // `fracgpu status` (text, or --json) on the test's run dir.
+  std::string status(bool json = false) {
+    std::vector<std::string> args{FRACGPU_CLI_PATH, "status", "--run-dir", run_dir_};
+    if (json) args.push_back("--json");
+    const std::string log = tmp_ / "status.out";
+    fs::remove(log);
+    wait_exit(spawn(args, environment(true), log), 10s);
+    return read_file(log);
+  }
+
+  std::string daemon_log() const { return read_file(log_path_); }
+  bool log_contains(const std::string& text) const { return daemon_log().find(text) != std::string::npos; }
+
+  nlohmann::json health() const {
+    const std::string text = read_file(run_dir_ + "/health.json");
+    return nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  }
+
+  // alice's entry for GPU 0: (unavailable, detail).
+  std::pair<uint32_t, uint32_t> alice_mark() {
+    ledger::TenantLedger l;
+    char err[256];
+    if (ledger::open_ledger((run_dir_ + "/tenants/alice").c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
+                            sizeof err) != ledger::LedgerError::kOk)
+      return {UINT32_MAX, 0};
+    const int e = ledger::find_gpu(*l.policy, controller::parse_gpu_uuid(kUuid)->data());
+    std::pair<uint32_t, uint32_t> mark{UINT32_MAX, 0};
+    if (e >= 0) mark = {l.policy->gpus[e].unavailable.load(), l.policy->gpus[e].unavailable_detail.load()};
+    ledger::close_ledger(&l);
+    return mark;
+  }
+
+  bool finding_for(pid_t pid) const {
+    const nlohmann::json h = health();
+    if (!h.is_object()) return false;
+    for (const auto& f : h["audit"]["findings"])
+      if (f["pid"] == pid) return true;
+    return false;
+  }
+
+  TempDir tmp_;
+  std::string run_dir_ = tmp_ / "run";
+  std::string config_path_ = tmp_ / "fracgpud.toml";
+  std::string log_path_ = tmp_ / "fracgpud.log";
+  std::string faults_path_ = tmp_ / "nvml-faults";
+  std::vector<pid_t> children_;
+  pid_t daemon_ = -1;
+};
+
+TEST_F(NvmlDaemonTest, StartsWithoutNvmlAndSaysHealthAndAuditAreOff) {
+  write_config();
+  start_daemon(/*with_nvml=*/false);
+  EXPECT_TRUE(eventually([&] { return log_contains("GPU health and bypass audit are off"); })) << daemon_log();
+  EXPECT_TRUE(log_contains("NVML is not available (libnvidia-ml.so.1)")) << daemon_log();
+  EXPECT_TRUE(log_contains("found GPU 0 " + kUuid + " (Sim A, 16 GiB, 100 SMs)")) << daemon_log();
+  // Processes still start: nothing is marked.
+  const pid_t p = probe("p", {"init", "primary", "0", "alloc", "16MiB", "hold"});
+  EXPECT_TRUE(eventually([&] { return probe_says("p", "holding="); })) << probe_output("p");
+  EXPECT_TRUE(probe_says("p", "init=0\n"));
+  (void)p;
+  const std::string text = status();
+  EXPECT_NE(text.find("GPU health: off (no NVML: NVML is not available (libnvidia-ml.so.1)"), std::string::npos) << text;
+}
+
+TEST_F(NvmlDaemonTest, CriticalXidMarksGpuUnhealthyNewProcessesRefusedRunningOnesKeepWorking) {
+  start_with("report");
+  EXPECT_TRUE(log_contains("NVML: GPUs listed by NVML")) << daemon_log();
+  // A process that started while the GPU was healthy, and allocates again later.
+  const pid_t running = probe("running", {"init", "primary", "0", "alloc", "16MiB", "sleep-ms", "3000", "alloc",
+                                          "16MiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("running", "alloc=0"); })) << probe_output("running");
+
+  set_faults("0 xid=79\n");  // GPU fell off the bus
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuXid; }, 2000ms)) << daemon_log();
+  EXPECT_EQ(alice_mark().second, 79u);
+  // Marked while the running process was still in its sleep.
+  const std::string before = probe_output("running");
+  EXPECT_EQ(before.find("alloc=0\nalloc=0"), std::string::npos) << "marked too late for this check: " << before;
+  EXPECT_TRUE(log_contains("health: GPU 0 (" + kUuid + ") is unhealthy: critical Xid 79 reported by NVML")) << daemon_log();
+
+  const pid_t fresh = probe("fresh", {"init"});
+  EXPECT_EQ(wait_exit(fresh, 5s), 0);
+  EXPECT_TRUE(probe_says("fresh", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("fresh");
+  EXPECT_TRUE(probe_says("fresh", "cuInit refused: device 0 (" + kUuid + ") is marked unavailable by fracgpud "
+                                  "(critical Xid 79)"))
+      << probe_output("fresh");
+
+  // The running process was not killed and its next allocation succeeds.
+  EXPECT_TRUE(eventually([&] { return probe_says("running", "alloc=0\nalloc=0\nholding="); }, 5000ms))
+      << probe_output("running");
+  EXPECT_EQ(kill(running, 0), 0);
+
+  // Exported: health.json (what `fracgpu status` shows), logged once.
+  const nlohmann::json h = health();
+  ASSERT_TRUE(h.is_object());
+  EXPECT_EQ(h["gpus"][0]["healthy"], false);
+  EXPECT_EQ(h["gpus"][0]["reason"], "xid");
+  EXPECT_EQ(h["gpus"][0]["last_xid"], 79);
+  EXPECT_EQ(h["gpus"][1]["healthy"], true);
+  const std::string text = status();
+  EXPECT_NE(text.find("GPU health (NVML):"), std::string::npos) << text;
+  EXPECT_NE(text.find("UNHEALTHY"), std::string::npos) << text;
+  EXPECT_NE(text.find("critical Xid 79 reported by NVML"), std::string::npos) << text;
+  const nlohmann::json j = nlohmann::json::parse(status(/*json=*/true), nullptr, false);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["gpu_health"]["gpus"][0]["reason"], "xid");
+  std::this_thread::sleep_for(200ms);  // several more probes
+  const std::string log = daemon_log();
+  const std::string line = "is unhealthy: critical Xid 79";
+  EXPECT_EQ(log.find(line), log.rfind(line)) << "logged more than once:\n" << log;
+}
+
+TEST_F(NvmlDaemonTest, ApplicationXidIsNotAGpuFault) {
+  start_with("report");
+  set_faults("0 xid=13\n");  // graphics engine exception: the application's fault
+  ASSERT_TRUE(eventually([&] { return log_contains("Xid 13 (an application fault"); })) << daemon_log();
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuAvailable});
+}
+
+TEST_F(NvmlDaemonTest, LostGpuRefusesNewProcessesAndRecovers) {
+  start_with("report");
+  set_faults("0 lost\n");
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuLost; }, 2000ms)) << daemon_log();
+  const pid_t refused = probe("refused", {"init"});
+  EXPECT_EQ(wait_exit(refused, 5s), 0);
+  EXPECT_TRUE(probe_says("refused", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("refused");
+  EXPECT_TRUE(probe_says("refused", "(NVML cannot reach it)")) << probe_output("refused");
+
+  set_faults("1 ecc=3\n");  // GPU 0 back; GPU 1 (no tenant) has uncorrected ECC errors
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 2000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("health: GPU 0 (" + kUuid + ") is healthy again")) << daemon_log();
+  EXPECT_TRUE(eventually([&] { return log_contains("3 uncorrected ECC error(s)"); })) << daemon_log();
+  const pid_t accepted = probe("accepted", {"init"});
+  EXPECT_EQ(wait_exit(accepted, 5s), 0);
+  EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
+}
+
+TEST_F(NvmlDaemonTest, AuditReportsProcessesWithoutTheInterposerOnly) {
+  start_with("report");
+  const pid_t managed = holder("managed", true);
+  const pid_t bypass = holder("bypass", /*preload=*/false);
+  ASSERT_TRUE(eventually([&] { return probe_says("managed", "holding=") && probe_says("bypass", "holding="); }));
+  ASSERT_TRUE(eventually([&] { return finding_for(bypass); }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("audit: process " + std::to_string(bypass) + " (fracgpu_probe, tenant \"alice\") uses")) << daemon_log();
+  EXPECT_TRUE(log_contains("without being charged to any tenant (no interposer, or no tenant): reported")) << daemon_log();
+  std::this_thread::sleep_for(200ms);  // many audit passes
+  EXPECT_FALSE(finding_for(managed)) << read_file(run_dir_ + "/health.json");
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuAvailable});  // report only: nothing denied
+  EXPECT_EQ(kill(bypass, 0), 0);                                  // and nothing killed
+  const std::string text = status();
+  EXPECT_NE(text.find("bypass audit (action report): processes using a GPU uncharged:"), std::string::npos) << text;
+  EXPECT_NE(text.find(std::to_string(bypass) + "  fracgpu_probe"), std::string::npos) << text;
+
+  // Gone: no longer reported.
+  kill_and_reap(bypass);
+  EXPECT_TRUE(eventually([&] { return !finding_for(bypass); }, 3000ms)) << read_file(run_dir_ + "/health.json");
+}
+
+TEST_F(NvmlDaemonTest, AuditDenyRefusesTheTenantsNewProcessesUntilTheBypassEnds) {
+  start_with("deny");
+  // A process of alice's with its LD_PRELOAD stripped.
+  const pid_t bypass = holder("bypass", /*preload=*/false);
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuBypassDenied; }, 3000ms)) << daemon_log();
+  EXPECT_EQ(alice_mark().second, static_cast<uint32_t>(bypass));
+  const pid_t refused = probe("refused", {"init"});
+  EXPECT_EQ(wait_exit(refused, 5s), 0);
+  EXPECT_TRUE(probe_says("refused", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("refused");
+  EXPECT_TRUE(probe_says("refused", "uses this GPU without fracgpu, pid " + std::to_string(bypass)))
+      << probe_output("refused");
+
+  kill_and_reap(bypass);
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 3000ms)) << daemon_log();
+  const pid_t accepted = probe("accepted", {"init"});
+  EXPECT_EQ(wait_exit(accepted, 5s), 0);
+  EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
+}
+
+TEST_F(NvmlDaemonTest, AuditTerminateKillsTheBypassingProcessOnly) {
+  start_with("terminate");
+  const pid_t managed = holder("managed", true);
+  const pid_t bypass = holder("bypass", /*preload=*/false);
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(bypass, &status, WNOHANG) == bypass; }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains(": terminated (SIGKILL)")) << daemon_log();
+  EXPECT_EQ(kill(managed, 0), 0);
+}
+
+}  // namespace
