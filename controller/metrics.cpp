@@ -122,6 +122,7 @@ std::string format_host_port(const HostPort& address) {
 std::string render_metrics(const StatusReport& report) {
   Exposition m;
   m.describe("fracgpu_daemon_up", "gauge", "1 if fracgpud's heartbeat is fresh");
+  m.describe("fracgpu_gpu_healthy", "gauge", "1 if fracgpud's last NVML health probe found the GPU healthy");
   m.describe("fracgpu_tenant_ledger_readable", "gauge", "1 if the tenant's ledger could be read (else see fracgpu status)");
   m.describe("fracgpu_tenant_processes", "gauge", "Processes attached to the tenant's ledger and still running");
   m.describe("fracgpu_grant_revoked", "gauge", "1 if the tenant's grant on this GPU is revoked (new charges refused)");
@@ -134,6 +135,18 @@ std::string render_metrics(const StatusReport& report) {
   m.describe("fracgpu_gpu_time_throttled_seconds_total", "counter", "Time the tenant's launches waited for the GPU");
   m.describe("fracgpu_processes", "gauge", "The tenant's processes on the GPU (charged there or listed by its arbiter)");
   m.sample("fracgpu_daemon_up", "", uint64_t{report.daemon.alive ? 1u : 0u});
+  // Only from a real probe: without NVML the daemon cannot tell, and a
+  // made-up 1 would hide that (health.h).
+  if (report.gpu_health && report.gpu_health->is_object() && report.gpu_health->value("nvml", false) &&
+      report.gpu_health->contains("gpus") && (*report.gpu_health)["gpus"].is_array()) {
+    for (const auto& g : (*report.gpu_health)["gpus"]) {
+      if (!g.is_object() || !g.contains("uuid") || !g["uuid"].is_string() || !g.contains("healthy") ||
+          !g["healthy"].is_boolean())
+        continue;
+      m.sample("fracgpu_gpu_healthy", fmt::format("gpu=\"{}\"", escape(g["uuid"].get<std::string>())),
+               uint64_t{g["healthy"].get<bool>() ? 1u : 0u});
+    }
+  }
   for (const TenantStatus& t : report.tenants) {
     const std::string tenant = fmt::format("tenant=\"{}\"", escape(t.name));
     m.sample("fracgpu_tenant_ledger_readable", tenant, uint64_t{t.error.empty() ? 1u : 0u});

@@ -340,3 +340,22 @@ TEST_F(OpsTest, AReloadKeepsARunningTenantOnItsGpu) {
 
 }  // namespace
 
+namespace {
+
+// GPU health comes from the daemon's NVML probe (health.json) only.
+TEST(RenderMetrics, GpuHealthOnlyFromARealProbe) {
+  controller::StatusReport report;
+  EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
+  report.gpu_health = nlohmann::json::parse(R"({"nvml": true, "gpus": [
+      {"uuid": "GPU-0be7a000-0000-4000-8000-000000000001", "healthy": true},
+      {"uuid": "GPU-0be7a000-0000-4000-8000-000000000002", "healthy": false}]})");
+  const std::string text = controller::render_metrics(report);
+  EXPECT_NE(text.find("fracgpu_gpu_healthy{gpu=\"" + kUuid0 + "\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("fracgpu_gpu_healthy{gpu=\"" + kUuid1 + "\"} 0\n"), std::string::npos) << text;
+  (*report.gpu_health)["nvml"] = false;  // no NVML: the daemon cannot tell
+  EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
+  report.gpu_health = nlohmann::json::parse(R"({"nvml": true, "gpus": [{"uuid": 7}, "x"]})");  // malformed: skipped
+  EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
+}
+
+}  // namespace
