@@ -28,6 +28,7 @@ const char* nvml_return_name(nvmlReturn_t rc) {
     case NVML_ERROR_IN_USE: return "NVML_ERROR_IN_USE";
     case NVML_ERROR_MEMORY: return "NVML_ERROR_MEMORY";
     case NVML_ERROR_NO_DATA: return "NVML_ERROR_NO_DATA";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "NVML_ERROR_ARGUMENT_VERSION_MISMATCH";
     case NVML_ERROR_UNKNOWN: return "NVML_ERROR_UNKNOWN";
   }
   return "NVML_ERROR_?";

@@ -382,6 +382,17 @@ TEST_F(NvmlDaemonTest, LostGpuRefusesNewProcessesAndRecovers) {
   EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
 }
 
+TEST_F(NvmlDaemonTest, RestartedDaemonClearsMarksOfGpusThatRecovered) {
+  start_with("report");
+  set_faults("0 lost\n");
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuLost; }, 2000ms)) << daemon_log();
+  kill_and_reap(daemon_);
+  set_faults("");
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuLost});  // the mark outlives the daemon
+  start_daemon();
+  EXPECT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 2000ms)) << daemon_log();
+}
+
 TEST_F(NvmlDaemonTest, AuditReportsProcessesWithoutTheInterposerOnly) {
   start_with("report");
   const pid_t managed = holder("managed", true);

@@ -214,6 +214,7 @@ const char* nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     default: return "Unknown Error";
   }
 }
@@ -281,7 +282,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t* mem) {
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t* mem) {
   if (mem == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  if (mem->version != nvmlMemory_v2) return NVML_ERROR_INVALID_ARGUMENT;  // real NVML: ARGUMENT_VERSION_MISMATCH
+  if (mem->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
   unsigned long long total = 0, used = 0;
   if (nvmlReturn_t rc = memory(device, &total, &used)) return rc;
   mem->total = total;
