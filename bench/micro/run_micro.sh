@@ -158,7 +158,7 @@ if [ "$callgrind" != 0 ]; then
     # One dump per benchmark and thread (the client requests in the binary
     # name them); summarize.py reads the main thread's.
     "${env[@]}" valgrind --tool=callgrind --separate-threads=yes \
-      --callgrind-out-file="$out/callgrind/$mode.%p" "$bin" --micro_device=$device \
+      --callgrind-out-file="$out/callgrind/$mode.%p" "$bin" --micro_device="$device" \
       --micro_callgrind="$callgrind" "${only[@]}" >"$out/callgrind/$mode.log" 2>&1 ||
       { echo "$0: callgrind $mode run failed:" >&2; cat "$out/callgrind/$mode.log" >&2; exit 1; }
   done

@@ -7,7 +7,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bash "$here/run_micro.sh" "$1" "$2" --smoke
-python3 - "$2/micro.csv" "$here/summarize.py" <<'PY'
+python3 -B - "$2/micro.csv" "$here/summarize.py" <<'PY'  # -B: no __pycache__ in the source tree
 import csv, importlib.util, sys
 spec = importlib.util.spec_from_file_location("summarize", sys.argv[2])
 summarize = importlib.util.module_from_spec(spec)
