@@ -132,14 +132,24 @@ bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const Nod
   return ok;
 }
 
+// Loads the config placing running tenants where they run: `running` if
+// given; else read from the run dir as `fracgpu status` reads it, which
+// opens and closes every ledger and the pid file. Closing them drops every
+// record lock this process holds on them, so that is only for a process that
+// holds none yet (--check, start before the pid-file lock); see metrics.h.
 // Parses twice when tenants already run: the first pass only finds run_dir.
-ConfigResult load_placed(const std::string& path, const Discovery& discovery) {
+ConfigResult load_placed(const std::string& path, const Discovery& discovery, const PriorPlacement* running) {
   ConfigResult result = load_config(path, discovery.gpus);
   if (!result.ok()) return result;
-  std::string error;
-  const auto report = collect_status(result.config->daemon.run_dir, &error);
-  if (!report) return result;  // no run dir yet: nothing runs
-  const PriorPlacement prior = prior_placement_from(*report);
+  PriorPlacement prior;
+  if (running != nullptr) {
+    prior = *running;
+  } else {
+    std::string error;
+    const auto report = collect_status(result.config->daemon.run_dir, &error);
+    if (!report) return result;  // no run dir yet: nothing runs
+    prior = prior_placement_from(*report);
+  }
   if (prior.empty()) return result;
   return load_config(path, discovery.gpus, &prior);
 }
@@ -151,7 +161,7 @@ void block_daemon_signals() {
 
 int check_config(const DaemonOptions& options) {
   const Discovery discovery = discover_gpus(options.cuda_library.c_str(), options.nvml_library.c_str());
-  const ConfigResult result = load_placed(options.config_path, discovery);
+  const ConfigResult result = load_placed(options.config_path, discovery, nullptr);
   if (!result.ok()) {
     print_errors(result, discovery);
     return kExitCheckFailed;
@@ -210,7 +220,36 @@ int Daemon::start() {
   return kExitOk;
 }
 
-ConfigResult Daemon::load_placed_config() const { return load_placed(options_.config_path, discovery_); }
+ConfigResult Daemon::load_placed_config() const {
+  if (pid_fd_ < 0) return load_placed(options_.config_path, discovery_, nullptr);  // start: no lock held yet
+  const PriorPlacement running = running_placement();
+  return load_placed(options_.config_path, discovery_, &running);
+}
+
+// From the ledgers held open, never by re-opening them (see load_placed).
+PriorPlacement Daemon::running_placement() const {
+  PriorPlacement prior;
+  for (const auto& [name, open] : ledgers_) {
+    const ledger::UsageSegment& usage = *open.ledger.usage;
+    const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+    bool running = false;
+    for (uint32_t s = 0; s < high && !running; ++s)
+      running = usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree &&
+                ledger::slot_owner_pid(open.ledger, s) != 0;
+    if (!running) continue;
+    std::vector<PriorGrant> grants;
+    for (const GpuPolicy& e : open.ledger.policy->gpus) {
+      const uint32_t share = e.share_ppm.load(std::memory_order_relaxed);
+      if (e.state.load(std::memory_order_acquire) != ledger::kGpuGranted || share == 0) continue;
+      PriorGrant g;
+      memcpy(g.uuid.data(), e.uuid, g.uuid.size());
+      g.share_ppm = share;
+      grants.push_back(g);
+    }
+    if (!grants.empty()) prior.emplace(name, std::move(grants));
+  }
+  return prior;
+}
 
 void Daemon::record_placement(const NodeConfig& config) {
   PlacementRecord record;
@@ -527,6 +566,8 @@ void Daemon::tick() {
   }
   tick_gpu_time(now);
   check_gpus(now);
+  if (std::string why; metrics_.died(&why))
+    log_->error("metrics: the endpoint's process {}; metrics are off until the next reload", why);
 }
 
 void Daemon::start_gpu_checks() {

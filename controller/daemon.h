@@ -108,6 +108,7 @@ class Daemon {
   // The config at options_.config_path, placed keeping running tenants where
   // they are (placement.h): their current placement is read from the run dir.
   ConfigResult load_placed_config() const;
+  PriorPlacement running_placement() const;
   void record_placement(const NodeConfig& config);
   // Starts, restarts or stops the metrics endpoint to match the config.
   void apply_metrics();

@@ -10,7 +10,9 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/eventfd.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -217,40 +219,65 @@ bool MetricsServer::start(const HostPort& address, std::string run_dir, std::sha
   getsockname(listen_fd_, reinterpret_cast<struct sockaddr*>(&bound), &bound_length);
   port_ = ntohs(family == AF_INET ? reinterpret_cast<struct sockaddr_in*>(&bound)->sin_port
                                   : reinterpret_cast<struct sockaddr_in6*>(&bound)->sin6_port);
-  stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (stop_fd_ < 0) {
-    *error = fmt::format("metrics: eventfd: {}", std::strerror(errno));
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  if (child < 0) {
+    *error = fmt::format("metrics: fork: {}", std::strerror(errno));
     ::close(listen_fd_);
     listen_fd_ = -1;
     return false;
   }
-  thread_ = std::thread([this] { serve(); });
+  if (child == 0) {
+    // Die with the daemon; take the signals it blocks (for its signalfd) back.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(0);
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_UNBLOCK, &all, nullptr);
+    prctl(PR_SET_NAME, "fracgpud-metric");
+    serve();
+  }
+  ::close(listen_fd_);  // the child's copy serves
+  listen_fd_ = -1;
+  child_ = child;
   return true;
 }
 
 void MetricsServer::stop() {
-  if (!thread_.joinable()) return;
-  const uint64_t one = 1;
-  if (::write(stop_fd_, &one, sizeof one) != static_cast<ssize_t>(sizeof one)) log_->warn("metrics: cannot stop: {}", std::strerror(errno));
-  thread_.join();
-  ::close(stop_fd_);
-  ::close(listen_fd_);
-  stop_fd_ = listen_fd_ = -1;
+  if (child_ <= 0) return;
+  kill(child_, SIGKILL);
+  waitpid(child_, nullptr, 0);
+  child_ = -1;
   port_ = 0;
+}
+
+bool MetricsServer::died(std::string* why) {
+  if (child_ <= 0) return false;
+  int status = 0;
+  if (waitpid(child_, &status, WNOHANG) != child_) return false;
+  *why = WIFSIGNALED(status) ? fmt::format("killed by signal {}", WTERMSIG(status))
+                             : fmt::format("exited with status {}", WEXITSTATUS(status));
+  child_ = -1;
+  port_ = 0;
+  return true;
 }
 
 void MetricsServer::serve() {
   for (;;) {
-    struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
+    struct pollfd pfd {listen_fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, -1) < 0) {
       if (errno == EINTR) continue;
       log_->error("metrics: poll: {}; the endpoint stops", std::strerror(errno));
-      return;
+      _exit(1);
     }
-    if (fds[1].revents != 0) return;
     const int client = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (client < 0) continue;  // the client gave up, or EAGAIN: poll again
-    handle(client);
+    try {
+      handle(client);
+    } catch (const std::exception& e) {
+      // A scrape must never take the endpoint down.
+      log_->error("metrics: scrape failed: {}", e.what());
+    }
     ::close(client);
   }
 }

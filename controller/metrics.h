@@ -1,12 +1,17 @@
 // The Prometheus endpoint of fracgpud (`[daemon] metrics_address`): the same
 // figures as `fracgpu status` (one collect_status() snapshot per scrape), in
 // the Prometheus text format, served over plain HTTP/1.0 by a small server
-// on its own thread. Metric names are listed in docs/operations.md ("Metrics").
+// in a child process. Metric names are listed in docs/operations.md ("Metrics").
 //
-// Why a thread: a scrape reads every ledger and arbiter (milliseconds) and a
-// client may be slow; neither may delay the daemon's reaping loop. The thread
-// shares no state with the loop: it reads the run dir read-only, exactly as
-// the CLI does.
+// Why a child process, not a thread: a scrape opens and closes every ledger,
+// arbiter and the pid file, and closing any descriptor of a file drops every
+// POSIX record lock the *process* holds on it. In fracgpud's own process
+// that would drop its pid-file lock (a second daemon could start) and, while
+// the reaper holds a dead slot's lock, let a new process claim the slot
+// under it. A child holds no locks, so its closes cost nothing. It also keeps
+// a slow client or a slow scrape away from the reaping loop. The child dies
+// with the daemon (PR_SET_PDEATHSIG) and shares no state with it: it reads the
+// run dir read-only, exactly as the CLI does.
 #pragma once
 
 #include <atomic>
@@ -15,7 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
+#include <sys/types.h>
 
 #include <spdlog/logger.h>
 
@@ -46,27 +51,29 @@ class MetricsServer {
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
 
-  // Binds and starts serving <run_dir>'s figures at /metrics. False and
-  // *error if the address cannot be bound (nothing is left running).
+  // Binds, then forks the child that serves <run_dir>'s figures at /metrics.
+  // Call from a single-threaded process (fracgpud is). False and *error if
+  // the address cannot be bound (nothing is left running).
   bool start(const HostPort& address, std::string run_dir, std::shared_ptr<spdlog::logger> log, std::string* error);
-  // Stops the thread and closes the socket; a no-op when not running.
+  // Kills and reaps the child; a no-op when not running.
   void stop();
+  // Reaps the child if it died (it should not); true and *why if it did.
+  bool died(std::string* why);
 
-  bool running() const { return thread_.joinable(); }
+  bool running() const { return child_ > 0; }
   uint16_t port() const { return port_; }  // the bound port (useful with port 0)
   const std::string& address() const { return address_; }  // format_host_port() of the bound address
 
  private:
-  void serve();
+  [[noreturn]] void serve();
   void handle(int client);
 
   std::string run_dir_;
   std::shared_ptr<spdlog::logger> log_;
   std::string address_;
   int listen_fd_ = -1;
-  int stop_fd_ = -1;  // an eventfd: written once to stop the thread
+  pid_t child_ = -1;
   uint16_t port_ = 0;
-  std::thread thread_;
 };
 
 }  // namespace fracgpu::controller

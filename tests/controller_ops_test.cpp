@@ -90,6 +90,19 @@ class OpsTest : public ::testing::Test {
     daemon_ = -1;
   }
 
+  // A second fracgpud on the same run dir must be refused: the running one
+  // still holds its pid-file lock (scrapes and reloads must not drop it).
+  void expect_pid_lock_held() {
+    const std::string log = tmp_ / "second.log";
+    std::filesystem::remove(log);
+    const pid_t second = spawn({FRACGPUD_PATH, "--config", config_path_}, log);
+    const int rc = wait_exit(second, 10s);
+    if (rc == -1) kill_and_reap(second);  // it started: never leave it running
+    EXPECT_EQ(rc, 3) << read_file(log);
+    EXPECT_NE(read_file(log).find("another fracgpud (pid " + std::to_string(daemon_) + ")"), std::string::npos)
+        << read_file(log);
+  }
+
   // The ledger's granted share (ppm) of `tenant` per GPU UUID.
   std::map<std::string, uint32_t> shares(const std::string& tenant) {
     std::map<std::string, uint32_t> out;
@@ -253,6 +266,7 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
   })) << http_get(port, "/metrics");
 
   EXPECT_EQ(http_get(port, "/nothing").rfind("HTTP/1.0 404", 0), 0u);
+  expect_pid_lock_held();
 
   // Reload with metrics off: the endpoint goes away, the daemon stays.
   write_file(config_path_, daemon_section("metrics_address = \"off\"\n") +
@@ -262,6 +276,7 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
       << read_file(log_path_);
   EXPECT_EQ(http_get(port, "/metrics"), "");
   EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0);
+  expect_pid_lock_held();
 }
 
 TEST_F(OpsTest, ATakenMetricsPortDoesNotStopTheDaemon) {
@@ -336,6 +351,7 @@ TEST_F(OpsTest, AReloadKeepsARunningTenantOnItsGpu) {
   EXPECT_EQ(record->policy, "spread");
   EXPECT_EQ(record->why.at("b"), "kept");
   EXPECT_EQ(record->why.at("a"), "policy");
+  expect_pid_lock_held();  // the reload read the running placement without dropping it
 }
 
 }  // namespace
