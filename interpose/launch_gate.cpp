@@ -168,6 +168,9 @@ void drain(GpuTime& g) {
 void charge_held(int gpu, uint64_t now) {
   GpuTime& g = g_gpus[gpu];
   GpuTimeSegment& seg = *g.arbiter.seg;
+  // Only the holder charges: charged_ns is the current holder's (the exit
+  // path may have handed the GPU on while the pacer was about to charge).
+  if (seg.arbiter.holder.load(std::memory_order_acquire) != static_cast<uint32_t>(g.process) + 1) return;
   const uint64_t charged = seg.arbiter.charged_ns.load(std::memory_order_relaxed);
   if (now <= charged) return;
   gputime::charge(seg, g.tenant, static_cast<uint32_t>(g.process), now - charged, my_share(gpu), my_limit(gpu),
@@ -203,8 +206,11 @@ void end_holding(int gpu, int next, bool drain_first) {
   GpuTimeSegment& seg = *g.arbiter.seg;
   const uint64_t now = gputime::monotonic_ns();
   charge_held(gpu, now);
-  g.holding.store(false, std::memory_order_release);
+  // Hand over before clearing `holding`: a thread of ours that finds the
+  // arbiter still naming us and `holding` clear takes the GPU up again
+  // (wait_for_turn), and would reopen our gate under the next holder.
   gputime::hand_over(seg, static_cast<uint32_t>(g.process), next, now);
+  g.holding.store(false, std::memory_order_release);
   // Threads that still want the GPU re-register when they wake.
 }
 
