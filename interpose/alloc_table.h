@@ -71,9 +71,20 @@ class ChargeTable {
   };
   static_assert(sizeof(Entry) == 32);
 
+  // Where a key's probe starts. Keys are mostly device addresses, aligned to
+  // at least 256 bytes. Hashing each key to a random slot put every new
+  // allocation's record on a cold cache line of a multi-MiB table (most of
+  // the interposer's cost per allocation, docs/performance.md); instead the
+  // 64 KiB region of the address is hashed and the address's 256-byte step
+  // within it picks one of 256 consecutive slots, so a burst of allocations
+  // close together shares a few lines and one page of the table, while
+  // regions still spread over the whole table.
   size_t slot_of(uint64_t key) const {
-    return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> (64 - log2_capacity_));
+    const uint64_t region_start = ((key >> 16) * 0x9E3779B97F4A7C15ull) >> (64 - log2_capacity_);
+    const uint64_t step = (key >> 8) & (kSlotsPerRegion - 1);
+    return static_cast<size_t>(region_start + step) & (capacity_ - 1);
   }
+  static constexpr uint64_t kSlotsPerRegion = 256;
 
   Entry* entries_ = nullptr;
   size_t capacity_ = 0;

@@ -444,6 +444,7 @@ CUresult ctx_create(CUcontext* ctx, Args... args) {
   const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory.load(std::memory_order_relaxed) : 0;
   if (!reserve(gpu, footprint)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, args...);
+  note_contexts_changed();
   if (result != CUDA_SUCCESS) {
     unreserve(gpu, footprint);
     return result;
@@ -451,6 +452,7 @@ CUresult ctx_create(CUcontext* ctx, Args... args) {
   if (!record_handle(reinterpret_cast<uint64_t>(*ctx), {footprint, reinterpret_cast<uint64_t>(*ctx),
                                                         static_cast<uint32_t>(gpu), ChargeKind::kContext})) {
     real<HookId::cuCtxDestroy_v2>()(*ctx);
+    note_contexts_changed();
     unreserve(gpu, footprint);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
@@ -466,6 +468,7 @@ CUresult ctx_destroy(CUcontext ctx) {
   ChargeRecord record;
   const bool charged = forget_handle(reinterpret_cast<uint64_t>(ctx), &record);
   CUresult result = FRACGPU_PASS(id, ctx);
+  note_contexts_changed();
   if (!charged) return result;
   if (result != CUDA_SUCCESS) {
     record_handle(reinterpret_cast<uint64_t>(ctx), record);
@@ -485,6 +488,7 @@ CUresult primary_ctx_retain(CUcontext* ctx, CUdevice device) {
   const int gpu = gpu_entry_for_device(device);
   if (!primary_retain_charge(device, gpu)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, device);
+  note_contexts_changed();
   if (result != CUDA_SUCCESS) {
     primary_retain_failed(device, gpu);
     return result;
@@ -500,6 +504,7 @@ CUresult primary_ctx_release(CUdevice device) {
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
   gputime_forget_device(device);  // the last release destroys the context; the next launch notes it again
   CUresult result = FRACGPU_PASS(id, device);
+  note_contexts_changed();
   if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, false);
   return result;
 }
@@ -511,6 +516,7 @@ CUresult primary_ctx_reset(CUdevice device) {
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
   gputime_forget_device(device);
   CUresult result = FRACGPU_PASS(id, device);
+  note_contexts_changed();
   if (result == CUDA_SUCCESS && device >= 0 && device < kMaxDevices) primary_released(device, true);
   return result;
 }

@@ -28,13 +28,34 @@ std::atomic<int> g_device_entry[kMaxDevices];
 std::atomic<uint64_t> g_device_entry_generation{UINT64_MAX};
 std::atomic<bool> g_atfork_registered{false};
 
+// The device of this thread's current context, as last asked of the driver.
+// Finding the current GPU is on every allocation, and asking the driver for a
+// context's device there cost a driver call each time. A context's device
+// never changes, but a destroyed context's handle may come back for a new
+// context on another device: every hook that creates or destroys a context
+// bumps g_context_epoch after the driver returns (note_contexts_changed), and
+// an answer is reused only under the epoch it was found in. A thread can only
+// make a new context current after whoever created it got the handle back,
+// so after the bump. Constant-initialized and trivially destructible: no TLS
+// init call on the hot path, nothing to run at thread exit.
+struct CurrentDevice {
+  CUcontext ctx;
+  CUdevice device;
+  uint64_t epoch;  // 0: never filled (the epoch starts at 1)
+};
+constinit thread_local CurrentDevice t_current_device{};
+std::atomic<uint64_t> g_context_epoch{1};
+
 void forget_devices() {
   for (auto& e : g_device_entry) e.store(kUnknownDevice, std::memory_order_relaxed);
 }
 
 // In a forked child the parent's slot lock is not ours (record locks are not
 // inherited) and its allocations are not usable: start over on next use.
-void on_fork_child() { g_tenant_mode.store(static_cast<int>(TenantMode::kUnattached), std::memory_order_release); }
+void on_fork_child() {
+  g_tenant_mode.store(static_cast<int>(TenantMode::kUnattached), std::memory_order_release);
+  g_context_epoch.fetch_add(1, std::memory_order_acq_rel);
+}
 
 // Where this process's tenant directory is, or false if none is configured.
 bool tenant_directory(char* out, size_t len) {
@@ -211,10 +232,19 @@ bool visible_gpu_unavailable() {
   return false;
 }
 
+void note_contexts_changed() { g_context_epoch.fetch_add(1, std::memory_order_acq_rel); }
+
 bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu) {
   if (g_driver.cuCtxGetCurrent == nullptr || g_driver.cuCtxGetDevice == nullptr) return false;
   if (g_driver.cuCtxGetCurrent(ctx) != CUDA_SUCCESS || *ctx == nullptr) return false;
-  if (g_driver.cuCtxGetDevice(device) != CUDA_SUCCESS) return false;
+  CurrentDevice& cached = t_current_device;
+  const uint64_t epoch = g_context_epoch.load(std::memory_order_acquire);
+  if (cached.ctx == *ctx && cached.epoch == epoch) [[likely]] {
+    *device = cached.device;
+  } else {
+    if (g_driver.cuCtxGetDevice(device) != CUDA_SUCCESS) return false;
+    cached = {*ctx, *device, epoch};
+  }
   *gpu = gpu_entry_for_device(*device);
   return true;
 }

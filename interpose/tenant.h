@@ -56,6 +56,11 @@ int gpu_entry_for_device(CUdevice device);
 // context is current (the caller lets the driver report that).
 bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu);
 
+// Call after any driver call that may create a context or free a context
+// handle for reuse (create, destroy, primary retain, release, reset): it ends
+// every thread's cached context -> device answer (see current_gpu_entry).
+void note_contexts_changed();
+
 // Charging with the ledger, for this process's slot. reserve() refuses past
 // the quota; on refusal it first reclaims dead processes' charges and settles
 // pools (both slow paths) and tries once more.
