@@ -191,10 +191,10 @@ class InterposeTest : public ::testing::Test {
     int out_fd, err_fd;
     ProbeResult seen;
   };
-  Held probe_and_hold(std::vector<std::string> args) {
+  Held probe_and_hold(std::vector<std::string> args, const std::vector<std::string>& extra_env = {}) {
     args.push_back("hold");
     Held h{};
-    h.pid = spawn(args, environment(true, {}), &h.out_fd, &h.err_fd);
+    h.pid = spawn(args, environment(true, extra_env), &h.out_fd, &h.err_fd);
     std::string acc;
     char buf[512];
     while (acc.find("holding=") == std::string::npos) {
@@ -409,6 +409,29 @@ TEST_F(InterposeTest, ContextsAreChargedTheirFootprintAndTakeTheirAllocationsWit
   grant(kUuid0, 100 * kMiB);
   ProbeResult r = probe({"init", "ctx-create", "4", "0", "ctx-create", "4", "0"});
   EXPECT_EQ(r["ctx_create"], kOutOfMemory);
+}
+
+// The interposer remembers each thread's context -> device answer; a context
+// handle that comes back for a new context on another GPU must not be charged
+// to the old one. The simulated driver keeps handles unique unless
+// SIMCUDA_REUSE_CONTEXTS=1 makes it hand the destroyed context's handle to the
+// next one.
+TEST_F(InterposeTest, AReusedContextHandleIsChargedToItsNewGpu) {
+  const int g0 = grant(kUuid0, 1 * kGiB);
+  const int g1 = grant(kUuid1, 1 * kGiB);
+  Held h = probe_and_hold({"init", "ctx-create", "2", "0", "current-ctx", "first_ctx", "alloc", "1MiB",
+                           "ctx-destroy", "last", "ctx-create", "2", "1", "current-ctx", "second_ctx", "alloc",
+                           "100MiB"},
+                          {"SIMCUDA_REUSE_CONTEXTS=1"});
+  ASSERT_EQ(h.seen["ctx_create"], kSuccess);
+  ASSERT_EQ(h.seen["alloc"], kSuccess);
+  ASSERT_NE(h.seen["first_ctx"], "0");
+  // Without reuse this test would prove nothing: say so rather than pass.
+  ASSERT_EQ(h.seen["first_ctx"], h.seen["second_ctx"]) << "the simulated driver did not reuse the context handle";
+  EXPECT_EQ(used(g0), 0u);
+  EXPECT_EQ(used(g1), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(1), kContextBytes + 100 * kMiB);
+  kill_held(h);
 }
 
 // ---- Reaching the driver: linked, dlsym, cuGetProcAddress ----

@@ -195,6 +195,11 @@ int main(int argc, char** argv) {
       print("ctx_destroy", cuCtxDestroy_v2(g_contexts[k]));
       g_contexts.erase(g_contexts.begin() + static_cast<long>(k));
       if (!g_contexts.empty()) cuCtxSetCurrent(g_contexts.back());
+    } else if (cmd == "current-ctx") {  // current-ctx KEY: prints KEY=<the current context's handle>
+      const char* key = arg();
+      CUcontext ctx = nullptr;
+      cuCtxGetCurrent(&ctx);
+      print(key, static_cast<long long>(reinterpret_cast<intptr_t>(ctx)));
     } else if (cmd == "alloc") {
       CUdeviceptr p = 0;
       CUresult r = cuMemAlloc_v2(&p, parse_bytes(arg()));

@@ -1,5 +1,6 @@
 // Initialization, errors, cuGetProcAddress, devices and contexts.
 #include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -137,12 +138,26 @@ CUresult ctx_create(CUcontext* pctx, unsigned flags, CUdevice dev) {
   if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (!valid_ctx_flags(flags)) return CUDA_ERROR_INVALID_VALUE;
   if (CUresult r = charge(dev, S()->devices[dev].ctx_bytes)) return r;
-  auto c = std::make_unique<Ctx>();
-  c->dev = dev;
-  c->active = true;
-  c->flags = flags;
-  Ctx* raw = c.get();
-  P.contexts.push_back(std::move(c));
+  // SIMCUDA_REUSE_CONTEXTS=1: a destroyed context's handle is handed to the
+  // next new context (whatever its device), as a driver that recycles its
+  // context records may do; by default handles stay unique, so that using a
+  // destroyed one reports CUDA_ERROR_CONTEXT_IS_DESTROYED.
+  static const bool reuse = [] {
+    const char* v = std::getenv("SIMCUDA_REUSE_CONTEXTS");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  Ctx* raw = nullptr;
+  if (reuse)
+    for (auto& old : P.contexts)
+      if (!old->primary && !old->active) raw = old.get();
+  if (raw == nullptr) {
+    P.contexts.push_back(std::make_unique<Ctx>());
+    raw = P.contexts.back().get();
+  }
+  *raw = Ctx{};
+  raw->dev = dev;
+  raw->active = true;
+  raw->flags = flags;
   P.ctx_set.insert(raw);
   ctx_stack().push_back(raw);  // a new context becomes current
   *pctx = reinterpret_cast<CUcontext>(raw);
