@@ -63,7 +63,12 @@ hold() {
   as "$1" python3 $check hold "$2" 600 >"$out" 2>&1 &
   held=$!
   holders+=("$held")
-  for _ in $(seq 300); do grep -q holding "$out" && return 0; sleep 0.1; done
+  # Up to 30 s for PyTorch to start; not a moment longer once the process is gone.
+  for _ in $(seq 300); do
+    grep -q holding "$out" && return 0
+    kill -0 "$held" 2>/dev/null || break
+    sleep 0.1
+  done
   fail "$1's process did not start holding: $(cat "$out")"
 }
 status_json() { "$build/controller/fracgpu" status --run-dir "$run_dir" --json; }
