@@ -15,6 +15,10 @@
 //   Each row's memory is what fracgpu charged that process on that GPU, so
 //   the rows add up to the `used` shown above them.
 // - Graphics and MPS lists: empty (fracgpu charges neither).
+// - nvmlDeviceGetRunningProcessDetailList: by its mode, the compute list or
+//   an empty graphics/MPS list, as above.
+// - Per-process utilization (nvmlDeviceGetProcessUtilization,
+//   nvmlDeviceGetProcessesUtilizationInfo): no samples (see no_samples).
 //
 // The NVML device is matched to the tenant's GPU entry by UUID (the real
 // nvmlDeviceGetUUID), never by index. None of this is a hot path, but the
@@ -190,22 +194,23 @@ nvmlReturn_t nvml_memory_info(nvmlDevice_t device, Memory* memory) {
   return NVML_SUCCESS;
 }
 
-// NVML's contract: *count in = capacity, out = rows; a short array gets
-// NVML_ERROR_INSUFFICIENT_SIZE with the count needed.
-template <NvmlHookId id, class Info>
-nvmlReturn_t nvml_processes(nvmlDevice_t device, unsigned int* count, Info* infos, bool list_own) {
-  const Query<id> q = query<id>(device);
-  if (q.scope == Scope::kRefused) return q.error;
-  if (q.scope == Scope::kReal) return q.real(device, count, infos);
+namespace {
+
+// Fills a process list with the tenant's own rows on GPU entry `gpu` (none
+// when !list_own or the GPU is not granted). NVML's contract: *count in =
+// capacity, out = rows; a short array gets NVML_ERROR_INSUFFICIENT_SIZE with
+// the count needed.
+template <class Info>
+nvmlReturn_t tenant_rows(int gpu, bool list_own, unsigned int* count, Info* infos) {
   if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   OwnProcess rows[ledger::kMaxSlots];
-  const unsigned n = list_own && q.gpu >= 0 ? own_processes(q.gpu, rows) : 0;
+  const unsigned n = list_own && gpu >= 0 ? own_processes(gpu, rows) : 0;
   const unsigned capacity = *count;
   *count = n;
   if (n > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
   if (n > 0 && infos == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   for (unsigned i = 0; i < n; ++i) {
-    Info info{};
+    Info info{};  // zero: nvmlProcessDetail_v1_t's usedGpuCcProtectedMemory too
     info.pid = rows[i].pid;
     info.usedGpuMemory = rows[i].bytes;
     if constexpr (requires { info.gpuInstanceId; }) {
@@ -217,6 +222,28 @@ nvmlReturn_t nvml_processes(nvmlDevice_t device, unsigned int* count, Info* info
   return NVML_SUCCESS;
 }
 
+// Per-process utilization inside a tenant: no samples, ever. NVML keys its
+// samples by host PID; in a container the tenant knows its processes only by
+// the PIDs of its own namespace (F_GETLK on the ledger), and nothing it can
+// read maps one to the other, so any sample shown could be another tenant's.
+// NVML_ERROR_NOT_FOUND is NVML's own answer for "no samples": monitoring tools
+// show no rows rather than an error.
+nvmlReturn_t no_samples(unsigned int* count) {
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *count = 0;
+  return NVML_ERROR_NOT_FOUND;
+}
+
+}  // namespace
+
+template <NvmlHookId id, class Info>
+nvmlReturn_t nvml_processes(nvmlDevice_t device, unsigned int* count, Info* infos, bool list_own) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, count, infos);
+  return tenant_rows(q.gpu, list_own, count, infos);
+}
+
 template <NvmlHookId id, class Info>
 nvmlReturn_t nvml_own_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
   return nvml_processes<id>(device, count, infos, true);
@@ -225,6 +252,38 @@ nvmlReturn_t nvml_own_processes(nvmlDevice_t device, unsigned int* count, Info* 
 template <NvmlHookId id, class Info>
 nvmlReturn_t nvml_no_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
   return nvml_processes<id>(device, count, infos, false);
+}
+
+// One call for the compute, graphics and MPS lists (plist->mode); the same
+// answers as the older calls give for each kind.
+template <NvmlHookId id>
+nvmlReturn_t nvml_process_detail_list(nvmlDevice_t device, nvmlProcessDetailList_t* plist) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, plist);
+  if (plist == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (plist->version != nvmlProcessDetailList_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  if (plist->mode > NVML_PROCESS_MODE_MPS) return NVML_ERROR_INVALID_ARGUMENT;
+  return tenant_rows(q.gpu, plist->mode == NVML_PROCESS_MODE_COMPUTE, &plist->numProcArrayEntries, plist->procArray);
+}
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_process_utilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t* utilization,
+                                      unsigned int* count, unsigned long long last_seen) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, utilization, count, last_seen);
+  return no_samples(count);
+}
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_processes_utilization_info(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t* info) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, info);
+  if (info == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  return no_samples(&info->processSamplesCount);
 }
 
 }  // namespace fracgpu::interpose

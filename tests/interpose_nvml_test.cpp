@@ -175,6 +175,12 @@ class NvmlInTenantTest : public ::testing::Test {
     b2_ = hold("bob", 1, "50MiB");
   }
 
+  // GPU 0's rows after two_tenants(): alice's, and everyone's.
+  std::string alice_rows() const { return rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}}); }
+  std::string gpu0_rows() const {
+    return rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}, {b1_, kContext + 300 * kMiB}});
+  }
+
   TempDir root_;
   std::map<std::string, TenantLedger> ledgers_;
   std::vector<pid_t> holders_;
@@ -213,7 +219,7 @@ TEST_F(NvmlInTenantTest, ProcessListsShowOnlyTheTenantsOwnProcesses) {
     for (const char* version : {"1", "2", "3"}) args.insert(args.end(), {"procs", "0", version, path});
   const Values v = nvml(args, env("alice"));
   EXPECT_EQ(get(v, "which_nvmlDeviceGetComputeRunningProcesses_v3"), "libfracgpu.so");
-  const std::string own = rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}});
+  const std::string own = alice_rows();
   for (const auto& path : kPaths) {
     for (const char* version : {"1", "2", "3"}) {
       const std::string p = std::string("procs") + version + "_" + path + "_0";
@@ -229,12 +235,72 @@ TEST_F(NvmlInTenantTest, ProcessListsShowOnlyTheTenantsOwnProcesses) {
   EXPECT_EQ(get(bob, "procs3_dlsym_0_list"), rows({{b1_, kContext + 300 * kMiB}}));
   EXPECT_EQ(get(bob, "mem_dlsym_0_total"), std::to_string(16 * kGiB));
   // Without the interposer, or without tenant state, NVML's own list: everyone.
-  const std::string everyone =
-      rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}, {b1_, kContext + 300 * kMiB}});
+  const std::string everyone = gpu0_rows();
   EXPECT_EQ(get(nvml({"init", "procs", "0", "3", "dlsym"}, env("alice", false)), "procs3_dlsym_0_list"), everyone);
   const Values unmanaged = nvml({"init", "procs", "0", "3", "dlsym", "mem", "0", "direct"}, env(""));
   EXPECT_EQ(get(unmanaged, "procs3_dlsym_0_list"), everyone);
   EXPECT_EQ(get(unmanaged, "mem_direct_0_total"), std::to_string(16 * kGiB));
+}
+
+TEST_F(NvmlInTenantTest, ProcessDetailListShowsOnlyTheTenantsOwnProcesses) {
+  two_tenants();
+  std::vector<std::string> args = {"init", "which", "nvmlDeviceGetRunningProcessDetailList"};
+  for (const auto& path : kPaths)
+    for (const char* mode : {"0", "1", "2"}) args.insert(args.end(), {"detail", "0", mode, path});
+  const Values v = nvml(args, env("alice"));
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetRunningProcessDetailList"), "libfracgpu.so");
+  const std::string own = alice_rows();
+  for (const auto& path : kPaths) {
+    const std::string compute = "detail0_" + path + "_0";
+    SCOPED_TRACE(compute);
+    EXPECT_EQ(get(v, compute + "_sized_rc"), kInsufficientSize);
+    EXPECT_EQ(get(v, compute + "_rc"), "0");
+    EXPECT_EQ(get(v, compute + "_list"), own);
+    EXPECT_EQ(v.count(compute + "_cc_memory"), 0u);  // zeroed, not left as the caller's
+    for (const char* mode : {"1", "2"}) {  // graphics and MPS: fracgpu charges neither
+      const std::string p = std::string("detail") + mode + "_" + path + "_0";
+      EXPECT_EQ(get(v, p + "_sized_rc"), "0") << p;
+      EXPECT_EQ(get(v, p + "_list"), "") << p;
+    }
+  }
+  // Without tenant state, or without the interposer: everyone on GPU 0.
+  const std::string everyone = gpu0_rows();
+  EXPECT_EQ(get(nvml({"init", "detail", "0", "0", "dlsym"}, env("")), "detail0_dlsym_0_list"), everyone);
+  EXPECT_EQ(get(nvml({"init", "detail", "0", "0", "direct"}, env("alice", false)), "detail0_direct_0_list"), everyone);
+  // A GPU not granted: nothing, though bob runs there.
+  EXPECT_EQ(get(nvml({"init", "detail", "1", "0", "dlsym"}, env("alice")), "detail0_dlsym_1_list"), "");
+  EXPECT_EQ(get(nvml({"init", "detail", "1", "0", "dlsym"}, env("")), "detail0_dlsym_1_list"),
+            rows({{b2_, kContext + 50 * kMiB}}));
+}
+
+// NVML's samples name host PIDs the tenant cannot map to its own processes:
+// inside a tenant there are none at all (never another tenant's).
+TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsNoSamplesInATenant) {
+  two_tenants();
+  std::vector<std::string> args = {"init", "which", "nvmlDeviceGetProcessUtilization", "which",
+                                   "nvmlDeviceGetProcessesUtilizationInfo"};
+  for (const auto& path : kPaths) args.insert(args.end(), {"util", "0", path, "utilinfo", "0", path});
+  const Values v = nvml(args, env("alice"));
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetProcessUtilization"), "libfracgpu.so");
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetProcessesUtilizationInfo"), "libfracgpu.so");
+  constexpr const char* kNotFound = "6";  // NVML's "no samples"
+  for (const auto& path : kPaths) {
+    for (const std::string& p : {"util_" + path + "_0", "utilinfo_" + path + "_0"}) {
+      SCOPED_TRACE(p);
+      EXPECT_EQ(get(v, p + "_sized_rc"), kNotFound);
+      EXPECT_EQ(get(v, p + "_rc"), kNotFound);
+      EXPECT_EQ(get(v, p + "_count"), "0");
+      EXPECT_EQ(get(v, p + "_list"), "");
+    }
+  }
+  // NVML's own samples, without tenant state or the interposer: every
+  // process on GPU 0, alice's and bob's (the stand-in's SM figure is 50).
+  const std::string everyone = rows({{a1_, 50}, {a2_, 50}, {b1_, 50}});
+  const Values unmanaged = nvml({"init", "util", "0", "dlsym", "utilinfo", "0", "direct"}, env(""));
+  EXPECT_EQ(get(unmanaged, "util_dlsym_0_sized_rc"), kInsufficientSize);
+  EXPECT_EQ(get(unmanaged, "util_dlsym_0_list"), everyone);
+  EXPECT_EQ(get(unmanaged, "utilinfo_direct_0_list"), everyone);
+  EXPECT_EQ(get(nvml({"init", "util", "0", "direct"}, env("alice", false)), "util_direct_0_list"), everyone);
 }
 
 TEST_F(NvmlInTenantTest, AGpuNotGrantedShowsNoMemoryAndNoProcesses) {
@@ -266,9 +332,14 @@ TEST_F(NvmlInTenantTest, ARefusedLedgerGetsNoFiguresAtAll) {
   two_tenants();
   fracgpu::testing::write_file(tenant_dir("mallory") + "/policy", "not a ledger");
   fracgpu::testing::write_file(tenant_dir("mallory") + "/usage", "not a ledger");
-  const Values v = nvml({"init", "mem", "0", "dlsym", "procs", "0", "3", "direct"}, env("mallory"));
+  const Values v = nvml({"init", "mem", "0", "dlsym", "procs", "0", "3", "direct", "detail", "0", "0", "dlsym", "util",
+                         "0", "direct", "utilinfo", "0", "dlsym"},
+                        env("mallory"));
   EXPECT_EQ(get(v, "mem_dlsym_0_rc"), kNoPermission);  // not the device's real figures
   EXPECT_EQ(get(v, "procs3_direct_0_rc"), kNoPermission);
+  EXPECT_EQ(get(v, "detail0_dlsym_0_rc"), kNoPermission);
+  EXPECT_EQ(get(v, "util_direct_0_rc"), kNoPermission);
+  EXPECT_EQ(get(v, "utilinfo_dlsym_0_rc"), kNoPermission);
 }
 
 // Inside a PID namespace (a container), the driver's PIDs are the host's;

@@ -86,6 +86,81 @@ typedef nvmlProcessInfo_t nvmlProcessInfo_v2_t;
 
 #define NVML_VALUE_NOT_AVAILABLE (~0ULL)
 
+/* nvmlDeviceGetRunningProcessDetailList (driver R550 and later). This and the
+ * utilization records below follow NVIDIA's nvml.h of the R550 drivers (NVML
+ * API 12), as public copies of that header and NVIDIA's pynvml declare them. */
+typedef enum nvmlProcessMode_enum {
+  NVML_PROCESS_MODE_COMPUTE = 0,
+  NVML_PROCESS_MODE_GRAPHICS = 1,
+  NVML_PROCESS_MODE_MPS = 2
+} nvmlProcessMode_t;
+
+typedef struct nvmlProcessDetail_v1_st {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId;
+  unsigned int computeInstanceId;
+  unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+
+typedef struct nvmlProcessDetailList_v1_st {
+  unsigned int version; /* nvmlProcessDetailList_v1 */
+  unsigned int mode;    /* nvmlProcessMode_t */
+  unsigned int numProcArrayEntries; /* in: procArray's capacity; out: the count */
+  nvmlProcessDetail_v1_t* procArray;
+} nvmlProcessDetailList_v1_t;
+typedef nvmlProcessDetailList_v1_t nvmlProcessDetailList_t;
+#define nvmlProcessDetailList_v1 NVML_STRUCT_VERSION(ProcessDetailList, 1)
+
+/* nvmlDeviceGetProcessUtilization: one sample per process (host PIDs). */
+typedef struct nvmlProcessUtilizationSample_st {
+  unsigned int pid;
+  unsigned long long timeStamp; /* CPU time, microseconds */
+  unsigned int smUtil;
+  unsigned int memUtil;
+  unsigned int encUtil;
+  unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+/* nvmlDeviceGetProcessesUtilizationInfo (driver R550 and later). */
+typedef struct nvmlProcessUtilizationInfo_v1_st {
+  unsigned long long timeStamp; /* CPU time, microseconds */
+  unsigned int pid;
+  unsigned int smUtil;
+  unsigned int memUtil;
+  unsigned int encUtil;
+  unsigned int decUtil;
+  unsigned int jpgUtil;
+  unsigned int ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct nvmlProcessesUtilizationInfo_v1_st {
+  unsigned int version; /* nvmlProcessesUtilizationInfo_v1 */
+  unsigned int processSamplesCount; /* in: procUtilArray's capacity; out: the count */
+  unsigned long long lastSeenTimeStamp; /* only samples newer than this */
+  nvmlProcessUtilizationInfo_v1_t* procUtilArray;
+} nvmlProcessesUtilizationInfo_v1_t;
+typedef nvmlProcessesUtilizationInfo_v1_t nvmlProcessesUtilizationInfo_t;
+#define nvmlProcessesUtilizationInfo_v1 NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1)
+
+#ifdef __cplusplus
+/* The layouts NVML's 64-bit Linux ABI has; the version values NVIDIA's header
+ * spells out (both 0x1000018). */
+static_assert(sizeof(nvmlProcessDetail_v1_t) == 32, "nvmlProcessDetail_v1_t layout");
+static_assert(__builtin_offsetof(nvmlProcessDetail_v1_t, usedGpuCcProtectedMemory) == 24, "nvmlProcessDetail_v1_t layout");
+static_assert(sizeof(nvmlProcessDetailList_v1_t) == 24, "nvmlProcessDetailList_v1_t layout");
+static_assert(__builtin_offsetof(nvmlProcessDetailList_v1_t, procArray) == 16, "nvmlProcessDetailList_v1_t layout");
+static_assert(nvmlProcessDetailList_v1 == 0x1000018u, "nvmlProcessDetailList_v1 value");
+static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t layout");
+static_assert(__builtin_offsetof(nvmlProcessUtilizationSample_t, smUtil) == 16, "nvmlProcessUtilizationSample_t layout");
+static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "nvmlProcessUtilizationInfo_v1_t layout");
+static_assert(__builtin_offsetof(nvmlProcessUtilizationInfo_v1_t, pid) == 8, "nvmlProcessUtilizationInfo_v1_t layout");
+static_assert(sizeof(nvmlProcessesUtilizationInfo_v1_t) == 24, "nvmlProcessesUtilizationInfo_v1_t layout");
+static_assert(__builtin_offsetof(nvmlProcessesUtilizationInfo_v1_t, procUtilArray) == 16,
+              "nvmlProcessesUtilizationInfo_v1_t layout");
+static_assert(nvmlProcessesUtilizationInfo_v1 == 0x1000018u, "nvmlProcessesUtilizationInfo_v1 value");
+#endif
+
 typedef enum nvmlTemperatureSensors_enum { NVML_TEMPERATURE_GPU = 0 } nvmlTemperatureSensors_t;
 
 typedef enum nvmlMemoryErrorType_enum {
@@ -129,6 +204,12 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsign
                                                      nvmlProcessInfo_v2_t* infos);
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int* infoCount,
                                                      nvmlProcessInfo_t* infos);
+
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t* plist);
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t* utilization,
+                                             unsigned int* processSamplesCount, unsigned long long lastSeenTimeStamp);
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                   nvmlProcessesUtilizationInfo_t* procesesUtilInfo);
 
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType, unsigned int* temp);
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int* power); /* milliwatts */

@@ -13,6 +13,11 @@
 //   graphics DEV                 nvmlDeviceGetGraphicsRunningProcesses_v3 found by dlsym(RTLD_DEFAULT):
 //                                the stand-in NVML lacks it, so only the interposer's export can answer
 //                                -> graphics_DEV_rc ("none": no such symbol anywhere)
+//   detail DEV MODE PATH         nvmlDeviceGetRunningProcessDetailList, MODE 0/1/2 = compute/graphics/MPS
+//                                -> detailMODE_PATH_DEV_{sized_rc,rc,count,list} as procs
+//   util DEV PATH                nvmlDeviceGetProcessUtilization -> util_PATH_DEV_{sized_rc,rc,count,list}
+//   utilinfo DEV PATH            nvmlDeviceGetProcessesUtilizationInfo -> utilinfo_PATH_DEV_{...} as util
+//                                (util lists are pid:smUtil,...; sized_rc: the call with no array)
 //   which NAME                   which library dlsym(NVML handle, NAME) lands in -> which_NAME=<file>
 // PATH is "direct" or "dlsym"; DEV an NVML index. Bad usage exits 64.
 #include <dlfcn.h>
@@ -57,6 +62,18 @@ nvmlDevice_t device(const char* index) {
   return d;
 }
 
+// prefix_list=pid:value,... sorted by pid, from the first n records.
+template <class Record, class Value>
+void print_list(const std::string& prefix, unsigned n, const Record* records, Value value) {
+  std::vector<std::pair<unsigned, unsigned long long>> rows;
+  for (unsigned i = 0; i < n; ++i) rows.emplace_back(records[i].pid, value(records[i]));
+  std::sort(rows.begin(), rows.end());
+  std::string list;
+  for (const auto& [pid, v] : rows) list += (list.empty() ? "" : ",") + std::to_string(pid) + ":" + std::to_string(v);
+  printf("%s_list=%s\n", prefix.c_str(), list.c_str());
+  fflush(stdout);
+}
+
 template <class Info>
 void processes(const std::string& prefix, nvmlDevice_t dev,
                nvmlReturn_t (*fn)(nvmlDevice_t, unsigned int*, Info*)) {
@@ -71,13 +88,31 @@ void processes(const std::string& prefix, nvmlDevice_t dev,
   const nvmlReturn_t rc = fn(dev, &count, infos.data());
   print(prefix + "_rc", rc);
   print(prefix + "_count", count);
-  std::vector<std::pair<unsigned, unsigned long long>> rows;
-  for (unsigned i = 0; rc == NVML_SUCCESS && i < count; ++i) rows.emplace_back(infos[i].pid, infos[i].usedGpuMemory);
-  std::sort(rows.begin(), rows.end());
-  std::string list;
-  for (const auto& [pid, bytes] : rows) list += (list.empty() ? "" : ",") + std::to_string(pid) + ":" + std::to_string(bytes);
-  printf("%s_list=%s\n", prefix.c_str(), list.c_str());
-  fflush(stdout);
+  print_list(prefix, rc == NVML_SUCCESS ? count : 0, infos.data(), [](const Info& r) { return r.usedGpuMemory; });
+}
+
+// nvmlDeviceGetRunningProcessDetailList: asked for the count, then filled.
+void detail_list(const std::string& prefix, nvmlDevice_t dev, unsigned mode,
+                 nvmlReturn_t (*fn)(nvmlDevice_t, nvmlProcessDetailList_t*)) {
+  if (fn == nullptr) {
+    printf("%s_rc=none\n", prefix.c_str());
+    return;
+  }
+  nvmlProcessDetailList_t list{};
+  list.version = nvmlProcessDetailList_v1;
+  list.mode = mode;
+  print(prefix + "_sized_rc", fn(dev, &list));
+  std::vector<nvmlProcessDetail_v1_t> rows(list.numProcArrayEntries + 8);
+  for (auto& r : rows) r.usedGpuCcProtectedMemory = 777;  // a value the callee must overwrite
+  list.numProcArrayEntries = static_cast<unsigned>(rows.size());
+  list.procArray = rows.data();
+  const nvmlReturn_t rc = fn(dev, &list);
+  print(prefix + "_rc", rc);
+  print(prefix + "_count", list.numProcArrayEntries);
+  const unsigned n = rc == NVML_SUCCESS ? list.numProcArrayEntries : 0;
+  for (unsigned i = 0; i < n; ++i)
+    if (rows[i].usedGpuCcProtectedMemory != 0) print(prefix + "_cc_memory", rows[i].usedGpuCcProtectedMemory);
+  print_list(prefix, n, rows.data(), [](const nvmlProcessDetail_v1_t& r) { return r.usedGpuMemory; });
 }
 
 }  // namespace
@@ -130,6 +165,42 @@ int main(int argc, char** argv) {
                   pick(path, &nvmlDeviceGetComputeRunningProcesses_v3, "nvmlDeviceGetComputeRunningProcesses_v3"));
       else
         usage("version is 1, 2 or 3");
+    } else if (cmd == "detail") {
+      const char* index = arg();
+      const std::string mode = arg();
+      const std::string path = arg();
+      detail_list("detail" + mode + "_" + path + "_" + index, device(index), static_cast<unsigned>(atoi(mode.c_str())),
+                  pick(path, &nvmlDeviceGetRunningProcessDetailList, "nvmlDeviceGetRunningProcessDetailList"));
+    } else if (cmd == "util") {
+      const char* index = arg();
+      const std::string path = arg();
+      const std::string p = "util_" + path + "_" + index;
+      auto fn = pick(path, &nvmlDeviceGetProcessUtilization, "nvmlDeviceGetProcessUtilization");
+      unsigned count = 0;
+      print(p + "_sized_rc", fn(device(index), nullptr, &count, 0));
+      std::vector<nvmlProcessUtilizationSample_t> samples(count + 8);
+      count = static_cast<unsigned>(samples.size());
+      const nvmlReturn_t rc = fn(device(index), samples.data(), &count, 0);
+      print(p + "_rc", rc);
+      print(p + "_count", count);
+      print_list(p, rc == NVML_SUCCESS ? count : 0, samples.data(),
+                 [](const nvmlProcessUtilizationSample_t& r) { return r.smUtil; });
+    } else if (cmd == "utilinfo") {
+      const char* index = arg();
+      const std::string path = arg();
+      const std::string p = "utilinfo_" + path + "_" + index;
+      auto fn = pick(path, &nvmlDeviceGetProcessesUtilizationInfo, "nvmlDeviceGetProcessesUtilizationInfo");
+      nvmlProcessesUtilizationInfo_t info{};
+      info.version = nvmlProcessesUtilizationInfo_v1;
+      print(p + "_sized_rc", fn(device(index), &info));
+      std::vector<nvmlProcessUtilizationInfo_v1_t> samples(info.processSamplesCount + 8);
+      info.processSamplesCount = static_cast<unsigned>(samples.size());
+      info.procUtilArray = samples.data();
+      const nvmlReturn_t rc = fn(device(index), &info);
+      print(p + "_rc", rc);
+      print(p + "_count", info.processSamplesCount);
+      print_list(p, rc == NVML_SUCCESS ? info.processSamplesCount : 0, samples.data(),
+                 [](const nvmlProcessUtilizationInfo_v1_t& r) { return r.smUtil; });
     } else if (cmd == "graphics") {
       const char* index = arg();
       using Fn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);

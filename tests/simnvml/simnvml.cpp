@@ -139,15 +139,25 @@ std::vector<std::pair<unsigned, unsigned long long>> processes(int dev) {
   return out;
 }
 
-template <typename Info>
-nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
+// What every per-process call starts with: *count in = the caller's
+// capacity (to *capacity), out = the device's processes (to *list).
+nvmlReturn_t process_list(nvmlDevice_t device, unsigned int* count, unsigned* capacity,
+                          std::vector<std::pair<unsigned, unsigned long long>>* list) {
   const Faults faults = read_faults();
   int dev = 0;
   if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
   if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  const auto list = processes(dev);
-  const unsigned capacity = *count;
-  *count = static_cast<unsigned>(list.size());
+  *list = processes(dev);
+  *capacity = *count;
+  *count = static_cast<unsigned>(list->size());
+  return NVML_SUCCESS;
+}
+
+template <typename Info>
+nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* infos) {
+  std::vector<std::pair<unsigned, unsigned long long>> list;
+  unsigned capacity = 0;
+  if (nvmlReturn_t rc = process_list(device, count, &capacity, &list)) return rc;
   if (list.size() > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
   if (!list.empty() && infos == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   for (size_t i = 0; i < list.size(); ++i) {
@@ -159,6 +169,29 @@ nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* i
       info.computeInstanceId = 0xFFFFFFFFu;
     }
     infos[i] = info;
+  }
+  return NVML_SUCCESS;
+}
+
+// Per-process utilization samples: one per process holding memory, stamped
+// now, with made-up but recognisable figures (SM 50 %, memory 10 %). No
+// process at all: NVML_ERROR_NOT_FOUND, NVML's "no samples".
+template <typename Sample>
+nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned int* count, Sample* samples) {
+  std::vector<std::pair<unsigned, unsigned long long>> list;
+  unsigned capacity = 0;
+  if (nvmlReturn_t rc = process_list(device, count, &capacity, &list)) return rc;
+  if (list.empty()) return NVML_ERROR_NOT_FOUND;
+  if (list.size() > capacity || samples == nullptr) return NVML_ERROR_INSUFFICIENT_SIZE;
+  timespec now{};
+  clock_gettime(CLOCK_REALTIME, &now);
+  for (size_t i = 0; i < list.size(); ++i) {
+    Sample sample{};
+    sample.pid = list[i].first;
+    sample.timeStamp = static_cast<unsigned long long>(now.tv_sec) * 1000000ull + now.tv_nsec / 1000;
+    sample.smUtil = 50;
+    sample.memUtil = 10;
+    samples[i] = sample;
   }
   return NVML_SUCCESS;
 }
@@ -303,6 +336,30 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsign
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int* count,
                                                      nvmlProcessInfo_t* infos) {
   return running_processes(device, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t* plist) {
+  if (plist == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (plist->version != nvmlProcessDetailList_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  if (plist->mode == NVML_PROCESS_MODE_COMPUTE)
+    return running_processes(device, &plist->numProcArrayEntries, plist->procArray);
+  if (plist->mode > NVML_PROCESS_MODE_MPS) return NVML_ERROR_INVALID_ARGUMENT;
+  // Graphics and MPS: the sim has neither kind of process.
+  unsigned none = 0;
+  if (nvmlReturn_t rc = running_processes(device, &none, plist->procArray)) return rc;
+  plist->numProcArrayEntries = 0;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t* utilization,
+                                             unsigned int* count, unsigned long long /*lastSeenTimeStamp*/) {
+  return utilization_samples(device, count, utilization);  // every sample is newer: stamped now
+}
+
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t* info) {
+  if (info == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  return utilization_samples(device, &info->processSamplesCount, info->procUtilArray);
 }
 
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensor, unsigned int* temp) {
