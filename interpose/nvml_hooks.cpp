@@ -226,8 +226,8 @@ nvmlReturn_t tenant_rows(int gpu, bool list_own, unsigned int* count, Info* info
 // samples by host PID; in a container the tenant knows its processes only by
 // the PIDs of its own namespace (F_GETLK on the ledger), and nothing it can
 // read maps one to the other, so any sample shown could be another tenant's.
-// NVML_ERROR_NOT_FOUND is NVML's own answer for "no samples": monitoring tools
-// show no rows rather than an error.
+// NVML_ERROR_NOT_FOUND is NVML's own answer for "no samples" (an idle GPU
+// gives it too), which its callers already handle.
 nvmlReturn_t no_samples(unsigned int* count) {
   if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   *count = 0;
