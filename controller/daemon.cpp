@@ -27,12 +27,7 @@ namespace fs = std::filesystem;
 using ledger::GpuPolicy;
 using ledger::kMaxGpus;
 using ledger::kMaxSlots;
-
-uint64_t monotonic_ns() {
-  struct timespec ts {};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
+using ledger::monotonic_ns;
 
 // Stores and reports whether the value changed, so untouched policies keep
 // their generation (the interposer re-reads limits when it moves).

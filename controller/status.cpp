@@ -25,12 +25,7 @@ namespace {
 namespace fs = std::filesystem;
 using ledger::kMaxGpus;
 using ledger::kMaxSlots;
-
-uint64_t monotonic_ns() {
-  struct timespec ts {};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
+using ledger::monotonic_ns;
 
 std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
 

@@ -53,12 +53,6 @@ uint64_t scale(uint64_t ns, uint32_t ppm) {
 
 }  // namespace
 
-uint64_t monotonic_ns() {
-  struct timespec ts {};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
 LedgerError open_arbiter(const char* path, bool create, bool read_only, const uint8_t* uuid, Arbiter* out, char* err,
                          size_t err_len) {
   void* map = nullptr;

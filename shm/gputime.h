@@ -32,7 +32,7 @@ LedgerError open_arbiter(const char* path, bool create, bool read_only, const ui
                          size_t err_len);
 void close_arbiter(Arbiter* arbiter);
 
-uint64_t monotonic_ns();
+using ledger::monotonic_ns;
 
 // ---- Tenants ----
 

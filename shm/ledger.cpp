@@ -116,12 +116,6 @@ uint64_t slot_total(const UsageSegment& usage, uint32_t slot) {
   return sum;
 }
 
-uint64_t monotonic_ns() {
-  struct timespec ts {};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
 // With the slot's record lock held (so its owner is gone): true once the
 // grace period since the owner was first seen gone has passed. A slot left
 // clean (free, nothing charged) needs no grace.
@@ -136,6 +130,12 @@ bool orphan_grace_over(ProcessSlot& slot) {
 }
 
 }  // namespace
+
+uint64_t monotonic_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
 
 int set_byte_lock(int fd, off_t offset, short type) {
   struct flock fl {};

@@ -60,6 +60,10 @@ LedgerError open_ledger(const char* dir, AccessMode mode, const char* tenant_nam
                         char* err, size_t err_len);
 void close_ledger(TenantLedger* ledger);
 
+// CLOCK_MONOTONIC in nanoseconds: the clock of every time stored in the
+// ledgers and arbiters (comparable across processes, never set back).
+uint64_t monotonic_ns();
+
 // Validates a mapped segment header. All-zero is valid (fresh).
 LedgerError check_header(const SegmentHeader& h, uint64_t expected_magic, uint64_t expected_bytes);
 
