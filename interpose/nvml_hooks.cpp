@@ -286,6 +286,29 @@ nvmlReturn_t nvml_processes_utilization_info(nvmlDevice_t device, nvmlProcessesU
   return no_samples(&info->processSamplesCount);
 }
 
+// Accounting records are keyed by host PID, which a tenant's processes
+// cannot match to their own (the same reason as the utilization samples):
+// inside a tenant there are none, rather than another tenant's. An empty
+// list is what NVML answers on a GPU where nothing was accounted.
+template <NvmlHookId id>
+nvmlReturn_t nvml_accounting_pids(nvmlDevice_t device, unsigned int* count, unsigned int* pids) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, count, pids);
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *count = 0;
+  return NVML_SUCCESS;
+}
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_accounting_stats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  if (q.scope == Scope::kReal) return q.real(device, pid, stats);
+  if (stats == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  return NVML_ERROR_NOT_FOUND;  // NVML's answer for a PID it holds no record of
+}
+
 }  // namespace fracgpu::interpose
 
 // The exported entry points; the definitions repeat NVML's declarations, so

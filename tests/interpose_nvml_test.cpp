@@ -303,6 +303,34 @@ TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsNoSamplesInATenant) {
   EXPECT_EQ(get(nvml({"init", "util", "0", "direct"}, env("alice", false)), "util_direct_0_list"), everyone);
 }
 
+// Accounting records carry host PIDs, like the utilization samples: inside a
+// tenant there are none, never another tenant's.
+TEST_F(NvmlInTenantTest, AccountingShowsNoOtherTenantsProcesses) {
+  two_tenants();
+  const std::string b1 = std::to_string(b1_);
+  std::vector<std::string> args = {"init", "which", "nvmlDeviceGetAccountingPids", "which",
+                                   "nvmlDeviceGetAccountingStats"};
+  for (const auto& path : kPaths) args.insert(args.end(), {"acct", "0", path, "acctstats", "0", b1, path});
+  const Values v = nvml(args, env("alice"));
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetAccountingPids"), "libfracgpu.so");
+  EXPECT_EQ(get(v, "which_nvmlDeviceGetAccountingStats"), "libfracgpu.so");
+  for (const auto& path : kPaths) {
+    SCOPED_TRACE(path);
+    EXPECT_EQ(get(v, "acct_" + path + "_0_rc"), "0");
+    EXPECT_EQ(get(v, "acct_" + path + "_0_count"), "0");
+    EXPECT_EQ(get(v, "acct_" + path + "_0_list"), "");
+    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_rc"), "6");  // NVML_ERROR_NOT_FOUND
+    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_mem"), "0");
+  }
+  // Without tenant state or without the interposer: NVML's records, everyone's.
+  const std::string everyone = rows({{a1_, 0}, {a2_, 0}, {b1_, 0}});
+  const Values unmanaged = nvml({"init", "acct", "0", "dlsym", "acctstats", "0", b1, "direct"}, env(""));
+  EXPECT_EQ(get(unmanaged, "acct_dlsym_0_list"), everyone);
+  EXPECT_EQ(get(unmanaged, "acctstats_direct_0_" + b1 + "_rc"), "0");
+  EXPECT_EQ(get(unmanaged, "acctstats_direct_0_" + b1 + "_mem"), std::to_string(kContext + 300 * kMiB));
+  EXPECT_EQ(get(nvml({"init", "acct", "0", "direct"}, env("alice", false)), "acct_direct_0_list"), everyone);
+}
+
 TEST_F(NvmlInTenantTest, AGpuNotGrantedShowsNoMemoryAndNoProcesses) {
   two_tenants();  // alice has no grant on GPU 1; bob runs a process there
   const Values v = nvml({"init", "mem", "1", "dlsym", "mem2", "1", "direct", "procs", "1", "3", "dlsym",

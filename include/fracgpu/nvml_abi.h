@@ -143,10 +143,24 @@ typedef struct nvmlProcessesUtilizationInfo_v1_st {
 typedef nvmlProcessesUtilizationInfo_v1_t nvmlProcessesUtilizationInfo_t;
 #define nvmlProcessesUtilizationInfo_v1 NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1)
 
+/* Accounting (per-process statistics kept by the driver while accounting
+ * mode is on): nvmlDeviceGetAccountingPids / nvmlDeviceGetAccountingStats. */
+typedef struct nvmlAccountingStats_st {
+  unsigned int gpuUtilization;   /* percent of the process's life with a kernel running */
+  unsigned int memoryUtilization;
+  unsigned long long maxMemoryUsage; /* bytes */
+  unsigned long long time;           /* ms the process's context was active */
+  unsigned long long startTime;      /* CPU time, microseconds */
+  unsigned int isRunning;
+  unsigned int reserved[5];
+} nvmlAccountingStats_t;
+
 #ifdef __cplusplus
 /* The layouts NVML's 64-bit Linux ABI has; the version values NVIDIA's header
  * spells out (both 0x1000018). */
 static_assert(sizeof(nvmlProcessDetail_v1_t) == 32, "nvmlProcessDetail_v1_t layout");
+static_assert(sizeof(nvmlAccountingStats_t) == 56, "nvmlAccountingStats_t layout");
+static_assert(__builtin_offsetof(nvmlAccountingStats_t, isRunning) == 32, "nvmlAccountingStats_t layout");
 static_assert(__builtin_offsetof(nvmlProcessDetail_v1_t, usedGpuCcProtectedMemory) == 24, "nvmlProcessDetail_v1_t layout");
 static_assert(sizeof(nvmlProcessDetailList_v1_t) == 24, "nvmlProcessDetailList_v1_t layout");
 static_assert(__builtin_offsetof(nvmlProcessDetailList_v1_t, procArray) == 16, "nvmlProcessDetailList_v1_t layout");
@@ -210,6 +224,8 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUti
                                              unsigned int* processSamplesCount, unsigned long long lastSeenTimeStamp);
 nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
                                                    nvmlProcessesUtilizationInfo_t* procesesUtilInfo);
+nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t device, unsigned int* count, unsigned int* pids);
+nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats);
 
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType, unsigned int* temp);
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int* power); /* milliwatts */

@@ -18,6 +18,8 @@
 //   util DEV PATH                nvmlDeviceGetProcessUtilization -> util_PATH_DEV_{sized_rc,rc,count,list}
 //   utilinfo DEV PATH            nvmlDeviceGetProcessesUtilizationInfo -> utilinfo_PATH_DEV_{...} as util
 //                                (util lists are pid:smUtil,...; sized_rc: the call with no array)
+//   acct DEV PATH                nvmlDeviceGetAccountingPids -> acct_PATH_DEV_{rc,count,list} (list: pid:0,...)
+//   acctstats DEV PID PATH       nvmlDeviceGetAccountingStats -> acctstats_PATH_DEV_PID_{rc,mem}
 //   which NAME                   which library dlsym(NVML handle, NAME) lands in -> which_NAME=<file>
 // PATH is "direct" or "dlsym"; DEV an NVML index. Bad usage exits 64.
 #include <dlfcn.h>
@@ -185,6 +187,31 @@ int main(int argc, char** argv) {
       print(p + "_count", count);
       print_list(p, rc == NVML_SUCCESS ? count : 0, samples.data(),
                  [](const nvmlProcessUtilizationSample_t& r) { return r.smUtil; });
+    } else if (cmd == "acct") {
+      const char* index = arg();
+      const std::string path = arg();
+      const std::string p = "acct_" + path + "_" + index;
+      auto fn = pick(path, &nvmlDeviceGetAccountingPids, "nvmlDeviceGetAccountingPids");
+      std::vector<unsigned> pids(64);
+      unsigned count = static_cast<unsigned>(pids.size());
+      const nvmlReturn_t rc = fn(device(index), &count, pids.data());
+      print(p + "_rc", rc);
+      print(p + "_count", count);
+      struct Pid {
+        unsigned pid;
+      };
+      std::vector<Pid> records;
+      for (unsigned i = 0; rc == NVML_SUCCESS && i < count; ++i) records.push_back({pids[i]});
+      print_list(p, static_cast<unsigned>(records.size()), records.data(), [](const Pid&) { return 0u; });
+    } else if (cmd == "acctstats") {
+      const char* index = arg();
+      const std::string pid = arg();
+      const std::string path = arg();
+      const std::string p = "acctstats_" + path + "_" + index + "_" + pid;
+      auto fn = pick(path, &nvmlDeviceGetAccountingStats, "nvmlDeviceGetAccountingStats");
+      nvmlAccountingStats_t stats{};
+      print(p + "_rc", fn(device(index), static_cast<unsigned>(atoi(pid.c_str())), &stats));
+      print(p + "_mem", stats.maxMemoryUsage);
     } else if (cmd == "utilinfo") {
       const char* index = arg();
       const std::string path = arg();

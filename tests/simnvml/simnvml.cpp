@@ -362,6 +362,33 @@ nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProc
   return utilization_samples(device, &info->processSamplesCount, info->procUtilArray);
 }
 
+// Accounting, as if accounting mode were on: a record for every live sim
+// process on the device, its memory as the maximum it used.
+nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t device, unsigned int* count, unsigned int* pids) {
+  std::vector<std::pair<unsigned, unsigned long long>> list;
+  unsigned capacity = 0;
+  if (nvmlReturn_t rc = process_list(device, count, &capacity, &list)) return rc;
+  if (list.size() > capacity || (!list.empty() && pids == nullptr)) return NVML_ERROR_INSUFFICIENT_SIZE;
+  for (size_t i = 0; i < list.size(); ++i) pids[i] = list[i].first;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats) {
+  unsigned count = 0;
+  unsigned capacity = 0;
+  std::vector<std::pair<unsigned, unsigned long long>> list;
+  if (nvmlReturn_t rc = process_list(device, &count, &capacity, &list)) return rc;
+  if (stats == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  for (const auto& [listed, bytes] : list) {
+    if (listed != pid) continue;
+    *stats = nvmlAccountingStats_t{};
+    stats->maxMemoryUsage = bytes;
+    stats->isRunning = 1;
+    return NVML_SUCCESS;
+  }
+  return NVML_ERROR_NOT_FOUND;
+}
+
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensor, unsigned int* temp) {
   const Faults faults = read_faults();
   int dev = 0;
