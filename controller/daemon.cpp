@@ -556,6 +556,7 @@ void Daemon::tick() {
   const uint64_t now = monotonic_ns();
   for (auto& [name, open] : ledgers_) {
     reap(name, open);
+    ledger::record_host_pids(open.ledger);
     open.ledger.policy->daemon_heartbeat_ns.store(now, std::memory_order_release);
     open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   }

@@ -18,7 +18,9 @@
 // - nvmlDeviceGetRunningProcessDetailList: by its mode, the compute list or
 //   an empty graphics/MPS list, as above.
 // - Per-process utilization (nvmlDeviceGetProcessUtilization,
-//   nvmlDeviceGetProcessesUtilizationInfo): no samples (see no_samples).
+//   nvmlDeviceGetProcessesUtilizationInfo) and accounting records
+//   (nvmlDeviceGetAccountingPids/Stats): NVML's own, filtered to the tenant's
+//   processes and renumbered to this namespace's PIDs (see keep_own).
 //
 // The NVML device is matched to the tenant's GPU entry by UUID (the real
 // nvmlDeviceGetUUID), never by index. None of this is a hot path, but the
@@ -222,16 +224,58 @@ nvmlReturn_t tenant_rows(int gpu, bool list_own, unsigned int* count, Info* info
   return NVML_SUCCESS;
 }
 
-// Per-process utilization inside a tenant: no samples, ever. NVML keys its
-// samples by host PID; in a container the tenant knows its processes only by
-// the PIDs of its own namespace (F_GETLK on the ledger), and nothing it can
-// read maps one to the other, so any sample shown could be another tenant's.
-// NVML_ERROR_NOT_FOUND is NVML's own answer for "no samples" (an idle GPU
-// gives it too), which its callers already handle.
-nvmlReturn_t no_samples(unsigned int* count) {
-  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  *count = 0;
-  return NVML_ERROR_NOT_FOUND;
+// NVML keys per-process samples and accounting records by host PID. Inside
+// a container nothing the tenant can read maps its processes to host PIDs,
+// so the daemon, which sees them, writes each live slot's host PID into the
+// ledger (ProcessSlot::host_pid, checked against the slot's start time).
+// A record is the tenant's only if its PID is one of those; it is shown with
+// the PID this namespace knows the process by, like the process lists. No
+// host PIDs recorded (daemon down, a process that attached a moment ago): no
+// records, never another tenant's.
+struct PidPair {
+  unsigned host;
+  unsigned local;
+};
+
+unsigned own_host_pids(PidPair* pairs) {
+  const ledger::TenantLedger& ledger = g_tenant.ledger;
+  const uint32_t high = std::min(ledger.usage->slot_high_water.load(std::memory_order_acquire), ledger::kMaxSlots);
+  unsigned n = 0;
+  for (uint32_t s = 0; s < high; ++s) {
+    const ledger::ProcessSlot& slot = ledger.usage->slots[s];
+    if (slot.state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
+    const int32_t host = slot.host_pid.load(std::memory_order_relaxed);
+    const int32_t local = static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+    if (host > 0 && local > 0) pairs[n++] = {static_cast<unsigned>(host), static_cast<unsigned>(local)};
+  }
+  return n;
+}
+
+// Keeps those of records[0, n) whose PID (pid_of(record), a host PID) is one
+// of the tenant's processes, renumbered to this namespace's PIDs, in order;
+// returns how many.
+template <class Record, class PidOf>
+unsigned keep_own(Record* records, unsigned n, PidOf pid_of) {
+  PidPair pairs[ledger::kMaxSlots];
+  const unsigned own = own_host_pids(pairs);
+  unsigned kept = 0;
+  for (unsigned i = 0; i < n; ++i) {
+    const PidPair* match = std::find_if(pairs, pairs + own, [&](const PidPair& p) { return p.host == pid_of(records[i]); });
+    if (match == pairs + own) continue;
+    records[kept] = records[i];
+    pid_of(records[kept]) = match->local;
+    ++kept;
+  }
+  return kept;
+}
+
+// A sample list after keep_own: NVML_ERROR_NOT_FOUND is NVML's own answer
+// for "no samples" (an idle GPU gives it too), which its callers handle.
+nvmlReturn_t own_samples(nvmlReturn_t real_result, int gpu, unsigned int* count,
+                         nvmlProcessUtilizationSample_t* samples) {
+  if (real_result != NVML_SUCCESS) return real_result;  // sizes: the real count is an upper bound
+  *count = gpu >= 0 ? keep_own(samples, *count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
+  return *count > 0 ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
 }  // namespace
@@ -272,41 +316,45 @@ nvmlReturn_t nvml_process_utilization(nvmlDevice_t device, nvmlProcessUtilizatio
                                       unsigned int* count, unsigned long long last_seen) {
   const Query<id> q = query<id>(device);
   if (q.scope == Scope::kRefused) return q.error;
-  if (q.scope == Scope::kReal) return q.real(device, utilization, count, last_seen);
-  return no_samples(count);
+  const nvmlReturn_t result = q.real(device, utilization, count, last_seen);
+  if (q.scope == Scope::kReal) return result;
+  return own_samples(result, q.gpu, count, utilization);
 }
 
 template <NvmlHookId id>
 nvmlReturn_t nvml_processes_utilization_info(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t* info) {
   const Query<id> q = query<id>(device);
   if (q.scope == Scope::kRefused) return q.error;
-  if (q.scope == Scope::kReal) return q.real(device, info);
-  if (info == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-  return no_samples(&info->processSamplesCount);
+  const nvmlReturn_t result = q.real(device, info);
+  if (q.scope == Scope::kReal || result != NVML_SUCCESS) return result;
+  unsigned& count = info->processSamplesCount;
+  count = q.gpu >= 0 ? keep_own(info->procUtilArray, count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
+  return count > 0 ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
-// Accounting records are keyed by host PID, which a tenant's processes
-// cannot match to their own (the same reason as the utilization samples):
-// inside a tenant there are none, rather than another tenant's. An empty
-// list is what NVML answers on a GPU where nothing was accounted.
+// Accounting records (what `nvidia-smi --query-accounted-apps` reads while
+// accounting mode is on): the tenant's own, by the PIDs of this namespace.
 template <NvmlHookId id>
 nvmlReturn_t nvml_accounting_pids(nvmlDevice_t device, unsigned int* count, unsigned int* pids) {
   const Query<id> q = query<id>(device);
   if (q.scope == Scope::kRefused) return q.error;
-  if (q.scope == Scope::kReal) return q.real(device, count, pids);
-  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  *count = 0;
+  const nvmlReturn_t result = q.real(device, count, pids);
+  if (q.scope == Scope::kReal || result != NVML_SUCCESS) return result;  // sizes: an upper bound
+  *count = q.gpu >= 0 ? keep_own(pids, *count, [](unsigned& pid) -> unsigned& { return pid; }) : 0;
   return NVML_SUCCESS;
 }
 
+// `pid` is one this namespace knows (as the list above gives it).
 template <NvmlHookId id>
 nvmlReturn_t nvml_accounting_stats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats) {
   const Query<id> q = query<id>(device);
   if (q.scope == Scope::kRefused) return q.error;
   if (q.scope == Scope::kReal) return q.real(device, pid, stats);
-  if (stats == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
-  return NVML_ERROR_NOT_FOUND;  // NVML's answer for a PID it holds no record of
+  PidPair pairs[ledger::kMaxSlots];
+  const unsigned own = q.gpu >= 0 ? own_host_pids(pairs) : 0;
+  const PidPair* match = std::find_if(pairs, pairs + own, [&](const PidPair& p) { return p.local == pid; });
+  if (match == pairs + own) return NVML_ERROR_NOT_FOUND;  // NVML's answer for a PID it holds no record of
+  return q.real(device, match->host, stats);
 }
 
 }  // namespace fracgpu::interpose

@@ -364,10 +364,11 @@ void uncharge(UsageSegment& usage, uint32_t gpu, uint32_t slot, uint64_t bytes) 
   usage.charges[gpu][slot].fetch_sub(bytes, std::memory_order_seq_cst);
 }
 
-bool read_self_identity(ProcessIdentity* out) {
-  *out = ProcessIdentity{};
-  out->pid = static_cast<int32_t>(getpid());
-  int fd = ::open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+namespace {
+
+// Command name and start time from a /proc/<pid>/stat file.
+bool read_stat_identity(const char* stat_path, ProcessIdentity* out) {
+  int fd = ::open(stat_path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
   char buf[1024];
   ssize_t n = ::read(fd, buf, sizeof buf - 1);
@@ -390,6 +391,36 @@ bool read_self_identity(ProcessIdentity* out) {
   while (*p == ' ') ++p;
   out->start_time = strtoull(p, nullptr, 10);
   return true;
+}
+
+}  // namespace
+
+bool read_self_identity(ProcessIdentity* out) {
+  *out = ProcessIdentity{};
+  out->pid = static_cast<int32_t>(getpid());
+  return read_stat_identity("/proc/self/stat", out);
+}
+
+void record_host_pids(TenantLedger& ledger) {
+  UsageSegment& usage = *ledger.usage;
+  const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+  for (uint32_t s = 0; s < high; ++s) {
+    ProcessSlot& slot = usage.slots[s];
+    int32_t host_pid = 0;
+    if (slot.state.load(std::memory_order_acquire) == kSlotLive) {
+      // The lock holder, as our namespace numbers it, is the owner only if it
+      // started when the owner did: the slot may have changed hands since.
+      const int32_t holder = slot_owner_pid(ledger, s);
+      ProcessIdentity seen{};
+      char path[40];
+      snprintf(path, sizeof path, "/proc/%d/stat", holder);
+      if (holder > 0 && read_stat_identity(path, &seen) &&
+          seen.start_time == slot.start_time.load(std::memory_order_relaxed))
+        host_pid = holder;
+    }
+    if (slot.host_pid.load(std::memory_order_relaxed) != host_pid)
+      slot.host_pid.store(host_pid, std::memory_order_relaxed);
+  }
 }
 
 int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* error) {
@@ -416,6 +447,7 @@ int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* e
     }
     clear_slot_charges(usage, s);
     slot.orphaned_ns.store(0, std::memory_order_relaxed);
+    slot.host_pid.store(0, std::memory_order_relaxed);  // the daemon fills it in
     slot.pid.store(self.pid, std::memory_order_relaxed);
     slot.start_time.store(self.start_time, std::memory_order_relaxed);
     struct timespec ts {};

@@ -167,6 +167,11 @@ ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot);
 // process cannot see its own locks this way.
 int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 
+// Daemon: writes each live slot's host_pid (its owner's PID in the caller's
+// namespace, checked against the slot's start time) and zeroes the others'.
+// One F_GETLK and one /proc read per live slot.
+void record_host_pids(TenantLedger& ledger);
+
 // ---- Policy writes (daemon only) ----
 
 void publish_policy_change(PolicySegment& policy);

@@ -175,6 +175,11 @@ class NvmlInTenantTest : public ::testing::Test {
     b2_ = hold("bob", 1, "50MiB");
   }
 
+  // Plays the daemon's tick: each live slot's host PID into the ledgers.
+  void record_host_pids() {
+    for (auto& [name, ledger] : ledgers_) fracgpu::ledger::record_host_pids(ledger);
+  }
+
   // GPU 0's rows after two_tenants(): alice's, and everyone's.
   std::string alice_rows() const { return rows({{a1_, kContext + 100 * kMiB}, {a2_, kContext + 200 * kMiB}}); }
   std::string gpu0_rows() const {
@@ -273,28 +278,43 @@ TEST_F(NvmlInTenantTest, ProcessDetailListShowsOnlyTheTenantsOwnProcesses) {
             rows({{b2_, kContext + 50 * kMiB}}));
 }
 
-// NVML's samples name host PIDs the tenant cannot map to its own processes:
-// inside a tenant there are none at all (never another tenant's).
-TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsNoSamplesInATenant) {
+// NVML keys per-process samples and accounting records by host PID: a tenant
+// gets its own processes' (matched through the host PIDs the daemon records
+// in the ledger), never another tenant's, and none before the daemon has
+// recorded any.
+TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsOnlyTheTenantsOwnProcesses) {
   two_tenants();
   std::vector<std::string> args = {"init", "which", "nvmlDeviceGetProcessUtilization", "which",
                                    "nvmlDeviceGetProcessesUtilizationInfo"};
   for (const auto& path : kPaths) args.insert(args.end(), {"util", "0", path, "utilinfo", "0", path});
-  const Values v = nvml(args, env("alice"));
-  EXPECT_EQ(get(v, "which_nvmlDeviceGetProcessUtilization"), "libfracgpu.so");
-  EXPECT_EQ(get(v, "which_nvmlDeviceGetProcessesUtilizationInfo"), "libfracgpu.so");
   constexpr const char* kNotFound = "6";  // NVML's "no samples"
+  // Before the daemon has recorded host PIDs: nothing can be told apart.
+  const Values before = nvml(args, env("alice"));
+  EXPECT_EQ(get(before, "which_nvmlDeviceGetProcessUtilization"), "libfracgpu.so");
+  EXPECT_EQ(get(before, "which_nvmlDeviceGetProcessesUtilizationInfo"), "libfracgpu.so");
   for (const auto& path : kPaths) {
     for (const std::string& p : {"util_" + path + "_0", "utilinfo_" + path + "_0"}) {
       SCOPED_TRACE(p);
-      EXPECT_EQ(get(v, p + "_sized_rc"), kNotFound);
-      EXPECT_EQ(get(v, p + "_rc"), kNotFound);
-      EXPECT_EQ(get(v, p + "_count"), "0");
-      EXPECT_EQ(get(v, p + "_list"), "");
+      EXPECT_EQ(get(before, p + "_rc"), kNotFound);
+      EXPECT_EQ(get(before, p + "_count"), "0");
+      EXPECT_EQ(get(before, p + "_list"), "");
     }
   }
+  record_host_pids();
+  const Values v = nvml(args, env("alice"));
+  const std::string alices = rows({{a1_, 50}, {a2_, 50}});  // the stand-in's SM figure is 50
+  for (const auto& path : kPaths) {
+    for (const std::string& p : {"util_" + path + "_0", "utilinfo_" + path + "_0"}) {
+      SCOPED_TRACE(p);
+      EXPECT_EQ(get(v, p + "_rc"), "0");
+      EXPECT_EQ(get(v, p + "_count"), "2");
+      EXPECT_EQ(get(v, p + "_list"), alices);
+    }
+  }
+  // A GPU alice has no grant on: nothing, though bob runs there.
+  EXPECT_EQ(get(nvml({"init", "util", "1", "direct"}, env("alice")), "util_direct_1_count"), "0");
   // NVML's own samples, without tenant state or the interposer: every
-  // process on GPU 0, alice's and bob's (the stand-in's SM figure is 50).
+  // process on GPU 0, alice's and bob's.
   const std::string everyone = rows({{a1_, 50}, {a2_, 50}, {b1_, 50}});
   const Values unmanaged = nvml({"init", "util", "0", "dlsym", "utilinfo", "0", "direct"}, env(""));
   EXPECT_EQ(get(unmanaged, "util_dlsym_0_sized_rc"), kInsufficientSize);
@@ -303,23 +323,27 @@ TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsNoSamplesInATenant) {
   EXPECT_EQ(get(nvml({"init", "util", "0", "direct"}, env("alice", false)), "util_direct_0_list"), everyone);
 }
 
-// Accounting records carry host PIDs, like the utilization samples: inside a
-// tenant there are none, never another tenant's.
-TEST_F(NvmlInTenantTest, AccountingShowsNoOtherTenantsProcesses) {
+TEST_F(NvmlInTenantTest, AccountingShowsOnlyTheTenantsOwnProcesses) {
   two_tenants();
-  const std::string b1 = std::to_string(b1_);
+  const std::string a1 = std::to_string(a1_), b1 = std::to_string(b1_);
   std::vector<std::string> args = {"init", "which", "nvmlDeviceGetAccountingPids", "which",
                                    "nvmlDeviceGetAccountingStats"};
-  for (const auto& path : kPaths) args.insert(args.end(), {"acct", "0", path, "acctstats", "0", b1, path});
+  for (const auto& path : kPaths)
+    args.insert(args.end(), {"acct", "0", path, "acctstats", "0", a1, path, "acctstats", "0", b1, path});
+  const Values before = nvml(args, env("alice"));
+  EXPECT_EQ(get(before, "which_nvmlDeviceGetAccountingPids"), "libfracgpu.so");
+  EXPECT_EQ(get(before, "which_nvmlDeviceGetAccountingStats"), "libfracgpu.so");
+  EXPECT_EQ(get(before, "acct_direct_0_list"), "");
+  EXPECT_EQ(get(before, "acctstats_direct_0_" + a1 + "_rc"), "6");  // NVML_ERROR_NOT_FOUND
+  record_host_pids();
   const Values v = nvml(args, env("alice"));
-  EXPECT_EQ(get(v, "which_nvmlDeviceGetAccountingPids"), "libfracgpu.so");
-  EXPECT_EQ(get(v, "which_nvmlDeviceGetAccountingStats"), "libfracgpu.so");
   for (const auto& path : kPaths) {
     SCOPED_TRACE(path);
     EXPECT_EQ(get(v, "acct_" + path + "_0_rc"), "0");
-    EXPECT_EQ(get(v, "acct_" + path + "_0_count"), "0");
-    EXPECT_EQ(get(v, "acct_" + path + "_0_list"), "");
-    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_rc"), "6");  // NVML_ERROR_NOT_FOUND
+    EXPECT_EQ(get(v, "acct_" + path + "_0_list"), rows({{a1_, 0}, {a2_, 0}}));
+    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + a1 + "_rc"), "0");
+    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + a1 + "_mem"), std::to_string(kContext + 100 * kMiB));
+    EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_rc"), "6");
     EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_mem"), "0");
   }
   // Without tenant state or without the interposer: NVML's records, everyone's.

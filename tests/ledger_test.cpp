@@ -61,6 +61,30 @@ class LedgerTest : public ::testing::Test {
         << err;
     return t;
   }
+  // A child process that claims a slot of the tenant's ledger, charges
+  // `bytes` on GPU entry 0, writes a byte to the pipe `ready` and waits to be
+  // killed. Returns once it is ready.
+  pid_t spawn_holder(uint64_t bytes, int ready[2]) {
+    const pid_t child = fork();
+    if (child == 0) {
+      TenantLedger t;
+      char err[256];
+      if (open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err) != LedgerError::kOk)
+        _exit(2);
+      ProcessIdentity self{};
+      read_self_identity(&self);
+      const int slot = claim_slot(t, self, nullptr);
+      if (slot < 0 || !try_charge(*t.policy, *t.usage, 0, slot, bytes)) _exit(3);
+      char c = 1;
+      if (write(ready[1], &c, 1) != 1) _exit(4);
+      pause();
+      _exit(0);
+    }
+    char c;
+    EXPECT_EQ(read(ready[0], &c, 1), 1);
+    return child;
+  }
+
 
   std::string dir_;
   std::string tenant_dir_;
@@ -358,28 +382,8 @@ TEST_F(LedgerTest, KilledProcessChargesAreReclaimedAndLiveOnesAreNot) {
   TenantLedger d = make_daemon(1 << 30);
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
-  auto spawn_holder = [&](uint64_t bytes) {
-    pid_t child = fork();
-    if (child == 0) {
-      TenantLedger t;
-      char err[256];
-      if (open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err) != LedgerError::kOk)
-        _exit(2);
-      ProcessIdentity self{};
-      read_self_identity(&self);
-      int slot = claim_slot(t, self, nullptr);
-      if (slot < 0 || !try_charge(*t.policy, *t.usage, 0, slot, bytes)) _exit(3);
-      char c = 1;
-      if (write(ready[1], &c, 1) != 1) _exit(4);
-      pause();
-      _exit(0);
-    }
-    char c;
-    EXPECT_EQ(read(ready[0], &c, 1), 1);
-    return child;
-  };
-  pid_t victim = spawn_holder(300);
-  pid_t survivor = spawn_holder(500);
+  pid_t victim = spawn_holder(300, ready);
+  pid_t survivor = spawn_holder(500, ready);
   EXPECT_EQ(tenant_used(*d.usage, 0), 800u);
   // The kernel, not the slot's content, tells who is alive.
   bool saw_victim = false;
@@ -412,6 +416,41 @@ TEST_F(LedgerTest, KilledProcessChargesAreReclaimedAndLiveOnesAreNot) {
   EXPECT_EQ(reclaim_settled(t, slot, &bytes), 1);
   EXPECT_EQ(tenant_used(*d.usage, 0), 0u);
   close_ledger(&t);
+  close_ledger(&d);
+  close(ready[0]);
+  close(ready[1]);
+}
+
+// The daemon's record of each live slot's host PID: the lock holder, only if
+// it started when the slot's owner did; cleared once the owner is gone.
+TEST_F(LedgerTest, HostPidsAreRecordedForLiveProcessesOnly) {
+  TenantLedger d = make_daemon(1 << 30);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = spawn_holder(100, ready);
+  auto slot_of_child = [&]() -> int {
+    for (uint32_t s = 0; s < d.usage->slot_high_water.load(); ++s)
+      if (d.usage->slots[s].pid.load() == child && d.usage->slots[s].state.load() == kSlotLive) return static_cast<int>(s);
+    return -1;
+  };
+  const int slot = slot_of_child();
+  ASSERT_GE(slot, 0);
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), 0);  // nothing recorded yet
+  record_host_pids(d);
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), child);
+  // A slot whose start time is not the lock holder's (the slot changed hands
+  // between the two reads) gets no host PID.
+  const uint64_t start = d.usage->slots[slot].start_time.load();
+  d.usage->slots[slot].start_time.store(start + 1);
+  record_host_pids(d);
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), 0);
+  d.usage->slots[slot].start_time.store(start);
+  record_host_pids(d);
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), child);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  record_host_pids(d);  // the lock is gone with the process
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), 0);
   close_ledger(&d);
   close(ready[0]);
   close(ready[1]);

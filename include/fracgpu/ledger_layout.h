@@ -136,10 +136,18 @@ struct alignas(64) ProcessSlot {
   // owner lives. Charges are dropped only a grace period after that (see
   // kReclaimGraceNs in shm/ledger.h).
   std::atomic<uint64_t> orphaned_ns;
-  uint64_t reserved;
+  // The owner's PID in the daemon's PID namespace (the host's, for a daemon
+  // run as documented), written by the daemon once the slot's record-lock
+  // holder has the slot's start time; 0 until then, and reset by each new
+  // owner. NVML keys per-process records by host PID: this is how a tenant
+  // process tells its own tenant's among them. Was reserved (always 0), so
+  // the layout version did not change.
+  std::atomic<int32_t> host_pid;
+  uint32_t reserved;
 };
 static_assert(sizeof(ProcessSlot) == 64);
 static_assert(offsetof(ProcessSlot, orphaned_ns) == 40);
+static_assert(offsetof(ProcessSlot, host_pid) == 48);
 
 struct UsageSegment {
   SegmentHeader header;
