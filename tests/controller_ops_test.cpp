@@ -279,6 +279,45 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
   expect_pid_lock_held();
 }
 
+// fracgpud writes each live tenant process's host PID into its ledger slot
+// (what NVML's per-process records are keyed by, docs/architecture.md), and
+// clears it when the process is gone.
+TEST_F(OpsTest, TheDaemonRecordsEachTenantProcessesHostPid) {
+  write_file(config_path_, daemon_section("metrics_address = \"off\"\n") +
+                               "[[tenant]]\nname = \"alice\"\ngpus = 0.5\n");
+  start_daemon();
+  const std::string probe_log = tmp_ / "probe.log";
+  const pid_t probe = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "10MiB", "hold"}, probe_log,
+                            {"FRACGPU_TENANT_DIR=" + run_dir_ + "/tenants/alice",
+                             std::string("LD_PRELOAD=") + FRACGPU_LIB, "SIMCUDA_STATE=" + (tmp_ / "sim-state")});
+  children_.push_back(probe);
+  ASSERT_TRUE(eventually([&] { return read_file(probe_log).find("holding=") != std::string::npos; }))
+      << read_file(probe_log);
+  ledger::TenantLedger l;
+  char err[256] = {};
+  ASSERT_EQ(ledger::open_ledger((run_dir_ + "/tenants/alice").c_str(), ledger::AccessMode::kReadOnly, nullptr, &l,
+                                err, sizeof err),
+            ledger::LedgerError::kOk)
+      << err;
+  // The probe's slot: the one whose owner says it is the probe.
+  const auto host_pid_of_probe = [&]() -> int32_t {
+    for (uint32_t s = 0; s < l.usage->slot_high_water.load(); ++s)
+      if (l.usage->slots[s].state.load() == ledger::kSlotLive && l.usage->slots[s].pid.load() == probe)
+        return l.usage->slots[s].host_pid.load();
+    return -1;
+  };
+  EXPECT_TRUE(eventually([&] { return host_pid_of_probe() == probe; })) << "host_pid " << host_pid_of_probe();
+  kill_and_reap(probe);
+  children_.clear();
+  // The dead process's slot is reclaimed (state free) and its host PID gone.
+  EXPECT_TRUE(eventually([&] {
+    for (uint32_t s = 0; s < l.usage->slot_high_water.load(); ++s)
+      if (l.usage->slots[s].host_pid.load() == probe) return false;
+    return true;
+  }));
+  ledger::close_ledger(&l);
+}
+
 TEST_F(OpsTest, ATakenMetricsPortDoesNotStopTheDaemon) {
   const int blocker = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_in addr {};
