@@ -71,26 +71,6 @@ nvmlReturn_t no_real_function() {
                                                                  : NVML_ERROR_FUNCTION_NOT_FOUND;
 }
 
-// "GPU-" + 32 hex digits (dashes anywhere) to the 16 bytes of a CUuuid.
-// Anything else, MIG devices' "MIG-..." included, is not a GPU we grant.
-bool parse_gpu_uuid(const char* text, uint8_t out[16]) {
-  if (strncmp(text, "GPU-", 4) != 0) return false;
-  int nibbles = 0;
-  for (const char* p = text + 4; *p != '\0'; ++p) {
-    if (*p == '-') continue;
-    int v;
-    if (*p >= '0' && *p <= '9') v = *p - '0';
-    else if (*p >= 'a' && *p <= 'f') v = *p - 'a' + 10;
-    else if (*p >= 'A' && *p <= 'F') v = *p - 'A' + 10;
-    else return false;
-    if (nibbles == 32) return false;
-    if (nibbles % 2 == 0) out[nibbles / 2] = static_cast<uint8_t>(v << 4);
-    else out[nibbles / 2] = static_cast<uint8_t>(out[nibbles / 2] | v);
-    ++nibbles;
-  }
-  return nibbles == 32;
-}
-
 enum class Scope {
   kReal,     // not a managed tenant: NVML's own answer
   kTenant,   // the tenant's view of GPU entry *gpu (kNotGranted: none)
@@ -119,8 +99,9 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
     *error = result;
     return Scope::kRefused;
   }
+  // Anything but a GPU's UUID (MIG devices' "MIG-..." included) is not a GPU we grant.
   uint8_t uuid[16];
-  *gpu = parse_gpu_uuid(text, uuid) ? ledger::find_gpu(*g_tenant.ledger.policy, uuid) : kNotGranted;
+  *gpu = ledger::parse_gpu_uuid_text(text, uuid) ? ledger::find_gpu(*g_tenant.ledger.policy, uuid) : kNotGranted;
   return Scope::kTenant;
 }
 
@@ -136,6 +117,14 @@ struct OwnProcess {
   uint64_t bytes;
 };
 
+// The PID of slot `s`'s owner in this process's namespace: the kernel names
+// a record lock's holder in the asker's namespace (0 if it is not visible
+// there); nobody holding it means the owner is gone and only awaits
+// reclaiming. A process cannot see its own lock, so our own slot is getpid().
+int32_t local_pid_of_slot(const ledger::TenantLedger& ledger, uint32_t s) {
+  return static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+}
+
 // The tenant's live processes holding a charge on GPU entry `gpu`, with PIDs
 // in this process's PID namespace. Processes of the tenant in a namespace we
 // cannot see (another container of the same tenant) are counted in `used`
@@ -148,10 +137,7 @@ unsigned own_processes(int gpu, OwnProcess* rows) {
     if (ledger.usage->slots[s].state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
     const uint64_t bytes = ledger.usage->charges[gpu][s].load(std::memory_order_relaxed);
     if (bytes == 0) continue;
-    // The kernel names a record lock's holder in the asker's namespace (0 if
-    // it is not visible there); nobody holding it means the owner is gone and
-    // only awaits reclaiming. A process cannot see its own lock.
-    const int32_t pid = static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+    const int32_t pid = local_pid_of_slot(ledger, s);
     if (pid > 0) rows[n++] = {static_cast<unsigned>(pid), bytes};
   }
   return n;
@@ -245,7 +231,7 @@ unsigned own_host_pids(PidPair* pairs) {
     const ledger::ProcessSlot& slot = ledger.usage->slots[s];
     if (slot.state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
     const int32_t host = slot.host_pid.load(std::memory_order_relaxed);
-    const int32_t local = static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+    const int32_t local = local_pid_of_slot(ledger, s);
     if (host > 0 && local > 0) pairs[n++] = {static_cast<unsigned>(host), static_cast<unsigned>(local)};
   }
   return n;

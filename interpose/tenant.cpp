@@ -54,7 +54,7 @@ void forget_devices() {
 // inherited) and its allocations are not usable: start over on next use.
 void on_fork_child() {
   g_tenant_mode.store(static_cast<int>(TenantMode::kUnattached), std::memory_order_release);
-  g_context_epoch.fetch_add(1, std::memory_order_acq_rel);
+  note_contexts_changed();
 }
 
 // Where this process's tenant directory is, or false if none is configured.

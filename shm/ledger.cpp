@@ -131,6 +131,30 @@ bool orphan_grace_over(ProcessSlot& slot) {
 
 }  // namespace
 
+bool parse_gpu_uuid_text(std::string_view text, uint8_t out[16]) {
+  constexpr std::string_view kPrefix = "GPU-";
+  if (text.size() != kPrefix.size() + 36 || text.substr(0, kPrefix.size()) != kPrefix) return false;
+  const auto hex_value = [](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  size_t pos = kPrefix.size();
+  for (size_t i = 0; i < 16; ++i) {
+    const int hi = hex_value(text[pos]);
+    const int lo = hex_value(text[pos + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out[i] = static_cast<uint8_t>(hi << 4 | lo);
+    pos += 2;
+    if (i == 3 || i == 5 || i == 7 || i == 9) {  // 8-4-4-4-12
+      if (text[pos] != '-') return false;
+      ++pos;
+    }
+  }
+  return true;
+}
+
 uint64_t monotonic_ns() {
   struct timespec ts {};
   clock_gettime(CLOCK_MONOTONIC, &ts);

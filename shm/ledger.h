@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include <sys/types.h>
 
@@ -95,6 +96,11 @@ LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode,
 
 // Index of the granted-or-revoked entry for this UUID, or -1.
 int find_gpu(const PolicySegment& policy, const uint8_t uuid[16]);
+
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (hex digits of either case), as
+// nvidia-smi and NVML write GPU UUIDs, to the 16 bytes policies are keyed by.
+// False for anything else ("MIG-..." included), leaving `out` undefined.
+bool parse_gpu_uuid_text(std::string_view text, uint8_t out[16]);
 
 // Daemon only: the entry for this UUID, appending one if needed. -1 if full.
 int bind_gpu(PolicySegment& policy, const uint8_t uuid[16]);

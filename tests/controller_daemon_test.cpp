@@ -53,21 +53,9 @@ class DaemonTest : public ::testing::Test {
 
   // Runs a binary with the simulated driver; stdout and stderr go to `log`.
   pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::string& devices = kDevices) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      setenv("LD_LIBRARY_PATH", SIMCUDA_DIR, 1);
-      setenv("SIMCUDA_DEVICES", devices.c_str(), 1);
-      unsetenv("SIMCUDA_STATE");  // private simulated state: the daemon only lists GPUs
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    return pid;
+    // No SIMCUDA_STATE: a private simulated state, the daemon only lists GPUs.
+    return spawn_logged(args, log,
+                        {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR, "SIMCUDA_DEVICES=" + devices, "SIMCUDA_STATE"});
   }
 
   // Runs fracgpud to completion (--check, or a start that must fail).

@@ -52,22 +52,11 @@ class OpsTest : public ::testing::Test {
 
   // Runs `args` with the simulated driver and `env` added; output to `log`.
   pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      setenv("LD_LIBRARY_PATH", SIMCUDA_DIR, 1);
-      setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
-      unsetenv("SIMCUDA_STATE");  // private simulated state unless `env` shares one
-      for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    return pid;
+    // A private simulated state unless `env` shares one.
+    std::vector<std::string> all = {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR, "SIMCUDA_DEVICES=" + kDevices,
+                                    "SIMCUDA_STATE"};
+    all.insert(all.end(), env.begin(), env.end());
+    return spawn_logged(args, log, all);
   }
 
   // Starts fracgpud; waits until the pid-file lock is held and `ready` is logged.

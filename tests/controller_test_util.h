@@ -2,6 +2,7 @@
 // a stand-in tenant process that attaches to a ledger as the interposer does.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "ledger.h"
 
@@ -70,6 +72,29 @@ inline int wait_exit(pid_t pid, std::chrono::milliseconds timeout = std::chrono:
   const bool ended = eventually([&] { return waitpid(pid, &status, WNOHANG) == pid; }, timeout);
   if (!ended) return -1;
   return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+}
+
+// Runs `args` (argv[0] a path) in a child whose stdout and stderr are
+// appended to `log`, after applying `env` to the inherited environment:
+// "NAME=value" sets NAME, a bare "NAME" removes it; later entries win.
+inline pid_t spawn_logged(const std::vector<std::string>& args, const std::string& log,
+                          const std::vector<std::string>& env) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    for (const std::string& e : env) {
+      if (e.find('=') == std::string::npos) unsetenv(e.c_str());
+      else putenv(const_cast<char*>(e.c_str()));
+    }
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 inline void kill_and_reap(pid_t pid) {
