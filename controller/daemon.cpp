@@ -602,14 +602,14 @@ void Daemon::check_gpus(uint64_t now) {
     ran = true;
   }
   if (now >= next_audit_ns_) {
-    // Host PIDs of every live slot: F_GETLK names the lock holder in our
-    // namespace whatever namespace the tenant process runs in.
+    // Host PIDs of every live slot, as tick() just recorded them in the
+    // ledgers (ledger::record_host_pids), whatever namespace each runs in.
     std::set<int32_t> charged;
     for (const auto& [name, open] : ledgers_) {
       const uint32_t high = std::min(open.ledger.usage->slot_high_water.load(std::memory_order_acquire), kMaxSlots);
       for (uint32_t s = 0; s < high; ++s)
-        if (open.ledger.usage->slots[s].state.load(std::memory_order_acquire) == ledger::kSlotLive)
-          if (const int32_t pid = ledger::slot_owner_pid(open.ledger, s); pid > 0) charged.insert(pid);
+        if (const int32_t pid = open.ledger.usage->slots[s].host_pid.load(std::memory_order_relaxed); pid > 0)
+          charged.insert(pid);
     }
     auditor_->audit(charged, config_->daemon.audit_action, config_->daemon.run_dir);
     next_audit_ns_ = now + ns(config_->daemon.audit_interval);
