@@ -124,8 +124,18 @@ Graph* find_graph(CUgraph g) {
   return it == t.end() ? nullptr : it->second.get();
 }
 
-CUresult add_kernel_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, size_t ndeps, CUfunction f,
-                         unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+// The node behind a handle, if it belongs to a live graph.
+GraphNode* find_node(CUgraphNode h) {
+  for (auto& [gh, graph] : proc().graphs)
+    for (auto& n : graph->nodes)
+      if (reinterpret_cast<CUgraphNode>(n.get()) == h) return n.get();
+  return nullptr;
+}
+
+// What every node adder checks first: an out-parameter, a live graph, and
+// dependencies that are nodes of that graph. (Dependencies are not kept: the
+// sim runs a graph's kernels back to back whatever their order.)
+CUresult graph_for_new_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, size_t ndeps, Graph*& out) {
   if (node == nullptr) return CUDA_ERROR_INVALID_VALUE;
   Graph* graph = find_graph(g);
   if (graph == nullptr || (ndeps > 0 && deps == nullptr)) return CUDA_ERROR_INVALID_VALUE;
@@ -134,6 +144,14 @@ CUresult add_kernel_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, 
                              [&](const auto& n) { return reinterpret_cast<CUgraphNode>(n.get()) == deps[i]; });
     if (!found) return CUDA_ERROR_INVALID_VALUE;
   }
+  out = graph;
+  return CUDA_SUCCESS;
+}
+
+CUresult add_kernel_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, size_t ndeps, CUfunction f,
+                         unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+  Graph* graph = nullptr;
+  if (CUresult r = graph_for_new_node(node, g, deps, ndeps, graph)) return r;
   auto fn = find_function(f);
   if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (CUresult r = check_dims(gx, gy, gz, bx, by, bz)) return r;
@@ -144,29 +162,83 @@ CUresult add_kernel_node(CUgraphNode* node, CUgraph g, const CUgraphNode* deps, 
   return CUDA_SUCCESS;
 }
 
+CUresult instantiate(CUgraphExec* exec, CUgraph graph) {
+  if (exec == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  Graph* g = find_graph(graph);
+  if (g == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto e = std::make_unique<GraphExec>();
+  for (const auto& n : g->nodes) {
+    if (n->kind == NodeKind::Kernel) e->kernels.push_back(n->fn);
+    // Graph memory is virtual until the exec is launched or uploaded; here
+    // it is only counted.
+    if (n->kind == NodeKind::MemAlloc)
+      e->graph_mem[n->alloc.poolProps.location.id] += round_up(n->alloc.bytesize, kChunk);
+  }
+  *exec = reinterpret_cast<CUgraphExec>(e.get());
+  proc().graph_execs[e.get()] = std::move(e);
+  return CUDA_SUCCESS;
+}
+
+GraphExec* find_exec(CUgraphExec exec) {
+  auto& t = proc().graph_execs;
+  auto it = t.find(key(exec));
+  return it == t.end() ? nullptr : it->second.get();
+}
+
 CUresult graph_launch(Guard& guard, CUgraphExec exec, CUstream stream, bool ptds) {
-  Process& P = proc();
-  auto it = P.graph_execs.find(key(exec));
-  if (it == P.graph_execs.end()) return CUDA_ERROR_INVALID_VALUE;
+  GraphExec* e = find_exec(exec);
+  if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
   if (t.hold != nullptr && t.hold->capture != nullptr) {
     // Captured: the graph's kernels become nodes of the capturing graph.
-    for (const auto& fn : it->second->kernels) {
+    for (const auto& fn : e->kernels) {
       auto n = std::make_unique<GraphNode>();
       n->fn = fn;
       t.hold->capture->nodes.push_back(std::move(n));
     }
     return CUDA_SUCCESS;
   }
+  // Without its memory the graph cannot run: nothing is enqueued.
+  if (CUresult r = back_graph_exec(e)) return r;
   // One interval on the timeline: the sum of its kernels' durations (nodes
   // run back to back; dependencies cannot shorten a serialized device).
   uint64_t total = 0;
-  for (const auto& fn : it->second->kernels) total += fn->duration_ns.load(std::memory_order_relaxed);
-  uint64_t kernels = it->second->kernels.size();
+  for (const auto& fn : e->kernels) total += fn->duration_ns.load(std::memory_order_relaxed);
+  uint64_t kernels = e->kernels.size();
   guard.unlock();
   enqueue_kernel(t, total, kernels);
   return CUDA_SUCCESS;
+}
+
+// Upload does what a first launch does before running anything: it gives the
+// exec its graph memory. It takes no device time. The sim does not capture
+// uploads, so a capturing stream refuses one.
+CUresult graph_upload(CUgraphExec exec, CUstream stream, bool ptds) {
+  GraphExec* e = find_exec(exec);
+  if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  StreamTarget t;
+  if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  if (t.capture_graph() != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  return back_graph_exec(e);
+}
+
+CUresult instantiate_with_params(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
+  if (params == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  // Flags and the upload stream are ignored: an exec gets its memory at its
+  // first launch or cuGraphUpload either way.
+  CUresult r = instantiate(exec, graph);
+  params->hErrNode_out = nullptr;
+  params->result_out = r == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
+  return r;
+}
+
+// The CUDA 10/11 form: an error node and a log buffer, both left empty.
+CUresult instantiate_with_log(CUgraphExec* exec, CUgraph graph, CUgraphNode* error_node, char* log,
+                              size_t log_size) {
+  if (error_node != nullptr) *error_node = nullptr;
+  if (log != nullptr && log_size > 0) log[0] = '\0';
+  return instantiate(exec, graph);
 }
 
 // ---------------------------------------------------------------------------
@@ -266,6 +338,36 @@ CUresult event_destroy(CUevent e) {
 }
 
 }  // namespace
+
+namespace simcuda {
+
+GraphNode* add_mem_alloc_node(Graph* graph, const CUmemPoolProps& props, uint64_t bytesize) {
+  if (bytesize > UINT64_MAX - kChunk) return nullptr;
+  CUdeviceptr p = reserve_va(round_up(bytesize, kChunk), kChunk);
+  if (p == 0) return nullptr;
+  auto n = std::make_unique<GraphNode>();
+  n->kind = NodeKind::MemAlloc;
+  n->alloc.poolProps = props;
+  n->alloc.bytesize = bytesize;
+  n->alloc.dptr = p;
+  proc().graph_allocs.insert(p);
+  GraphNode* raw = n.get();
+  graph->nodes.push_back(std::move(n));
+  return raw;
+}
+
+GraphNode* add_mem_free_node(Graph* graph, CUdeviceptr dptr) {
+  auto n = std::make_unique<GraphNode>();
+  n->kind = NodeKind::MemFree;
+  n->freed = dptr;
+  GraphNode* raw = n.get();
+  graph->nodes.push_back(std::move(n));
+  return raw;
+}
+
+bool is_graph_allocation(CUdeviceptr p) { return proc().graph_allocs.count(p) != 0; }
+
+}  // namespace simcuda
 
 extern "C" {
 
@@ -573,17 +675,111 @@ CUresult cuGraphAddKernelNode_v2(CUgraphNode* node, CUgraph graph, const CUgraph
                          p->blockDimY, p->blockDimZ);
 }
 
+// Graph allocations: the node reserves an address now; memory comes only
+// when an exec of the graph is launched or uploaded.
+CUresult cuGraphAddMemAllocNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t ndeps,
+                                CUDA_MEM_ALLOC_NODE_PARAMS* p) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphAddMemAllocNode);
+  Graph* g = nullptr;
+  if (CUresult r = graph_for_new_node(node, graph, deps, ndeps, g)) return r;
+  if (p == nullptr || p->bytesize == 0 || (p->accessDescCount > 0 && p->accessDescs == nullptr))
+    return CUDA_ERROR_INVALID_VALUE;
+  const CUmemPoolProps& props = p->poolProps;
+  if (props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+      !valid_device(props.location.id))
+    return CUDA_ERROR_INVALID_VALUE;
+  GraphNode* n = add_mem_alloc_node(g, props, p->bytesize);
+  if (n == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  p->dptr = n->alloc.dptr;
+  *node = reinterpret_cast<CUgraphNode>(n);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphAddMemFreeNode(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t ndeps,
+                               CUdeviceptr dptr) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphAddMemFreeNode);
+  Graph* g = nullptr;
+  if (CUresult r = graph_for_new_node(node, graph, deps, ndeps, g)) return r;
+  if (!is_graph_allocation(dptr)) return CUDA_ERROR_INVALID_VALUE;
+  *node = reinterpret_cast<CUgraphNode>(add_mem_free_node(g, dptr));
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS* params_out) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphMemAllocNodeGetParams);
+  const GraphNode* n = find_node(node);
+  if (n == nullptr || n->kind != NodeKind::MemAlloc || params_out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *params_out = n->alloc;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphMemFreeNodeGetParams(CUgraphNode node, CUdeviceptr* dptr_out) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphMemFreeNodeGetParams);
+  const GraphNode* n = find_node(node);
+  if (n == nullptr || n->kind != NodeKind::MemFree || dptr_out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *dptr_out = n->freed;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode* nodes, size_t* count) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphGetNodes);
+  Graph* g = find_graph(graph);
+  if (g == nullptr || count == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (nodes != nullptr) {
+    size_t n = std::min(*count, g->nodes.size());
+    for (size_t i = 0; i < n; ++i) nodes[i] = reinterpret_cast<CUgraphNode>(g->nodes[i].get());
+  }
+  *count = g->nodes.size();
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType* type) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphNodeGetType);
+  const GraphNode* n = find_node(node);
+  if (n == nullptr || type == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  switch (n->kind) {
+    case NodeKind::Kernel: *type = CU_GRAPH_NODE_TYPE_KERNEL; break;
+    case NodeKind::MemAlloc: *type = CU_GRAPH_NODE_TYPE_MEM_ALLOC; break;
+    case NodeKind::MemFree: *type = CU_GRAPH_NODE_TYPE_MEM_FREE; break;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphInstantiate(CUgraphExec* exec, CUgraph graph, CUgraphNode* error_node, char* log, size_t log_size) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphInstantiate);
+  return instantiate_with_log(exec, graph, error_node, log, log_size);
+}
+
+CUresult cuGraphInstantiate_v2(CUgraphExec* exec, CUgraph graph, CUgraphNode* error_node, char* log,
+                               size_t log_size) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphInstantiate_v2);
+  return instantiate_with_log(exec, graph, error_node, log, log_size);
+}
+
 CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long flags) {
   SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithFlags);
   (void)flags;
-  if (exec == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  Graph* g = find_graph(graph);
-  if (g == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  auto e = std::make_unique<GraphExec>();
-  for (const auto& n : g->nodes) e->kernels.push_back(n->fn);
-  *exec = reinterpret_cast<CUgraphExec>(e.get());
-  proc().graph_execs[e.get()] = std::move(e);
-  return CUDA_SUCCESS;
+  return instantiate(exec, graph);
+}
+
+CUresult cuGraphInstantiateWithParams(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithParams);
+  return instantiate_with_params(exec, graph, params);
+}
+
+CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithParams_ptsz);
+  return instantiate_with_params(exec, graph, params);
+}
+
+CUresult cuGraphUpload(CUgraphExec exec, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphUpload);
+  return graph_upload(exec, stream, false);
+}
+
+CUresult cuGraphUpload_ptsz(CUgraphExec exec, CUstream stream) {
+  SIMCUDA_LOCKED_ENTRY(cuGraphUpload_ptsz);
+  return graph_upload(exec, stream, true);
 }
 
 CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream) {
@@ -598,7 +794,11 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream) {
 
 CUresult cuGraphExecDestroy(CUgraphExec exec) {
   SIMCUDA_LOCKED_ENTRY(cuGraphExecDestroy);
-  return proc().graph_execs.erase(key(exec)) == 1 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  GraphExec* e = find_exec(exec);
+  if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  unback_graph_exec(e);  // its memory stays reserved for the next exec
+  proc().graph_execs.erase(key(exec));
+  return CUDA_SUCCESS;
 }
 
 CUresult cuGraphDestroy(CUgraph graph) {

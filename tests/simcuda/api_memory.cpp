@@ -204,10 +204,25 @@ CUresult pool_alloc(Pool* pool, uint64_t bytes, CUdeviceptr* out) {
   return CUDA_SUCCESS;
 }
 
+// On a capturing stream an allocation becomes a memory-alloc node of the
+// capture graph, on the stream's device (whatever pool was named): no pool
+// changes and nothing is charged until an exec of the graph runs.
+CUresult capture_alloc(Graph* capture, int dev, uint64_t bytes, CUdeviceptr* out) {
+  CUmemPoolProps props{};
+  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  props.location.id = dev;
+  GraphNode* n = add_mem_alloc_node(capture, props, bytes);
+  if (n == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  *out = n->alloc.dptr;
+  return CUDA_SUCCESS;
+}
+
 CUresult alloc_async(CUdeviceptr* dptr, size_t bytes, Pool* pool, CUstream stream, bool ptds) {
   if (dptr == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  if (Graph* capture = t.capture_graph()) return capture_alloc(capture, t.dev, bytes, dptr);
   if (pool == nullptr) pool = current_pool(t.dev);
   return pool_alloc(pool, bytes, dptr);
 }
@@ -215,6 +230,12 @@ CUresult alloc_async(CUdeviceptr* dptr, size_t bytes, Pool* pool, CUstream strea
 CUresult free_async(CUdeviceptr dptr, CUstream stream, bool ptds) {
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
+  if (is_graph_allocation(dptr)) {
+    // Captured, a memory-free node. Outside a capture there is nothing to
+    // do: graph memory belongs to execs, not to the allocation, in the sim.
+    if (Graph* capture = t.capture_graph()) add_mem_free_node(capture, dptr);
+    return CUDA_SUCCESS;
+  }
   // Freed blocks return to their pool at once (the sim has no stream-ordered
   // reuse hazards to model); linear memory may be freed this way too.
   return free_at(dptr);
@@ -476,6 +497,47 @@ void pools_release_at_sync(int dev) {
     if (p->dev != dev || p->destroyed || p->reserved <= p->release_threshold) continue;
     pool_shrink(p.get(), round_down(p->release_threshold, kChunk));
   }
+}
+
+// Per device: take what the graph memory pool has reserved but unused,
+// charge the rest. All or nothing: on OUT_OF_MEMORY the devices already
+// grown give their growth back.
+CUresult back_graph_exec(GraphExec* e) {
+  Process& P = proc();
+  if (e->backed) return CUDA_SUCCESS;
+  uint64_t grown[kMaxDevices] = {};
+  for (int d = 0; d < kMaxDevices; ++d) {
+    GraphMemPool& pool = P.dev[d].graph_mem;
+    uint64_t need = e->graph_mem[d];
+    uint64_t grow = need - std::min(need, pool.reserved - pool.used);
+    if (CUresult r = charge(d, grow)) {
+      for (int g = 0; g < d; ++g) {
+        uncharge(g, grown[g]);
+        P.dev[g].graph_mem.reserved -= grown[g];
+      }
+      return r;
+    }
+    grown[d] = grow;
+    pool.reserved += grow;
+  }
+  for (int d = 0; d < kMaxDevices; ++d) {
+    GraphMemPool& pool = P.dev[d].graph_mem;
+    pool.used += e->graph_mem[d];
+    pool.used_high = std::max(pool.used_high, pool.used);
+    pool.reserved_high = std::max(pool.reserved_high, pool.reserved);
+  }
+  e->backed = true;
+  return CUDA_SUCCESS;
+}
+
+void unback_graph_exec(GraphExec* e) {
+  Process& P = proc();
+  if (!e->backed) return;
+  for (int d = 0; d < kMaxDevices; ++d) {
+    GraphMemPool& pool = P.dev[d].graph_mem;
+    pool.used -= std::min(pool.used, e->graph_mem[d]);
+  }
+  e->backed = false;
 }
 
 }  // namespace simcuda
@@ -845,6 +907,54 @@ CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
   SIMCUDA_LOCKED_ENTRY(cuMemFreeAsync_ptsz);
   return free_async(dptr, stream, true);
+}
+
+// ---------------------------------------------------------------------------
+// Graph memory (the nodes are in api_exec.cpp)
+// ---------------------------------------------------------------------------
+
+// Releases the device's whole graph memory pool. The sim does not track which
+// graphs are still executing, so every exec holding memory here gives it up
+// (on all its devices) and takes it again at its next launch or upload.
+CUresult cuDeviceGraphMemTrim(CUdevice dev) {
+  SIMCUDA_LOCKED_ENTRY(cuDeviceGraphMemTrim);
+  Process& P = proc();
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  for (auto& [h, e] : P.graph_execs)
+    if (e->graph_mem[dev] != 0) unback_graph_exec(e.get());
+  GraphMemPool& pool = P.dev[dev].graph_mem;
+  uncharge(dev, pool.reserved);
+  pool.reserved = 0;
+  pool.used = 0;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void* value) {
+  SIMCUDA_LOCKED_ENTRY(cuDeviceGetGraphMemAttribute);
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  const GraphMemPool& pool = proc().dev[dev].graph_mem;
+  auto u64 = static_cast<cuuint64_t*>(value);
+  switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *u64 = pool.used; return CUDA_SUCCESS;
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *u64 = pool.used_high; return CUDA_SUCCESS;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *u64 = pool.reserved; return CUDA_SUCCESS;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *u64 = pool.reserved_high; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+
+// Only the high-water marks can be set, and only reset (to the current value).
+CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void* value) {
+  SIMCUDA_LOCKED_ENTRY(cuDeviceSetGraphMemAttribute);
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (value == nullptr || *static_cast<cuuint64_t*>(value) != 0) return CUDA_ERROR_INVALID_VALUE;
+  GraphMemPool& pool = proc().dev[dev].graph_mem;
+  switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: pool.used_high = pool.used; return CUDA_SUCCESS;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: pool.reserved_high = pool.reserved; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
 }
 
 // ---------------------------------------------------------------------------

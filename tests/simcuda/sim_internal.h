@@ -218,8 +218,13 @@ struct Mapping {
   CUmemGenericAllocationHandle handle = 0;
 };
 
+enum class NodeKind { Kernel, MemAlloc, MemFree };
+
 struct GraphNode {
-  std::shared_ptr<Function> fn;
+  NodeKind kind = NodeKind::Kernel;
+  std::shared_ptr<Function> fn;        // Kernel
+  CUDA_MEM_ALLOC_NODE_PARAMS alloc{};  // MemAlloc: as given, dptr filled in, access descriptors not kept
+  CUdeviceptr freed = 0;               // MemFree: the graph allocation it frees
 };
 
 struct Graph {
@@ -228,6 +233,22 @@ struct Graph {
 
 struct GraphExec {
   std::vector<std::shared_ptr<Function>> kernels;
+  // Graph memory its alloc nodes need on each device (each allocation
+  // rounded up to kChunk), and whether it holds that memory now: from its
+  // first launch or upload until it is destroyed or the device is trimmed.
+  uint64_t graph_mem[kMaxDevices] = {};
+  bool backed = false;
+};
+
+// The physical memory behind graph allocations, per process and device (the
+// driver's graph memory pool). `reserved` is charged to the device; `used`
+// is the part backed execs hold. What execs give back stays reserved, for
+// the next exec, until cuDeviceGraphMemTrim.
+struct GraphMemPool {
+  uint64_t reserved = 0;
+  uint64_t used = 0;
+  uint64_t reserved_high = 0;
+  uint64_t used_high = 0;
 };
 
 struct DevLocal {
@@ -236,6 +257,7 @@ struct DevLocal {
   Pool* default_pool = nullptr;
   Pool* current_pool = nullptr;
   uint64_t vmm_bytes = 0;
+  GraphMemPool graph_mem;
 };
 
 struct Process {
@@ -268,6 +290,9 @@ struct Process {
   std::unordered_map<const void*, std::unique_ptr<Array>> mipmaps;
   std::unordered_map<const void*, std::unique_ptr<Graph>> graphs;
   std::unordered_map<const void*, std::unique_ptr<GraphExec>> graph_execs;
+  // Addresses handed out by alloc nodes (explicit or captured), kept for the
+  // process's life: free nodes may name any graph's allocation.
+  std::unordered_set<CUdeviceptr> graph_allocs;
   std::map<CUdeviceptr, Alloc> allocs;
   std::map<CUmemGenericAllocationHandle, PhysAlloc> phys;
   CUmemGenericAllocationHandle next_handle = 0x5100000000ull;
@@ -331,6 +356,20 @@ void pools_release_at_sync(int dev);            // release above the release thr
 void pool_free_block(Pool* pool, uint64_t bytes);
 Pool* find_pool(CUmemoryPool h);
 
+// ---- Graphs and graph memory (Guard held) ----
+// A memory-alloc node for `bytesize` bytes on props.location.id (validated by
+// the caller), appended to `graph`; its address is a new graph allocation.
+// Null when the address range is exhausted.
+GraphNode* add_mem_alloc_node(Graph* graph, const CUmemPoolProps& props, uint64_t bytesize);
+GraphNode* add_mem_free_node(Graph* graph, CUdeviceptr dptr);
+bool is_graph_allocation(CUdeviceptr p);
+// Gives an exec the graph memory it needs (no-op if it has none or is
+// backed): from what its process's graph memory pools have free, charging
+// the rest. CUDA_ERROR_OUT_OF_MEMORY leaves everything as it was.
+CUresult back_graph_exec(GraphExec* e);
+// Returns a backed exec's memory to the pools (it stays reserved).
+void unback_graph_exec(GraphExec* e);
+
 // ---- Time ----
 uint64_t now_ns();
 void sleep_until(uint64_t t_ns);
@@ -339,6 +378,8 @@ struct StreamTarget {
   int dev = 0;
   U64* tail = nullptr;
   std::shared_ptr<Stream> hold;  // keeps a user stream alive during the operation
+  // The graph a capturing user stream records into, or null.
+  Graph* capture_graph() const { return hold != nullptr ? hold->capture : nullptr; }
 };
 // Guard held. ptds: the entry point is a _ptsz/_ptds variant (NULL = per-thread stream).
 CUresult resolve_stream(CUstream s, bool ptds, StreamTarget& out);

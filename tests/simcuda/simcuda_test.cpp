@@ -30,6 +30,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -1218,6 +1219,452 @@ TEST_F(Pools, CreatedPoolMaxSizeCurrentPoolAndDestroy) {
 }
 
 // ===========================================================================
+// Graph memory
+// ===========================================================================
+
+using GraphMemory = Sim;
+
+CUDA_MEM_ALLOC_NODE_PARAMS alloc_node_params(int dev, size_t bytes) {
+  CUDA_MEM_ALLOC_NODE_PARAMS p{};
+  p.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.poolProps.location.id = dev;
+  p.bytesize = bytes;
+  return p;
+}
+
+// A new graph with one memory-alloc node per {device, bytes}; null on failure.
+CUgraph graph_allocating(std::initializer_list<std::pair<int, size_t>> allocs) {
+  CUgraph g = nullptr;
+  if (cuGraphCreate(&g, 0) != CUDA_SUCCESS) return nullptr;
+  for (auto [dev, bytes] : allocs) {
+    CUDA_MEM_ALLOC_NODE_PARAMS p = alloc_node_params(dev, bytes);
+    CUgraphNode n = nullptr;
+    if (cuGraphAddMemAllocNode(&n, g, nullptr, 0, &p) != CUDA_SUCCESS) return nullptr;
+  }
+  return g;
+}
+
+// Appends a kernel node running f once (no dependencies); null on failure.
+CUgraphNode add_kernel_node(CUgraph g, CUfunction f) {
+  CUDA_KERNEL_NODE_PARAMS p{};
+  p.func = f;
+  p.gridDimX = p.gridDimY = p.gridDimZ = 1;
+  p.blockDimX = p.blockDimY = p.blockDimZ = 1;
+  CUgraphNode n = nullptr;
+  return cuGraphAddKernelNode_v2(&n, g, nullptr, 0, &p) == CUDA_SUCCESS ? n : nullptr;
+}
+
+uint64_t graph_mem_attr(int dev, CUgraphMem_attribute attr) {
+  cuuint64_t v = ~0ull;
+  if (cuDeviceGetGraphMemAttribute(dev, attr, &v) != CUDA_SUCCESS) return ~0ull;
+  return v;
+}
+
+CUresult reset_graph_mem_high(int dev, CUgraphMem_attribute attr) {
+  cuuint64_t zero = 0;
+  return cuDeviceSetGraphMemAttribute(dev, attr, &zero);
+}
+
+std::vector<CUgraphNode> graph_nodes(CUgraph g) {
+  size_t n = 0;
+  if (cuGraphGetNodes(g, nullptr, &n) != CUDA_SUCCESS) return {};
+  std::vector<CUgraphNode> nodes(n);
+  if (cuGraphGetNodes(g, nodes.data(), &n) != CUDA_SUCCESS) return {};
+  return nodes;
+}
+
+CUgraphNodeType node_type(CUgraphNode n) {
+  CUgraphNodeType t = static_cast<CUgraphNodeType>(-1);
+  if (cuGraphNodeGetType(n, &t) != CUDA_SUCCESS) return static_cast<CUgraphNodeType>(-1);
+  return t;
+}
+
+// Alloc and free nodes are checked, reported as given and virtual: adding
+// them or instantiating their graph charges nothing.
+TEST_F(GraphMemory, AllocAndFreeNodesOnlyReserveAddresses) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("graph_kernel");
+  ASSERT_NE(f, nullptr);
+  const uint64_t u0 = used(0), u1 = used(1);
+  CUgraph g = nullptr, other = nullptr;
+  ASSERT_CU(cuGraphCreate(&g, 0));
+  ASSERT_CU(cuGraphCreate(&other, 0));
+  CUgraphNode kernel = add_kernel_node(g, f), foreign = add_kernel_node(other, f);
+  ASSERT_NE(kernel, nullptr);
+  ASSERT_NE(foreign, nullptr);
+  CUgraphNode alloc = nullptr, alloc1 = nullptr, freer = nullptr, n = nullptr;
+
+  CUDA_MEM_ALLOC_NODE_PARAMS p = alloc_node_params(0, 3 * kMiB + 1);
+  ASSERT_CU(cuGraphAddMemAllocNode(&alloc, g, &kernel, 1, &p));
+  EXPECT_NE(p.dptr, 0u);
+  EXPECT_EQ(p.dptr % (2 * kMiB), 0u) << "graph allocations are 2 MiB aligned";
+  CUDA_MEM_ALLOC_NODE_PARAMS p1 = alloc_node_params(1, 1);
+  ASSERT_CU(cuGraphAddMemAllocNode(&alloc1, g, nullptr, 0, &p1));
+  EXPECT_TRUE(p1.dptr >= p.dptr + 4 * kMiB || p1.dptr + 2 * kMiB <= p.dptr) << "ranges of rounded sizes overlap";
+  EXPECT_EQ(used(0), u0) << "an alloc node charges nothing";
+  EXPECT_EQ(used(1), u1);
+
+  CUDA_MEM_ALLOC_NODE_PARAMS bad = alloc_node_params(0, 0);
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, nullptr, 0, &bad), CUDA_ERROR_INVALID_VALUE) << "zero bytes";
+  bad = alloc_node_params(kDevices, kMiB);
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, nullptr, 0, &bad), CUDA_ERROR_INVALID_VALUE) << "no such device";
+  bad = alloc_node_params(0, kMiB);
+  bad.poolProps.location.type = CU_MEM_LOCATION_TYPE_HOST;
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, nullptr, 0, &bad), CUDA_ERROR_INVALID_VALUE) << "device memory only";
+  bad = alloc_node_params(0, kMiB);
+  bad.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_INVALID;
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, nullptr, 0, &bad), CUDA_ERROR_INVALID_VALUE) << "pinned only";
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, nullptr, 0, nullptr), CUDA_ERROR_INVALID_VALUE);
+  bad = alloc_node_params(0, kMiB);
+  EXPECT_EQ(cuGraphAddMemAllocNode(&n, g, &foreign, 1, &bad), CUDA_ERROR_INVALID_VALUE) << "another graph's node";
+  EXPECT_EQ(cuGraphAddMemAllocNode(nullptr, g, nullptr, 0, &bad), CUDA_ERROR_INVALID_VALUE);
+
+  ASSERT_CU(cuGraphAddMemFreeNode(&freer, g, &alloc, 1, p.dptr));
+  EXPECT_EQ(cuGraphAddMemFreeNode(&n, g, nullptr, 0, p.dptr + 512), CUDA_ERROR_INVALID_VALUE)
+      << "not the address of a graph allocation";
+  CUdeviceptr linear = 0;
+  ASSERT_CU(cuMemAlloc_v2(&linear, kMiB));
+  EXPECT_EQ(cuGraphAddMemFreeNode(&n, g, nullptr, 0, linear), CUDA_ERROR_INVALID_VALUE) << "not graph memory";
+  EXPECT_CU(cuMemFree_v2(linear));
+  ASSERT_CU(cuGraphAddMemFreeNode(&n, other, nullptr, 0, p1.dptr)) << "any graph's allocation may be freed";
+
+  CUDA_MEM_ALLOC_NODE_PARAMS out{};
+  out.accessDescCount = 5;
+  ASSERT_CU(cuGraphMemAllocNodeGetParams(alloc, &out));
+  EXPECT_EQ(out.bytesize, 3 * kMiB + 1) << "as requested, not rounded";
+  EXPECT_EQ(out.dptr, p.dptr);
+  EXPECT_EQ(out.poolProps.allocType, CU_MEM_ALLOCATION_TYPE_PINNED);
+  EXPECT_EQ(out.poolProps.location.type, CU_MEM_LOCATION_TYPE_DEVICE);
+  EXPECT_EQ(out.poolProps.location.id, 0);
+  EXPECT_EQ(out.accessDescs, nullptr);
+  EXPECT_EQ(out.accessDescCount, 0u);
+  EXPECT_EQ(cuGraphMemAllocNodeGetParams(freer, &out), CUDA_ERROR_INVALID_VALUE) << "a free node";
+  EXPECT_EQ(cuGraphMemAllocNodeGetParams(kernel, &out), CUDA_ERROR_INVALID_VALUE) << "a kernel node";
+  CUdeviceptr freed = 0;
+  ASSERT_CU(cuGraphMemFreeNodeGetParams(freer, &freed));
+  EXPECT_EQ(freed, p.dptr);
+  EXPECT_EQ(cuGraphMemFreeNodeGetParams(alloc, &freed), CUDA_ERROR_INVALID_VALUE);
+
+  // cuGraphGetNodes: the count, or up to *count nodes in the order added.
+  size_t count = 0;
+  ASSERT_CU(cuGraphGetNodes(g, nullptr, &count));
+  EXPECT_EQ(count, 4u);
+  CUgraphNode nodes[8] = {};
+  count = 2;
+  ASSERT_CU(cuGraphGetNodes(g, nodes, &count));
+  EXPECT_EQ(count, 4u) << "the total, even when fewer were asked for";
+  EXPECT_EQ(nodes[0], kernel);
+  EXPECT_EQ(nodes[1], alloc);
+  EXPECT_EQ(nodes[2], nullptr) << "only as many as asked for are written";
+  EXPECT_EQ(graph_nodes(g), (std::vector<CUgraphNode>{kernel, alloc, alloc1, freer}));
+  EXPECT_EQ(cuGraphGetNodes(g, nodes, nullptr), CUDA_ERROR_INVALID_VALUE);
+  int not_a_graph = 0;
+  EXPECT_EQ(cuGraphGetNodes(reinterpret_cast<CUgraph>(&not_a_graph), nullptr, &count), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(node_type(kernel), CU_GRAPH_NODE_TYPE_KERNEL);
+  EXPECT_EQ(node_type(alloc), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+  EXPECT_EQ(node_type(alloc1), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+  EXPECT_EQ(node_type(freer), CU_GRAPH_NODE_TYPE_MEM_FREE);
+  CUgraphNodeType t{};
+  EXPECT_EQ(cuGraphNodeGetType(reinterpret_cast<CUgraphNode>(&not_a_graph), &t), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuGraphNodeGetType(kernel, nullptr), CUDA_ERROR_INVALID_VALUE);
+
+  // Instantiation only counts the memory.
+  CUgraphExec exec = nullptr;
+  ASSERT_CU(cuGraphInstantiateWithFlags(&exec, g, 0));
+  EXPECT_EQ(used(0), u0);
+  EXPECT_EQ(used(1), u1);
+  EXPECT_EQ(graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), 0u);
+  EXPECT_EQ(graph_mem_attr(1, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), 0u);
+  EXPECT_CU(cuGraphExecDestroy(exec));
+
+  // A destroyed graph's nodes are gone; its allocations' addresses stay valid for free nodes elsewhere.
+  EXPECT_CU(cuGraphDestroy(g));
+  EXPECT_EQ(cuGraphNodeGetType(alloc, &t), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuGraphMemAllocNodeGetParams(alloc, &out), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_CU(cuGraphAddMemFreeNode(&n, other, nullptr, 0, p.dptr));
+  EXPECT_EQ(graph_nodes(other).size(), 3u);
+  EXPECT_CU(cuGraphDestroy(other));
+}
+
+// During capture, stream-ordered allocations and frees become graph memory
+// nodes: no pool grows and nothing is charged.
+TEST_F(GraphMemory, CaptureRecordsAllocAsyncAndFreeAsync) {
+  ScopedCtx c(1);
+  ASSERT_CU(c.result);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  CUmemoryPool pool = nullptr;
+  ASSERT_CU(cuDeviceGetDefaultMemPool(&pool, 1));
+  const uint64_t u = used(1), reserved = simcuda_pool_reserved(pool), in_use = simcuda_pool_used(pool);
+  ASSERT_CU(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CUdeviceptr a = 0, b = 0;
+  ASSERT_CU(cuMemAllocAsync(&a, 5 * kMiB, s));
+  ASSERT_CU(cuMemAllocFromPoolAsync_ptsz(&b, 1000, pool, s));
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(b, 0u);
+  ASSERT_CU(cuMemFreeAsync(a, s));
+  ASSERT_CU(cuMemFreeAsync_ptsz(b, s));
+  EXPECT_EQ(used(1), u) << "captured allocations are not charged";
+  EXPECT_EQ(simcuda_pool_reserved(pool), reserved) << "nor taken from a pool";
+  EXPECT_EQ(simcuda_pool_used(pool), in_use);
+  CUgraph g = nullptr;
+  ASSERT_CU(cuStreamEndCapture(s, &g));
+
+  std::vector<CUgraphNode> nodes = graph_nodes(g);
+  ASSERT_EQ(nodes.size(), 4u);
+  EXPECT_EQ(node_type(nodes[0]), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+  EXPECT_EQ(node_type(nodes[1]), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+  EXPECT_EQ(node_type(nodes[2]), CU_GRAPH_NODE_TYPE_MEM_FREE);
+  EXPECT_EQ(node_type(nodes[3]), CU_GRAPH_NODE_TYPE_MEM_FREE);
+  CUDA_MEM_ALLOC_NODE_PARAMS p{};
+  ASSERT_CU(cuGraphMemAllocNodeGetParams(nodes[0], &p));
+  EXPECT_EQ(p.bytesize, 5 * kMiB);
+  EXPECT_EQ(p.dptr, a);
+  EXPECT_EQ(p.poolProps.location.id, 1) << "the stream's device";
+  ASSERT_CU(cuGraphMemAllocNodeGetParams(nodes[1], &p));
+  EXPECT_EQ(p.bytesize, 1000u);
+  EXPECT_EQ(p.dptr, b);
+  CUdeviceptr freed = 0;
+  ASSERT_CU(cuGraphMemFreeNodeGetParams(nodes[2], &freed));
+  EXPECT_EQ(freed, a);
+  ASSERT_CU(cuGraphMemFreeNodeGetParams(nodes[3], &freed));
+  EXPECT_EQ(freed, b);
+
+  // Outside a capture, freeing a graph allocation's address does nothing.
+  EXPECT_CU(cuMemFreeAsync(a, s));
+  EXPECT_EQ(used(1), u);
+  EXPECT_EQ(graph_nodes(g).size(), 4u);
+
+  // The exec needs 6 + 2 MiB on device 1, charged at launch.
+  CUgraphExec exec = nullptr;
+  ASSERT_CU(cuGraphInstantiateWithFlags(&exec, g, 0));
+  ASSERT_CU(cuGraphLaunch(exec, s));
+  EXPECT_EQ(used(1), u + 8 * kMiB);
+  EXPECT_EQ(graph_mem_attr(1, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), 8 * kMiB);
+  EXPECT_EQ(simcuda_pool_reserved(pool), reserved) << "graph memory is not the default pool's";
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_CU(cuGraphExecDestroy(exec));
+  EXPECT_CU(cuDeviceGraphMemTrim(1));
+  EXPECT_EQ(used(1), u);
+  EXPECT_CU(cuGraphDestroy(g));
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+// The graph memory pool: charged at the first launch, kept when an exec is
+// destroyed, reused by the next exec, released by a trim.
+TEST_F(GraphMemory, ChargedAtLaunchCachedAfterDestroyReleasedByTrim) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  ASSERT_CU(reset_graph_mem_high(0, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH));
+  ASSERT_CU(reset_graph_mem_high(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH));
+  ASSERT_EQ(graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), 0u);
+  ASSERT_EQ(graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH), 0u);
+  const uint64_t u = used(0);
+  auto attrs = [] {
+    return std::vector<uint64_t>{graph_mem_attr(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+                                 graph_mem_attr(0, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH),
+                                 graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
+                                 graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)};
+  };
+  using V = std::vector<uint64_t>;
+
+  CUgraph six = graph_allocating({{0, 3 * kMiB}, {0, 1}});  // 4 + 2 MiB
+  CUgraph four = graph_allocating({{0, 4 * kMiB}});
+  ASSERT_NE(six, nullptr);
+  ASSERT_NE(four, nullptr);
+  CUgraphExec e1 = nullptr, e2 = nullptr, e3 = nullptr;
+  CUDA_GRAPH_INSTANTIATE_PARAMS ip{};
+  ip.result_out = CUDA_GRAPH_INSTANTIATE_ERROR;
+  ASSERT_CU(cuGraphInstantiateWithParams(&e1, six, &ip));
+  EXPECT_EQ(ip.result_out, CUDA_GRAPH_INSTANTIATE_SUCCESS);
+  EXPECT_EQ(used(0), u) << "instantiation charges nothing";
+  EXPECT_EQ(attrs(), (V{0, 0, 0, 0}));
+
+  ASSERT_CU(cuGraphLaunch(e1, s));
+  EXPECT_EQ(used(0), u + 6 * kMiB) << "each allocation rounded up to 2 MiB";
+  EXPECT_EQ(attrs(), (V{6 * kMiB, 6 * kMiB, 6 * kMiB, 6 * kMiB}));
+  ASSERT_CU(cuGraphLaunch_ptsz(e1, s));
+  EXPECT_EQ(used(0), u + 6 * kMiB) << "a relaunch takes nothing new";
+
+  ASSERT_CU(cuGraphExecDestroy(e1));
+  EXPECT_EQ(used(0), u + 6 * kMiB) << "the memory stays cached for graphs";
+  EXPECT_EQ(attrs(), (V{0, 6 * kMiB, 6 * kMiB, 6 * kMiB}));
+
+  // Another graph's exec fits in what is cached.
+  ip = {};
+  ASSERT_CU(cuGraphInstantiateWithParams_ptsz(&e2, four, &ip));
+  EXPECT_EQ(ip.result_out, CUDA_GRAPH_INSTANTIATE_SUCCESS);
+  ASSERT_CU(cuGraphLaunch(e2, s));
+  EXPECT_EQ(used(0), u + 6 * kMiB) << "reuses the cached memory";
+  EXPECT_EQ(attrs(), (V{4 * kMiB, 6 * kMiB, 6 * kMiB, 6 * kMiB}));
+  // One that does not fit takes the free 2 MiB and is charged the other 4.
+  ASSERT_CU(cuGraphInstantiateWithFlags(&e3, six, 0));
+  ASSERT_CU(cuGraphLaunch(e3, s));
+  EXPECT_EQ(used(0), u + 10 * kMiB);
+  EXPECT_EQ(attrs(), (V{10 * kMiB, 10 * kMiB, 10 * kMiB, 10 * kMiB}));
+  ASSERT_CU(cuGraphExecDestroy(e3));
+
+  // The high-water marks reset to the current values, and only to them.
+  cuuint64_t value = 1;
+  EXPECT_EQ(cuDeviceSetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, &value), CUDA_ERROR_INVALID_VALUE);
+  value = 0;
+  EXPECT_EQ(cuDeviceSetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &value), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuDeviceSetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &value),
+            CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuDeviceSetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, nullptr), CUDA_ERROR_INVALID_VALUE);
+  ASSERT_CU(reset_graph_mem_high(0, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH));
+  EXPECT_EQ(attrs(), (V{4 * kMiB, 4 * kMiB, 10 * kMiB, 10 * kMiB}));
+
+  // A trim releases everything; an exec that held memory is charged again
+  // at its next launch.
+  ASSERT_CU(cuDeviceGraphMemTrim(0));
+  EXPECT_EQ(used(0), u);
+  EXPECT_EQ(attrs(), (V{0, 4 * kMiB, 0, 10 * kMiB}));
+  ASSERT_CU(reset_graph_mem_high(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH));
+  EXPECT_EQ(graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH), 0u);
+  ASSERT_CU(cuGraphLaunch(e2, s));
+  EXPECT_EQ(used(0), u + 4 * kMiB);
+  EXPECT_EQ(attrs(), (V{4 * kMiB, 4 * kMiB, 4 * kMiB, 4 * kMiB}));
+  ASSERT_CU(cuGraphExecDestroy(e2));
+  ASSERT_CU(cuDeviceGraphMemTrim(0));
+  EXPECT_EQ(used(0), u);
+
+  // Devices and arguments.
+  cuuint64_t v = 0;
+  EXPECT_EQ(cuDeviceGraphMemTrim(kDevices), CUDA_ERROR_INVALID_DEVICE);
+  EXPECT_EQ(cuDeviceGetGraphMemAttribute(kDevices, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &v), CUDA_ERROR_INVALID_DEVICE);
+  EXPECT_EQ(cuDeviceSetGraphMemAttribute(-1, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, &value), CUDA_ERROR_INVALID_DEVICE);
+  EXPECT_EQ(cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, nullptr), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuDeviceGetGraphMemAttribute(0, static_cast<CUgraphMem_attribute>(99), &v), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuGraphInstantiateWithParams(&e1, six, nullptr), CUDA_ERROR_INVALID_VALUE);
+  int not_a_graph = 0;
+  ip = {};
+  EXPECT_EQ(cuGraphInstantiateWithParams(&e1, reinterpret_cast<CUgraph>(&not_a_graph), &ip), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(ip.result_out, CUDA_GRAPH_INSTANTIATE_ERROR);
+
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_CU(cuGraphDestroy(six));
+  EXPECT_CU(cuGraphDestroy(four));
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+// cuGraphUpload gives an exec its memory without running it; the legacy
+// cuGraphInstantiate forms build the same execs.
+TEST_F(GraphMemory, UploadBacksWithoutRunning) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_1000us");
+  ASSERT_NE(f, nullptr);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  const uint64_t u = used(0);
+  CUgraph g = graph_allocating({{0, 8 * kMiB}});
+  ASSERT_NE(g, nullptr);
+  ASSERT_NE(add_kernel_node(g, f), nullptr);
+
+  CUgraphExec e1 = nullptr, e2 = nullptr;
+  CUgraphNode error_node = reinterpret_cast<CUgraphNode>(1);
+  char log[16] = "unchanged";
+  ASSERT_CU(cuGraphInstantiate(&e1, g, &error_node, log, sizeof log));
+  EXPECT_EQ(error_node, nullptr);
+  EXPECT_STREQ(log, "");
+  ASSERT_CU(cuGraphInstantiate_v2(&e2, g, nullptr, nullptr, 0));
+  EXPECT_EQ(used(0), u);
+
+  const uint64_t busy = simcuda_busy_ns(0, 0), launches = simcuda_launch_count(0, 0);
+  ASSERT_CU(cuGraphUpload(e1, s));
+  EXPECT_EQ(used(0), u + 8 * kMiB) << "uploaded: backed";
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy) << "an upload runs nothing";
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches);
+  ASSERT_CU(cuGraphLaunch(e1, s));
+  EXPECT_EQ(used(0), u + 8 * kMiB) << "the launch after an upload takes nothing new";
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 1 * kMs);
+  EXPECT_EQ(simcuda_launch_count(0, 0), launches + 1);
+  ASSERT_CU(cuGraphUpload_ptsz(e2, nullptr));
+  EXPECT_EQ(used(0), u + 16 * kMiB) << "the cached memory is e1's: e2 is charged its own";
+  ASSERT_CU(cuGraphUpload(e2, s));
+  EXPECT_EQ(used(0), u + 16 * kMiB) << "uploading twice takes nothing new";
+
+  // A capturing stream refuses an upload.
+  CUstream cs = nullptr;
+  ASSERT_CU(cuStreamCreate(&cs, 0));
+  ASSERT_CU(cuStreamBeginCapture(cs));
+  EXPECT_EQ(cuGraphUpload(e1, cs), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  CUgraph captured = nullptr;
+  ASSERT_CU(cuStreamEndCapture(cs, &captured));
+  EXPECT_EQ(graph_nodes(captured).size(), 0u);
+  int not_an_exec = 0;
+  EXPECT_EQ(cuGraphUpload(reinterpret_cast<CUgraphExec>(&not_an_exec), s), CUDA_ERROR_INVALID_VALUE);
+
+  EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_CU(cuGraphExecDestroy(e1));
+  EXPECT_CU(cuGraphExecDestroy(e2));
+  EXPECT_EQ(used(0), u + 16 * kMiB);
+  EXPECT_CU(cuDeviceGraphMemTrim(0));
+  EXPECT_EQ(used(0), u);
+  EXPECT_CU(cuGraphDestroy(captured));
+  EXPECT_CU(cuGraphDestroy(g));
+  EXPECT_CU(cuStreamDestroy_v2(cs));
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+// A launch or upload that cannot get its memory on every device returns
+// OUT_OF_MEMORY and leaves everything as it was.
+TEST_F(GraphMemory, LaunchPastCapacityFailsAndChangesNothing) {
+  ScopedCtx c(2);  // 256 MiB, no context footprint
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("graph_kernel");
+  ASSERT_NE(f, nullptr);
+  const uint64_t fill_bytes = kCap[2] - used(2) - 10 * kMiB;
+  CUdeviceptr fill = 0;
+  ASSERT_CU(cuMemAlloc_v2(&fill, fill_bytes));
+  for (int d : {1, 2}) {
+    ASSERT_CU(reset_graph_mem_high(d, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH));
+    ASSERT_CU(reset_graph_mem_high(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH));
+  }
+  const uint64_t u1 = used(1), u2 = used(2);
+  // Device 1's share is taken first, then device 2 has 10 MiB of the 12 it needs.
+  CUgraph g = graph_allocating({{1, 2 * kMiB}, {2, 12 * kMiB}});
+  ASSERT_NE(g, nullptr);
+  CUgraphExec e = nullptr;
+  ASSERT_CU(cuGraphInstantiateWithFlags(&e, g, 0));
+  const uint64_t launches = simcuda_launch_count(2, 0);
+  EXPECT_EQ(cuGraphLaunch(e, nullptr), CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(cuGraphUpload(e, nullptr), CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(used(1), u1) << "device 1's share was given back";
+  EXPECT_EQ(used(2), u2);
+  EXPECT_EQ(simcuda_launch_count(2, 0), launches) << "nothing ran";
+  for (int d : {1, 2}) {
+    SCOPED_TRACE(d);
+    EXPECT_EQ(graph_mem_attr(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), 0u);
+    EXPECT_EQ(graph_mem_attr(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), 0u);
+    EXPECT_EQ(graph_mem_attr(d, CU_GRAPH_MEM_ATTR_USED_MEM_HIGH), 0u);
+    EXPECT_EQ(graph_mem_attr(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH), 0u);
+  }
+
+  // With room, the same exec launches.
+  ASSERT_CU(cuMemFree_v2(fill));
+  ASSERT_CU(cuGraphLaunch(e, nullptr));
+  EXPECT_EQ(used(1), u1 + 2 * kMiB);
+  EXPECT_EQ(used(2), u2 - fill_bytes + 12 * kMiB);
+  EXPECT_EQ(graph_mem_attr(2, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), 12 * kMiB);
+  // Trimming one device takes the exec's memory on the other back to its pool too.
+  ASSERT_CU(cuDeviceGraphMemTrim(2));
+  EXPECT_EQ(graph_mem_attr(1, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), 0u);
+  EXPECT_EQ(graph_mem_attr(1, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), 2 * kMiB);
+  EXPECT_CU(cuCtxSynchronize());
+  EXPECT_CU(cuGraphExecDestroy(e));
+  EXPECT_CU(cuDeviceGraphMemTrim(1));
+  EXPECT_EQ(used(1), u1);
+  EXPECT_EQ(used(2), u2 - fill_bytes);
+  EXPECT_CU(cuGraphDestroy(g));
+}
+
+// ===========================================================================
 // cuGetProcAddress and the entry-point table
 // ===========================================================================
 
@@ -1522,6 +1969,34 @@ TEST_F(Processes, KilledProcessMemoryIsDropped) {
   ASSERT_CU(cuMemAlloc_v2(&all, kGiB - used(0)));
   EXPECT_EQ(used(0), kGiB);
   EXPECT_CU(cuMemFree_v2(all));
+}
+
+// Graph memory is charged to the process's slot like any other: a killed
+// process's cached graph memory goes with it.
+TEST_F(Processes, KilledProcessGraphMemoryIsDropped) {
+  Child child([](Child& me) {
+    CUcontext ctx = nullptr;
+    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
+    CUgraph g = graph_allocating({{0, 5 * kMiB}});
+    CHECK(g != nullptr);
+    CUgraphExec e = nullptr;
+    CHECK_CU(cuGraphInstantiateWithFlags(&e, g, 0));
+    CHECK_CU(cuGraphLaunch(e, nullptr));
+    CHECK_CU(cuGraphExecDestroy(e));  // the memory stays reserved
+    me.send(1);
+    for (;;) pause();  // until killed
+  });
+  ASSERT_EQ(child.recv(), std::optional<uint64_t>(1)) << child.report();
+  const uint64_t child_bytes = 64 * kMiB + 6 * kMiB;
+  EXPECT_EQ(used(0), base_[0] + child_bytes);
+  EXPECT_EQ(simcuda_process_used(0, child.pid()), child_bytes);
+  EXPECT_EQ(graph_mem_attr(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), 0u) << "the pool is per process";
+  ASSERT_EQ(kill(child.pid(), SIGKILL), 0);
+  int st = child.finish();
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) << child.report();
+  EXPECT_EQ(child.report(), "");
+  EXPECT_EQ(used(0), base_[0]);
+  EXPECT_EQ(simcuda_process_used(0, child.pid()), 0u);
 }
 
 // ===========================================================================

@@ -465,6 +465,7 @@ void reset_after_fork() {
   P.mipmaps.clear();
   P.graphs.clear();
   P.graph_execs.clear();
+  P.graph_allocs.clear();
   P.allocs.clear();
   P.phys.clear();
   P.reservations.clear();
@@ -475,6 +476,7 @@ void reset_after_fork() {
     d.default_pool = nullptr;
     d.current_pool = nullptr;
     d.vmm_bytes = 0;
+    d.graph_mem = {};
   }
   P.slot = -1;
   if (!P.attached) return;
