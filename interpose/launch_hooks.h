@@ -8,6 +8,7 @@
 
 #include <cuda.h>
 
+#include "graph_memory.h"
 #include "hook_table.h"
 #include "launch_gate.h"
 
@@ -55,8 +56,14 @@ CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned 
   return fn != nullptr ? fn(launches, device_count, flags) : CUDA_ERROR_NOT_FOUND;
 }
 
+// A graph whose allocation nodes take memory has it reserved first
+// (graph_memory.h); every other graph launches as a kernel does.
 template <HookId id>
 CUresult graph_launch(CUgraphExec graph, CUstream stream) {
+  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]] {
+    if (!launch_may_pass()) wait_for_gpu(stream);
+    return run_with_graph_memory(graph, stream, real<id>());
+  }
   FRACGPU_LAUNCH(id, stream, graph, stream);
 }
 

@@ -45,6 +45,30 @@ bool settle(int gpu, uint64_t reserved, uint64_t actual) {
   return true;
 }
 
+bool settle_charge(std::atomic<uint64_t>& charged, int gpu, uint64_t holds, uint64_t inflight) {
+  // Charges beyond holds + inflight are given back; below holds, taken. In
+  // between, the difference is reservations of calls still in the driver.
+  const uint64_t target = holds + inflight;
+  for (;;) {
+    uint64_t now = charged.load(std::memory_order_seq_cst);
+    if (now > target) {
+      if (charged.compare_exchange_weak(now, target, std::memory_order_seq_cst)) {
+        unreserve(gpu, now - target);
+        return true;
+      }
+      continue;
+    }
+    if (now < holds) {
+      const uint64_t missing = holds - now;
+      if (!ledger::try_charge(*g_tenant.ledger.policy, *g_tenant.ledger.usage, static_cast<uint32_t>(gpu),
+                              static_cast<uint32_t>(g_tenant.slot), missing))
+        return false;
+      charged.fetch_add(missing, std::memory_order_seq_cst);
+    }
+    return true;
+  }
+}
+
 // ---- Stream-ordered pools ----
 //
 // A pool holds device memory beyond what is allocated from it: freed blocks
@@ -128,25 +152,7 @@ bool settle_pool(PoolCharge& p) {
   bool known = false;
   const uint64_t reserved = pool_reserved(pool, &known);
   if (!known) return true;
-  const uint64_t target = reserved + inflight;
-  for (;;) {
-    uint64_t charged = p.charged.load(std::memory_order_seq_cst);
-    if (charged > target) {
-      if (p.charged.compare_exchange_weak(charged, target, std::memory_order_seq_cst)) {
-        unreserve(gpu, charged - target);
-        return true;
-      }
-      continue;
-    }
-    if (charged < reserved) {
-      const uint64_t missing = reserved - charged;
-      if (!ledger::try_charge(*g_tenant.ledger.policy, *g_tenant.ledger.usage, static_cast<uint32_t>(gpu),
-                              static_cast<uint32_t>(g_tenant.slot), missing))
-        return false;
-      p.charged.fetch_add(missing, std::memory_order_seq_cst);
-    }
-    return true;
-  }
+  return settle_charge(p.charged, gpu, reserved, inflight);
 }
 
 }  // namespace
@@ -154,6 +160,7 @@ bool settle_pool(PoolCharge& p) {
 bool pools_dirty() { return g_pools_dirty.load(std::memory_order_relaxed); }
 
 void settle_all_pools() {
+  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) settle_all_graph_memory();
   if (!g_pools_dirty.exchange(false, std::memory_order_acq_rel)) return;
   for (auto& p : g_pools)
     if (p.pool.load(std::memory_order_acquire) != 0 && p.dirty.load(std::memory_order_relaxed)) settle_pool(p);
@@ -360,6 +367,7 @@ void primary_released(CUdevice device, bool reset) {
 }
 
 void reset_memory_state() {
+  reset_graph_memory_state();
   for (auto& p : g_pools) {
     p.pool.store(0, std::memory_order_relaxed);
     p.charged.store(0, std::memory_order_relaxed);

@@ -9,9 +9,11 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 
+#include "graph_memory.h"
 #include "hook_table.h"
 #include "launch_gate.h"
 #include "tenant.h"
@@ -40,6 +42,11 @@ void release_context_records(uint64_t ctx);
 // Reserve `reserved` before the call; after it, make the charge `actual`.
 // False if growing to `actual` was refused (the caller then undoes).
 bool settle(int gpu, uint64_t reserved, uint64_t actual);
+
+// Brings `charged` (what we charged for one pool or cache of the driver's)
+// to what it holds, plus `inflight`: reservations for calls still inside the
+// driver. False if growing to `holds` was refused by the quota.
+bool settle_charge(std::atomic<uint64_t>& charged, int gpu, uint64_t holds, uint64_t inflight);
 
 // Stream-ordered pool accounting (memory.cpp explains the method).
 CUresult pooled_alloc(CUmemoryPool pool, int gpu, size_t bytes, CUdeviceptr* dptr, CUstream stream,
@@ -73,6 +80,17 @@ inline TenantMode gate() {
   if (!load_real_driver()) [[unlikely]]
     return TenantMode::kDenied;
   return tenant_mode();
+}
+
+// For calls that only give memory back (trims, destroys): the real call,
+// then, if it succeeded in managed mode, `note(args...)` settles the charge.
+template <HookId id, class Note, class... Args>
+CUresult pass_then_note(Note note, Args... args) {
+  TenantMode mode = gate();
+  if (mode == TenantMode::kDenied) return kDenied;
+  CUresult result = FRACGPU_PASS(id, args...);
+  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS) note(args...);
+  return result;
 }
 
 // ---- linear memory ----
@@ -179,6 +197,15 @@ CUresult mem_free(Ptr dptr) {
 
 // ---- stream-ordered allocation ----
 
+// Into a capturing stream, a stream-ordered allocation becomes an allocation
+// node of the graph: no pool grows, and the memory is charged when the graph
+// is launched (graph_memory.h).
+inline bool captures_graph_memory(CUstream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  return g_driver.cuStreamIsCapturing != nullptr && g_driver.cuStreamIsCapturing(stream, &status) == CUDA_SUCCESS &&
+         status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
 template <HookId id>
 CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
   TenantMode mode = gate();
@@ -189,7 +216,7 @@ CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
   int gpu;
   CUmemoryPool pool = nullptr;
   if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || g_driver.cuDeviceGetMemPool == nullptr ||
-      g_driver.cuDeviceGetMemPool(&pool, device) != CUDA_SUCCESS)
+      g_driver.cuDeviceGetMemPool(&pool, device) != CUDA_SUCCESS || captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, stream);
   struct Call {
     CUdeviceptr* dptr;
@@ -210,7 +237,8 @@ CUresult mem_alloc_from_pool_async(CUdeviceptr* dptr, size_t bytes, CUmemoryPool
   CUcontext ctx;
   CUdevice device;
   int gpu;
-  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || pool == nullptr)
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || pool == nullptr ||
+      captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, pool, stream);
   // The driver has no query for a pool's location: we note it when the pool
   // is created, and fall back to the current device for pools we did not see.
@@ -260,20 +288,54 @@ CUresult mem_pool_create(CUmemoryPool* pool, const CUmemPoolProps* props) {
 
 template <HookId id>
 CUresult mem_pool_trim_to(CUmemoryPool pool, size_t keep_bytes) {
-  TenantMode mode = gate();
-  if (mode == TenantMode::kDenied) return kDenied;
-  CUresult result = FRACGPU_PASS(id, pool, keep_bytes);
-  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS) pool_settle(pool);
-  return result;
+  return pass_then_note<id>([](CUmemoryPool p, size_t) { pool_settle(p); }, pool, keep_bytes);
 }
 
 template <HookId id>
 CUresult mem_pool_destroy(CUmemoryPool pool) {
+  return pass_then_note<id>([](CUmemoryPool p) { pool_destroyed(p); }, pool);
+}
+
+// ---- graph memory (graph_memory.h) ----
+
+template <HookId id, class... Rest>
+CUresult graph_instantiate(CUgraphExec* exec, CUgraph graph, Rest... rest) {
   TenantMode mode = gate();
-  if (mode == TenantMode::kDenied) return kDenied;
-  CUresult result = FRACGPU_PASS(id, pool);
-  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS) pool_destroyed(pool);
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, exec, graph, rest...);
+  CUresult result = FRACGPU_PASS(id, exec, graph, rest...);
+  if (result != CUDA_SUCCESS || exec == nullptr) return result;
+  const CUresult refusal = note_graph_exec(*exec, graph);
+  if (refusal != CUDA_SUCCESS) {
+    if (real<HookId::cuGraphExecDestroy>() != nullptr) real<HookId::cuGraphExecDestroy>()(*exec);
+    *exec = nullptr;
+    return refusal;
+  }
   return result;
+}
+
+template <HookId id>
+CUresult graph_upload(CUgraphExec exec, CUstream stream) {
+  // Uploading backs the exec's allocations without running it.
+  if (!load_real_driver()) [[unlikely]]
+    return kNoDriver;
+  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) == 0) return FRACGPU_PASS(id, exec, stream);
+  return run_with_graph_memory(exec, stream, real<id>());
+}
+
+template <HookId id>
+CUresult graph_exec_destroy(CUgraphExec exec) {
+  if (!load_real_driver()) [[unlikely]]
+    return kNoDriver;
+  const ForgottenGraphExec forgotten = forget_graph_exec(exec);
+  CUresult result = FRACGPU_PASS(id, exec);
+  graph_exec_destroyed(exec, forgotten, result == CUDA_SUCCESS);
+  return result;
+}
+
+template <HookId id>
+CUresult graph_mem_trim(CUdevice device) {
+  return pass_then_note<id>([](CUdevice d) { graph_memory_trimmed(d); }, device);
 }
 
 template <HookId id, class... Args>

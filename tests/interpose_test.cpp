@@ -374,6 +374,71 @@ TEST_F(InterposeTest, PoolMemoryIsChargedToThePoolsOwnGpu) {
   kill_held(h);
 }
 
+// CUDA graphs' allocation nodes take device memory when the graph is launched
+// or uploaded, and the driver keeps it cached for graphs until trimmed.
+TEST_F(InterposeTest, GraphMemoryIsChargedWhenTheGraphTakesIt) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  // Captured from a stream: nothing is taken at capture or instantiation;
+  // the launch takes it; relaunching takes nothing more.
+  Held h = probe_and_hold({"init", "primary", "0", "graph-capture", "100MiB", "info", "graph-launch", "last",
+                           "graph-launch", "last", "sync"});
+  EXPECT_EQ(h.seen["capture_alloc"], kSuccess);
+  EXPECT_EQ(h.seen["graph_instantiate"], kSuccess);
+  EXPECT_EQ(h.seen.num("free"), 512 * kMiB - kContextBytes);
+  EXPECT_EQ(h.seen["graph_launch"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);  // the killed probe's charges are gone before the next starts
+
+  // Destroying the exec leaves its memory cached (still charged) until a trim.
+  h = probe_and_hold({"init", "primary", "0", "graph-capture", "100MiB", "graph-launch", "last",
+                      "graph-exec-destroy", "last", "info"});
+  EXPECT_EQ(h.seen["graph_exec_destroy"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+  h = probe_and_hold({"init", "primary", "0", "graph-capture", "100MiB", "graph-launch", "last",
+                      "graph-exec-destroy", "last", "graph-trim", "0", "info"});
+  EXPECT_EQ(h.seen["graph_trim"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(h.seen.num("free"), 512 * kMiB - kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+  used(g);
+
+  // Past the quota: the launch is refused and takes nothing; the capture
+  // itself is not refused (it takes nothing).
+  h = probe_and_hold({"init", "primary", "0", "alloc", "300MiB", "graph-capture", "200MiB", "graph-launch", "last",
+                      "graph-upload", "last"});
+  EXPECT_EQ(h.seen["capture_alloc"], kSuccess);
+  EXPECT_EQ(h.seen["graph_launch"], kOutOfMemory);
+  EXPECT_EQ(h.seen["graph_upload"], kOutOfMemory);
+  EXPECT_EQ(used(g), kContextBytes + 300 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+
+  // An explicit allocation node, instantiated with parameters, backed by an
+  // upload. A second graph near the quota is refused while the first holds
+  // its memory, and is served from the cache once the first is destroyed.
+  h = probe_and_hold({"init", "primary", "0", "graph-node", "0", "300MiB", "graph-upload", "last", "graph-node",
+                      "0", "300MiB", "graph-launch", "last", "graph-exec-destroy", "0", "graph-launch", "last"});
+  EXPECT_EQ(h.seen["graph_alloc_node"], kSuccess);
+  EXPECT_EQ(h.seen["graph_upload"], kSuccess);
+  const size_t refused = h.seen.out.find("graph_launch=2\n");
+  const size_t served = h.seen.out.find("graph_launch=0\n");
+  EXPECT_NE(refused, std::string::npos) << h.seen.out;
+  EXPECT_NE(served, std::string::npos) << h.seen.out;
+  EXPECT_LT(refused, served);
+  EXPECT_EQ(used(g), kContextBytes + 300 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  // A killed process's graph memory goes with it.
+  EXPECT_EQ(used(g), 0u);
+}
+
 TEST_F(InterposeTest, ArraysAreChargedAtTheirRealSize) {
   const int g = grant(kUuid0, 512 * kMiB);
   Held h = probe_and_hold({"init", "primary", "0", "array", "1000", "1000", "array3d", "64", "64", "64", "mipmap",

@@ -5,6 +5,7 @@ under LD_PRELOAD=libfracgpu.so as a tenant holding a fraction of GPU 0.
   check_memory_quota.py hold BYTES SECONDS     allocate BYTES and hold them (for the sharing check)
   check_memory_quota.py fit BYTES              exit 0 if BYTES can be allocated, 3 if refused with OOM
   check_memory_quota.py jax QUOTA_BYTES        JAX's default preallocation stays inside the quota
+  check_memory_quota.py graph QUOTA_BYTES      CUDA graph allocation nodes (driver API through ctypes) are charged
 
 Prints one line per finding; exits non-zero on the first failed check.
 """
@@ -92,6 +93,76 @@ def check_jax(quota):
         ok(f"over-allocation refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
 
+def check_graph_memory(quota):
+    """Graphs captured from a stream that allocate 60% of the quota each (cuMemAllocAsync
+    into a capturing stream makes allocation nodes): the first launches, the second is
+    refused while the first holds its memory, and is served once the first is destroyed.
+    Driver API through ctypes: ctypes resolves it with dlsym, which the interposer hooks."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+
+    def call(name, *args):
+        return getattr(cu, name)(*args)
+
+    def must(name, *args):
+        r = call(name, *args)
+        if r != 0:
+            fail(f"{name} returned {r}")
+
+    must("cuInit", 0)
+    ctx = vp()
+    must("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+    must("cuCtxSetCurrent", ctx)
+    stream = vp()
+    must("cuStreamCreate", ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
+    nbytes = quota * 6 // 10
+
+    def captured_graph():
+        graph, exec_, ptr = vp(), vp(), u64()
+        must("cuStreamBeginCapture_v2", stream, 0)  # CU_STREAM_CAPTURE_MODE_GLOBAL
+        must("cuMemAllocAsync", ctypes.byref(ptr), ctypes.c_size_t(nbytes), stream)
+        must("cuMemFreeAsync", ptr, stream)
+        must("cuStreamEndCapture", stream, ctypes.byref(graph))
+        must("cuGraphInstantiateWithFlags", ctypes.byref(exec_), graph, ctypes.c_ulonglong(0))
+        return exec_
+
+    def reserved():
+        value = u64()
+        must("cuDeviceGetGraphMemAttribute", 0, 2, ctypes.byref(value))  # RESERVED_MEM_CURRENT
+        return value.value
+
+    def free_bytes():
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        must("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        return free.value
+
+    a, b = captured_graph(), captured_graph()
+    free_before = free_bytes()
+    must("cuGraphLaunch", a, stream)
+    must("cuStreamSynchronize", stream)
+    print(f"graph A launched: driver's graph memory {reserved() / MIB:.0f} MiB, "
+          f"free {free_before / MIB:.0f} -> {free_bytes() / MIB:.0f} MiB")
+    if free_before - free_bytes() < nbytes:
+        fail("graph A's memory was not charged")
+    ok("graph A's allocation is charged at launch")
+    r = call("cuGraphLaunch", b, stream)
+    if r != 2:  # CUDA_ERROR_OUT_OF_MEMORY
+        fail(f"graph B launched past the quota (result {r})")
+    ok("graph B refused with CUDA_ERROR_OUT_OF_MEMORY while A holds its memory")
+    must("cuGraphExecDestroy", a)
+    must("cuGraphLaunch", b, stream)
+    must("cuStreamSynchronize", stream)
+    ok(f"graph B runs once A is destroyed (driver's graph memory {reserved() / MIB:.0f} MiB)")
+    must("cuGraphExecDestroy", b)
+    must("cuDeviceGraphMemTrim", 0)
+    print(f"after trim: driver's graph memory {reserved() / MIB:.0f} MiB, free {free_bytes() / MIB:.0f} MiB")
+    if free_bytes() < free_before:
+        fail("the charge did not come back after the trim")
+    ok("trim gives the charge back")
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "torch":
@@ -102,5 +173,7 @@ if __name__ == "__main__":
         fit(int(sys.argv[2]))
     elif mode == "jax":
         check_jax(int(sys.argv[2]))
+    elif mode == "graph":
+        check_graph_memory(int(sys.argv[2]))
     else:
         fail(f"unknown mode {mode}")

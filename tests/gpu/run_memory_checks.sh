@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Memory quotas on a real NVIDIA GPU: a tenant with 0.5 of GPU 0 under the
 # interposer, checked with PyTorch (plain and with expandable segments, the
-# VMM path), two processes sharing the quota, and JAX's preallocation.
+# VMM path), CUDA graphs' allocation nodes, two processes sharing the quota,
+# and JAX's preallocation.
 # Needs the project built (scripts/build.sh) and PyTorch; JAX is optional.
 # Prints a report; record it in docs/gpu-results.md with date, GPU, driver.
 set -uo pipefail
@@ -41,6 +42,7 @@ echo "== quota: $quota bytes"
 step() { echo "== $1"; shift; "$@" || { echo "FAILED: $*"; failures=$((failures + 1)); }; }
 step "PyTorch, caching allocator" python3 $check torch "$quota"
 step "PyTorch, expandable segments (cuMemCreate)" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 $check torch "$quota"
+step "CUDA graph allocation nodes (driver API)" python3 $check graph "$quota"
 
 echo "== two processes of one tenant share the quota"
 python3 $check hold $((quota * 6 / 10)) 20 &

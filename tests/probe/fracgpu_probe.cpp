@@ -32,6 +32,8 @@ std::vector<CUmemGenericAllocationHandle> g_vmm;
 std::vector<CUarray> g_arrays;
 std::vector<CUmipmappedArray> g_mipmaps;
 CUmemoryPool g_pool = nullptr;
+CUstream g_capture_stream = nullptr;
+std::vector<CUgraphExec> g_graph_execs;
 
 [[noreturn]] void usage(const char* what) {
   fprintf(stderr, "fracgpu_probe: %s\n", what);
@@ -264,6 +266,49 @@ int main(int argc, char** argv) {
     } else if (cmd == "pool-destroy") {
       print("pool_destroy", cuMemPoolDestroy(g_pool));
       g_pool = nullptr;
+    } else if (cmd == "graph-capture") {
+      // graph-capture BYTES: a graph captured from a stream that allocates
+      // BYTES (cuMemAllocAsync) and frees them; instantiated with flags.
+      if (g_capture_stream == nullptr && cuStreamCreate(&g_capture_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+        usage("cannot create a stream");
+      const uint64_t bytes = parse_bytes(arg());
+      CUgraph graph = nullptr;
+      CUdeviceptr p = 0;
+      print("capture_begin", cuStreamBeginCapture_v2(g_capture_stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+      print("capture_alloc", cuMemAllocAsync(&p, bytes, g_capture_stream));
+      print("capture_free", cuMemFreeAsync(p, g_capture_stream));
+      print("capture_end", cuStreamEndCapture(g_capture_stream, &graph));
+      CUgraphExec exec = nullptr;
+      CUresult r = cuGraphInstantiateWithFlags(&exec, graph, 0);
+      if (r == CUDA_SUCCESS) g_graph_execs.push_back(exec);
+      print("graph_instantiate", r);
+    } else if (cmd == "graph-node") {
+      // graph-node DEV BYTES: a graph with one allocation node on DEV that is
+      // not freed in the graph; instantiated with parameters.
+      CUDA_MEM_ALLOC_NODE_PARAMS params{};
+      params.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+      params.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      params.poolProps.location.id = atoi(arg());
+      params.bytesize = parse_bytes(arg());
+      CUgraph graph = nullptr;
+      CUgraphNode node = nullptr;
+      print("graph_create", cuGraphCreate(&graph, 0));
+      print("graph_alloc_node", cuGraphAddMemAllocNode(&node, graph, nullptr, 0, &params));
+      CUDA_GRAPH_INSTANTIATE_PARAMS instantiate{};
+      CUgraphExec exec = nullptr;
+      CUresult r = cuGraphInstantiateWithParams(&exec, graph, &instantiate);
+      if (r == CUDA_SUCCESS) g_graph_execs.push_back(exec);
+      print("graph_instantiate", r);
+    } else if (cmd == "graph-launch") {
+      print("graph_launch", cuGraphLaunch(g_graph_execs[index_arg(arg(), g_graph_execs.size())], nullptr));
+    } else if (cmd == "graph-upload") {
+      print("graph_upload", cuGraphUpload(g_graph_execs[index_arg(arg(), g_graph_execs.size())], nullptr));
+    } else if (cmd == "graph-exec-destroy") {
+      size_t k = index_arg(arg(), g_graph_execs.size());
+      print("graph_exec_destroy", cuGraphExecDestroy(g_graph_execs[k]));
+      g_graph_execs.erase(g_graph_execs.begin() + static_cast<long>(k));
+    } else if (cmd == "graph-trim") {
+      print("graph_trim", cuDeviceGraphMemTrim(atoi(arg())));
     } else if (cmd == "sync") {
       print("sync", cuStreamSynchronize(nullptr));
     } else if (cmd == "ctx-sync") {

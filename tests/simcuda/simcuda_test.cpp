@@ -2289,7 +2289,9 @@ TEST_F(Timeline, KernelLogRecordsEveryLaunchInPlace) {
     EXPECT_EQ(log[i].index, first + static_cast<uint64_t>(i));
     EXPECT_EQ(log[i].pid, getpid());
     EXPECT_EQ(log[i].end_ns - log[i].start_ns, 1000000u);
-    if (i > 0) EXPECT_GE(log[i].start_ns, log[i - 1].end_ns) << "one kernel at a time";
+    if (i > 0) {
+      EXPECT_GE(log[i].start_ns, log[i - 1].end_ns) << "one kernel at a time";
+    }
   }
   EXPECT_EQ(simcuda_kernel_log(0, first + 1, log, 1), 1u);
   EXPECT_EQ(log[0].index, first + 1);
