@@ -583,6 +583,35 @@ CUresult primary_ctx_reset(CUdevice device) {
   return result;
 }
 
+// Green contexts are not charged a footprint: what one takes on the device
+// (on top of the primary context the driver retains for it) is unknown and
+// has not been measured, and a configured guess would be charged on every
+// create. They still make and free CUcontext handles (cuCtxFromGreenCtx),
+// which the per-thread context -> device cache and the pacer must hear of.
+// The real call; in managed mode, then, the context epoch is bumped.
+template <HookId id, class... Args>
+CUresult pass_noting_contexts(TenantMode mode, Args... args) {
+  if (mode == TenantMode::kDenied) return kDenied;
+  CUresult result = FRACGPU_PASS(id, args...);
+  if (mode == TenantMode::kManaged) note_contexts_changed();
+  return result;
+}
+
+template <HookId id>
+CUresult green_ctx_create(CUgreenCtx* green, CUdevResourceDesc desc, CUdevice device, unsigned int flags) {
+  return pass_noting_contexts<id>(gate(), green, desc, device, flags);
+}
+
+template <HookId id>
+CUresult green_ctx_destroy(CUgreenCtx green) {
+  const TenantMode mode = gate();
+  CUcontext ctx = nullptr;
+  if (mode == TenantMode::kManaged && g_driver.cuCtxFromGreenCtx != nullptr &&
+      g_driver.cuCtxFromGreenCtx(&ctx, green) == CUDA_SUCCESS)
+    gputime_forget_context(ctx);  // the pacer must not drain it any more
+  return pass_noting_contexts<id>(mode, green);
+}
+
 // ---- what the tenant sees ----
 
 // Quota as total; quota minus the tenant's use as free, never more than the

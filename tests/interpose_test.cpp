@@ -499,6 +499,29 @@ TEST_F(InterposeTest, AReusedContextHandleIsChargedToItsNewGpu) {
   kill_held(h);
 }
 
+// The same for a green context's CUcontext: destroyed, its handle may come
+// back for a context on another GPU. Green contexts take no context
+// footprint from the quota.
+TEST_F(InterposeTest, AGreenContextsReusedHandleIsChargedToItsNewGpu) {
+  const int g0 = grant(kUuid0, 1 * kGiB);
+  const int g1 = grant(kUuid1, 1 * kGiB);
+  Held h = probe_and_hold({"init", "green-create", "0", "green_ctx", "alloc", "1MiB", "green-destroy", "ctx-create",
+                           "2", "1", "current-ctx", "second_ctx", "alloc", "100MiB"},
+                          {"SIMCUDA_REUSE_CONTEXTS=1"});
+  ASSERT_EQ(h.seen["green_create"], kSuccess);
+  ASSERT_EQ(h.seen["green_destroy"], kSuccess);
+  ASSERT_EQ(h.seen["ctx_create"], kSuccess);
+  ASSERT_EQ(h.seen["alloc"], kSuccess);
+  ASSERT_NE(h.seen["green_ctx"], "0");
+  ASSERT_EQ(h.seen["green_ctx"], h.seen["second_ctx"]) << "the simulated driver did not reuse the context handle";
+  // The green context's memory outlives it (the primary context's, in the sim).
+  EXPECT_EQ(used(g0), 1 * kMiB);
+  EXPECT_EQ(sim_used(0), 1 * kMiB);
+  EXPECT_EQ(used(g1), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(1), kContextBytes + 100 * kMiB);
+  kill_held(h);
+}
+
 // ---- Reaching the driver: linked, dlsym, cuGetProcAddress ----
 
 TEST_F(InterposeTest, CuGetProcAddressHandsOutTheHookForTheVariantTheDriverChose) {

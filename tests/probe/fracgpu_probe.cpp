@@ -28,6 +28,7 @@ namespace {
 std::vector<CUdeviceptr> g_ptrs;
 std::vector<CUdeviceptr> g_async_ptrs;
 std::vector<CUcontext> g_contexts;
+std::vector<CUgreenCtx> g_greens;
 std::vector<CUmemGenericAllocationHandle> g_vmm;
 std::vector<CUarray> g_arrays;
 std::vector<CUmipmappedArray> g_mipmaps;
@@ -197,6 +198,27 @@ int main(int argc, char** argv) {
       print("ctx_destroy", cuCtxDestroy_v2(g_contexts[k]));
       g_contexts.erase(g_contexts.begin() + static_cast<long>(k));
       if (!g_contexts.empty()) cuCtxSetCurrent(g_contexts.back());
+    } else if (cmd == "green-create") {  // green-create DEV KEY: all of DEV's SMs; made current; KEY=<its CUcontext>
+      CUdevice dev = atoi(arg());
+      const char* key = arg();
+      CUdevResource sms{};
+      CUdevResourceDesc desc = nullptr;
+      CUgreenCtx green = nullptr;
+      CUcontext ctx = nullptr;
+      CUresult r = cuDeviceGetDevResource(dev, &sms, CU_DEV_RESOURCE_TYPE_SM);
+      if (r == CUDA_SUCCESS) r = cuDevResourceGenerateDesc(&desc, &sms, 1);
+      if (r == CUDA_SUCCESS) r = cuGreenCtxCreate(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM);
+      if (r == CUDA_SUCCESS) {
+        g_greens.push_back(green);
+        r = cuCtxFromGreenCtx(&ctx, green);
+      }
+      if (r == CUDA_SUCCESS) r = cuCtxSetCurrent(ctx);
+      print("green_create", r);
+      print(key, static_cast<long long>(reinterpret_cast<intptr_t>(ctx)));
+    } else if (cmd == "green-destroy") {  // the green context created last
+      if (g_greens.empty()) usage("no green context");
+      print("green_destroy", cuGreenCtxDestroy(g_greens.back()));
+      g_greens.pop_back();
     } else if (cmd == "current-ctx") {  // current-ctx KEY: prints KEY=<the current context's handle>
       const char* key = arg();
       CUcontext ctx = nullptr;

@@ -110,6 +110,7 @@ constexpr ErrorInfo kErrors[] = {
     SIMCUDA_ERR(CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed"),
     SIMCUDA_ERR(CUDA_ERROR_NOT_PERMITTED, "operation not permitted"),
     SIMCUDA_ERR(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+    SIMCUDA_ERR(CUDA_ERROR_INVALID_RESOURCE_TYPE, "invalid resource type"),
     SIMCUDA_ERR(CUDA_ERROR_UNKNOWN, "unknown error"),
 };
 #undef SIMCUDA_ERR
@@ -132,16 +133,13 @@ bool valid_ctx_flags(unsigned flags) {
          sched == CU_CTX_SCHED_BLOCKING_SYNC;
 }
 
-CUresult ctx_create(CUcontext* pctx, unsigned flags, CUdevice dev) {
+// A new, active, non-primary context record on `dev` (regular or green).
+// SIMCUDA_REUSE_CONTEXTS=1: a destroyed context's handle (regular or green)
+// is handed to the next new context (whatever its device), as a driver that
+// recycles its context records may do; by default handles stay unique, so
+// that using a destroyed one reports CUDA_ERROR_CONTEXT_IS_DESTROYED.
+Ctx* new_context_record(CUdevice dev) {
   Process& P = proc();
-  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
-  if (!valid_ctx_flags(flags)) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = charge(dev, S()->devices[dev].ctx_bytes)) return r;
-  // SIMCUDA_REUSE_CONTEXTS=1: a destroyed context's handle is handed to the
-  // next new context (whatever its device), as a driver that recycles its
-  // context records may do; by default handles stay unique, so that using a
-  // destroyed one reports CUDA_ERROR_CONTEXT_IS_DESTROYED.
   static const bool reuse = [] {
     const char* v = std::getenv("SIMCUDA_REUSE_CONTEXTS");
     return v != nullptr && std::strcmp(v, "1") == 0;
@@ -157,8 +155,17 @@ CUresult ctx_create(CUcontext* pctx, unsigned flags, CUdevice dev) {
   *raw = Ctx{};
   raw->dev = dev;
   raw->active = true;
-  raw->flags = flags;
   P.ctx_set.insert(raw);
+  return raw;
+}
+
+CUresult ctx_create(CUcontext* pctx, unsigned flags, CUdevice dev) {
+  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!valid_ctx_flags(flags)) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = charge(dev, S()->devices[dev].ctx_bytes)) return r;
+  Ctx* raw = new_context_record(dev);
+  raw->flags = flags;
   ctx_stack().push_back(raw);  // a new context becomes current
   *pctx = reinterpret_cast<CUcontext>(raw);
   return CUDA_SUCCESS;
@@ -192,7 +199,7 @@ CUresult ctx_destroy(CUcontext h) {
   Process& P = proc();
   if (h == nullptr || P.ctx_set.count(key(h)) == 0) return CUDA_ERROR_INVALID_CONTEXT;
   Ctx* c = reinterpret_cast<Ctx*>(h);
-  if (c->primary || !c->active) return CUDA_ERROR_INVALID_CONTEXT;
+  if (c->primary || c->green || !c->active) return CUDA_ERROR_INVALID_CONTEXT;
   teardown_ctx(c);
   auto& st = ctx_stack();
   if (!st.empty() && st.back() == c) st.pop_back();
@@ -254,6 +261,39 @@ CUresult primary_set_flags(CUdevice dev, unsigned flags, bool reject_if_active) 
   return CUDA_SUCCESS;
 }
 
+// ---------------------------------------------------------------------------
+// Green contexts
+// ---------------------------------------------------------------------------
+
+GreenCtx* find_green(CUgreenCtx h) {
+  return proc().green_set.count(key(h)) != 0 ? reinterpret_cast<GreenCtx*>(h) : nullptr;
+}
+
+// Destroying a green context: its CUcontext is the device's primary context
+// with the green context's SMs (cuda.h), so what was allocated or loaded in
+// it stays, now the primary context's (freed by cuMemFree etc. or the
+// primary context's teardown); its streams go. No footprint to give back.
+void green_teardown(GreenCtx* g) {
+  Process& P = proc();
+  Ctx* c = g->ctx;
+  Ctx* primary = primary_of(c->dev);
+  for (auto& [ptr, alloc] : P.allocs)
+    if (alloc.ctx == c) alloc.ctx = primary;
+  for (auto* table : {&P.arrays, &P.mipmaps})
+    for (auto& [h, array] : *table)
+      if (array->ctx == c) array->ctx = primary;
+  for (auto& [h, module] : P.modules)
+    if (module->ctx == c) module->ctx = primary;
+  for (auto it = P.streams.begin(); it != P.streams.end();) {
+    if (it->second->ctx == c) it = P.streams.erase(it);
+    else ++it;
+  }
+  c->active = false;
+  g->active = false;
+  auto& st = ctx_stack();
+  if (!st.empty() && st.back() == c) st.pop_back();
+}
+
 }  // namespace
 
 namespace simcuda {
@@ -294,7 +334,7 @@ void teardown_ctx(Ctx* c) {
     if (it->second->ctx == c) it = P.streams.erase(it);
     else ++it;
   }
-  if (c->active) freed[c->dev] += S()->devices[c->dev].ctx_bytes;
+  if (c->active && !c->green) freed[c->dev] += S()->devices[c->dev].ctx_bytes;
   c->active = false;
   for (int d = 0; d < kMaxDevices; ++d) uncharge(d, freed[d]);
 }
@@ -644,6 +684,77 @@ CUresult cuCtxSynchronize_v2(CUcontext ctx) {
   Ctx* c = nullptr;
   if (CUresult r = resolve_ctx(ctx, c)) return r;
   return ctx_synchronize(guard_, c);
+}
+
+// ---------------------------------------------------------------------------
+// Green contexts (minimal: SM resources only, no splitting)
+// ---------------------------------------------------------------------------
+
+CUresult cuDeviceGetDevResource(CUdevice dev, CUdevResource* resource, CUdevResourceType type) {
+  SIMCUDA_LOCKED_ENTRY(cuDeviceGetDevResource);
+  if (resource == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (type != CU_DEV_RESOURCE_TYPE_SM) return CUDA_ERROR_INVALID_RESOURCE_TYPE;
+  std::memset(resource, 0, sizeof(*resource));
+  resource->type = CU_DEV_RESOURCE_TYPE_SM;
+  resource->sm.smCount = S()->devices[dev].sms;
+  resource->sm.minSmPartitionSize = 1;
+  resource->sm.smCoscheduledAlignment = 1;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuDevResourceGenerateDesc(CUdevResourceDesc* desc, CUdevResource* resources, unsigned int count) {
+  SIMCUDA_LOCKED_ENTRY(cuDevResourceGenerateDesc);
+  if (desc == nullptr || resources == nullptr || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  unsigned sms = 0;
+  for (unsigned i = 0; i < count; ++i) {
+    if (resources[i].type != CU_DEV_RESOURCE_TYPE_SM) return CUDA_ERROR_INVALID_RESOURCE_TYPE;
+    sms += resources[i].sm.smCount;
+  }
+  Process& P = proc();
+  P.descs.push_back(std::make_unique<ResourceDesc>());
+  P.descs.back()->sms = sms;
+  P.desc_set.insert(P.descs.back().get());
+  *desc = reinterpret_cast<CUdevResourceDesc>(P.descs.back().get());
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGreenCtxCreate(CUgreenCtx* phandle, CUdevResourceDesc desc, CUdevice dev, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuGreenCtxCreate);
+  Process& P = proc();
+  if (phandle == nullptr || P.desc_set.count(key(desc)) == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (flags != CU_GREEN_CTX_DEFAULT_STREAM) return CUDA_ERROR_INVALID_VALUE;  // required, and the only flag
+  const unsigned sms = reinterpret_cast<ResourceDesc*>(desc)->sms;
+  if (sms == 0 || sms > S()->devices[dev].sms) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = new_context_record(dev);
+  c->green = true;
+  P.greens.push_back(std::make_unique<GreenCtx>());
+  GreenCtx* g = P.greens.back().get();
+  g->ctx = c;
+  g->active = true;
+  g->sms = sms;
+  P.green_set.insert(g);
+  *phandle = reinterpret_cast<CUgreenCtx>(g);  // not made current (cuda.h)
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxFromGreenCtx(CUcontext* pctx, CUgreenCtx handle) {
+  SIMCUDA_LOCKED_ENTRY(cuCtxFromGreenCtx);
+  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  GreenCtx* g = find_green(handle);
+  if (g == nullptr || !g->active) return CUDA_ERROR_INVALID_CONTEXT;
+  *pctx = reinterpret_cast<CUcontext>(g->ctx);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGreenCtxDestroy(CUgreenCtx handle) {
+  SIMCUDA_LOCKED_ENTRY(cuGreenCtxDestroy);
+  GreenCtx* g = find_green(handle);
+  if (g == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  if (!g->active) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+  green_teardown(g);
+  return CUDA_SUCCESS;
 }
 
 }  // extern "C"

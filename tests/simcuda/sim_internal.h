@@ -137,6 +137,21 @@ struct Ctx {
   bool active = false;  // created: until destroyed; primary: while retained
   unsigned flags = 0;
   unsigned refcount = 0;  // primary only
+  bool green = false;     // the CUcontext of a green context (no footprint, not cuCtxDestroy'ed)
+};
+
+// A green context (cuGreenCtxCreate): its CUcontext (cuCtxFromGreenCtx) is a
+// Ctx with `green` set. Records are never freed, so a stale handle stays
+// recognizable; the Ctx record may be reused once the green context is gone.
+struct GreenCtx {
+  Ctx* ctx = nullptr;
+  bool active = false;
+  unsigned sms = 0;
+};
+
+// A resource descriptor (cuDevResourceGenerateDesc): only SMs are modelled.
+struct ResourceDesc {
+  unsigned sms = 0;
 };
 
 struct Graph;
@@ -281,6 +296,10 @@ struct Process {
 
   std::vector<std::unique_ptr<Ctx>> contexts;  // never freed: a stale handle stays recognizable
   std::unordered_set<const void*> ctx_set;
+  std::vector<std::unique_ptr<GreenCtx>> greens;  // never freed, like contexts
+  std::unordered_set<const void*> green_set;
+  std::vector<std::unique_ptr<ResourceDesc>> descs;  // the driver has no call that frees one
+  std::unordered_set<const void*> desc_set;
   std::unordered_map<const void*, std::shared_ptr<Stream>> streams;
   std::unordered_map<const void*, std::shared_ptr<Event>> events;
   std::unordered_map<const void*, std::unique_ptr<Module>> modules;

@@ -880,6 +880,92 @@ TEST_F(Contexts, PrimaryContextIsRefcounted) {
   ASSERT_CU(cuCtxSetCurrent(nullptr));
 }
 
+// A green context with all of `dev`'s SMs.
+CUresult create_green(CUgreenCtx* green, CUdevice dev) {
+  CUdevResource sms{};
+  CUdevResourceDesc desc = nullptr;
+  if (CUresult r = cuDeviceGetDevResource(dev, &sms, CU_DEV_RESOURCE_TYPE_SM)) return r;
+  if (CUresult r = cuDevResourceGenerateDesc(&desc, &sms, 1)) return r;
+  return cuGreenCtxCreate(green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM);
+}
+
+TEST_F(Contexts, GreenContextsRunOnTheirDeviceWithoutAFootprint) {
+  CUdevResource res{};
+  ASSERT_CU(cuDeviceGetDevResource(0, &res, CU_DEV_RESOURCE_TYPE_SM));
+  EXPECT_EQ(res.type, CU_DEV_RESOURCE_TYPE_SM);
+  EXPECT_EQ(res.sm.smCount, 108u);
+  EXPECT_EQ(cuDeviceGetDevResource(0, &res, CU_DEV_RESOURCE_TYPE_INVALID), CUDA_ERROR_INVALID_RESOURCE_TYPE);
+  EXPECT_EQ(cuDeviceGetDevResource(kDevices, &res, CU_DEV_RESOURCE_TYPE_SM), CUDA_ERROR_INVALID_DEVICE);
+  ASSERT_CU(cuDeviceGetDevResource(0, &res, CU_DEV_RESOURCE_TYPE_SM));
+  CUdevResourceDesc desc = nullptr;
+  ASSERT_CU(cuDevResourceGenerateDesc(&desc, &res, 1));
+
+  CUgreenCtx green = nullptr;
+  EXPECT_EQ(cuGreenCtxCreate(&green, desc, 0, 0), CUDA_ERROR_INVALID_VALUE) << "CU_GREEN_CTX_DEFAULT_STREAM is required";
+  EXPECT_EQ(cuGreenCtxCreate(&green, nullptr, 0, CU_GREEN_CTX_DEFAULT_STREAM), CUDA_ERROR_INVALID_VALUE);
+  ASSERT_CU(cuGreenCtxCreate(&green, desc, 0, CU_GREEN_CTX_DEFAULT_STREAM));
+  EXPECT_EQ(used(0), base_[0]) << "no context footprint";
+  CUcontext cur = nullptr;
+  EXPECT_CU(cuCtxGetCurrent(&cur));
+  EXPECT_EQ(cur, nullptr) << "not made current";
+
+  CUcontext ctx = nullptr;
+  ASSERT_CU(cuCtxFromGreenCtx(&ctx, green));
+  ASSERT_NE(ctx, nullptr);
+  ASSERT_CU(cuCtxSetCurrent(ctx));
+  CUdevice dev = -1;
+  EXPECT_CU(cuCtxGetDevice(&dev));
+  EXPECT_EQ(dev, 0);
+  CUdeviceptr p = 0;
+  ASSERT_CU(cuMemAlloc_v2(&p, 10 * kMiB));
+  EXPECT_EQ(used(0), base_[0] + 10 * kMiB);
+  EXPECT_EQ(cuCtxDestroy_v2(ctx), CUDA_ERROR_INVALID_CONTEXT) << "destroyed with cuGreenCtxDestroy only";
+
+  ASSERT_CU(cuGreenCtxDestroy(green));
+  EXPECT_CU(cuCtxGetCurrent(&cur));
+  EXPECT_EQ(cur, nullptr) << "destroying the current green context pops it";
+  EXPECT_EQ(used(0), base_[0] + 10 * kMiB) << "its memory is the primary context's and stays";
+  EXPECT_EQ(cuGreenCtxDestroy(green), CUDA_ERROR_CONTEXT_IS_DESTROYED);
+  EXPECT_EQ(cuCtxFromGreenCtx(&ctx, green), CUDA_ERROR_INVALID_CONTEXT);
+  EXPECT_EQ(cuCtxSetCurrent(ctx), CUDA_ERROR_CONTEXT_IS_DESTROYED);
+  EXPECT_CU(cuMemFree_v2(p));
+  EXPECT_EQ(used(0), base_[0]);
+}
+
+// SIMCUDA_REUSE_CONTEXTS=1: a green context's CUcontext is a context record
+// like any other, recycled both ways.
+TEST(Config, GreenContextHandlesAreReused) {
+  std::string path = g_state + ".green";
+  unlink(path.c_str());
+  SelfResult r = run_self("GreenReuse", {{"SIMCUDA_STATE", path}, {"SIMCUDA_REUSE_CONTEXTS", "1"}});
+  EXPECT_TRUE(r.passed()) << r.output;
+  unlink(path.c_str());
+}
+
+TEST(InChild, GreenReuse) {
+  CHILD_ONLY("GreenReuse");
+  ASSERT_CU(cuInit(0));
+  CUgreenCtx green = nullptr;
+  CUcontext from_green = nullptr, ctx = nullptr;
+  CUdevice dev = -1;
+  ASSERT_CU(create_green(&green, 0));
+  ASSERT_CU(cuCtxFromGreenCtx(&from_green, green));
+  ASSERT_CU(cuGreenCtxDestroy(green));
+  ASSERT_CU(cuCtxCreate_v2(&ctx, 0, 1));
+  EXPECT_EQ(ctx, from_green) << "a destroyed green context's handle goes to the next context";
+  EXPECT_CU(cuCtxGetDevice(&dev));
+  EXPECT_EQ(dev, 1);
+  EXPECT_EQ(used(1), kCtx[1]);
+  ASSERT_CU(cuCtxDestroy_v2(ctx));
+  ASSERT_CU(create_green(&green, 2));
+  ASSERT_CU(cuCtxFromGreenCtx(&from_green, green));
+  EXPECT_EQ(from_green, ctx) << "and a destroyed context's to the next green context";
+  ASSERT_CU(cuCtxSetCurrent(from_green));
+  EXPECT_CU(cuCtxGetDevice(&dev));
+  EXPECT_EQ(dev, 2);
+  ASSERT_CU(cuGreenCtxDestroy(green));
+}
+
 // ===========================================================================
 // VMM
 // ===========================================================================

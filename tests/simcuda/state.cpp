@@ -456,6 +456,10 @@ void reset_after_fork() {
   P.gen.fetch_add(1, std::memory_order_acq_rel);
   P.contexts.clear();
   P.ctx_set.clear();
+  P.greens.clear();
+  P.green_set.clear();
+  P.descs.clear();
+  P.desc_set.clear();
   P.streams.clear();
   P.events.clear();
   P.modules.clear();
