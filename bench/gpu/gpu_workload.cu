@@ -6,24 +6,37 @@
 //   launch   a stream of tiny kernels (one block, a few instructions) as fast
 //            as the CPU launches them, synchronizing every --sync-every.
 //
-// It measures its own GPU time with CUPTI activity records (the kernels'
-// start and end timestamps as the GPU recorded them): the harness's measure,
+// Unless --no-cupti, it measures its own GPU time with CUPTI activity records
+// (the kernels' start and end timestamps as the GPU recorded them),
 // independent of fracgpu, which never uses CUPTI. GPU time = the union of the
-// process's kernel intervals inside the timed window.
+// process's kernel intervals inside the timed window. A kernel's start-end
+// also covers time in which another context held the GPU (time-slicing) or
+// ran beside it (MPS), so this is a share of the GPU only where one process's
+// kernels run at a time (fracgpu tenants). CUPTI's per-kernel record adds a
+// fixed cost to every launch: throughput is measured with --no-cupti.
 //
 //   gpu_workload --mode compute|launch --seconds S
 //                [--start-file F | --start-ns NS] [--ready-file F]
-//                [--kernel-ms 5] [--sync-every N]
+//                [--iterations N] [--blocks B] [--kernel-ms 5]
+//                [--sync-every N] [--no-cupti]
+//   gpu_workload --mode compute --calibrate [--kernel-ms 5] [--blocks B]
 //
-// Warms up (context, module, a few kernels, the compute kernel's length
-// calibrated to --kernel-ms), writes --ready-file, waits for the common start
-// (CLOCK_MONOTONIC ns, read from --start-file once it exists), runs S seconds
-// and prints one JSON line: mode, kernels, seconds, rate (kernels/s),
-// gpu_time_s, gpu_fraction (GPU time / window). Exit 0, 1 on a CUDA or CUPTI
-// error, 2 on a bad argument.
+// The compute kernel runs B blocks (default 8 per SM) of N iterations. With
+// --calibrate it times the kernel alone (the median of 9 event-timed
+// kernels), prints {"iterations": N, "blocks": B, "kernel_ms": ...} for
+// about --kernel-ms per kernel and exits: run_gpu.sh does this once, on an idle
+// GPU, and passes the same N and B to every process of every run, so that
+// kernels are the same length in every run compared. Without --iterations a
+// process calibrates itself the same way (for use by hand).
 //
-// Build: nvcc -O2 -std=c++17 -o gpu_workload gpu_workload.cu -lcupti
-//        (run_gpu.sh does this; CUPTI is in the toolkit's lib64).
+// Warms up (context, module, a few kernels), writes --ready-file, waits for
+// the common start (CLOCK_MONOTONIC ns, read from --start-file once it
+// exists), runs S seconds and prints one JSON line: mode, kernels, seconds,
+// rate (kernels/s), iterations, blocks, cupti (0/1), gpu_time_s and
+// gpu_fraction (GPU time / window; null without CUPTI), cupti_dropped. Exit 0,
+// 1 on a CUDA or CUPTI error, 2 on a bad argument.
+//
+// Build: bench/gpu/build_workload.sh (nvcc, -lcupti; run_gpu.sh calls it).
 #include <cuda_runtime.h>
 #include <cupti.h>
 #include <time.h>
@@ -130,17 +143,61 @@ uint64_t busy_in(uint64_t lo, uint64_t hi) {
 
 struct Options {
   std::string mode;
-  double seconds = 10;
+  double seconds = 0;
   std::string start_file, ready_file;
   uint64_t start_ns = 0;
   double kernel_ms = 5;
   int sync_every = 0;  // 0: the mode's default
+  long iterations = 0;  // 0: calibrate to kernel_ms
+  int blocks = 0;       // 0: 8 per SM
+  bool cupti = true, calibrate = false;
 };
 
 int usage(const char* why) {
   fprintf(stderr, "gpu_workload: %s\nusage: gpu_workload --mode compute|launch --seconds S [--start-file F | --start-ns NS] "
-                  "[--ready-file F] [--kernel-ms MS] [--sync-every N]\n", why);
+                  "[--ready-file F] [--iterations N] [--blocks B] [--kernel-ms MS] [--sync-every N] [--no-cupti]\n"
+                  "       gpu_workload --mode compute --calibrate [--kernel-ms MS] [--blocks B]\n", why);
   return 2;
+}
+
+constexpr int kThreads = 256;
+
+// Median length (ms) of 9 compute kernels of `iterations`, each timed alone
+// between two events after one untimed kernel.
+int median_kernel_ms(cudaStream_t stream, float* out, int blocks, long iterations, float* ms) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
+  std::vector<float> t;
+  for (int i = 0; i < 9; ++i) {
+    CUDA_OK(cudaEventRecord(a, stream));
+    compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
+    CUDA_OK(cudaEventRecord(b, stream));
+    CUDA_OK(cudaEventSynchronize(b));
+    float v = 0;
+    CUDA_OK(cudaEventElapsedTime(&v, a, b));
+    t.push_back(v);
+  }
+  std::sort(t.begin(), t.end());
+  *ms = t[t.size() / 2];
+  CUDA_OK(cudaEventDestroy(a));
+  CUDA_OK(cudaEventDestroy(b));
+  return 0;
+}
+
+// Iterations for a kernel of about kernel_ms: scale a first guess, measure
+// again, scale once more (the length is close to linear in iterations).
+int calibrate(cudaStream_t stream, float* out, int blocks, double kernel_ms, long* iterations, float* ms) {
+  long n = 1 << 14;
+  for (int round = 0; round < 2; ++round) {
+    if (median_kernel_ms(stream, out, blocks, n, ms) != 0) return 1;
+    const double scaled = n * (kernel_ms / std::max(*ms, 1e-3f));
+    n = std::clamp<long>(static_cast<long>(scaled), 1, 1L << 30);
+  }
+  if (median_kernel_ms(stream, out, blocks, n, ms) != 0) return 1;
+  *iterations = n;
+  return 0;
 }
 
 }  // namespace
@@ -149,6 +206,14 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--no-cupti") {
+      o.cupti = false;
+      continue;
+    }
+    if (a == "--calibrate") {
+      o.calibrate = true;
+      continue;
+    }
     if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
     const char* v = argv[++i];
     if (a == "--mode") o.mode = v;
@@ -158,10 +223,14 @@ int main(int argc, char** argv) {
     else if (a == "--ready-file") o.ready_file = v;
     else if (a == "--kernel-ms") o.kernel_ms = atof(v);
     else if (a == "--sync-every") o.sync_every = atoi(v);
+    else if (a == "--iterations") o.iterations = atol(v);
+    else if (a == "--blocks") o.blocks = atoi(v);
     else return usage(("unknown option " + a).c_str());
   }
   if (o.mode != "compute" && o.mode != "launch") return usage("--mode must be compute or launch");
-  if (o.seconds <= 0 || o.kernel_ms <= 0) return usage("--seconds and --kernel-ms must be above 0");
+  if (o.calibrate && o.mode != "compute") return usage("--calibrate is for --mode compute");
+  if ((!o.calibrate && o.seconds <= 0) || o.kernel_ms <= 0) return usage("--seconds and --kernel-ms must be above 0");
+  if (o.iterations < 0 || o.iterations > (1L << 30) || o.blocks < 0) return usage("--iterations and --blocks must be positive");
   const bool compute = o.mode == "compute";
   const int sync_every = o.sync_every > 0 ? o.sync_every : (compute ? 4 : 1024);
 
@@ -171,29 +240,27 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaMalloc(&out, 4096 * sizeof(float)));
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const int blocks = sms * 8, threads = 256;
+  // Under MPS the SM count is the client's limited one: run_gpu.sh passes
+  // --blocks so that every process runs the same kernel.
+  const int blocks = o.blocks > 0 ? o.blocks : sms * 8;
 
-  // Calibrate the compute kernel to about --kernel-ms (alone or not, the
-  // figure is only a kernel length; throughput is compared run against run).
-  int iterations = 1 << 14;
-  if (compute) {
-    cudaEvent_t a = nullptr, b = nullptr;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
-    compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
-    CUDA_OK(cudaEventRecord(a, stream));
-    compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
-    CUDA_OK(cudaEventRecord(b, stream));
-    CUDA_OK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    iterations = std::max(1, static_cast<int>(iterations * (o.kernel_ms / std::max(ms, 1e-3f))));
+  long iterations = o.iterations;
+  float calibrated_ms = 0;
+  if (compute && iterations == 0 && calibrate(stream, out, blocks, o.kernel_ms, &iterations, &calibrated_ms) != 0) return 1;
+  if (o.calibrate) {
+    printf("{\"iterations\": %ld, \"blocks\": %d, \"kernel_ms\": %.4f, \"sms\": %d}\n", iterations, blocks,
+           calibrated_ms, sms);
+    return 0;
   }
   for (int i = 0; i < 16; ++i) tiny_kernel<<<1, 32, 0, stream>>>(out);
+  if (compute) compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
+  CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaStreamSynchronize(stream));
 
-  CUPTI_OK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
-  CUPTI_OK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
+  if (o.cupti) {
+    CUPTI_OK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+    CUPTI_OK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
+  }
 
   if (!o.ready_file.empty()) {
     FILE* f = fopen(o.ready_file.c_str(), "w");
@@ -212,12 +279,12 @@ int main(int argc, char** argv) {
   while (now_ns() < o.start_ns) usleep(200);
 
   uint64_t gpu_lo = 0, gpu_hi = 0;
-  CUPTI_OK(cuptiGetTimestamp(&gpu_lo));
+  if (o.cupti) CUPTI_OK(cuptiGetTimestamp(&gpu_lo));
   const uint64_t t0 = now_ns(), end = t0 + static_cast<uint64_t>(o.seconds * 1e9);
   unsigned long long kernels = 0;
   while (now_ns() < end) {
     for (int i = 0; i < sync_every; ++i) {
-      if (compute) compute_kernel<<<blocks, threads, 0, stream>>>(out, iterations);
+      if (compute) compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
       else tiny_kernel<<<1, 32, 0, stream>>>(out);
     }
     CUDA_OK(cudaGetLastError());
@@ -225,12 +292,19 @@ int main(int argc, char** argv) {
     kernels += sync_every;
   }
   const double wall = (now_ns() - t0) / 1e9;
-  CUPTI_OK(cuptiGetTimestamp(&gpu_hi));
-  CUPTI_OK(cuptiActivityFlushAll(1));
-  const double gpu_s = busy_in(gpu_lo, gpu_hi) / 1e9;
-  printf("{\"mode\": \"%s\", \"kernels\": %llu, \"seconds\": %.3f, \"rate\": %.2f, \"gpu_time_s\": %.4f, "
-         "\"gpu_fraction\": %.4f, \"kernel_ms\": %.3f, \"cupti_dropped\": %llu, \"pid\": %d}\n",
-         o.mode.c_str(), kernels, wall, kernels / wall, gpu_s, gpu_s / wall, compute ? o.kernel_ms : 0.0,
+  char gpu_time[64] = "null", gpu_fraction[64] = "null";
+  if (o.cupti) {
+    CUPTI_OK(cuptiGetTimestamp(&gpu_hi));
+    CUPTI_OK(cuptiActivityFlushAll(1));
+    const double gpu_s = busy_in(gpu_lo, gpu_hi) / 1e9;
+    snprintf(gpu_time, sizeof gpu_time, "%.4f", gpu_s);
+    snprintf(gpu_fraction, sizeof gpu_fraction, "%.4f", gpu_s / wall);
+  }
+  printf("{\"mode\": \"%s\", \"kernels\": %llu, \"seconds\": %.3f, \"rate\": %.2f, \"iterations\": %ld, "
+         "\"blocks\": %d, \"threads\": %d, \"cupti\": %d, \"gpu_time_s\": %s, \"gpu_fraction\": %s, "
+         "\"cupti_dropped\": %llu, \"pid\": %d}\n",
+         o.mode.c_str(), kernels, wall, kernels / wall, compute ? iterations : 0L, compute ? blocks : 1,
+         compute ? kThreads : 32, o.cupti ? 1 : 0, gpu_time, gpu_fraction,
          static_cast<unsigned long long>(g_dropped.load()), static_cast<int>(getpid()));
   return 0;
 }

@@ -1,52 +1,65 @@
 #!/usr/bin/env bash
 # Real-GPU benchmark (docs/performance.md, "Real GPU"). Needs one NVIDIA GPU
 # (GPU 0 is used, nothing else should run on it), the CUDA toolkit (nvcc,
-# CUPTI) and, for the torch workload, PyTorch.
+# CUPTI) and, for the torch workload, PyTorch. Works from a build directory or
+# a scripts/gpu_bundle.sh directory.
 #
-#   bash bench/gpu/run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--workloads compute,launch,torch]
+#   bash bench/gpu/run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--repeats N]
+#                             [--workloads compute,launch,torch]
 #
-# Builds bench/gpu/gpu_workload.cu with nvcc into OUT_DIR/bin, then for each
-# workload (compute: long kernels; launch: a stream of tiny kernels; torch:
-# a PyTorch matmul loop), each run N seconds (default 15) from a common start:
-#   native        one process, no interposer
-#   fracgpu-1     one tenant with gpus = 1 under libfracgpu.so
+# Builds bench/gpu/gpu_workload.cu (build_workload.sh) into OUT_DIR/bin and
+# sizes the compute kernel once, alone on the GPU (gpu_workload --calibrate:
+# OUT_DIR/calibration.json); every compute process of every run gets the same
+# --iterations and --blocks. Then for each workload (compute: long kernels;
+# launch: a stream of tiny kernels; torch: a PyTorch matmul loop), each run N
+# seconds (default 15) from a common start, in this order:
+#   native, fracgpu-1   alternated, --repeats times each (default 3): one
+#                 process without the interposer / one tenant with gpus = 1
 #   timeslice-2   two processes, no interposer: the driver's time-slicing
 #   fracgpu-0.5-0.5 (every workload), fracgpu-0.25-0.75 and fracgpu-0.1-0.9
 #                 (compute): two tenants with these shares, default limit
+# all without CUPTI (throughput); then the fracgpu runs with two tenants once
+# more with CUPTI on (GPU time per process: a share only where one process's
+# kernels run at a time, which fracgpu ensures and time-slicing and MPS do not);
+# and last
 #   mps-50-50     two processes under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50,
-#                 where nvidia-cuda-mps-control can be started (skipped otherwise)
-# Each process measures its own GPU time with CUPTI (never fracgpu's figures).
-# Prints a Markdown table with the targets (one tenant >= 99.5% of native
-# throughput; two 0.5 tenants together >= 97% of one process alone) and writes
+#                 if nvidia-cuda-mps-control starts and a first client runs
+#                 under it (skipped otherwise; its failures are not counted).
+# A run whose fracgpud does not start is recorded as failed; the rest go on.
+# Prints a Markdown table with the targets (medians: fracgpu-1 >= 99.5% of
+# native; two 0.5 tenants together >= 97% of native) and writes
 # gpu_table.md, gpu_runs.csv and runs/ (each process's JSON and stderr).
-# Exit 0: targets met; 1: a target missed or a run failed; 2: could not run.
+# Exit 0: targets met; 1: a target missed or a run failed; 2: could not run
+# (no GPU, no build, no nvcc).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 die() { echo "run_gpu.sh: $*" >&2; exit 2; }
 # shellcheck source=bench/e2e/fracgpu_run.sh
 source "$here/../e2e/fracgpu_run.sh"
 
-build="" out="" seconds=15 workloads=compute,launch,torch
+build="" out="" seconds=15 repeats=3 workloads=compute,launch,torch
 while (($#)); do
   case $1 in
     --seconds) seconds=${2:?--seconds needs a value}; shift 2 ;;
+    --repeats) repeats=${2:?--repeats needs a value}; shift 2 ;;
     --workloads) workloads=${2:?--workloads needs a value}; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [[ -z $build ]]; then build=$1; elif [[ -z $out ]]; then out=$1; else die "unexpected argument $1"; fi; shift ;;
   esac
 done
-[[ -n $build && -n $out ]] || die "usage: run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--workloads ...]"
-[[ $seconds =~ ^[0-9]+$ ]] || die "--seconds takes whole seconds, not $seconds"
+[[ -n $build && -n $out ]] || die "usage: run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--repeats N] [--workloads ...]"
+[[ $seconds =~ ^[0-9]+$ && $seconds -gt 0 ]] || die "--seconds takes whole seconds above 0, not $seconds"
+[[ $repeats =~ ^[0-9]+$ && $repeats -gt 0 ]] || die "--repeats takes a whole number above 0, not $repeats"
 build=$(realpath "$build") || die "no build dir $build"
 fracgpud=$build/controller/fracgpud
 fracgpu=$build/controller/fracgpu
 lib=$build/interpose/libfracgpu.so
 for f in "$fracgpud" "$fracgpu" "$lib"; do
-  [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh)"
+  [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh, or scripts/gpu_bundle.sh elsewhere)"
 done
-nvidia-smi -L >/dev/null 2>&1 || die "nvidia-smi -L failed: this benchmark needs an NVIDIA GPU"
-cuda=${CUDA_HOME:-/usr/local/cuda}
+nvidia-smi -L >/dev/null 2>&1 ||
+  die "no NVIDIA GPU here (nvidia-smi -L failed): this benchmark needs one; nothing was run"
 IFS=, read -r -a wl_list <<<"$workloads"
 for wl in "${wl_list[@]}"; do
   case $wl in
@@ -59,12 +72,10 @@ done
 
 mkdir -p "$out/bin"
 out=$(realpath "$out")
-rm -rf "$out/runs" && mkdir -p "$out/runs"
-echo "== building gpu_workload with $cuda/bin/nvcc" >&2
-"$cuda/bin/nvcc" -O2 -std=c++17 -o "$out/bin/gpu_workload" "$here/gpu_workload.cu" \
-  -L"$cuda/lib64" -L"$cuda/extras/CUPTI/lib64" -I"$cuda/extras/CUPTI/include" -lcupti ||
-  die "nvcc failed"
-export LD_LIBRARY_PATH="$cuda/lib64:$cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+rm -rf "$out/runs" "$out/calibration.json" && mkdir -p "$out/runs"
+# libcupti is found through the binary's RUNPATH: nothing here sets
+# LD_LIBRARY_PATH, so PyTorch loads its own CUDA libraries.
+bash "$here/build_workload.sh" "$out/bin/gpu_workload" || exit 2
 
 gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader)
 [[ $(nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader) != Exclusive_Process ]] ||
@@ -88,23 +99,52 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 now_ns() { python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTONIC))'; }
 
-workload_cmd() {  # workload_cmd WORKLOAD: the command line, without the start options
+# The compute kernel's size, once for all runs, on the idle GPU.
+kernel_args=()
+if [[ ,$workloads, == *,compute,* ]]; then
+  CUDA_VISIBLE_DEVICES=$gpu_uuid "$out/bin/gpu_workload" --mode compute --calibrate >"$out/calibration.json" ||
+    die "calibrating the compute kernel failed"
+  read -r iterations blocks < <(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["iterations"], c["blocks"])' "$out/calibration.json")
+  kernel_args=(--iterations "$iterations" --blocks "$blocks")
+  echo "== compute kernel: $(cat "$out/calibration.json")" >&2
+fi
+
+workload_cmd() {  # workload_cmd WORKLOAD GPUTIME: the command line, without the start options
+  local profile=()
   case $1 in
-    torch) echo python3 "$here/torch_workload.py" --seconds "$seconds" ;;
-    *) echo "$out/bin/gpu_workload" --mode "$1" --seconds "$seconds" ;;
+    torch)
+      (($2)) || profile=(--no-profiler)
+      echo python3 "$here/torch_workload.py" --seconds "$seconds" "${profile[@]}" ;;
+    *)
+      (($2)) || profile=(--no-cupti)
+      if [[ $1 == compute ]]; then profile+=("${kernel_args[@]}"); fi
+      echo "$out/bin/gpu_workload" --mode "$1" --seconds "$seconds" "${profile[@]}" ;;
   esac
 }
 
-# group NAME WORKLOAD KIND TENANT[:SHARE]...   KIND: native | fracgpu | mps
+# group CONFIG WORKLOAD KIND REPEAT GPUTIME TENANT[:SHARE]...
+#   KIND: native | fracgpu | mps; GPUTIME: 1 = CUPTI (the profiler) on
 group() {
-  local name dir run_dir wl=$2 kind=$3 spec tenant share i
-  begin_run "$1" "$wl" "$kind"
-  shift 3
-  if [[ $kind == fracgpu ]]; then
-    start_fracgpud "$dir" "$run_dir" "uuid = \"$gpu_uuid\"" "$@" || exit 1
-  fi
+  local name dir run_dir config=$1 wl=$2 kind=$3 repeat=$4 gputime=$5 spec tenant share i suffix=""
+  ((gputime == 0)) || suffix=-gputime
+  begin_run "$wl-$config$suffix" "$wl" "$kind"
+  printf 'config=%s repeat=%s gputime=%s\n' "$config" "$repeat" "$gputime" >>"$dir/run.txt"
+  shift 5
   local -a tenants=() shares=() vars cmd
-  read -r -a cmd <<<"$(workload_cmd "$wl")"
+  if [[ $kind == fracgpu ]] && ! start_fracgpud "$dir" "$run_dir" "uuid = \"$gpu_uuid\"" "$@"; then
+    # Recorded as failed (exit 125, the reason in each tenant's .err); the rest go on.
+    echo "run_gpu.sh: $name: fracgpud did not start (log: $dir/fracgpud.log): run recorded as failed" >&2
+    [[ -z $daemon_pid ]] || stop "$daemon_pid"
+    daemon_pid=""
+    : >"$dir/procs.tsv"
+    for spec in "$@"; do
+      IFS=: read -r tenant share <<<"$spec"
+      echo "fracgpud did not start (see fracgpud.log)" >"$dir/$tenant.err"
+      printf '%s\t%s\t-\t125\n' "$tenant" "${share:-}" >>"$dir/procs.tsv"
+    done
+    return 0
+  fi
+  read -r -a cmd <<<"$(workload_cmd "$wl" "$gputime")"
   pids=()
   for spec in "$@"; do
     IFS=: read -r tenant share <<<"$spec"
@@ -142,27 +182,46 @@ group() {
 
 echo "== $(nvidia-smi -i 0 --query-gpu=name,driver_version --format=csv,noheader), $seconds s per run, into $out" >&2
 for wl in "${wl_list[@]}"; do
-  group "$wl-native" "$wl" native a
-  group "$wl-fracgpu-1" "$wl" fracgpu a:1
-  group "$wl-timeslice-2" "$wl" native a b
-  group "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
-  if [[ $wl == compute ]]; then
-    group "$wl-fracgpu-0.25-0.75" "$wl" fracgpu a:0.25 b:0.75
-    group "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
-  fi
+  # Alternated, so that a drift of the machine over time falls on both sides.
+  for ((r = 1; r <= repeats; r++)); do
+    group native "$wl" native "$r" 0 a
+    group fracgpu-1 "$wl" fracgpu "$r" 0 a:1
+  done
+  group timeslice-2 "$wl" native 1 0 a b
+  shares_runs=("a:0.5 b:0.5")
+  [[ $wl != compute ]] || shares_runs+=("a:0.25 b:0.75" "a:0.1 b:0.9")
+  for gputime in 0 1; do
+    for spec in "${shares_runs[@]}"; do
+      read -r -a tenant_specs <<<"$spec"
+      group "fracgpu-${tenant_specs[0]#a:}-${tenant_specs[1]#b:}" "$wl" fracgpu 1 "$gputime" "${tenant_specs[@]}"
+    done
+  done
 done
-# MPS last: while its control daemon runs, every CUDA process on the GPU goes through it.
-if command -v nvidia-cuda-mps-control >/dev/null &&
-  mkdir -p "$work/mps-pipe" "$work/mps-log" &&
-  CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log nvidia-cuda-mps-control -d; then
-  mps_started=1
-  for wl in "${wl_list[@]}"; do group "$wl-mps-50-50" "$wl" mps a:50 b:50; done
-  mps_quit
+# MPS last: while its control daemon runs, every CUDA process on the GPU goes
+# through it. `nvidia-cuda-mps-control -d` returns before a server exists, so
+# a short client must run under it first.
+mps_note="not run"
+if ! command -v nvidia-cuda-mps-control >/dev/null; then
+  mps_note="skipped: no nvidia-cuda-mps-control"
+elif ! mkdir -p "$work/mps-pipe" "$work/mps-log" ||
+  ! CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log nvidia-cuda-mps-control -d; then
+  mps_note="skipped: nvidia-cuda-mps-control -d failed"
 else
-  echo "run_gpu.sh: nvidia-cuda-mps-control could not be started: no MPS comparison" >&2
+  mps_started=1
+  if timeout 120 env CUDA_VISIBLE_DEVICES="$gpu_uuid" CUDA_MPS_PIPE_DIRECTORY="$work/mps-pipe" \
+    "$out/bin/gpu_workload" --mode launch --seconds 1 --no-cupti >"$out/mps-probe.json" 2>"$out/mps-probe.err"; then
+    mps_note="run"
+    for wl in "${wl_list[@]}"; do group mps-50-50 "$wl" mps 1 0 a:50 b:50; done
+  else
+    mps_note="skipped: a first client failed under MPS ($(tail -n 1 "$out/mps-probe.err"); server log: $(tail -n 2 "$work/mps-log/server.log" 2>/dev/null | tr '\n' ' '))"
+  fi
+  mps_quit
 fi
+echo "== MPS comparison: $mps_note" >&2
 {
-  echo "$(nvidia-smi -i 0 --query-gpu=name,driver_version --format=csv,noheader), $(date -u +%Y-%m-%d), $seconds s per run"
+  echo "$(nvidia-smi -i 0 --query-gpu=name,driver_version --format=csv,noheader), $(date -u +%Y-%m-%d), $seconds s per run, native and fracgpu-1 $repeats times each (alternated)"
+  [[ ! -s $out/calibration.json ]] || echo "Compute kernel (sized once, alone): $(cat "$out/calibration.json")"
+  echo "MPS comparison: $mps_note"
   echo
 } >"$out/gpu_table.head"
 rc=0
