@@ -8,16 +8,38 @@ exist in the install layout (`cmake --install --prefix PREFIX`, standing in for
 manifests must parse and hold what the docs promise. The ConfigMap's node
 config is written to --toml-out so the caller can run `fracgpud --check` on it.
 
+Two operational mistakes are rejected as well: a reload that signals PID 1
+while the DaemonSet runs with hostPID (PID 1 is then the host's init, not
+fracgpud; the reload must read the daemon's pid file, which must exist in the
+running daemon's run dir), and a container that writes the host's interposer
+in place (cp, install, dd, a redirect) instead of copying it to a temporary
+file in the same directory and renaming that over it: a tenant process that
+has the library mapped can crash when its pages change underneath it.
+
 Usage: check_recipes.py --source DIR --prefix DIR --run-dir DIR --toml-out FILE
 """
 import argparse
 import pathlib
+import posixpath
 import re
+import shlex
 import sys
 
 import yaml
 
 errors = []
+# Gathered over the docs and every manifest, checked at the end: the reload
+# commands named, whether a DaemonSet uses hostPID, the ConfigMap's run dirs,
+# the containers that install the interposer by a rename.
+gathered = {"reloads": [], "host_pid": False, "run_dirs": set(), "library_installs": []}
+
+# The interposer on the host, as the install layout puts it and tenant pods
+# mount it (docs/containers.md).
+LIBRARY = "/usr/lib/fracgpu/libfracgpu.so"
+# The daemon's pid file, in its run dir (kPidFileName in controller/daemon.h).
+PID_FILE_NAME = "fracgpud.pid"
+# kill -HUP PID, kill -s HUP PID, kill -SIGHUP PID, kill -1 PID: the target.
+RELOAD = re.compile(r"\bkill\s+(?:-s\s*(?:SIG)?HUP|-(?:SIG)?HUP|-1)\s+(\S*\$\([^)]*\)\S*|\S+)")
 
 
 def fail(where, message):
@@ -55,6 +77,7 @@ def check_host_path(where, path, prefix, run_dir):
 
 def check_docs(doc, prefix, run_dir):
     text = doc.read_text()
+    gathered["reloads"] += reload_targets(doc, text)
     blocks = re.findall(r"```(?:sh|bash)\n(.*?)```", text, re.S)
     if not blocks:
         fail(doc, "no shell recipe")
@@ -86,6 +109,119 @@ def check_docs(doc, prefix, run_dir):
             check_host_path(doc, path, prefix, run_dir)
 
 
+def reload_targets(where, text):
+    """(where, target) of every reload signal named in text; a target that
+    reads a pid file is given as that file's path."""
+    found = []
+    for match in RELOAD.finditer(text):
+        target = match.group(1).strip("\"'`.,;:")
+        pid_file = re.match(r"\$\((?:cat\s+|<\s*)([^)\s]+)\s*\)", target)
+        found.append((where, pid_file.group(1) if pid_file else target))
+    return found
+
+
+def check_reloads(reloads, host_pid, run_dirs, prefix, run_dir):
+    """Each reload must reach fracgpud: not PID 1 under hostPID, and a pid
+    file that is the daemon's (in the ConfigMap's run dir, present in the
+    test daemon's run dir)."""
+    for where, target in reloads:
+        if target.isdigit():
+            if host_pid:
+                fail(where, f"reload signals PID {target}: with hostPID the pod shares the host's PIDs "
+                            f"(PID 1 is the host's init); signal the PID in {PID_FILE_NAME}")
+            continue
+        if posixpath.basename(target) != PID_FILE_NAME or posixpath.dirname(target) not in run_dirs:
+            fail(where, f"reload reads {target}, not the daemon's pid file "
+                        f"({', '.join(d + '/' + PID_FILE_NAME for d in sorted(run_dirs))})")
+        else:
+            check_host_path(where, target, prefix, run_dir)
+
+
+def host_mounts(pod, container):
+    """mountPath -> host path for the container's hostPath mounts."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {}
+    for m in container.get("volumeMounts", []):
+        host = volumes.get(m["name"], {}).get("hostPath", {}).get("path")
+        if host:
+            mounts[m["mountPath"].rstrip("/") or "/"] = host.rstrip("/") or "/"
+    return mounts
+
+
+def to_host(path, mounts):
+    """The host path a container path is, through a hostPath mount, or None."""
+    for mount, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+        if path == mount or path.startswith(mount + "/"):
+            return host + path[len(mount):]
+    return None
+
+
+def simple_commands(argv):
+    """The simple commands (argument lists) a container command runs, with
+    the paths its redirects write; `sh -c SCRIPT` is split into its parts."""
+    if len(argv) >= 2 and posixpath.basename(argv[0]) in ("sh", "bash", "ash", "dash"):
+        script = None
+        for i, a in enumerate(argv[1:], 1):
+            if a.startswith("-") and "c" in a[1:] and i + 1 < len(argv):
+                script = argv[i + 1]
+                break
+        if script is not None:
+            commands, redirects = [], re.findall(r"(?<![0-9&<])>>?\s*([^\s;&|]+)", script)
+            for part in re.split(r"&&|\|\||[;|\n]", script):
+                try:
+                    words = shlex.split(re.sub(r"\d*>>?\s*[^\s;&|]+", " ", part))
+                except ValueError:
+                    words = part.split()
+                if words:
+                    commands.append(words)
+            return commands, redirects
+    return [list(argv)], []
+
+
+def check_library_writes(where, pod, container, library_installs):
+    """Rejects an in-place write of the host's interposer; counts each
+    rename onto it from a file in the same directory."""
+    mounts = host_mounts(pod, container)
+    commands, redirects = simple_commands(list(container.get("command", [])) + list(container.get("args", [])))
+    in_place = "writes the host's interposer with {} instead of renaming a copy over it: a tenant process " \
+               "that has it mapped can crash (or one starting meanwhile miss it); copy it to a temporary " \
+               "file in the same directory and mv that over it"
+
+    def target(src, dest):
+        host = to_host(dest.rstrip("/") or "/", mounts)
+        if host is not None and (dest.endswith("/") or host == posixpath.dirname(LIBRARY)):
+            host = posixpath.join(host, posixpath.basename(src))  # into a directory
+        return host
+
+    for dest in redirects:
+        if to_host(dest, mounts) == LIBRARY:
+            fail(where, in_place.format("a redirect"))
+    for words in commands:
+        name = posixpath.basename(words[0])
+        operands = [w for w in words[1:] if not w.startswith("-")]
+        if name == "dd":
+            for w in words[1:]:
+                if w.startswith("of=") and to_host(w[3:], mounts) == LIBRARY:
+                    fail(where, in_place.format("dd"))
+            continue
+        if name in ("cp", "install", "tee"):  # (rsync renames unless --inplace)
+            dests = operands if name == "tee" else operands[-1:]
+            srcs = operands[:-1] or [""]
+            for dest in dests:
+                if target(srcs[-1], dest) == LIBRARY:
+                    fail(where, in_place.format(name))
+        if name == "mv" and len(operands) >= 2:
+            src, dest = operands[-2], operands[-1]
+            if target(src, dest) != LIBRARY:
+                continue
+            src_host = to_host(src, mounts)
+            if src_host is None or posixpath.dirname(src_host) != posixpath.dirname(LIBRARY):
+                fail(where, f"mv onto the host's interposer from {src}, not from the same directory: "
+                            "not an atomic rename")
+            else:
+                library_installs.append(where)
+
+
 def walk_containers(spec):
     return list(spec.get("initContainers", [])) + list(spec.get("containers", []))
 
@@ -96,6 +232,7 @@ def check_manifest(path, prefix, run_dir, toml_out):
     except yaml.YAMLError as e:
         fail(path, f"does not parse: {e}")
         return {}
+    gathered["reloads"] += reload_targets(path, path.read_text())  # comments included
     kinds = {}
     for d in docs:
         for key in ("apiVersion", "kind", "metadata"):
@@ -108,12 +245,14 @@ def check_manifest(path, prefix, run_dir, toml_out):
                 fail(path, "ConfigMap has no fracgpud.toml")
             else:
                 pathlib.Path(toml_out).write_text(toml)
+                gathered["run_dirs"].update(re.findall(r'^\s*run_dir\s*=\s*"([^"]+)"', toml, re.M) or ["/run/fracgpu"])
         pod = None
         if d.get("kind") == "DaemonSet":
             pod = d["spec"]["template"]["spec"]
             labels = d["spec"]["template"]["metadata"].get("labels", {})
             if d["spec"]["selector"]["matchLabels"].items() - labels.items():
                 fail(path, "DaemonSet selector does not match its pod template")
+            gathered["host_pid"] |= bool(pod.get("hostPID"))
         elif d.get("kind") == "Pod":
             pod = d["spec"]
         if pod is None:
@@ -124,6 +263,7 @@ def check_manifest(path, prefix, run_dir, toml_out):
                 check_host_path(f"{path}: volume {v['name']}", v["hostPath"]["path"], prefix, run_dir)
         for c in walk_containers(pod):
             where = f"{path}: container {c['name']}"
+            check_library_writes(where, pod, c, gathered["library_installs"] if d.get("kind") == "DaemonSet" else [])
             mounts = c.get("volumeMounts", [])
             for m in mounts:
                 if m["name"] not in volumes:
@@ -166,6 +306,11 @@ def main():
     for kind in ("ConfigMap", "DaemonSet", "Pod"):
         if kind not in kinds:
             fail("examples/k8s", f"no {kind}")
+    if not any(where == args.source / "docs/containers.md" for where, _ in gathered["reloads"]):
+        fail("docs/containers.md", "no reload command (SIGHUP to fracgpud)")
+    check_reloads(gathered["reloads"], gathered["host_pid"], gathered["run_dirs"], args.prefix, args.run_dir)
+    if "DaemonSet" in kinds and not gathered["library_installs"]:
+        fail("examples/k8s", f"the DaemonSet does not install {LIBRARY} by a rename from the same directory")
     for e in errors:
         print(e, file=sys.stderr)
     print(f"checked docs/containers.md and {len(manifests)} manifest(s): {len(errors)} problem(s)")
