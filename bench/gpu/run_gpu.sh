@@ -77,7 +77,7 @@ rm -rf "$out/runs" "$out/calibration.json" && mkdir -p "$out/runs"
 # LD_LIBRARY_PATH, so PyTorch loads its own CUDA libraries.
 bash "$here/build_workload.sh" "$out/bin/gpu_workload" || exit 2
 
-gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader)
+gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader) || die "nvidia-smi gave no UUID for GPU 0"
 [[ $(nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader) != Exclusive_Process ]] ||
   die "GPU 0 is in Exclusive_Process compute mode: processes cannot share it"
 work=$(mktemp -d /tmp/fracgpu-gpu-bench-XXXXXX)
@@ -213,7 +213,7 @@ else
     mps_note="run"
     for wl in "${wl_list[@]}"; do group mps-50-50 "$wl" mps 1 0 a:50 b:50; done
   else
-    mps_note="skipped: a first client failed under MPS ($(tail -n 1 "$out/mps-probe.err"); server log: $(tail -n 2 "$work/mps-log/server.log" 2>/dev/null | tr '\n' ' '))"
+    mps_note="skipped: a first client failed under MPS ($(tail -n 1 "$out/mps-probe.err" || true); server log: $(tail -n 2 "$work/mps-log/server.log" 2>/dev/null | tr '\n' ' ' || true))"
   fi
   mps_quit
 fi
