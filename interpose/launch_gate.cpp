@@ -272,10 +272,16 @@ bool open_gpu(int gpu) {
   }
   // Our identity as attach read it (/proc/self/stat), from our ledger slot.
   const ledger::ProcessSlot& self = g_tenant.ledger.usage->slots[g_tenant.slot];
-  const int process = gputime::claim_process(arbiter, static_cast<uint32_t>(tenant), self.pid.load(),
-                                             self.start_time.load());
+  auto claim = [&] {
+    return gputime::claim_process(arbiter, static_cast<uint32_t>(tenant), self.pid.load(), self.start_time.load());
+  };
+  int process = claim();
   if (process < 0) {
+    // Full of entries, perhaps of dead processes not yet reclaimed.
     gputime::reclaim_dead_processes(arbiter, -1);
+    process = claim();
+  }
+  if (process < 0) {
     log_line(LogLevel::kError, "%s: no free process entry: this process's GPU time is not shared", path);
     gputime::close_arbiter(&arbiter);
     return false;
@@ -489,8 +495,15 @@ void wait_for_gpu(CUstream stream) {
   }
   GpuTime& g = g_gpus[gpu];
   if (!g.metered.load(std::memory_order_acquire)) {
-    if (!any_metered()) g_launch_gate.store(0, std::memory_order_release);
-    t_launch_pass = g_launch_gate.load(std::memory_order_acquire);
+    // The pass is the gate word read before `metered`: metering a GPU sets
+    // `metered`, then changes the word, so a GPU metered since makes this
+    // pass stale. Dropping the word to 0 (no GPU metered) only if it has not
+    // changed since: a plain store could undo a change made meanwhile.
+    uint64_t seen = gate;
+    if (seen != 0 && !any_metered() &&
+        g_launch_gate.compare_exchange_strong(seen, 0, std::memory_order_acq_rel))
+      seen = 0;
+    t_launch_pass = seen;
     return;
   }
   if (g_launch_gate.load(std::memory_order_acquire) == 0) refresh_gate();
@@ -502,10 +515,15 @@ void wait_for_gpu(CUstream stream) {
     wait_for_turn(gpu);
   }
   g.activity.fetch_add(1, std::memory_order_relaxed);
-  // Pass until the pacer's next tick. Read after `open`: if the pacer
-  // closed the gate in between, it also changed the gate word, so this pass
-  // is already stale and the next launch comes back here.
-  t_launch_pass = g.open.load(std::memory_order_acquire) ? g_launch_gate.load(std::memory_order_acquire) : ~0ull;
+  // Pass until the pacer's next tick. The word is read *before* `open`: the
+  // pacer closes `open`, then changes the word, so either this read of the
+  // word precedes the change (the pass is stale at once) or the read of
+  // `open` below sees it closed. Read the other way round, a close and
+  // change between the two reads would leave a pass that matches the new
+  // word: a thread launching ungoverned until the word changes again, which
+  // may be never once its process neither holds nor waits for the GPU.
+  const uint64_t word = g_launch_gate.load(std::memory_order_acquire);
+  t_launch_pass = g.open.load(std::memory_order_acquire) ? word : ~0ull;
 }
 
 void wait_for_gpu_of_stream(CUstream stream) {

@@ -45,13 +45,12 @@ CUresult launch_cooperative(CUfunction f, unsigned int grid_x, unsigned int grid
 }
 
 // One kernel per device, each on a stream of that device's context: wait for
-// each GPU in turn. The GPUs are not held together (docs/sm-time.md).
+// each GPU in turn, always. A thread's pass is for its current context's GPU
+// only, so it says nothing about the others. The GPUs are not held together
+// (docs/sm-time.md).
 template <HookId id>
 CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned int device_count, unsigned int flags) {
-  if (!launch_may_pass()) [[unlikely]] {
-    for (unsigned int i = 0; launches != nullptr && i < device_count; ++i)
-      wait_for_gpu_of_stream(launches[i].hStream);
-  }
+  for (unsigned int i = 0; launches != nullptr && i < device_count; ++i) wait_for_gpu_of_stream(launches[i].hStream);
   auto fn = real<id>();
   return fn != nullptr ? fn(launches, device_count, flags) : CUDA_ERROR_NOT_FOUND;
 }

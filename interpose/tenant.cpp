@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "hook_table.h"
+#include "launch_gate.h"
 #include "log.h"
 
 namespace fracgpu::interpose {
@@ -232,7 +233,13 @@ bool visible_gpu_unavailable() {
   return false;
 }
 
-void note_contexts_changed() { g_context_epoch.fetch_add(1, std::memory_order_acq_rel); }
+void note_contexts_changed() {
+  g_context_epoch.fetch_add(1, std::memory_order_acq_rel);
+  // Creating a context makes it current, and destroying the current one pops
+  // it: either way this thread's launch pass may be for another GPU than its
+  // next launch's (docs/sm-time.md). The next launch re-checks.
+  invalidate_launch_pass();
+}
 
 bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu) {
   if (g_driver.cuCtxGetCurrent == nullptr || g_driver.cuCtxGetDevice == nullptr) return false;

@@ -58,7 +58,8 @@ bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu);
 
 // Call after any driver call that may create a context or free a context
 // handle for reuse (create, destroy, primary retain, release, reset): it ends
-// every thread's cached context -> device answer (see current_gpu_entry).
+// every thread's cached context -> device answer (see current_gpu_entry), and
+// the calling thread's launch pass.
 void note_contexts_changed();
 
 // Charging with the ledger, for this process's slot. reserve() refuses past

@@ -337,15 +337,18 @@ bool try_take_over(Arbiter& arbiter, uint32_t process, uint64_t now) {
   uint32_t holder = a.holder.load(std::memory_order_acquire);
   if (holder == 0 || holder == process + 1) return false;
   const uint32_t victim = holder - 1;
+  // The file is writable by every tenant: a holder that names no entry was
+  // written by a misbehaving process. It holds nothing; take the GPU back.
+  const bool no_entry = victim >= kMaxProcesses;
   const uint64_t beat = a.heartbeat_ns.load(std::memory_order_acquire);
   const bool stale = now > beat && now - beat > kStaleHolderNs;
-  if (!stale && process_alive(arbiter, victim)) return false;
+  if (!no_entry && !stale && process_alive(arbiter, victim)) return false;
   const uint64_t charged = a.charged_ns.load(std::memory_order_acquire);
   if (!a.holder.compare_exchange_strong(holder, process + 1, std::memory_order_acq_rel)) return false;
   // The dead (or stuck) holder never charged its last stretch: do it for
   // it, so its tenant pays for the GPU time its work took. Its share is not
   // known here; the virtual time moves at the tenant's recorded share.
-  const uint32_t tenant = seg.processes[victim].tenant.load(std::memory_order_relaxed);
+  const uint32_t tenant = no_entry ? kMaxTenants : seg.processes[victim].tenant.load(std::memory_order_relaxed);
   if (tenant < kMaxTenants && now > charged) {
     const TenantTime& t = seg.tenants[tenant];
     charge(seg, tenant, victim, now - charged, t.share_ppm.load(std::memory_order_relaxed),

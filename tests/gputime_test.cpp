@@ -427,14 +427,28 @@ TEST(GpuTimeArbiter, OverlappingWaitsCountOnce) {
 // A process that claims an entry must not inherit the GPU from a holder
 // that died holding it (it would pay for the dead process's last stretch);
 // taking the GPU over charges that stretch to the dead holder's tenant.
-TEST(GpuTimeArbiter, ANewProcessDoesNotInheritADeadHoldersEntry) {
-  char dir[] = "/tmp/fracgpu-arbiter-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  const std::string path = std::string(dir) + "/gputime";
+// An arbiter file of its own in a scratch directory, removed afterwards.
+class GpuTimeArbiterFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/fracgpu-arbiter-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    path = dir_ + "/gputime";
+    char err[256] = {};
+    ASSERT_EQ(gputime::open_arbiter(path.c_str(), true, false, nullptr, &arbiter, err, sizeof err),
+              ledger::LedgerError::kOk)
+        << err;
+  }
+  void TearDown() override {
+    gputime::close_arbiter(&arbiter);
+    fs::remove_all(dir_);
+  }
+  std::string dir_, path;
   gputime::Arbiter arbiter;
-  char err[256] = {};
-  ASSERT_EQ(gputime::open_arbiter(path.c_str(), true, false, nullptr, &arbiter, err, sizeof err), ledger::LedgerError::kOk)
-      << err;
+};
+
+TEST_F(GpuTimeArbiterFile, ANewProcessDoesNotInheritADeadHoldersEntry) {
   gputime::GpuTimeSegment& seg = *arbiter.seg;
   ASSERT_EQ(gputime::bind_tenant(seg, "dead"), 0);
   ASSERT_EQ(gputime::bind_tenant(seg, "new"), 1);
@@ -461,8 +475,25 @@ TEST(GpuTimeArbiter, ANewProcessDoesNotInheritADeadHoldersEntry) {
   ASSERT_TRUE(gputime::try_take_over(arbiter, static_cast<uint32_t>(mine), now));
   EXPECT_EQ(seg.tenants[0].used_ns.load(), 5'000'000u) << "the dead holder's tenant pays its last stretch";
   EXPECT_EQ(seg.tenants[1].used_ns.load(), 0u);
-  gputime::close_arbiter(&arbiter);
-  fs::remove_all(dir);
+}
+
+// The arbiter file is writable by every tenant process: a holder value that
+// names no entry (written by a misbehaving process) must not be used as an
+// index; the GPU is simply taken back, charging nobody.
+TEST_F(GpuTimeArbiterFile, AHolderNamingNoEntryIsTakenOverWithoutCharging) {
+  gputime::GpuTimeSegment& seg = *arbiter.seg;
+  ASSERT_EQ(gputime::bind_tenant(seg, "t"), 0);
+  const int mine = gputime::claim_process(arbiter, 0, getpid(), 1);
+  ASSERT_EQ(mine, 0);
+  for (uint32_t bogus : {gputime::kMaxProcesses + 1, 0x7fffffffu, 0xffffffffu}) {
+    SCOPED_TRACE(bogus);
+    seg.arbiter.holder.store(bogus);
+    const uint64_t now = gputime::monotonic_ns();
+    seg.arbiter.heartbeat_ns.store(now);  // fresh: only the bad index can justify the take-over
+    ASSERT_TRUE(gputime::try_take_over(arbiter, static_cast<uint32_t>(mine), now));
+    EXPECT_EQ(seg.arbiter.holder.load(), static_cast<uint32_t>(mine) + 1);
+    EXPECT_EQ(seg.tenants[0].used_ns.load(), 0u);
+  }
 }
 
 // ---- End to end on the simulated driver ----
@@ -775,6 +806,42 @@ TEST_F(GpuTimeTest, ContextSwitchesDoNotCarryAPassToAnotherGpu) {
     finish_loads();
     loads_.clear();
   }
+}
+
+// A context made current by cuCtxCreate alone (no set/push) on a shared GPU,
+// after the thread launched on a GPU of its own: its launches there are
+// governed from the first (they run only in its process's slices).
+TEST_F(GpuTimeTest, AContextCreatedAfterLaunchingElsewhereIsGoverned) {
+  write_config({{"sw", "1.5", "[0, 1]", ""}, {"q", "0.5", "[1]", ""}});
+  start_daemon();
+  std::vector<std::string> args = load_args("1000", 2.0, "0,1");
+  args.push_back("switch=create");
+  start_load("sw", args);  // 2 s on GPU 0, then 2 s on GPU 1
+  start_load("q", load_args("1000", 4.5, "1"));
+  gputime::Arbiter arbiter = open_tenant_arbiter("q", 0);
+  ASSERT_TRUE(arbiter.is_open());
+  const int sw_row = gputime::find_tenant(*arbiter.seg, "sw");
+  ASSERT_GE(sw_row, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2400));  // sw is on GPU 1 now
+  const uint64_t first = kernel_log_next_(1);
+  const uint64_t slices_before = arbiter.seg->tenants[sw_row].slices.load();
+  const Sample a = sample(2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1400));
+  const Sample b = sample(2);
+  const uint64_t slices = arbiter.seg->tenants[sw_row].slices.load() - slices_before;
+  std::vector<simcuda_kernel_record> window;
+  for (const auto& r : kernel_log(1, first))
+    if (r.start_ns < b.t) window.push_back(r);
+  const int runs = count_runs(window, loads_[0].pid);
+  const double length = static_cast<double>(b.t - a.t);
+  printf("created context: on GPU 1 %d runs in %llu slices, share %.3f\n", runs,
+         static_cast<unsigned long long>(slices), static_cast<double>(tenant_busy(a, b, "sw", 1)) / length);
+  EXPECT_GT(runs, 5) << "the load did not reach GPU 1";
+  EXPECT_GT(slices, 10u) << "GPU 1 launches bypassed the arbiter";
+  EXPECT_LE(runs, static_cast<int>(slices) + static_cast<int>(slices) / 10 + 3);
+  EXPECT_NEAR(static_cast<double>(tenant_busy(a, b, "q", 1)) / length, 0.5, 0.06);
+  gputime::close_arbiter(&arbiter);
+  finish_loads();
 }
 
 // Launches into a stream that captures a graph run nothing: they return at

@@ -520,6 +520,20 @@ TEST_F(InterposeTest, AGreenContextsReusedHandleIsChargedToItsNewGpu) {
   EXPECT_EQ(used(g1), kContextBytes + 100 * kMiB);
   EXPECT_EQ(sim_used(1), kContextBytes + 100 * kMiB);
   kill_held(h);
+  used(g0);  // the killed probe's charges are gone before the next starts
+
+  // Reused by another green context: only the green hooks can tell the
+  // thread that its cached answer for this handle is stale.
+  h = probe_and_hold({"init", "green-create", "0", "green_ctx", "alloc", "1MiB", "green-destroy", "green-create", "1",
+                      "second_ctx", "alloc", "100MiB"},
+                     {"SIMCUDA_REUSE_CONTEXTS=1"});
+  ASSERT_EQ(h.seen["green_create"], kSuccess);
+  ASSERT_EQ(h.seen["alloc"], kSuccess);
+  ASSERT_EQ(h.seen["green_ctx"], h.seen["second_ctx"]) << "the simulated driver did not reuse the context handle";
+  EXPECT_EQ(used(g0), 1 * kMiB);
+  EXPECT_EQ(used(g1), 100 * kMiB);
+  EXPECT_EQ(sim_used(1), 100 * kMiB);
+  kill_held(h);
 }
 
 // ---- Reaching the driver: linked, dlsym, cuGetProcAddress ----

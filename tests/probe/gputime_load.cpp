@@ -17,6 +17,8 @@
 //     switch=set|push   one thread for all devices, launching on each in turn and
 //                       changing context between launches with cuCtxSetCurrent, or
 //                       cuCtxPushCurrent/cuCtxPopCurrent (default: a thread per device)
+//     switch=create     one thread for all devices, one after the other: each device's
+//                       run in a context made current only by cuCtxCreate, for `seconds`
 //     fork_after=S      run S seconds, then fork: the child starts CUDA afresh and runs
 //                       `seconds`; the parent waits for it and exits with its status
 //     last_us=N         after the run, launch one N us kernel and exit without waiting
@@ -50,7 +52,7 @@ struct Options {
   uint64_t start_ns = 0;
   unsigned pause_ms = 0;
   double resume_seconds = 0;
-  std::string switch_mode;  // "", "set" or "push"
+  std::string switch_mode;  // "", "set", "push" or "create"
   double fork_after = 0;
   unsigned last_us = 0;
 };
@@ -108,11 +110,17 @@ struct Launcher {
   unsigned long long launches = 0;
   uint64_t capture_launch_max_ns = 0;
 
-  bool setup(int device) {
+  // created: a context of its own, current through cuCtxCreate alone;
+  // otherwise the primary context, made current with cuCtxSetCurrent.
+  bool setup(int device, bool created = false) {
     CUdevice dev = 0;
     CHECK(cuDeviceGet(&dev, device));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK(cuCtxSetCurrent(ctx));
+    if (created) {
+      CHECK(cuCtxCreate_v2(&ctx, 0, dev));
+    } else {
+      CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+      CHECK(cuCtxSetCurrent(ctx));
+    }
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
     CUmodule module = nullptr;
     static const char image[] = "simulated";  // the simulated driver takes any image
@@ -280,7 +288,14 @@ int run_all(const Options& o, double seconds) {
   auto wait_start = [&] {
     while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
   };
-  if (!o.switch_mode.empty()) {
+  if (o.switch_mode == "create") {
+    // Nothing but cuCtxCreate changes the thread's current context here.
+    wait_start();
+    bool good = true;
+    for (size_t i = 0; good && i < o.devices.size(); ++i)
+      good = launchers[i].setup(o.devices[i], true) && launchers[i].run_for(seconds);
+    ok.assign(ok.size(), good ? 1 : 0);
+  } else if (!o.switch_mode.empty()) {
     const Switcher sw{o.switch_mode == "push"};
     bool good = true;
     for (size_t i = 0; good && i < o.devices.size(); ++i) good = launchers[i].setup(o.devices[i]);
@@ -360,8 +375,8 @@ int main(int argc, char** argv) {
     }
   }
   if (o.kernels_us.empty() || o.devices.empty()) return 64;
-  if (!o.switch_mode.empty() && o.switch_mode != "set" && o.switch_mode != "push") {
-    fprintf(stderr, "gputime_load: switch must be set or push\n");
+  if (!o.switch_mode.empty() && o.switch_mode != "set" && o.switch_mode != "push" && o.switch_mode != "create") {
+    fprintf(stderr, "gputime_load: switch must be set, push or create\n");
     return 64;
   }
   if (!check(cuInit(0), "cuInit")) return 1;
