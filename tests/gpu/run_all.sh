@@ -6,11 +6,11 @@
 #
 #   bash tests/gpu/run_all.sh BUILD_DIR OUT_DIR [CHECK ...]
 #
-# CHECK (default: all, about 15 minutes in all):
+# CHECK (default: all, about 20 minutes in all):
 #   memory  tests/gpu/run_memory_checks.sh   memory quotas, PyTorch and JAX   (~2 min)
 #   nvml    tests/gpu/run_nvml_checks.sh     nvidia-smi inside a tenant      (~1 min)
 #   share   tests/gpu/run_sm_share.sh        GPU-time shares                  (~5 min)
-#   bench   bench/gpu/run_gpu.sh             throughput against native, MPS   (~6 min)
+#   bench   bench/gpu/run_gpu.sh             throughput against native, MPS   (~11 min)
 # Exit status: the number of checks that failed (0: all passed); 2 at once
 # when there is no GPU.
 set -uo pipefail
