@@ -81,6 +81,7 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
   const Nvml::Api& api = nvml_->api();
   const int32_t self = static_cast<int32_t>(getpid());
   std::set<std::pair<int32_t, std::string>> present;
+  std::set<int32_t> invisible;
   for (const DiscoveredGpu& gpu : gpus_) {
     nvmlDevice_t handle = nullptr;
     if (api.get_handle_by_uuid(gpu.uuid.c_str(), &handle) != NVML_SUCCESS) continue;  // health reports it
@@ -93,7 +94,20 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
       const auto pid = static_cast<int32_t>(p.pid);
       if (pid <= 1 || pid == self || charged.contains(pid)) continue;
       const uint64_t started = start_time(pid);
-      if (started == 0) continue;  // already gone, or in a PID namespace we cannot see
+      if (started == 0) {
+        // Already gone, or in a PID namespace we cannot see. Listed again in
+        // the next pass: not an exit race; say once that such processes are
+        // not audited (fracgpud without the host's PID namespace).
+        invisible.insert(pid);
+        if (invisible_before_.contains(pid) && !warned_invisible_) {
+          warned_invisible_ = true;
+          log_.warn("audit: NVML lists process {} on GPU {} ({}) but /proc has no such process: fracgpud does not "
+                    "see the host's PIDs (in Kubernetes: hostPID: true), and processes it cannot see are not "
+                    "audited (logged once)",
+                    pid, gpu.index, gpu.uuid);
+        }
+        continue;
+      }
       const auto key = std::make_pair(pid, gpu.uuid);
       present.insert(key);
       Seen& s = seen_[key];
@@ -116,7 +130,9 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
         f.action = f.tenant.empty() ? "reported (deny: tenant unknown)" : "tenant denied";
       if (action == AuditAction::kTerminate) {
         // Checked again just before: the PID must still name the process we saw.
-        if (start_time(pid) == started && kill(pid, SIGKILL) == 0) {
+        if (start_time(pid) != started) {
+          f.action = "not terminated: the process exited (or its PID was reused) before the signal";
+        } else if (kill(pid, SIGKILL) == 0) {
           f.action = "terminated (SIGKILL)";
           s.terminated = true;
         } else {
@@ -141,6 +157,7 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
     }
     it = seen_.erase(it);
   }
+  invisible_before_ = std::move(invisible);
   std::vector<AuditFinding> now;
   for (const auto& [key, s] : seen_)
     if (s.passes >= 2) now.push_back(s.finding);

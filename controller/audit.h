@@ -1,7 +1,9 @@
-// The bypass audit (docs/operations.md): fracgpud compares NVML's per-process
-// GPU memory with the ledgers, and reports processes that hold GPU memory
-// without being charged anywhere: no interposer (statically linked CUDA, a
-// stripped LD_PRELOAD), or an interposer without a tenant. What follows a
+// The bypass audit (docs/operations.md): fracgpud compares the processes NVML
+// lists on each GPU with the processes attached to a tenant ledger, and
+// reports those that hold GPU memory without being charged anywhere: no
+// interposer (statically linked CUDA, a stripped LD_PRELOAD), or an
+// interposer without a tenant. It does not compare amounts: a process
+// attached to a ledger that under-reports its usage is not caught. What follows a
 // finding is [daemon] audit_action: report (default), deny, or terminate.
 #pragma once
 
@@ -64,6 +66,8 @@ class Auditor {
   spdlog::logger& log_;
   std::vector<DiscoveredGpu> gpus_;
   std::map<std::pair<int32_t, std::string>, Seen> seen_;  // (pid, GPU uuid)
+  std::set<int32_t> invisible_before_;  // listed by NVML, absent from /proc, last pass
+  bool warned_invisible_ = false;
   std::vector<AuditFinding> findings_;
 };
 

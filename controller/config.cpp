@@ -380,7 +380,7 @@ class Parser {
     }
     constexpr std::string_view where = "[daemon]";
     check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
-                    "metrics_address", "health_interval", "audit_interval", "audit_action"},
+                    "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout"},
                where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
@@ -419,6 +419,15 @@ class Parser {
       d.health_interval = *every;
     if (auto every = get_duration(*t, "audit_interval", where, kMinCheckInterval, kMaxCheckInterval))
       d.audit_interval = *every;
+    if (auto bound = get_duration(*t, "liveness_timeout", where, kMinLivenessTimeout, kMaxLivenessTimeout)) {
+      // A few ticks at least: one slow tick must not fail the liveness probe.
+      if (*bound < 3 * std::chrono::duration_cast<std::chrono::microseconds>(d.reap_interval))
+        error_in(where, line_of(*t->get("liveness_timeout")),
+                 fmt::format("liveness_timeout \"{}\" must be at least 3 times reap_interval_ms ({} ms)",
+                             format_duration(*bound), d.reap_interval.count()));
+      else
+        d.liveness_timeout = *bound;
+    }
     if (auto action = get_string(*t, "audit_action", where)) {
       if (auto parsed = parse_audit_action(*action))
         d.audit_action = *parsed;

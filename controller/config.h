@@ -38,6 +38,9 @@ inline constexpr std::chrono::microseconds kMaxTimeSlice{200'000};
 // GPU health probe and bypass audit periods (docs/operations.md).
 inline constexpr std::chrono::microseconds kMinCheckInterval{10'000};
 inline constexpr std::chrono::microseconds kMaxCheckInterval{3'600'000'000};
+// /healthz: how old the daemon's heartbeat may be (docs/operations.md).
+inline constexpr std::chrono::microseconds kMinLivenessTimeout{1'000'000};
+inline constexpr std::chrono::microseconds kMaxLivenessTimeout{3'600'000'000};
 // Loopback only unless the operator says otherwise: the figures name tenants.
 inline constexpr std::string_view kDefaultMetricsAddress = "127.0.0.1:9410";
 
@@ -53,6 +56,7 @@ struct DaemonSettings {
   std::chrono::microseconds health_interval{5'000'000};  // `health_interval`: NVML health probe period
   std::chrono::microseconds audit_interval{10'000'000};  // `audit_interval`: NVML bypass audit period
   AuditAction audit_action = AuditAction::kReport;       // `audit_action`: report, deny, terminate
+  std::chrono::microseconds liveness_timeout{30'000'000};  // `liveness_timeout`: /healthz fails past this
 };
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.
@@ -112,7 +116,8 @@ struct ConfigResult {
 };
 
 // Parses `text` (named `source` in messages) against the GPUs of the node.
-// `prior` (may be null): running tenants' current placement, kept where the
+// `prior` (may be null): tenants' current placement (running ones from their
+// ledgers, idle ones from placement.json), kept where the
 // config still allows (placement.h).
 ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
                           const PriorPlacement* prior = nullptr);

@@ -132,8 +132,11 @@ bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const Nod
 // opens and closes every ledger and the pid file. Closing them drops every
 // record lock this process holds on them, so that is only for a process that
 // holds none yet (--check, start before the pid-file lock); see metrics.h.
-// Parses twice when tenants already run: the first pass only finds run_dir.
-ConfigResult load_placed(const std::string& path, const Discovery& discovery, const PriorPlacement* running) {
+// Idle tenants are kept where <run_dir>/placement.json says they were.
+// Parses twice when there is a prior placement: the first pass only finds
+// run_dir. *moved: a warning per running tenant that the result moves.
+ConfigResult load_placed(const std::string& path, const Discovery& discovery, const PriorPlacement* running,
+                         std::vector<std::string>* moved) {
   ConfigResult result = load_config(path, discovery.gpus);
   if (!result.ok()) return result;
   PriorPlacement prior;
@@ -145,8 +148,17 @@ ConfigResult load_placed(const std::string& path, const Discovery& discovery, co
     if (!report) return result;  // no run dir yet: nothing runs
     prior = prior_placement_from(*report);
   }
+  add_recorded_placement(result.config->daemon.run_dir, &prior);
   if (prior.empty()) return result;
-  return load_config(path, discovery.gpus, &prior);
+  result = load_config(path, discovery.gpus, &prior);
+  if (result.ok()) {
+    std::map<std::string, std::vector<std::string>> now;
+    for (const Tenant& tenant : result.config->tenants)
+      for (const Grant& grant : tenant.grants)
+        if (grant.share_ppm > 0) now[tenant.name].push_back(result.config->gpus[grant.gpu].uuid);
+    *moved = running_tenants_moved(prior, now);
+  }
+  return result;
 }
 
 void block_daemon_signals() {
@@ -156,14 +168,16 @@ void block_daemon_signals() {
 
 int check_config(const DaemonOptions& options) {
   const Discovery discovery = discover_gpus(options.cuda_library.c_str(), options.nvml_library.c_str());
-  const ConfigResult result = load_placed(options.config_path, discovery, nullptr);
+  std::vector<std::string> moved;
+  const ConfigResult result = load_placed(options.config_path, discovery, nullptr, &moved);
   if (!result.ok()) {
     print_errors(result, discovery);
     return kExitCheckFailed;
   }
+  for (const std::string& warning : moved) fmt::print(stderr, "warning: {}\n", warning);
   const NodeConfig& config = *result.config;
   fmt::print("{}: valid ({} GPU(s), {} tenant(s))\nplacement policy: {} (each grant says why: devices, kept, "
-             "policy or memory)\n",
+             "unchanged, policy or memory)\n",
              options.config_path, config.gpus.size(), config.tenants.size(),
              placement_policy_name(config.daemon.placement));
   for (const Tenant& tenant : config.tenants)
@@ -201,7 +215,9 @@ int Daemon::start() {
   for (const DiscoveredGpu& gpu : discovery_.gpus)
     log_->info("found GPU {} {} ({}, {}, {} SMs)", gpu.index, gpu.uuid, gpu.name, format_size(gpu.memory_bytes),
                gpu.sm_count);
-  if (discovery_.nvml)
+  if (discovery_.nvml && discovery_.gpus.empty())
+    log_->info("NVML: no GPU on this node{}", discovery_.nvml_problem.empty() ? "" : "; " + discovery_.nvml_problem);
+  else if (discovery_.nvml)
     log_->info("NVML: GPUs listed by NVML{}", discovery_.nvml_problem.empty() ? "" : "; " + discovery_.nvml_problem);
   else
     log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
@@ -216,9 +232,16 @@ int Daemon::start() {
 }
 
 ConfigResult Daemon::load_placed_config() const {
-  if (pid_fd_ < 0) return load_placed(options_.config_path, discovery_, nullptr);  // start: no lock held yet
-  const PriorPlacement running = running_placement();
-  return load_placed(options_.config_path, discovery_, &running);
+  std::vector<std::string> moved;
+  ConfigResult result;
+  if (pid_fd_ < 0) {
+    result = load_placed(options_.config_path, discovery_, nullptr, &moved);  // start: no lock held yet
+  } else {
+    const PriorPlacement running = running_placement();
+    result = load_placed(options_.config_path, discovery_, &running, &moved);
+  }
+  for (const std::string& warning : moved) log_->warn("{}", warning);
+  return result;
 }
 
 // From the ledgers held open, never by re-opening them (see load_placed).
@@ -249,13 +272,18 @@ PriorPlacement Daemon::running_placement() const {
 void Daemon::record_placement(const NodeConfig& config) {
   PlacementRecord record;
   record.policy = placement_policy_name(config.daemon.placement);
-  for (const Tenant& tenant : config.tenants) record.why.emplace(tenant.name, placement_reason_name(tenant.placement));
+  for (const Tenant& tenant : config.tenants) {
+    record.why.emplace(tenant.name, placement_reason_name(tenant.placement));
+    for (const Grant& grant : tenant.grants)
+      if (grant.share_ppm > 0) record.grants[tenant.name].emplace_back(config.gpus[grant.gpu].uuid, grant.share_ppm);
+  }
   std::string error;
   if (!write_placement_record(config.daemon.run_dir, record, &error))
     log_->warn("{}; `fracgpu status` will not explain placement", error);
 }
 
 void Daemon::apply_metrics() {
+  metrics_.set_liveness_timeout(static_cast<uint64_t>(config_->daemon.liveness_timeout.count()) * 1000);
   const std::string& wanted = config_->daemon.metrics_address;
   if (wanted.empty()) {
     if (metrics_.running()) log_->info("metrics: endpoint {} stopped", metrics_.address());
@@ -554,6 +582,8 @@ void Daemon::reap(const std::string& name, OpenLedger& open) {
 
 void Daemon::tick() {
   const uint64_t now = monotonic_ns();
+  // First: if anything below hangs (an NVML call), /healthz sees this go stale.
+  metrics_.heartbeat(now);
   for (auto& [name, open] : ledgers_) {
     reap(name, open);
     ledger::record_host_pids(open.ledger);
@@ -572,7 +602,7 @@ void Daemon::start_gpu_checks() {
     nvml_ = Nvml::open(options_.nvml_library.c_str(), &problem);
     if (nvml_ == nullptr) log_->warn("{}; GPU health and bypass audit are off", problem);
   }
-  health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_);
+  health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_, config_->daemon.run_dir);
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
   next_health_ns_ = next_audit_ns_ = 0;  // both at the first tick
   if (nvml_ == nullptr) {
@@ -673,6 +703,11 @@ bool Daemon::reload() {
   }
   config_ = std::move(result.config);
   if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
+  // A shorter health or audit interval takes effect now, not after the old one.
+  const uint64_t now = monotonic_ns();
+  const auto ns = [](std::chrono::microseconds d) { return static_cast<uint64_t>(d.count()) * 1000; };
+  next_health_ns_ = std::min(next_health_ns_, now + ns(config_->daemon.health_interval));
+  next_audit_ns_ = std::min(next_audit_ns_, now + ns(config_->daemon.audit_interval));
   apply(*config_);
   apply_metrics();
   log_->info("reload applied: {} tenant(s)", config_->tenants.size());

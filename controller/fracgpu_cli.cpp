@@ -1,13 +1,25 @@
 // fracgpu: the operator's view of a node. `fracgpu status` reads every tenant
-// ledger read-only; it never changes anything. Exit codes are in status.h.
+// ledger read-only; it never changes anything. `fracgpu gpu clear` removes a
+// GPU's Xid fence (health.h), the one thing an operator must undo by hand.
+// Exit codes are in status.h.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <string>
+
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
+#include "health.h"
 #include "status.h"
+#include "uuid.h"
 
 namespace {
 
@@ -27,6 +39,49 @@ int status_command(const std::string& run_dir, bool json) {
   return report->all_ledgers_read() ? kStatusOk : kStatusBadLedger;
 }
 
+// The fenced GPU `which` names: a UUID ("GPU-..."), or a driver ordinal
+// looked up in the fences themselves (each records its GPU's index).
+int clear_command(const std::string& run_dir, const std::string& which) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(run_dir) / kFencesDirName;
+  std::string uuid;
+  std::string listed;  // the fences there are, for the error message
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!parse_gpu_uuid(name)) continue;  // a .tmp file, or something foreign
+    std::ifstream in(entry.path());
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const std::string index = j.is_object() && j.contains("index") ? j["index"].dump() : "?";
+    listed += fmt::format("{}{} (GPU {})", listed.empty() ? "" : ", ", name, index);
+    if (which == index) uuid = name;
+  }
+  const bool digits = !which.empty() && which.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits) {
+    const auto parsed = parse_gpu_uuid(which);
+    if (!parsed) {
+      fmt::print(stderr, "fracgpu: \"{}\" is neither a GPU index nor a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)\n",
+                 which);
+      return kStatusUsage;
+    }
+    uuid = format_gpu_uuid(*parsed);
+  }
+  const std::string path = uuid.empty() ? std::string() : xid_fence_path(run_dir, uuid);
+  if (uuid.empty() || ::unlink(path.c_str()) != 0) {
+    if (!uuid.empty() && errno != ENOENT) {
+      fmt::print(stderr, "fracgpu: cannot remove {}: {}\n", path, std::strerror(errno));
+      return kStatusNoRunDir;
+    }
+    fmt::print(stderr, "fracgpu: GPU {} has no Xid fence in {} (fenced: {})\n", which, dir.string(),
+               listed.empty() ? "none" : listed);
+    return kStatusNoFence;
+  }
+  fmt::print("cleared the Xid fence of {}: fracgpud accepts new processes there again after its next health probe, "
+             "unless the GPU is unhealthy for another reason\n",
+             uuid);
+  return kStatusOk;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"fracgpu: inspect fractional GPU sharing on this node"};
   app.require_subcommand(1);
@@ -36,6 +91,13 @@ int run(int argc, char** argv) {
   std::string run_dir = default_run_dir();
   status->add_flag("--json", json, "Print JSON (schema in docs/configuration.md)");
   status->add_option("--run-dir", run_dir, "fracgpud's run directory (default: $FRACGPU_RUN_DIR or /run/fracgpu)");
+  CLI::App* gpu = app.add_subcommand("gpu", "GPU actions");
+  gpu->require_subcommand(1);
+  CLI::App* clear = gpu->add_subcommand(
+      "clear", "Clear a GPU's Xid fence (after a critical Xid, once the GPU was dealt with)");
+  std::string which;
+  clear->add_option("gpu", which, "GPU index (driver ordinal) or UUID")->required();
+  clear->add_option("--run-dir", run_dir, "fracgpud's run directory (default: $FRACGPU_RUN_DIR or /run/fracgpu)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -44,6 +106,7 @@ int run(int argc, char** argv) {
     app.exit(e);
     return kStatusUsage;
   }
+  if (clear->parsed()) return clear_command(run_dir, which);
   return status_command(run_dir, json);
 }
 

@@ -7,15 +7,19 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "placement.h"
+
 namespace fracgpu::controller {
 
-HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log)
-    : nvml_(nvml), log_(log) {
+HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log,
+                             std::string run_dir)
+    : nvml_(nvml), run_dir_(std::move(run_dir)), log_(log) {
   const uint64_t now = static_cast<uint64_t>(time(nullptr));
   for (const DiscoveredGpu& g : gpus) {
     GpuHealth h;
@@ -27,7 +31,18 @@ HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus,
   handles_.assign(gpus_.size(), nullptr);
   registered_.assign(gpus_.size(), false);
   sticky_xid_.assign(gpus_.size(), std::string());
+  fenced_on_disk_.assign(gpus_.size(), false);
   if (nvml_ == nullptr) return;
+  // Fences left by an earlier daemon: the GPU stays unhealthy until cleared.
+  for (size_t i = 0; i < gpus_.size() && !run_dir_.empty(); ++i) {
+    const std::optional<XidFence> f = read_xid_fence(xid_fence_path(run_dir_, gpus_[i].uuid));
+    if (!f) continue;
+    fenced_on_disk_[i] = true;
+    gpus_[i].last_xid = f->xid;
+    sticky_xid_[i] = fmt::format("{} (fenced since {}; clear with `fracgpu gpu clear {}`)", f->why, f->since_unix,
+                                 gpus_[i].uuid);
+    log_.warn("health: GPU {} ({}) stays fenced: {}", gpus_[i].index, gpus_[i].uuid, sticky_xid_[i]);
+  }
   const Nvml::Api& api = nvml_->api();
   if (api.event_set_create == nullptr || api.register_events == nullptr || api.event_wait == nullptr) {
     log_.warn("health: this NVML has no event API: Xid errors are not watched");
@@ -62,10 +77,36 @@ void HealthMonitor::drain_xid_events() {
       if (kApplicationXids.contains(data.eventData)) {
         log_.info("health: GPU {} ({}): Xid {} (an application fault, not the GPU's: ignored)", g.index, g.uuid,
                   data.eventData);
-      } else {
-        sticky_xid_[i] = fmt::format("critical Xid {} reported by NVML", data.eventData);
+      } else if (sticky_xid_[i].empty()) {
+        fence(i, data.eventData);
       }
     }
+  }
+}
+
+void HealthMonitor::fence(size_t i, uint64_t xid) {
+  GpuHealth& g = gpus_[i];
+  const XidFence f{xid, fmt::format("critical Xid {} reported by NVML", xid), static_cast<uint64_t>(time(nullptr))};
+  sticky_xid_[i] = f.why;
+  if (run_dir_.empty()) return;
+  std::string error;
+  if (write_xid_fence(run_dir_, g, f, &error)) {
+    fenced_on_disk_[i] = true;
+    sticky_xid_[i] += fmt::format(" (clear with `fracgpu gpu clear {}`)", g.uuid);
+  } else {
+    log_.error("health: GPU {} ({}): {}; its Xid fence lasts only until fracgpud restarts", g.index, g.uuid, error);
+  }
+}
+
+// A fence whose file is gone was cleared by the operator.
+void HealthMonitor::check_fences_cleared() {
+  for (size_t i = 0; i < gpus_.size(); ++i) {
+    if (!fenced_on_disk_[i] || sticky_xid_[i].empty()) continue;
+    struct stat st {};
+    if (stat(xid_fence_path(run_dir_, gpus_[i].uuid).c_str(), &st) == 0 || errno != ENOENT) continue;
+    fenced_on_disk_[i] = false;
+    sticky_xid_[i].clear();
+    log_.info("health: GPU {} ({}): Xid fence cleared by the operator", gpus_[i].index, gpus_[i].uuid);
   }
 }
 
@@ -124,6 +165,7 @@ HealthMonitor::Probe HealthMonitor::probe_one(GpuHealth& gpu, nvmlDevice_t* hand
 
 bool HealthMonitor::probe() {
   if (nvml_ == nullptr) return false;
+  check_fences_cleared();
   drain_xid_events();
   bool changed = false;
   const uint64_t now = static_cast<uint64_t>(time(nullptr));
@@ -204,24 +246,39 @@ std::string node_checks_json(const NodeChecks& checks) {
 }
 
 bool write_node_checks(const std::string& run_dir, const NodeChecks& checks, std::string* error) {
-  const std::string path = run_dir + "/" + kHealthFileName;
-  const std::string tmp = path + ".tmp";
-  const std::string text = node_checks_json(checks);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out.flush()) {
-      *error = fmt::format("cannot write {}: {}", tmp, strerror(errno));
-      return false;
-    }
+  return write_file_atomically(run_dir + "/" + kHealthFileName, node_checks_json(checks), error);
+}
+
+std::string xid_fence_path(const std::string& run_dir, const std::string& uuid) {
+  return fmt::format("{}/{}/{}", run_dir, kFencesDirName, uuid);
+}
+
+std::optional<XidFence> read_xid_fence(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  XidFence fence;
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) {
+    // Damaged or hand-made: still a fence (failing safe), with what is known.
+    fence.why = fmt::format("Xid fence {} (unreadable contents)", path);
+    return fence;
   }
-  chmod(tmp.c_str(), 0644);
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    *error = fmt::format("cannot rename {} to {}: {}", tmp, path, strerror(errno));
-    unlink(tmp.c_str());
-    return false;
-  }
-  return true;
+  fence.xid = j.value("xid", uint64_t{0});
+  fence.why = j.value("why", std::string("critical Xid"));
+  fence.since_unix = j.value("since_unix", uint64_t{0});
+  return fence;
+}
+
+bool write_xid_fence(const std::string& run_dir, const GpuHealth& gpu, const XidFence& fence, std::string* error) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(run_dir) / kFencesDirName, ec);
+  nlohmann::ordered_json j;
+  j["uuid"] = gpu.uuid;
+  j["index"] = gpu.index;
+  j["xid"] = fence.xid;
+  j["why"] = fence.why;
+  j["since_unix"] = fence.since_unix;
+  return write_file_atomically(xid_fence_path(run_dir, gpu.uuid), j.dump(2) + "\n", error);
 }
 
 }  // namespace fracgpu::controller

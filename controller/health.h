@@ -1,12 +1,14 @@
 // GPU liveness, probed through NVML by fracgpud every [daemon] health_interval
 // (docs/operations.md). A GPU is unhealthy while NVML cannot reach it, its
 // temperature or power cannot be read, or its volatile uncorrected ECC counter
-// is above zero; and from a critical Xid on, until fracgpud restarts. The
-// daemon turns an unhealthy GPU into GpuPolicy::unavailable in every tenant
+// is above zero; and from a critical Xid on, until an operator clears the
+// GPU's fence (`fracgpu gpu clear`): the fence is a file under the run dir, so
+// it outlives daemon restarts. The daemon turns an unhealthy GPU into GpuPolicy::unavailable in every tenant
 // ledger that has it, so new processes are refused at cuInit.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -41,11 +43,27 @@ struct GpuHealth {
   uint64_t last_xid = 0;
 };
 
+// A critical Xid fences its GPU: <run_dir>/fences/<GPU UUID>, a small JSON
+// file (uuid, index, xid, why, since_unix) written when the Xid is seen. A
+// starting daemon reads it back, so the GPU stays unhealthy across restarts
+// and crashes; removing the file (`fracgpu gpu clear`) clears the fence at
+// the next probe.
+inline constexpr const char* kFencesDirName = "fences";
+struct XidFence {
+  uint64_t xid = 0;
+  std::string why;
+  uint64_t since_unix = 0;
+};
+std::string xid_fence_path(const std::string& run_dir, const std::string& uuid);
+// nullopt when there is no fence; a file that cannot be parsed still fences.
+std::optional<XidFence> read_xid_fence(const std::string& path);
+
 class HealthMonitor {
  public:
   // `nvml` may be null (no NVML): then every GPU stays healthy and
-  // probe() does nothing; available() says so.
-  HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log);
+  // probe() does nothing; available() says so. `run_dir`: where Xid fences
+  // live (empty: not persisted, as before).
+  HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log, std::string run_dir = {});
   ~HealthMonitor();
   HealthMonitor(const HealthMonitor&) = delete;
   HealthMonitor& operator=(const HealthMonitor&) = delete;
@@ -65,14 +83,18 @@ class HealthMonitor {
   };
   Probe probe_one(GpuHealth& gpu, nvmlDevice_t* handle);
   void drain_xid_events();
+  void fence(size_t i, uint64_t xid);
+  void check_fences_cleared();
 
   Nvml* nvml_;
+  std::string run_dir_;
   spdlog::logger& log_;
   std::vector<GpuHealth> gpus_;
   std::vector<nvmlDevice_t> handles_;  // parallel to gpus_; null until found
   std::vector<bool> registered_;       // Xid events registered for the GPU
   nvmlEventSet_t events_ = nullptr;
   std::vector<std::string> sticky_xid_;  // parallel to gpus_: why, once a critical Xid was seen
+  std::vector<bool> fenced_on_disk_;     // parallel to gpus_: its fence file exists (so removing it clears)
 };
 
 // What fracgpud last found, written to <run_dir>/health.json after every probe
@@ -91,5 +113,6 @@ struct NodeChecks {
 const char* unavailable_reason_name(ledger::GpuUnavailableReason reason);  // "lost", "xid", ...
 std::string node_checks_json(const NodeChecks& checks);
 bool write_node_checks(const std::string& run_dir, const NodeChecks& checks, std::string* error);
+bool write_xid_fence(const std::string& run_dir, const GpuHealth& gpu, const XidFence& fence, std::string* error);
 
 }  // namespace fracgpu::controller

@@ -11,6 +11,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <sys/socket.h>
@@ -18,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "ledger.h"
 #include "status.h"
 
 namespace fracgpu::controller {
@@ -125,6 +127,10 @@ std::string render_metrics(const StatusReport& report) {
   Exposition m;
   m.describe("fracgpu_daemon_up", "gauge", "1 if fracgpud's heartbeat is fresh");
   m.describe("fracgpu_gpu_healthy", "gauge", "1 if fracgpud's last NVML health probe found the GPU healthy");
+  m.describe("fracgpu_gpu_unhealthy_reason", "gauge",
+             "1 for an unhealthy GPU, labelled with why (lost, xid, ecc, sensors); absent while healthy");
+  m.describe("fracgpu_audit_uncharged_processes", "gauge",
+             "Processes the bypass audit finds using the GPU without being charged to any tenant");
   m.describe("fracgpu_tenant_ledger_readable", "gauge", "1 if the tenant's ledger could be read (else see fracgpu status)");
   m.describe("fracgpu_tenant_processes", "gauge", "Processes attached to the tenant's ledger and still running");
   m.describe("fracgpu_grant_revoked", "gauge", "1 if the tenant's grant on this GPU is revoked (new charges refused)");
@@ -145,8 +151,18 @@ std::string render_metrics(const StatusReport& report) {
       if (!g.is_object() || !g.contains("uuid") || !g["uuid"].is_string() || !g.contains("healthy") ||
           !g["healthy"].is_boolean())
         continue;
-      m.sample("fracgpu_gpu_healthy", fmt::format("gpu=\"{}\"", escape(g["uuid"].get<std::string>())),
-               uint64_t{g["healthy"].get<bool>() ? 1u : 0u});
+      const std::string gpu = fmt::format("gpu=\"{}\"", escape(g["uuid"].get<std::string>()));
+      m.sample("fracgpu_gpu_healthy", gpu, uint64_t{g["healthy"].get<bool>() ? 1u : 0u});
+      if (!g["healthy"].get<bool>() && g.contains("reason") && g["reason"].is_string())
+        m.sample("fracgpu_gpu_unhealthy_reason",
+                 fmt::format("{},reason=\"{}\"", gpu, escape(g["reason"].get<std::string>())), uint64_t{1});
+      uint64_t uncharged = 0;
+      const nlohmann::json& audit = *report.gpu_health;
+      if (audit.contains("audit") && audit["audit"].is_object() && audit["audit"].contains("findings") &&
+          audit["audit"]["findings"].is_array())
+        for (const auto& f : audit["audit"]["findings"])
+          if (f.is_object() && f.value("gpu_uuid", std::string()) == g["uuid"].get<std::string>()) ++uncharged;
+      m.sample("fracgpu_audit_uncharged_processes", gpu, uncharged);
     }
   }
   for (const TenantStatus& t : report.tenants) {
@@ -181,9 +197,43 @@ std::string render_metrics(const StatusReport& report) {
   return m.text();
 }
 
+MetricsServer::Shared* MetricsServer::shared() {
+  if (shared_ == nullptr) {
+    void* page = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (page == MAP_FAILED) return nullptr;  // /healthz then says so
+    shared_ = new (page) Shared();
+  }
+  return shared_;
+}
+
+void MetricsServer::heartbeat(uint64_t now_ns) {
+  if (Shared* s = shared()) s->heartbeat_ns.store(now_ns, std::memory_order_release);
+}
+
+void MetricsServer::set_liveness_timeout(uint64_t ns) {
+  if (Shared* s = shared()) s->liveness_timeout_ns.store(ns, std::memory_order_release);
+}
+
+// In the child: the daemon's heartbeat age against the bound.
+std::string MetricsServer::healthz() const {
+  if (shared_ == nullptr)
+    return http_response("503 Service Unavailable", "text/plain", "no heartbeat page (mmap failed at start)\n");
+  const uint64_t beat = shared_->heartbeat_ns.load(std::memory_order_acquire);
+  const uint64_t bound = shared_->liveness_timeout_ns.load(std::memory_order_acquire);
+  const uint64_t now = ledger::monotonic_ns();
+  if (beat == 0) return http_response("503 Service Unavailable", "text/plain", "fracgpud: no heartbeat yet\n");
+  const uint64_t age_ms = now > beat ? (now - beat) / 1'000'000 : 0;
+  if (now > beat && now - beat > bound)
+    return http_response("503 Service Unavailable", "text/plain",
+                         fmt::format("fracgpud: main loop stalled: last heartbeat {} ms ago (bound {} ms)\n", age_ms,
+                                     bound / 1'000'000));
+  return http_response("200 OK", "text/plain", fmt::format("ok: last heartbeat {} ms ago\n", age_ms));
+}
+
 bool MetricsServer::start(const HostPort& address, std::string run_dir, std::shared_ptr<spdlog::logger> log,
                           std::string* error) {
   stop();
+  shared();  // before the fork, so the child shares it
   run_dir_ = std::move(run_dir);
   log_ = std::move(log);
   address_ = format_host_port(address);
@@ -315,10 +365,12 @@ void MetricsServer::handle(int client) {
       response = http_response("200 OK", "text/plain; version=0.0.4; charset=utf-8", render_metrics(*report));
     else
       response = http_response("503 Service Unavailable", "text/plain", error + "\n");
+  } else if (path == "/healthz") {
+    response = healthz();
   } else if (path == "/") {
-    response = http_response("200 OK", "text/plain", "fracgpud: metrics at /metrics\n");
+    response = http_response("200 OK", "text/plain", "fracgpud: metrics at /metrics, liveness at /healthz\n");
   } else {
-    response = http_response("404 Not Found", "text/plain", "not found; metrics at /metrics\n");
+    response = http_response("404 Not Found", "text/plain", "not found; metrics at /metrics, liveness at /healthz\n");
   }
   if (method == "HEAD") response = response.substr(0, response.find("\r\n\r\n") + 4);
   if (!send_all(client, response)) log_->debug("metrics: client went away: {}", std::strerror(errno));

@@ -10,8 +10,16 @@
 // the reaper holds a dead slot's lock, let a new process claim the slot
 // under it. A child holds no locks, so its closes cost nothing. It also keeps
 // a slow client or a slow scrape away from the reaping loop. The child dies
-// with the daemon (PR_SET_PDEATHSIG) and shares no state with it: it reads the
+// with the daemon (PR_SET_PDEATHSIG) and shares no state with it but one
+// page: the daemon's heartbeat, for /healthz (below). Otherwise it reads the
 // run dir read-only, exactly as the CLI does.
+//
+// /healthz: 200 while the daemon's main loop has stored a heartbeat (every
+// tick) within the configured bound ([daemon] liveness_timeout), 503 with the
+// heartbeat's age otherwise. /metrics is served by the child even while the
+// daemon hangs (in an NVML call, say), so a liveness probe must use /healthz.
+// The heartbeat lives in a MAP_SHARED anonymous page made before the first
+// fork, so every child (a restarted endpoint too) sees the daemon's stores.
 #pragma once
 
 #include <atomic>
@@ -60,6 +68,11 @@ class MetricsServer {
   // Reaps the child if it died (it should not); true and *why if it did.
   bool died(std::string* why);
 
+  // The daemon's loop calls this every tick (CLOCK_MONOTONIC ns); and sets
+  // how old a heartbeat may be before /healthz answers 503. Work before start().
+  void heartbeat(uint64_t now_ns);
+  void set_liveness_timeout(uint64_t ns);
+
   bool running() const { return child_ > 0; }
   uint16_t port() const { return port_; }  // the bound port (useful with port 0)
   const std::string& address() const { return address_; }  // format_host_port() of the bound address
@@ -67,6 +80,15 @@ class MetricsServer {
  private:
   [[noreturn]] void serve();
   void handle(int client);
+  std::string healthz() const;
+
+  // Shared with the children (MAP_SHARED | MAP_ANONYMOUS), made on first use.
+  struct Shared {
+    std::atomic<uint64_t> heartbeat_ns{0};
+    std::atomic<uint64_t> liveness_timeout_ns{30'000'000'000ull};
+  };
+  Shared* shared();
+  Shared* shared_ = nullptr;
 
   std::string run_dir_;
   std::shared_ptr<spdlog::logger> log_;

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -19,17 +20,23 @@
 namespace fracgpu::controller {
 namespace {
 
+bool is_running(const std::vector<PriorGrant>& grants) {
+  return std::any_of(grants.begin(), grants.end(), [](const PriorGrant& g) { return g.running; });
+}
+
 // The GPU a piece goes to under `policy`, among usable GPUs with room that
-// the tenant does not already hold; nullopt if none. Ties: the first listed.
+// the tenant does not already hold; nullopt if none. A GPU in `preferred`
+// (the tenant had it before) wins over any other. Ties: the first listed.
 std::optional<size_t> choose(PlacementPolicy policy, const std::vector<PlacementGpu>& gpus,
-                             const std::vector<bool>& held, uint32_t piece) {
+                             const std::vector<bool>& held, const std::vector<bool>& preferred, uint32_t piece) {
   std::optional<size_t> best;
   for (size_t g = 0; g < gpus.size(); ++g) {
     if (!gpus[g].usable || held[g] || gpus[g].free_ppm < piece) continue;
-    if (!best) {
+    if (!best || (preferred[g] && !preferred[*best])) {
       best = g;
       continue;
     }
+    if (preferred[*best] && !preferred[g]) continue;
     const uint32_t here = gpus[g].free_ppm;
     const uint32_t there = gpus[*best].free_ppm;
     // Strictly better only: equal room keeps the earlier GPU.
@@ -80,6 +87,7 @@ std::string_view placement_reason_name(PlacementReason reason) {
     case PlacementReason::kPinned: return "devices";
     case PlacementReason::kKept: return "kept";
     case PlacementReason::kPolicy: return "policy";
+    case PlacementReason::kUnchanged: return "unchanged";
   }
   return "policy";
 }
@@ -106,42 +114,120 @@ PriorPlacement prior_placement_from(const StatusReport& report) {
   return prior;
 }
 
-std::vector<PlacementResult> place_automatic(PlacementPolicy policy, std::vector<PlacementGpu>& gpus,
-                                             const std::vector<PlacementAsk>& asks, const PriorPlacement* prior) {
+void add_recorded_placement(const std::string& run_dir, PriorPlacement* prior) {
+  const std::optional<PlacementRecord> record = read_placement_record(run_dir);
+  if (!record) return;
+  for (const auto& [name, grants] : record->grants) {
+    if (prior->contains(name)) continue;  // running: its ledger is what counts
+    std::vector<PriorGrant> idle;
+    for (const auto& [uuid_text, share] : grants)
+      if (auto uuid = parse_gpu_uuid(uuid_text); uuid && share > 0) idle.push_back({*uuid, share, false});
+    if (!idle.empty()) prior->emplace(name, std::move(idle));
+  }
+}
+
+std::vector<std::string> running_tenants_moved(const PriorPlacement& prior,
+                                               const std::map<std::string, std::vector<std::string>>& now) {
+  std::vector<std::string> out;
+  for (const auto& [name, grants] : prior) {
+    if (!is_running(grants)) continue;
+    const auto it = now.find(name);
+    std::vector<std::string> left;
+    for (const PriorGrant& g : grants) {
+      const std::string uuid = format_gpu_uuid(g.uuid);
+      if (it == now.end() || std::find(it->second.begin(), it->second.end(), uuid) == it->second.end())
+        left.push_back(uuid);
+    }
+    if (left.empty() || it == now.end()) continue;  // not moved, or no longer placed automatically
+    std::string to;
+    for (const std::string& uuid : it->second) to += (to.empty() ? "" : ", ") + uuid;
+    std::string from;
+    for (const std::string& uuid : left) from += (from.empty() ? "" : ", ") + uuid;
+    out.push_back(fmt::format("placement: tenant \"{}\" has running processes on {} but is now placed on {} (its "
+                              "`gpus` changed, or the GPU has no room): allocations made there are no longer under "
+                              "its quota; restart its processes",
+                              name, from, to));
+  }
+  return out;
+}
+
+namespace {
+
+// One placement attempt; with !keep_idle, idle tenants are not kept (they
+// may still land on a GPU they had, by preference).
+std::vector<PlacementResult> place_once(PlacementPolicy policy, std::vector<PlacementGpu>& gpus,
+                                        const std::vector<PlacementAsk>& asks, const PriorPlacement* prior,
+                                        bool keep_idle) {
   std::vector<PlacementResult> results(asks.size());
-  // Kept first: a tenant listed earlier (or new) must not take the GPU a
-  // running tenant is on.
-  if (prior != nullptr) {
+  const auto prior_of = [&](size_t i) -> const std::vector<PriorGrant>* {
+    if (prior == nullptr) return nullptr;
+    const auto it = prior->find(asks[i].name);
+    return it == prior->end() ? nullptr : &it->second;
+  };
+  // Kept first, running tenants before idle ones: a tenant listed earlier (or
+  // new) must not take the GPU a running tenant, then an idle one, is on.
+  for (const bool running : {true, false}) {
+    if (!running && !keep_idle) break;
     for (size_t i = 0; i < asks.size(); ++i) {
-      const auto it = prior->find(asks[i].name);
-      if (it == prior->end()) continue;
-      auto kept = keepable(gpus, it->second, pieces_of(asks[i].gpus_ppm));
+      const std::vector<PriorGrant>* p = prior_of(i);
+      if (p == nullptr || results[i].placed || is_running(*p) != running) continue;
+      auto kept = keepable(gpus, *p, pieces_of(asks[i].gpus_ppm));
       if (!kept) continue;
       for (const auto& [g, share] : *kept) gpus[g].free_ppm -= share;
-      results[i] = {true, PlacementReason::kKept, std::move(*kept), 0};
+      results[i] = {true, running ? PlacementReason::kKept : PlacementReason::kUnchanged, std::move(*kept), 0};
     }
   }
-  for (size_t i = 0; i < asks.size(); ++i) {
-    PlacementResult& r = results[i];
-    if (r.placed) continue;
-    std::vector<bool> held(gpus.size(), false);
-    for (uint32_t piece : pieces_of(asks[i].gpus_ppm)) {
-      const std::optional<size_t> g = choose(policy, gpus, held, piece);
-      if (!g) {
-        r.failed_piece = piece;
-        break;
+  // The rest by the policy: running tenants (resized, or their GPU gone)
+  // first, then the others, each in config order.
+  for (const bool running : {true, false}) {
+    for (size_t i = 0; i < asks.size(); ++i) {
+      PlacementResult& r = results[i];
+      const std::vector<PriorGrant>* p = prior_of(i);
+      if (r.placed || r.failed_piece != 0 || (p != nullptr && is_running(*p)) != running) continue;
+      std::vector<bool> held(gpus.size(), false), preferred(gpus.size(), false);
+      // An idle tenant dropped for room (!keep_idle) gets no preference either.
+      if (p != nullptr && (keep_idle || running))
+        for (const PriorGrant& grant : *p)
+          for (size_t g = 0; g < gpus.size(); ++g) preferred[g] = preferred[g] || gpus[g].uuid == grant.uuid;
+      for (uint32_t piece : pieces_of(asks[i].gpus_ppm)) {
+        const std::optional<size_t> g = choose(policy, gpus, held, preferred, piece);
+        if (!g) {
+          r.failed_piece = piece;
+          break;
+        }
+        held[*g] = true;
+        gpus[*g].free_ppm -= piece;
+        r.grants.emplace_back(*g, piece);
       }
-      held[*g] = true;
-      gpus[*g].free_ppm -= piece;
-      r.grants.emplace_back(*g, piece);
-    }
-    r.placed = r.failed_piece == 0;
-    if (!r.placed) {
-      for (const auto& [g, share] : r.grants) gpus[g].free_ppm += share;
-      r.grants.clear();
+      r.placed = r.failed_piece == 0;
+      if (!r.placed) {
+        for (const auto& [g, share] : r.grants) gpus[g].free_ppm += share;
+        r.grants.clear();
+      }
     }
   }
   return results;
+}
+
+}  // namespace
+
+std::vector<PlacementResult> place_automatic(PlacementPolicy policy, std::vector<PlacementGpu>& gpus,
+                                             const std::vector<PlacementAsk>& asks, const PriorPlacement* prior) {
+  const std::vector<PlacementGpu> before = gpus;
+  std::vector<PlacementResult> results = place_once(policy, gpus, asks, prior, /*keep_idle=*/true);
+  const auto all_placed = [](const std::vector<PlacementResult>& rs) {
+    return std::all_of(rs.begin(), rs.end(), [](const PlacementResult& r) { return r.placed; });
+  };
+  const bool kept_idle = std::any_of(results.begin(), results.end(),
+                                     [](const PlacementResult& r) { return r.reason == PlacementReason::kUnchanged; });
+  if (all_placed(results) || !kept_idle) return results;
+  // Keeping idle tenants in place left someone without room: give stability
+  // up for them rather than refuse the config.
+  std::vector<PlacementGpu> again = before;
+  std::vector<PlacementResult> retry = place_once(policy, again, asks, prior, /*keep_idle=*/false);
+  if (!all_placed(retry)) return results;
+  gpus = std::move(again);
+  return retry;
 }
 
 bool write_placement_record(const std::string& run_dir, const PlacementRecord& record, std::string* error) {
@@ -149,14 +235,23 @@ bool write_placement_record(const std::string& run_dir, const PlacementRecord& r
   j["policy"] = record.policy;
   j["tenants"] = nlohmann::ordered_json::object();
   for (const auto& [name, why] : record.why) j["tenants"][name] = why;
-  const std::string path = (std::filesystem::path(run_dir) / kPlacementFileName).string();
+  j["grants"] = nlohmann::ordered_json::object();
+  for (const auto& [name, grants] : record.grants) {
+    auto& list = j["grants"][name] = nlohmann::ordered_json::array();
+    for (const auto& [uuid, share] : grants) list.push_back({{"uuid", uuid}, {"share_ppm", share}});
+  }
+  return write_file_atomically((std::filesystem::path(run_dir) / kPlacementFileName).string(), j.dump(2) + "\n",
+                               error);
+}
+
+bool write_file_atomically(const std::string& path, std::string_view text, std::string* error) {
   const std::string tmp = path + ".tmp";
-  const std::string text = j.dump(2) + "\n";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
     *error = fmt::format("cannot write {}: {}", tmp, std::strerror(errno));
     return false;
   }
+  fchmod(fd, 0644);  // whatever the umask: readers (the CLI, the metrics child) need it
   const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   const int write_errno = errno;
   ::close(fd);
@@ -179,6 +274,16 @@ std::optional<PlacementRecord> read_placement_record(const std::string& run_dir)
   if (j.contains("tenants") && j["tenants"].is_object())
     for (const auto& [name, why] : j["tenants"].items())
       if (why.is_string()) record.why.emplace(name, why.get<std::string>());
+  // Older daemons wrote no "grants": their idle tenants are placed afresh once.
+  if (j.contains("grants") && j["grants"].is_object())
+    for (const auto& [name, list] : j["grants"].items()) {
+      if (!list.is_array()) continue;
+      auto& grants = record.grants[name];
+      for (const auto& g : list)
+        if (g.is_object() && g.contains("uuid") && g["uuid"].is_string() && g.contains("share_ppm") &&
+            g["share_ppm"].is_number_unsigned() && g["share_ppm"].get<uint64_t>() <= kPpmPerGpu)
+          grants.emplace_back(g["uuid"].get<std::string>(), g["share_ppm"].get<uint32_t>());
+    }
   return record;
 }
 

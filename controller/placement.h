@@ -10,7 +10,13 @@
 //      binds with the same shares, and those GPUs still have room. Moving a
 //      running tenant would strand its allocations on the old GPU (the new
 //      quota is elsewhere), so a restart or reload never does that;
-//   3. everyone else, in config order, by the policy (bundle or spread).
+//   3. tenants "unchanged": no live process, but the same shares as the last
+//      placement (placement.json) and those GPUs still have room. Their pods
+//      are pinned to those GPUs (NVIDIA_VISIBLE_DEVICES), so they stay too;
+//   4. everyone else, in config order, by the policy (bundle or spread),
+//      running tenants first; a piece prefers a GPU the tenant had before.
+// If step 3 leaves a tenant that cannot be placed, placement is redone
+// without it (idle tenants may then move; running ones still do not).
 // Every step is deterministic: ties go to the GPU listed first in the config.
 #pragma once
 
@@ -46,23 +52,35 @@ enum class PlacementReason {
   kPinned,      // `devices` names them
   kKept,        // kept from before: it has live processes there (see above)
   kPolicy,      // chosen by the placement policy
+  kUnchanged,   // kept from the last placement: idle, same shares (see above)
 };
 std::string_view placement_reason_name(PlacementReason reason);
 
 // Splits `gpus` (ppm) into pieces of at most one GPU: 2.5 -> 1, 1, 0.5.
 std::vector<uint32_t> pieces_of(uint64_t gpus_ppm);
 
-// A tenant's fractional grants as its ledger holds them now.
+// A tenant's fractional grants as its ledger (running tenants) or the last
+// placement record (idle ones) holds them.
 struct PriorGrant {
   GpuUuid uuid{};
   uint32_t share_ppm = 0;
+  bool running = true;  // the tenant has live processes; the same for all its grants
 };
-// Tenants with live processes, by name, and the shares their ledger grants.
+// Prior grants by tenant name.
 using PriorPlacement = std::map<std::string, std::vector<PriorGrant>, std::less<>>;
 
 // The prior placement seen in a status snapshot: for each readable tenant
 // with at least one running process, its granted entries with a share.
 PriorPlacement prior_placement_from(const StatusReport& report);
+
+// Adds the grants <run_dir>/placement.json records for tenants not already in
+// `prior`, as idle (running = false). Nothing if the file is absent or older.
+void add_recorded_placement(const std::string& run_dir, PriorPlacement* prior);
+
+// Warnings for running tenants in `prior` that `now` (tenant -> GPU UUIDs it
+// is granted, "GPU-..." text) no longer places on a GPU they run on.
+std::vector<std::string> running_tenants_moved(const PriorPlacement& prior,
+                                               const std::map<std::string, std::vector<std::string>>& now);
 
 // One configured GPU as placement sees it.
 struct PlacementGpu {
@@ -85,8 +103,9 @@ struct PlacementResult {
 
 // Places `asks` (config order) on `gpus`, consuming their free capacity.
 // Tenants in `prior` (may be null) whose pieces match their prior shares
-// exactly and still fit are kept first; the rest follow `policy`. A tenant
-// that cannot be placed whole gets nothing (its partial pieces are given back).
+// exactly and still fit are kept first (running ones before idle ones); the
+// rest follow `policy`, preferring GPUs they had. A tenant that cannot be
+// placed whole gets nothing (its partial pieces are given back).
 std::vector<PlacementResult> place_automatic(PlacementPolicy policy, std::vector<PlacementGpu>& gpus,
                                              const std::vector<PlacementAsk>& asks, const PriorPlacement* prior);
 
@@ -98,7 +117,15 @@ inline constexpr const char* kPlacementFileName = "placement.json";
 struct PlacementRecord {
   std::string policy;                                    // "bundle" or "spread"
   std::map<std::string, std::string, std::less<>> why;  // tenant -> reason name
+  // tenant -> (GPU UUID text, share ppm) of each fractional grant; what the
+  // next start or reload keeps for tenants that are idle then.
+  std::map<std::string, std::vector<std::pair<std::string, uint32_t>>, std::less<>> grants;
 };
+
+// Writes `text` to `path` through `path`.tmp and a rename, mode 0644, so a
+// reader sees the old file or the new one, never half of one. False and
+// *error on failure. (Also used for health.json and Xid fences.)
+bool write_file_atomically(const std::string& path, std::string_view text, std::string* error);
 
 // Written atomically (temporary file, rename), mode 0644. False and *error on failure.
 bool write_placement_record(const std::string& run_dir, const PlacementRecord& record, std::string* error);

@@ -466,6 +466,7 @@ std::string status_to_text(const StatusReport& report) {
     for (const auto& [name, why] : report.placement->why) {
       const std::string text = why == "devices" ? "pinned by devices"
                                : why == "kept"  ? "kept from before (it has running processes there)"
+                               : why == "unchanged" ? "kept from before (unchanged since the last placement)"
                                : why == "memory" ? "named by its memory table"
                                                  : "chosen by " + policy;
       why_table.push_back({"  " + name, text});

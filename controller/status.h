@@ -18,6 +18,7 @@ namespace fracgpu::controller {
 inline constexpr int kStatusOk = 0;            // every ledger was read
 inline constexpr int kStatusNoRunDir = 1;      // the run dir cannot be read
 inline constexpr int kStatusBadLedger = 2;     // printed, but some ledger could not be read
+inline constexpr int kStatusNoFence = 3;       // `gpu clear`: that GPU has no Xid fence
 inline constexpr int kStatusUsage = 64;        // bad command line
 inline constexpr int kStatusInternal = 70;     // a bug: an unexpected exception
 

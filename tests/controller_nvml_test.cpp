@@ -166,12 +166,15 @@ class NvmlDaemonTest : public ::testing::Test {
     kill_and_reap(daemon_);
   }
 
-  void write_config(const std::string& audit_action = "report") {
+  // `extra`: more [daemon] lines; `every`: the health and audit interval.
+  void write_config(const std::string& audit_action = "report", const std::string& extra = "",
+                    const std::string& every = "20ms") {
     write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir_ +
-                                 "\"\nreap_interval_ms = 20\nlog_level = \"debug\"\n"
-                                 "health_interval = \"20ms\"\naudit_interval = \"20ms\"\naudit_action = \"" +
-                                 audit_action +
-                                 "\"\n[[gpu]]\nindex = 0\n[[tenant]]\nname = \"alice\"\ngpus = 0.5\ndevices = [0]\n");
+                                 "\"\nreap_interval_ms = 20\nlog_level = \"debug\"\n" +
+                                 (extra.find("metrics_address") == std::string::npos ? "metrics_address = \"off\"\n" : "") +
+                                 "health_interval = \"" + every + "\"\naudit_interval = \"" + every +
+                                 "\"\naudit_action = \"" + audit_action + "\"\n" + extra +
+                                 "[[gpu]]\nindex = 0\n[[tenant]]\nname = \"alice\"\ngpus = 0.5\ndevices = [0]\n");
   }
 
   // Faults for the stand-in NVML, replaced atomically (it re-reads the file on every call).
@@ -182,7 +185,7 @@ class NvmlDaemonTest : public ::testing::Test {
 
   std::vector<std::string> environment(bool with_nvml) const {
     return {"LD_LIBRARY_PATH=" + std::string(with_nvml ? SIMNVML_DIR ":" : "") + SIMCUDA_DIR,
-            "SIMCUDA_DEVICES=" + kDevices,
+            "SIMCUDA_DEVICES=" + devices_,
             "SIMCUDA_STATE=" + (tmp_ / "sim-state"),
             "SIMNVML_FAULTS=" + faults_path_,
             "PATH=/usr/bin:/bin"};
@@ -245,6 +248,17 @@ class NvmlDaemonTest : public ::testing::Test {
     return probe_output(name).find(text) != std::string::npos;
   }
 
+  // `fracgpu <args> --run-dir <run dir>`: (exit code, output).
+  std::pair<int, std::string> cli(std::vector<std::string> args) {
+    args.insert(args.begin(), FRACGPU_CLI_PATH);
+    args.push_back("--run-dir");
+    args.push_back(run_dir_);
+    const std::string log = tmp_ / "cli.out";
+    fs::remove(log);
+    const int rc = wait_exit(spawn(args, environment(true), log), 10s);
+    return {rc, read_file(log)};
+  }
+
   // `fracgpu status` (text, or --json) on the test's run dir.
   std::string status(bool json = false) {
     std::vector<std::string> args{FRACGPU_CLI_PATH, "status", "--run-dir", run_dir_};
@@ -290,6 +304,7 @@ class NvmlDaemonTest : public ::testing::Test {
   std::string config_path_ = tmp_ / "fracgpud.toml";
   std::string log_path_ = tmp_ / "fracgpud.log";
   std::string faults_path_ = tmp_ / "nvml-faults";
+  std::string devices_ = kDevices;
   std::vector<pid_t> children_;
   pid_t daemon_ = -1;
 };
@@ -442,6 +457,114 @@ TEST_F(NvmlDaemonTest, AuditTerminateKillsTheBypassingProcessOnly) {
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
   EXPECT_TRUE(log_contains(": terminated (SIGKILL)")) << daemon_log();
   EXPECT_EQ(kill(managed, 0), 0);
+}
+
+// A critical Xid fences the GPU in a file under the run dir: a daemon that
+// crashes and starts again keeps it unhealthy (the Xid is not reported
+// again) until the operator clears it with `fracgpu gpu clear`.
+TEST_F(NvmlDaemonTest, XidFenceSurvivesARestartUntilClearedByTheCli) {
+  start_with("report");
+  set_faults("0 xid=79\n");
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuXid; }, 2000ms)) << daemon_log();
+  ASSERT_TRUE(fs::exists(run_dir_ + "/fences/" + kUuid));
+  kill_and_reap(daemon_);  // a crash: no clean stop
+  set_faults("");
+  start_daemon();
+  std::this_thread::sleep_for(300ms);  // many probes
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuXid}) << daemon_log();
+  EXPECT_EQ(alice_mark().second, 79u);
+  EXPECT_TRUE(log_contains("health: GPU 0 (" + kUuid + ") stays fenced: critical Xid 79 reported by NVML"))
+      << daemon_log();
+  EXPECT_NE(status().find("fracgpu gpu clear " + kUuid), std::string::npos) << status();
+  const pid_t refused = probe("refused", {"init"});
+  EXPECT_EQ(wait_exit(refused, 5s), 0);
+  EXPECT_TRUE(probe_says("refused", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("refused");
+
+  // Bad input is refused with a reason; a GPU without a fence says so.
+  auto [rc, out] = cli({"gpu", "clear", "banana"});
+  EXPECT_EQ(rc, 64) << out;
+  EXPECT_NE(out.find("\"banana\" is neither a GPU index nor a GPU UUID"), std::string::npos) << out;
+  std::tie(rc, out) = cli({"gpu", "clear", "1"});
+  EXPECT_EQ(rc, 3) << out;
+  EXPECT_NE(out.find("GPU 1 has no Xid fence"), std::string::npos) << out;
+  EXPECT_NE(out.find("fenced: " + kUuid + " (GPU 0)"), std::string::npos) << out;
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuXid});
+
+  std::tie(rc, out) = cli({"gpu", "clear", "0"});  // by index
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("cleared the Xid fence of " + kUuid), std::string::npos) << out;
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 2000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("Xid fence cleared by the operator")) << daemon_log();
+  const pid_t accepted = probe("accepted", {"init"});
+  EXPECT_EQ(wait_exit(accepted, 5s), 0);
+  EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
+  // By UUID, case-insensitively: now there is nothing to clear.
+  std::string upper = kUuid;
+  for (char& c : upper) c = static_cast<char>(toupper(c));
+  std::tie(rc, out) = cli({"gpu", "clear", upper});
+  EXPECT_EQ(rc, 3) << out;
+}
+
+// The stand-in NVML's sensor faults: an unreadable temperature or power
+// reading marks the GPU (reason sensors) and clears when it reads again.
+TEST_F(NvmlDaemonTest, UnreadableSensorsMarkTheGpuUntilTheyReadAgain) {
+  start_with("report");
+  for (const std::string fault : {"no_temperature", "no_power"}) {
+    set_faults("0 " + fault + "\n");
+    ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuSensors; }, 2000ms)) << daemon_log();
+    EXPECT_TRUE(eventually([&] { return health()["gpus"][0]["reason"] == "sensors"; })) << health().dump();
+    EXPECT_NE(health()["gpus"][0]["why"].get<std::string>().find(fault == "no_power" ? "power" : "temperature"),
+              std::string::npos)
+        << health().dump();
+    set_faults("");
+    ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 2000ms)) << daemon_log();
+  }
+}
+
+// Uncorrected ECC errors on a GPU a tenant is granted: its new processes are
+// refused with the count as detail; scraped metrics say so too.
+TEST_F(NvmlDaemonTest, EccOnAGrantedGpuIsMarkedAndScraped) {
+  write_config("report", "metrics_address = \"127.0.0.1:0\"\n");
+  set_faults("");
+  start_daemon();
+  ASSERT_TRUE(eventually([&] { return logged_metrics_port(daemon_log()) != 0; })) << daemon_log();
+  const uint16_t port = logged_metrics_port(daemon_log());
+  const std::string gpu0 = "{gpu=\"" + kUuid + "\"}";
+  EXPECT_TRUE(eventually([&] { return http_get(port, "/metrics").find("fracgpu_gpu_healthy" + gpu0 + " 1\n") !=
+                                      std::string::npos; }))
+      << http_get(port, "/metrics");
+  set_faults("0 ecc=2\n");
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuEcc; }, 2000ms)) << daemon_log();
+  EXPECT_EQ(alice_mark().second, 2u);
+  const pid_t refused = probe("refused", {"init"});
+  EXPECT_EQ(wait_exit(refused, 5s), 0);
+  EXPECT_TRUE(probe_says("refused", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("refused");
+  const std::string body = http_get(port, "/metrics");
+  EXPECT_NE(body.find("fracgpu_gpu_healthy" + gpu0 + " 0\n"), std::string::npos) << body;
+  EXPECT_NE(body.find("fracgpu_gpu_unhealthy_reason{gpu=\"" + kUuid + "\",reason=\"ecc\"} 1\n"), std::string::npos)
+      << body;
+  EXPECT_NE(body.find("fracgpu_gpu_healthy{gpu=\"" + kUuid2 + "\"} 1\n"), std::string::npos) << body;
+
+  // A bypassing process shows in the audit metric of its GPU.
+  set_faults("");
+  const pid_t bypass = holder("bypass", /*preload=*/false);
+  EXPECT_TRUE(eventually([&] {
+    return http_get(port, "/metrics").find("fracgpu_audit_uncharged_processes" + gpu0 + " 1\n") != std::string::npos;
+  }, 3000ms)) << http_get(port, "/metrics");
+  kill_and_reap(bypass);
+}
+
+// A reload that shortens health_interval takes effect at once, not after
+// the old interval (here an hour) has run out.
+TEST_F(NvmlDaemonTest, ReloadWithAShorterHealthIntervalTakesEffectAtOnce) {
+  write_config("report", "", "3600s");
+  set_faults("");
+  start_daemon();
+  write_config("report", "", "20ms");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload applied"); })) << daemon_log();
+  set_faults("0 lost\n");
+  EXPECT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuLost; }, 2000ms)) << daemon_log();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // the [daemon] keys that choose the policy and the metrics address.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -181,11 +182,11 @@ TEST(Placement, RunningTenantsKeepTheirGpus) {
 
 TEST(Placement, PriorPlacementIsDroppedWhenTheConfigNoLongerAllowsIt) {
   const PriorPlacement prior{{"a", {{uuid(1), kHalf}}}};
-  // `gpus` changed: placed afresh.
+  // `gpus` changed: placed afresh, preferring the GPU it runs on.
   auto g = gpus(2);
   auto r = place_automatic(PlacementPolicy::kBundle, g, {{"a", 750'000}}, &prior);
   EXPECT_EQ(r[0].reason, PlacementReason::kPolicy);
-  EXPECT_EQ(r[0].grants[0].first, 0u);
+  EXPECT_EQ(r[0].grants[0].first, 1u);
   // Its GPU has no room left (a pinned tenant took it).
   g = gpus(2);
   g[1].free_ppm = kQuarter;
@@ -197,6 +198,83 @@ TEST(Placement, PriorPlacementIsDroppedWhenTheConfigNoLongerAllowsIt) {
   g = gpus(2);
   r = place_automatic(PlacementPolicy::kBundle, g, {{"a", kHalf}}, &gone);
   EXPECT_EQ(r[0].reason, PlacementReason::kPolicy);
+}
+
+// The audit's case: bundle places x, y, z = 0.5 as GPU 0, 0, 1. Only z runs
+// at the next start; x and y are idle but unchanged and must stay where
+// their pods are pinned (without the record, x would move to GPU 1, next to z).
+TEST(Placement, IdleUnchangedTenantsStayWhereTheyWere) {
+  const std::vector<PlacementAsk> asks{{"x", kHalf}, {"y", kHalf}, {"z", kHalf}};
+  auto first = gpus(2);
+  const auto r1 = place_automatic(PlacementPolicy::kBundle, first, asks, nullptr);
+  ASSERT_EQ(r1[0].grants[0].first, 0u);
+  ASSERT_EQ(r1[1].grants[0].first, 0u);
+  ASSERT_EQ(r1[2].grants[0].first, 1u);
+  const PriorPlacement prior{{"z", {{uuid(1), kHalf, true}}},
+                             {"x", {{uuid(0), kHalf, false}}},
+                             {"y", {{uuid(0), kHalf, false}}}};
+  auto g = gpus(2);
+  const auto r = place_automatic(PlacementPolicy::kBundle, g, asks, &prior);
+  EXPECT_EQ(r[0].grants[0].first, 0u);
+  EXPECT_EQ(r[1].grants[0].first, 0u);
+  EXPECT_EQ(r[2].grants[0].first, 1u);
+  EXPECT_EQ(r[0].reason, PlacementReason::kUnchanged);
+  EXPECT_EQ(r[2].reason, PlacementReason::kKept);
+
+  // Keeping an idle tenant must not make the config unplaceable: x (idle,
+  // GPU 0) blocks "whole"; placement is redone with x free to move.
+  const PriorPlacement idle_x{{"x", {{uuid(0), kHalf, false}}}, {"z", {{uuid(1), kHalf, true}}}};
+  g = gpus(2);
+  const auto rw = place_automatic(PlacementPolicy::kBundle, g, {{"x", kHalf}, {"z", kHalf}, {"whole", kWhole}},
+                                  &idle_x);
+  ASSERT_TRUE(rw[0].placed && rw[1].placed && rw[2].placed);
+  EXPECT_EQ(rw[0].grants[0].first, 1u);  // x moved next to z (idle: allowed)
+  EXPECT_EQ(rw[1].reason, PlacementReason::kKept);
+  EXPECT_EQ(rw[2].grants[0].first, 0u);
+}
+
+// A running tenant whose `gpus` changed is placed afresh, but on its current
+// GPU when that has room (bundle alone would put 0.75 on the fuller GPU 1).
+TEST(Placement, AResizedTenantPrefersItsCurrentGpu) {
+  const PriorPlacement prior{{"a", {{uuid(0), kHalf, true}}}};
+  auto g = gpus(2);
+  g[1].free_ppm = 800'000;  // a pinned tenant holds 0.2 of GPU 1
+  const auto r = place_automatic(PlacementPolicy::kBundle, g, {{"new", kQuarter}, {"a", 750'000}}, &prior);
+  ASSERT_TRUE(r[1].placed);
+  EXPECT_EQ(r[1].reason, PlacementReason::kPolicy);
+  EXPECT_EQ(r[1].grants[0].first, 0u);
+  // Placed before "new" (running tenants first), so "new" cannot take its room.
+  EXPECT_EQ(r[0].grants[0].first, 0u);
+  // Warned when it does move: its GPU had no room.
+  const auto moved = running_tenants_moved(prior, {{"a", {"GPU-x"}}});
+  ASSERT_EQ(moved.size(), 1u);
+  EXPECT_NE(moved[0].find("tenant \"a\" has running processes on " + format_gpu_uuid(uuid(0)) +
+                          " but is now placed on GPU-x"),
+            std::string::npos)
+      << moved[0];
+  EXPECT_TRUE(running_tenants_moved(prior, {{"a", {format_gpu_uuid(uuid(0))}}}).empty());
+  const PriorPlacement idle{{"a", {{uuid(0), kHalf, false}}}};
+  EXPECT_TRUE(running_tenants_moved(idle, {{"a", {"GPU-x"}}}).empty());  // idle: nothing stranded
+}
+
+TEST(Placement, RecordKeepsGrantsAcrossWriteAndRead) {
+  char dir[] = "/tmp/fracgpu-place-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  PlacementRecord record;
+  record.policy = "bundle";
+  record.why = {{"x", "policy"}};
+  record.grants = {{"x", {{format_gpu_uuid(uuid(1)), kHalf}}}};
+  std::string error;
+  ASSERT_TRUE(write_placement_record(dir, record, &error)) << error;
+  const auto back = read_placement_record(dir);
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->grants, record.grants);
+  PriorPlacement prior{{"running", {{uuid(0), kWhole, true}}}};
+  add_recorded_placement(dir, &prior);
+  ASSERT_EQ(prior.count("x"), 1u);
+  EXPECT_FALSE(prior.at("x")[0].running);
+  EXPECT_EQ(prior.at("x")[0].uuid, uuid(1));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Placement, ConfigRecordsWhyEachTenantIsWhereItIs) {
@@ -230,6 +308,26 @@ TEST(PlacementConfig, DefaultsAndBadValues) {
   const ConfigResult typed = parse("[daemon]\nplacement = 1\n" + kTwoGpus);
   ASSERT_EQ(typed.errors.size(), 1u);
   EXPECT_EQ(typed.errors[0].to_string(), "test.toml:2: [daemon]: placement must be a string, not an integer");
+}
+
+TEST(PlacementConfig, LivenessTimeout) {
+  const ConfigResult def = parse(kTwoGpus);
+  ASSERT_TRUE(def.ok());
+  EXPECT_EQ(def.config->daemon.liveness_timeout, std::chrono::seconds(30));
+  const ConfigResult set = parse("[daemon]\nliveness_timeout = \"5s\"\n" + kTwoGpus);
+  ASSERT_TRUE(set.ok()) << all_errors(set);
+  EXPECT_EQ(set.config->daemon.liveness_timeout, std::chrono::seconds(5));
+  const ConfigResult small = parse("[daemon]\nliveness_timeout = \"100ms\"\n" + kTwoGpus);
+  ASSERT_EQ(small.errors.size(), 1u);
+  EXPECT_NE(small.errors[0].to_string().find("test.toml:2: [daemon]: liveness_timeout \"100ms\" is out of range"),
+            std::string::npos)
+      << small.errors[0].to_string();
+  const ConfigResult ticks = parse("[daemon]\nreap_interval_ms = 1000\nliveness_timeout = \"2s\"\n" + kTwoGpus);
+  ASSERT_EQ(ticks.errors.size(), 1u);
+  EXPECT_NE(ticks.errors[0].to_string().find("test.toml:3: [daemon]: liveness_timeout \"2s\" must be at least 3 "
+                                             "times reap_interval_ms (1000 ms)"),
+            std::string::npos)
+      << ticks.errors[0].to_string();
 }
 
 TEST(PlacementConfig, MetricsAddress) {

@@ -2,9 +2,12 @@
 // a stand-in tenant process that attaches to a ledger as the interposer does.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -148,6 +151,35 @@ inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t
         return slot >= 0 && ledger::try_charge(*l.policy, *l.usage, gpu, static_cast<uint32_t>(slot), bytes);
       },
       comm);
+}
+
+// An HTTP GET over loopback; the whole response, or "" if unreachable.
+inline std::string http_get(uint16_t port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in addr {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  std::string out;
+  if (connect(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// The port fracgpud logged for its metrics endpoint ("metrics: serving
+// http://127.0.0.1:<port>/metrics"), or 0 if not logged yet.
+inline uint16_t logged_metrics_port(const std::string& log) {
+  const std::string marker = "metrics: serving http://127.0.0.1:";
+  const size_t at = log.rfind(marker);
+  if (at == std::string::npos) return 0;
+  return static_cast<uint16_t>(std::stoi(log.substr(at + marker.size())));
 }
 
 }  // namespace fracgpu::testing
