@@ -67,6 +67,7 @@ struct Load {
   int err_fd = -1;
   std::string out_path;  // its stdout
   std::string out;       // ... as read by finish_loads
+  std::string err;       // its stderr, as read by finish_loads
 };
 
 std::string read_file(const std::string& path) {
@@ -220,6 +221,7 @@ class GpuTimeTest : public ::testing::Test {
       while ((n = read(l.err_fd, buf, sizeof buf)) > 0) err.append(buf, static_cast<size_t>(n));
       close(l.err_fd);
       l.out = read_file(l.out_path);
+      l.err = err;
       EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
           << "load of " << l.tenant << " failed (" << status << "): " << err;
       l.pid = -1;
@@ -577,6 +579,48 @@ TEST_F(GpuTimeTest, AHardCapHoldsWhenAloneAndWorkConservingTakesTheIdleTime) {
   finish_loads();
 }
 
+// A limit between the share and 1.0 caps a tenant alone at the limit (it
+// takes idle time up to there, no further), and a reload moves the cap of
+// the running tenant.
+TEST_F(GpuTimeTest, ALimitAboveTheShareCapsThereAndMovesOnReload) {
+  write_config({{"a", "0.3", "[0]", "0.6"}, {"b", "0.7", "[0]", ""}});
+  start_daemon();
+  start_load("a", load_args("50,5000", 5.5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double before = measure("a", 0, 2000);
+  write_config({{"a", "0.3", "[0]", "0.4"}, {"b", "0.7", "[0]", ""}});
+  kill(daemon_, SIGHUP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  const double after = measure("a", 0, 2000);
+  printf("alone, share 0.3: limit 0.6 gave %.3f; reloaded to limit 0.4, %.3f\n", before, after);
+  EXPECT_LE(before, 0.62);
+  EXPECT_GE(before, 0.55) << "idle time up to the limit is the tenant's";
+  EXPECT_LE(after, 0.42);
+  EXPECT_GE(after, 0.35);
+  finish_loads();
+}
+
+// A corrupt arbiter is refused by the tenant's process with a message; the
+// process neither crashes nor blocks (its GPU time is simply not shared),
+// and the daemon keeps running.
+TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
+  write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[0]", ""}});
+  start_daemon();
+  const std::string arbiter = root_ + "/tenants/a/gputime-0";
+  const int fd = open(arbiter.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0) << arbiter;
+  const char junk[64] = "not an arbiter";
+  ASSERT_EQ(pwrite(fd, junk, sizeof junk, 0), static_cast<ssize_t>(sizeof junk));
+  close(fd);
+  start_load("a", load_args("1000", 1.5));
+  finish_loads();
+  ASSERT_EQ(loads_.size(), 1u);
+  EXPECT_NE(loads_[0].err.find("GPU-time arbiter refused"), std::string::npos) << loads_[0].err;
+  EXPECT_NE(loads_[0].out.find("launches_0="), std::string::npos) << loads_[0].out;
+  EXPECT_EQ(loads_[0].out.find("launches_0=0\n"), std::string::npos) << "the load never launched";
+  EXPECT_EQ(kill(daemon_, 0), 0) << "the daemon died";
+}
+
 TEST_F(GpuTimeTest, ANewcomerGetsItsShareWithinHalfASecond) {
   write_config({{"old", "0.5", "[0]", "1.0"}, {"new", "0.5", "[0]", "1.0"}});
   start_daemon();
@@ -610,7 +654,7 @@ TEST_F(GpuTimeTest, TwoAndAHalfGpusAreTwoWholeOnesAndHalfOfAThird) {
 TEST_F(GpuTimeTest, EveryLaunchPathIsGoverned) {
   write_config({{"capped", "0.3", "[0]", ""}, {"other", "0.7", "[0]", ""}});
   start_daemon();
-  for (const char* path : {"kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi", "graph",
+  for (const char* path : {"kernel", "kernel_ptsz", "getproc", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi", "graph",
                            "graph_ptsz", "legacy", "legacy_grid", "legacy_async"}) {
     SCOPED_TRACE(path);
     start_load("capped", load_args("1000", 2.5, "0", path));

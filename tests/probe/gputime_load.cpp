@@ -10,6 +10,8 @@
 //     ahead_us=2000     queue about this much work ahead, then wait for the older half
 //     path=kernel       kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi |
 //                       graph | graph_ptsz | legacy | legacy_grid | legacy_async |
+//                       getproc (cuLaunchKernel as cuGetProcAddress gives it, as the
+//                       CUDA runtime finds it) |
 //                       capture (capture the kernel into a graph on the stream, then
 //                       launch the graph; the launch into the capturing stream is timed)
 //     start_ns=T        wait until CLOCK_MONOTONIC T before launching
@@ -28,6 +30,7 @@
 // capture_launch_max_us=N: the slowest launch into a capturing stream).
 // Exit 0, or 1 on a CUDA error (printed).
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <dlfcn.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -107,6 +110,7 @@ struct Launcher {
   std::vector<CUfunction> functions;
   std::vector<CUgraphExec> graphs;
   CUfunction last = nullptr;  // last_us
+  PFN_cuLaunchKernel_v4000 launch_from_getproc = nullptr;  // path=getproc
   unsigned long long launches = 0;
   uint64_t capture_launch_max_ns = 0;
 
@@ -145,6 +149,12 @@ struct Launcher {
       }
     }
     if (o.last_us != 0) CHECK(cuModuleGetFunction(&last, module, ("sleep_" + std::to_string(o.last_us) + "us").c_str()));
+    if (o.path == "getproc") {
+      void* fn = nullptr;
+      CUdriverProcAddressQueryResult found{};
+      CHECK(cuGetProcAddress_v2("cuLaunchKernel", &fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found));
+      launch_from_getproc = reinterpret_cast<PFN_cuLaunchKernel_v4000>(fn);
+    }
     return true;
   }
 
@@ -170,6 +180,7 @@ struct Launcher {
     CUfunction f = functions[i];
     const std::string& p = o.path;
     if (p == "kernel") CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+    else if (p == "getproc") CHECK(launch_from_getproc(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
     else if (p == "kernel_ptsz") CHECK(cuLaunchKernel_ptsz(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
     else if (p == "ex" || p == "ex_ptsz") {
       CUlaunchConfig config{};
