@@ -964,6 +964,59 @@ TEST_F(GpuTimeTest, AForkedChildIsGovernedAndChargedToItsTenant) {
 // A holder that exits normally hands the GPU on from its exit path: the
 // other tenant's next kernel follows its last one within a millisecond or
 // so, not after the 10 ms a waiter takes to notice a dead holder.
+// A holder that stops launching (alive, just idle) gives the GPU back within
+// a few milliseconds, not at the end of its slice. With a 0.9 share it holds
+// the GPU nearly always when it stops; the other tenant may use idle time
+// (limit 1.0), so nothing but the holder keeps it from the GPU.
+TEST_F(GpuTimeTest, AnIdleHolderGivesTheGpuBackAtOnce) {
+  write_config({{"a", "0.9", "[0]", ""}, {"b", "0.1", "[0]", "1.0"}});
+  start_daemon();
+  start_load("b", load_args("1000", 30));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  constexpr int kTrials = 5;
+  double total_ms = 0, worst_ms = 0;
+  for (int i = 0; i < kTrials; ++i) {
+    const uint64_t first = kernel_log_next_(0);
+    // 0.3 s of launches, 400 ms idle (alive), 50 ms of launches again.
+    start_load("a", {"devices=0", "kernels_us=1000", "seconds=0.3", "pause_ms=400,50"});
+    Load& a = loads_.back();
+    int status = 0;
+    ASSERT_EQ(waitpid(a.pid, &status, 0), a.pid);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    const pid_t a_pid = a.pid;
+    close(a.err_fd);
+    loads_.pop_back();
+    // The end of a's last kernel before its pause (the longest gap between
+    // its kernels), and the first of b's that started after it.
+    const std::vector<simcuda_kernel_record> log = kernel_log(0, first);
+    uint64_t a_end = 0, last_end = 0, longest = 0;
+    for (const auto& r : log) {
+      if (r.pid != a_pid) continue;
+      if (last_end != 0 && r.start_ns > last_end && r.start_ns - last_end > longest) {
+        longest = r.start_ns - last_end;
+        a_end = last_end;
+      }
+      last_end = r.end_ns;
+    }
+    ASSERT_GT(longest, 300'000'000u) << "no pause found in a's kernels";
+    uint64_t b_start = 0;
+    for (const auto& r : log)
+      if (r.pid == loads_[0].pid && r.start_ns >= a_end) {
+        b_start = r.start_ns;
+        break;
+      }
+    ASSERT_GT(b_start, 0u) << "b never launched after a went idle";
+    const double idle_ms = (b_start - a_end) / 1e6;
+    total_ms += idle_ms;
+    worst_ms = std::max(worst_ms, idle_ms);
+    printf("idle %d: the GPU idled %.2f ms before the other tenant's next kernel\n", i, idle_ms);
+  }
+  // 2 ms without a launch, noticed at the next 1 ms tick, then the hand-over.
+  printf("mean idle after the holder stopped launching: %.2f ms, worst %.2f ms\n", total_ms / kTrials, worst_ms);
+  EXPECT_LT(total_ms / kTrials, 5.0);
+  EXPECT_LT(worst_ms, 12.0) << "a slice is 20 ms: an idle holder must not keep the GPU that long";
+}
+
 TEST_F(GpuTimeTest, ANormalExitHandsTheGpuOnAtOnce) {
   write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[0]", ""}});
   start_daemon();
