@@ -451,6 +451,19 @@ int main(int argc, char** argv) {
     } else if (cmd == "hold") {
       print("holding", getpid());
       pause();
+    } else if (cmd == "barrier") {
+      // barrier DIR: create DIR/ready-<pid>, then wait (up to 30 s) for DIR/go,
+      // so that several probes start their next step together.
+      const std::string dir = arg();
+      const std::string ready = dir + "/ready-" + std::to_string(getpid());
+      FILE* f = fopen(ready.c_str(), "w");
+      if (f == nullptr) usage("barrier: cannot create the ready file");
+      fclose(f);
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (access((dir + "/go").c_str(), F_OK) != 0) {
+        if (std::chrono::steady_clock::now() > give_up) usage("barrier: no go");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     } else if (cmd == "sleep-ms") {
       std::this_thread::sleep_for(std::chrono::milliseconds(atoi(arg())));
     } else if (cmd == "getproc") {
