@@ -433,6 +433,10 @@ std::string status_to_text(const StatusReport& report) {
     }
   out += "\n";
   out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
+  // Achieved shares are the daemon's figures: without it they stand still.
+  const bool any_time = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.gpu->gpu_time.has_value(); });
+  if (!d.alive && any_time)
+    out += "1S and 10S are as the daemon last computed them: it is not running, so they are stale.\n";
 
   // A row per process and GPU it is charged on or has GPU time on.
   std::vector<std::vector<std::string>> proc_table{
