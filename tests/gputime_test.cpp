@@ -210,11 +210,36 @@ class GpuTimeTest : public ::testing::Test {
     loads_.push_back(l);
   }
 
-  // Waits for every load; each must have exited 0.
+  // What each thread of a process is blocked in, for a load that hangs.
+  static std::string thread_states(pid_t pid) {
+    std::string out;
+    std::error_code ec;
+    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+      const std::string dir = task.path().string();
+      std::string comm = read_file(dir + "/comm"), wchan = read_file(dir + "/wchan"), syscall = read_file(dir + "/syscall");
+      if (!comm.empty() && comm.back() == '\n') comm.pop_back();
+      out += " [" + task.path().filename().string() + " " + comm + ": wchan " + wchan + ", syscall " +
+             syscall.substr(0, syscall.find(' ')) + "]";
+    }
+    return out;
+  }
+
+  // Waits for every load; each must have exited 0. None runs longer than
+  // 30 s, so one still running a minute later is hung: it is described,
+  // killed and reported, rather than left to stall the suite.
   void finish_loads() {
+    const uint64_t deadline = now_ns() + 60 * kSecond;
     for (Load& l : loads_) {
       int status = 0;
-      waitpid(l.pid, &status, 0);
+      while (waitpid(l.pid, &status, WNOHANG) == 0) {
+        if (now_ns() > deadline) {
+          ADD_FAILURE() << "load of " << l.tenant << " (pid " << l.pid << ") hung:" << thread_states(l.pid);
+          kill(l.pid, SIGKILL);
+          waitpid(l.pid, &status, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       std::string err;
       char buf[4096];
       ssize_t n;
