@@ -92,6 +92,9 @@ struct Sample {
   std::map<pid_t, std::vector<uint64_t>> busy;  // per device
 };
 
+// The number of runs of `pid`'s kernels in a kernel log (defined below).
+int count_runs(const std::vector<simcuda_kernel_record>& log, pid_t pid);
+
 class GpuTimeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -329,6 +332,49 @@ class GpuTimeTest : public ::testing::Test {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     const Sample b = sample(device + 1);
     return static_cast<double>(tenant_busy(a, b, tenant, device)) / static_cast<double>(b.t - a.t);
+  }
+
+  // How the first load's kernels ran on `device` between `after_ms` and
+  // `after_ms + for_ms` from now: how many runs of them began there (from the
+  // simulated driver's kernel log) and how many slices of the GPU its tenant
+  // was given meanwhile (from the arbiter, read through `other`'s link).
+  struct RunsInSlices {
+    int runs = 0;
+    uint64_t slices = 0;
+    Sample a, b;
+    double share(const GpuTimeTest& t, const std::string& tenant, int device) const {
+      return static_cast<double>(t.tenant_busy(a, b, tenant, device)) / static_cast<double>(b.t - a.t);
+    }
+  };
+  RunsInSlices runs_in_slices(const std::string& tenant, const std::string& other, int device, int after_ms,
+                              int for_ms) {
+    RunsInSlices got;
+    gputime::Arbiter arbiter = open_tenant_arbiter(other, 0);
+    EXPECT_TRUE(arbiter.is_open());
+    if (!arbiter.is_open()) return got;
+    const int row = gputime::find_tenant(*arbiter.seg, tenant.c_str());
+    EXPECT_GE(row, 0);
+    if (row >= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(after_ms));
+      const uint64_t first = kernel_log_next_(device);
+      const uint64_t slices_before = arbiter.seg->tenants[row].slices.load();
+      got.a = sample(device + 1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(for_ms));
+      got.b = sample(device + 1);
+      got.slices = arbiter.seg->tenants[row].slices.load() - slices_before;
+      // Runs that began inside the window (the log goes on past b).
+      std::vector<simcuda_kernel_record> window;
+      for (const auto& r : kernel_log(device, first))
+        if (r.start_ns < got.b.t) window.push_back(r);
+      got.runs = count_runs(window, loads_[0].pid);
+    }
+    gputime::close_arbiter(&arbiter);
+    return got;
+  }
+  // A run begins only with a slice; one launch may slip past a hand-over
+  // (docs/sm-time.md), so allow a few.
+  static void expect_runs_only_in_slices(const RunsInSlices& got) {
+    EXPECT_LE(got.runs, static_cast<int>(got.slices) + static_cast<int>(got.slices) / 10 + 3);
   }
 
   // `fracgpu status` (--json if `json`), its standard output.
@@ -843,35 +889,14 @@ TEST_F(GpuTimeTest, ContextSwitchesDoNotCarryAPassToAnotherGpu) {
     args.push_back(std::string("switch=") + mode);
     start_load("sw", args);
     start_load("q", load_args("1000", 2.5, "1"));
-    gputime::Arbiter arbiter = open_tenant_arbiter("q", 0);
-    ASSERT_TRUE(arbiter.is_open());
-    const int sw_row = gputime::find_tenant(*arbiter.seg, "sw");
-    ASSERT_GE(sw_row, 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
-    const uint64_t first = kernel_log_next_(1);
-    const uint64_t slices_before = arbiter.seg->tenants[sw_row].slices.load();
-    const Sample a = sample(2);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1600));
-    const Sample b = sample(2);
-    const uint64_t slices = arbiter.seg->tenants[sw_row].slices.load() - slices_before;
-    const std::vector<simcuda_kernel_record> log = kernel_log(1, first);
-    // Runs that began inside the window (the log goes on past b).
-    std::vector<simcuda_kernel_record> window;
-    for (const auto& r : log)
-      if (r.start_ns < b.t) window.push_back(r);
-    const int runs = count_runs(window, loads_[0].pid);
-    const double length = static_cast<double>(b.t - a.t);
-    const double sw_share = static_cast<double>(tenant_busy(a, b, "sw", 1)) / length;
-    const double sw_whole = static_cast<double>(tenant_busy(a, b, "sw", 0)) / length;
-    printf("switch=%s: on GPU 1 %d runs in %llu slices, share %.3f; on GPU 0 %.3f\n", mode, runs,
-           static_cast<unsigned long long>(slices), sw_share, sw_whole);
-    EXPECT_GT(slices, 10u);
-    // A run begins only with a slice; one launch may slip past a hand-over
-    // (docs/sm-time.md), so allow a few.
-    EXPECT_LE(runs, static_cast<int>(slices) + static_cast<int>(slices) / 10 + 3);
-    EXPECT_NEAR(static_cast<double>(tenant_busy(a, b, "q", 1)) / length, 0.5, 0.06);
+    const RunsInSlices got = runs_in_slices("sw", "q", 1, 400, 1600);
+    const double sw_whole = got.share(*this, "sw", 0);
+    printf("switch=%s: on GPU 1 %d runs in %llu slices, share %.3f; on GPU 0 %.3f\n", mode, got.runs,
+           static_cast<unsigned long long>(got.slices), got.share(*this, "sw", 1), sw_whole);
+    EXPECT_GT(got.slices, 10u);
+    expect_runs_only_in_slices(got);
+    EXPECT_NEAR(got.share(*this, "q", 1), 0.5, 0.06);
     EXPECT_GT(sw_whole, 0.1) << "the switching thread must make progress on its own GPU";
-    gputime::close_arbiter(&arbiter);
     finish_loads();
     loads_.clear();
   }
@@ -887,29 +912,30 @@ TEST_F(GpuTimeTest, AContextCreatedAfterLaunchingElsewhereIsGoverned) {
   args.push_back("switch=create");
   start_load("sw", args);  // 2 s on GPU 0, then 2 s on GPU 1
   start_load("q", load_args("1000", 4.5, "1"));
-  gputime::Arbiter arbiter = open_tenant_arbiter("q", 0);
-  ASSERT_TRUE(arbiter.is_open());
-  const int sw_row = gputime::find_tenant(*arbiter.seg, "sw");
-  ASSERT_GE(sw_row, 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(2400));  // sw is on GPU 1 now
-  const uint64_t first = kernel_log_next_(1);
-  const uint64_t slices_before = arbiter.seg->tenants[sw_row].slices.load();
-  const Sample a = sample(2);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1400));
-  const Sample b = sample(2);
-  const uint64_t slices = arbiter.seg->tenants[sw_row].slices.load() - slices_before;
-  std::vector<simcuda_kernel_record> window;
-  for (const auto& r : kernel_log(1, first))
-    if (r.start_ns < b.t) window.push_back(r);
-  const int runs = count_runs(window, loads_[0].pid);
-  const double length = static_cast<double>(b.t - a.t);
-  printf("created context: on GPU 1 %d runs in %llu slices, share %.3f\n", runs,
-         static_cast<unsigned long long>(slices), static_cast<double>(tenant_busy(a, b, "sw", 1)) / length);
-  EXPECT_GT(runs, 5) << "the load did not reach GPU 1";
-  EXPECT_GT(slices, 10u) << "GPU 1 launches bypassed the arbiter";
-  EXPECT_LE(runs, static_cast<int>(slices) + static_cast<int>(slices) / 10 + 3);
-  EXPECT_NEAR(static_cast<double>(tenant_busy(a, b, "q", 1)) / length, 0.5, 0.06);
-  gputime::close_arbiter(&arbiter);
+  const RunsInSlices got = runs_in_slices("sw", "q", 1, 2400, 1400);  // sw is on GPU 1 from 2 s
+  printf("created context: on GPU 1 %d runs in %llu slices, share %.3f\n", got.runs,
+         static_cast<unsigned long long>(got.slices), got.share(*this, "sw", 1));
+  EXPECT_GT(got.runs, 5) << "the load did not reach GPU 1";
+  EXPECT_GT(got.slices, 10u) << "GPU 1 launches bypassed the arbiter";
+  expect_runs_only_in_slices(got);
+  EXPECT_NEAR(got.share(*this, "q", 1), 0.5, 0.06);
+  finish_loads();
+}
+
+// A multi-device cooperative launch waits for every GPU it puts a kernel on,
+// whatever pass the thread holds for its current context's GPU: here the
+// thread launches on its whole GPU 0 first (a valid pass for GPU 0), then on
+// GPU 0 and GPU 1 together, GPU 1 being shared 0.5 / 0.5.
+TEST_F(GpuTimeTest, AMultiDeviceLaunchWaitsForEveryGpu) {
+  write_config({{"sw", "1.5", "[0, 1]", ""}, {"q", "0.5", "[1]", ""}});
+  start_daemon();
+  start_load("sw", {"devices=0,1", "kernels_us=1000", "seconds=2.5", "path=multi_pair"});
+  start_load("q", load_args("1000", 2.5, "1"));
+  const RunsInSlices got = runs_in_slices("sw", "q", 1, 400, 1600);
+  printf("multi-device: on GPU 1 %d runs in %llu slices\n", got.runs, static_cast<unsigned long long>(got.slices));
+  EXPECT_GT(got.runs, 5) << "the load did not reach GPU 1";
+  EXPECT_GT(got.slices, 5u) << "GPU 1 launches bypassed the arbiter";
+  expect_runs_only_in_slices(got);
   finish_loads();
 }
 

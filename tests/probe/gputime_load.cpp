@@ -12,6 +12,8 @@
 //                       graph | graph_ptsz | legacy | legacy_grid | legacy_async |
 //                       getproc (cuLaunchKernel as cuGetProcAddress gives it, as the
 //                       CUDA runtime finds it) |
+//                       multi_pair (devices=A,B: one thread, current on A, launching a
+//                       kernel on A, then one cooperative kernel on A and B together) |
 //                       capture (capture the kernel into a graph on the stream, then
 //                       launch the graph; the launch into the capturing stream is timed)
 //     start_ns=T        wait until CLOCK_MONOTONIC T before launching
@@ -292,6 +294,40 @@ bool run_switching(std::vector<Launcher>& launchers, double seconds, const Switc
   return true;
 }
 
+// path=multi_pair: a kernel on the first device (the thread's current
+// context, so its launch pass is for that GPU), then a multi-device
+// cooperative launch on both, each followed by a wait for the second
+// device's stream (which bounds the work queued there).
+bool run_multi_pair(std::vector<Launcher>& launchers, const Options& o) {
+  if (launchers.size() != 2) {
+    fprintf(stderr, "gputime_load: path=multi_pair needs two devices\n");
+    return false;
+  }
+  for (size_t i = 0; i < 2; ++i)
+    if (!launchers[i].setup(o.devices[i])) return false;
+  Launcher& a = launchers[0];
+  Launcher& b = launchers[1];
+  CHECK(cuCtxSetCurrent(a.ctx));
+  CUDA_LAUNCH_PARAMS params[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    params[i].function = launchers[i].functions[0];
+    params[i].gridDimX = params[i].gridDimY = params[i].gridDimZ = 1;
+    params[i].blockDimX = 32;
+    params[i].blockDimY = params[i].blockDimZ = 1;
+    params[i].hStream = launchers[i].stream;
+  }
+  const uint64_t until = now_ns() + static_cast<uint64_t>(o.seconds * 1e9);
+  while (now_ns() < until) {
+    CHECK(cuLaunchKernel(a.functions[0], 1, 1, 1, 32, 1, 1, 0, a.stream, nullptr, nullptr));
+    CHECK(cuLaunchCooperativeKernelMultiDevice(params, 2, 0));
+    ++a.launches;
+    ++b.launches;
+    CHECK(cuStreamSynchronize(b.stream));
+  }
+  CHECK(cuCtxSynchronize());
+  return true;
+}
+
 // Runs the whole workload for `seconds` (then pause_ms and its resumption).
 int run_all(const Options& o, double seconds) {
   std::vector<Launcher> launchers(o.devices.size(), Launcher(o));
@@ -299,7 +335,9 @@ int run_all(const Options& o, double seconds) {
   auto wait_start = [&] {
     while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
   };
-  if (o.switch_mode == "create") {
+  if (o.path == "multi_pair") {
+    ok.assign(ok.size(), run_multi_pair(launchers, o) ? 1 : 0);
+  } else if (o.switch_mode == "create") {
     // Nothing but cuCtxCreate changes the thread's current context here.
     wait_start();
     bool good = true;

@@ -850,6 +850,32 @@ CUresult cuStreamQuery_ptsz(CUstream stream) {
   return stream_query(stream, true);
 }
 
+// The context a stream belongs to; the default streams belong to the
+// current context.
+static CUresult stream_get_ctx(CUstream stream, CUcontext* pctx) {
+  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+    Ctx* c = nullptr;
+    if (CUresult r = require_ctx(c)) return r;
+    *pctx = reinterpret_cast<CUcontext>(c);
+    return CUDA_SUCCESS;
+  }
+  auto it = proc().streams.find(key(stream));
+  if (it == proc().streams.end()) return CUDA_ERROR_INVALID_HANDLE;
+  *pctx = reinterpret_cast<CUcontext>(it->second->ctx);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamGetCtx(CUstream stream, CUcontext* pctx) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamGetCtx);
+  return stream_get_ctx(stream, pctx);
+}
+
+CUresult cuStreamGetCtx_ptsz(CUstream stream, CUcontext* pctx) {
+  SIMCUDA_LOCKED_ENTRY(cuStreamGetCtx_ptsz);
+  return stream_get_ctx(stream, pctx);
+}
+
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
   SIMCUDA_LOCKED_ENTRY(cuStreamWaitEvent);
   return stream_wait_event(stream, event, flags, false);
