@@ -300,8 +300,20 @@ void start_hold(GpuTimeSegment& seg, uint32_t process, uint64_t now) {
 }  // namespace
 
 bool try_claim(GpuTimeSegment& seg, uint32_t process, uint64_t now) {
+  HolderState& a = seg.arbiter;
+  if (a.holder.load(std::memory_order_acquire) != 0) return false;
+  // The hold's times are written before it is taken, as hand_over does: once
+  // `holder` names us, a waiter may look at them at once. Left to after the
+  // claim, they would still be the last holder's (possibly from long ago, or
+  // 0 on a new GPU): a fresh holder that looks stale, taken over and charged
+  // for all the time since (seen: 13,000 s charged to one tenant, which its
+  // limit then locked out of the GPU). Claimers that lose the race below
+  // wrote the same `now`, give or take their own clock reads.
+  a.grant_ns.store(now, std::memory_order_relaxed);
+  a.charged_ns.store(now, std::memory_order_relaxed);
+  a.heartbeat_ns.store(now, std::memory_order_release);
   uint32_t expected = 0;
-  if (!seg.arbiter.holder.compare_exchange_strong(expected, process + 1, std::memory_order_acq_rel)) return false;
+  if (!a.holder.compare_exchange_strong(expected, process + 1, std::memory_order_acq_rel)) return false;
   lift_vtime(seg, process);
   start_hold(seg, process, now);
   seg.arbiter.turn.fetch_add(1, std::memory_order_release);
@@ -343,7 +355,9 @@ bool try_take_over(Arbiter& arbiter, uint32_t process, uint64_t now) {
   const uint64_t beat = a.heartbeat_ns.load(std::memory_order_acquire);
   const bool stale = now > beat && now - beat > kStaleHolderNs;
   if (!no_entry && !stale && process_alive(arbiter, victim)) return false;
-  const uint64_t charged = a.charged_ns.load(std::memory_order_acquire);
+  // The victim's last stretch starts at its last charge; never before its
+  // last sign of life (a bound should the two disagree).
+  const uint64_t charged = std::max(a.charged_ns.load(std::memory_order_acquire), beat);
   if (!a.holder.compare_exchange_strong(holder, process + 1, std::memory_order_acq_rel)) return false;
   // The dead (or stuck) holder never charged its last stretch: do it for
   // it, so its tenant pays for the GPU time its work took. Its share is not

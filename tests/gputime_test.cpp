@@ -569,6 +569,42 @@ TEST_F(GpuTimeArbiterFile, AHolderNamingNoEntryIsTakenOverWithoutCharging) {
   }
 }
 
+// A claim and a take-over racing on a GPU idle since long ago (here: a new
+// arbiter, all times 0): whoever wins, nobody is charged for the idle time
+// before the claim. (In one process the take-over never waits for the
+// holder to look stale: the race is run as hard as it can be.)
+TEST_F(GpuTimeArbiterFile, AClaimRacingATakeOverIsNeverChargedTheIdleTimeBeforeIt) {
+  gputime::GpuTimeSegment& seg = *arbiter.seg;
+  ASSERT_EQ(gputime::bind_tenant(seg, "claimer"), 0);
+  ASSERT_EQ(gputime::bind_tenant(seg, "taker"), 1);
+  for (int t = 0; t < 2; ++t) {
+    seg.tenants[t].share_ppm.store(500000);
+    seg.tenants[t].limit_ppm.store(gputime::kPpm);
+  }
+  const int claimer = gputime::claim_process(arbiter, 0, getpid(), 1);
+  const int taker = gputime::claim_process(arbiter, 1, getpid(), 1);  // same identity: a second entry
+  ASSERT_EQ(claimer, 0);
+  ASSERT_EQ(taker, 1);
+  for (int round = 0; round < 2000; ++round) {
+    seg.arbiter.holder.store(0);
+    seg.arbiter.grant_ns.store(0);
+    seg.arbiter.charged_ns.store(0);
+    seg.arbiter.heartbeat_ns.store(0);
+    std::atomic<bool> go{false};
+    std::thread take([&] {
+      while (!go.load()) {
+      }
+      for (int i = 0; i < 200; ++i) gputime::try_take_over(arbiter, static_cast<uint32_t>(taker), gputime::monotonic_ns());
+    });
+    go.store(true);
+    gputime::try_claim(seg, static_cast<uint32_t>(claimer), gputime::monotonic_ns());
+    take.join();
+  }
+  // Every stretch charged lies inside the test's own run.
+  EXPECT_LT(seg.tenants[0].used_ns.load(), 60 * kSecond) << "the claimer was charged for the idle time before its claim";
+  EXPECT_LT(seg.tenants[1].used_ns.load(), 60 * kSecond);
+}
+
 // ---- End to end on the simulated driver ----
 
 TEST_F(GpuTimeTest, TwoTenantsAtHalfSplitEvenlyAndKeepTheGpuBusy) {
