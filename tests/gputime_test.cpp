@@ -256,6 +256,19 @@ class GpuTimeTest : public ::testing::Test {
     }
   }
 
+  // Starts a load, waits for it to end (it must exit 0), and forgets it:
+  // its pid, or -1 (with a failure recorded) if it did not end well.
+  pid_t run_load_to_end(const std::string& tenant, const std::vector<std::string>& args) {
+    start_load(tenant, args);
+    Load l = loads_.back();
+    loads_.pop_back();
+    int status = 0;
+    const bool ended = waitpid(l.pid, &status, 0) == l.pid;
+    close(l.err_fd);
+    EXPECT_TRUE(ended && WIFEXITED(status) && WEXITSTATUS(status) == 0) << "load of " << tenant << ": " << status;
+    return ended && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? l.pid : -1;
+  }
+
   Sample sample(int devices) const {
     Sample s;
     s.t = now_ns();
@@ -427,6 +440,14 @@ class GpuTimeTest : public ::testing::Test {
   simcuda_kernel_log_next_fn kernel_log_next_ = nullptr;
   simcuda_kernel_log_fn kernel_log_ = nullptr;
 };
+
+// When the first of `pid`'s kernels that started at or after `t` started; 0
+// if none did.
+uint64_t first_start_after(const std::vector<simcuda_kernel_record>& log, pid_t pid, uint64_t t) {
+  for (const auto& r : log)
+    if (r.pid == pid && r.start_ns >= t) return r.start_ns;
+  return 0;
+}
 
 // Runs of a process on a device's timeline: maximal sequences of its
 // kernels with no other process's kernel in between.
@@ -1048,9 +1069,6 @@ TEST_F(GpuTimeTest, AForkedChildIsGovernedAndChargedToItsTenant) {
   finish_loads();
 }
 
-// A holder that exits normally hands the GPU on from its exit path: the
-// other tenant's next kernel follows its last one within a millisecond or
-// so, not after the 10 ms a waiter takes to notice a dead holder.
 // A holder that stops launching (alive, just idle) gives the GPU back within
 // a few milliseconds, not at the end of its slice. With a 0.9 share it holds
 // the GPU nearly always when it stops; the other tenant may use idle time
@@ -1065,14 +1083,8 @@ TEST_F(GpuTimeTest, AnIdleHolderGivesTheGpuBackAtOnce) {
   for (int i = 0; i < kTrials; ++i) {
     const uint64_t first = kernel_log_next_(0);
     // 0.3 s of launches, 400 ms idle (alive), 50 ms of launches again.
-    start_load("a", {"devices=0", "kernels_us=1000", "seconds=0.3", "pause_ms=400,50"});
-    Load& a = loads_.back();
-    int status = 0;
-    ASSERT_EQ(waitpid(a.pid, &status, 0), a.pid);
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-    const pid_t a_pid = a.pid;
-    close(a.err_fd);
-    loads_.pop_back();
+    const pid_t a_pid = run_load_to_end("a", {"devices=0", "kernels_us=1000", "seconds=0.3", "pause_ms=400,50"});
+    ASSERT_GT(a_pid, 0);
     // The end of a's last kernel before its pause (the longest gap between
     // its kernels), and the first of b's that started after it.
     const std::vector<simcuda_kernel_record> log = kernel_log(0, first);
@@ -1086,12 +1098,7 @@ TEST_F(GpuTimeTest, AnIdleHolderGivesTheGpuBackAtOnce) {
       last_end = r.end_ns;
     }
     ASSERT_GT(longest, 300'000'000u) << "no pause found in a's kernels";
-    uint64_t b_start = 0;
-    for (const auto& r : log)
-      if (r.pid == loads_[0].pid && r.start_ns >= a_end) {
-        b_start = r.start_ns;
-        break;
-      }
+    const uint64_t b_start = first_start_after(log, loads_[0].pid, a_end);
     ASSERT_GT(b_start, 0u) << "b never launched after a went idle";
     const double idle_ms = (b_start - a_end) / 1e6;
     total_ms += idle_ms;
@@ -1104,6 +1111,9 @@ TEST_F(GpuTimeTest, AnIdleHolderGivesTheGpuBackAtOnce) {
   EXPECT_LT(worst_ms, 12.0) << "a slice is 20 ms: an idle holder must not keep the GPU that long";
 }
 
+// A holder that exits normally hands the GPU on from its exit path: the
+// other tenant's next kernel follows its last one within a millisecond or
+// so, not after the 10 ms a waiter takes to notice a dead holder.
 TEST_F(GpuTimeTest, ANormalExitHandsTheGpuOnAtOnce) {
   write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[0]", ""}});
   start_daemon();
@@ -1113,14 +1123,8 @@ TEST_F(GpuTimeTest, ANormalExitHandsTheGpuOnAtOnce) {
   double total_ms = 0;
   for (int i = 0; i < kTrials; ++i) {
     const uint64_t first = kernel_log_next_(0);
-    start_load("a", {"devices=0", "kernels_us=1000", "seconds=0.1", "last_us=50"});
-    Load& a = loads_.back();
-    int status = 0;
-    ASSERT_EQ(waitpid(a.pid, &status, 0), a.pid);
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-    const pid_t a_pid = a.pid;
-    close(a.err_fd);
-    loads_.pop_back();
+    const pid_t a_pid = run_load_to_end("a", {"devices=0", "kernels_us=1000", "seconds=0.1", "last_us=50"});
+    ASSERT_GT(a_pid, 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(40));
     // The end of a's last kernel, and the first of b's that followed it.
     const std::vector<simcuda_kernel_record> log = kernel_log(0, first);
@@ -1128,12 +1132,7 @@ TEST_F(GpuTimeTest, ANormalExitHandsTheGpuOnAtOnce) {
     for (const auto& r : log)
       if (r.pid == a_pid) a_end = std::max(a_end, r.end_ns);
     ASSERT_GT(a_end, 0u) << "a never launched";
-    uint64_t b_start = 0;
-    for (const auto& r : log)
-      if (r.pid == loads_[0].pid && r.start_ns >= a_end) {
-        b_start = r.start_ns;
-        break;
-      }
+    const uint64_t b_start = first_start_after(log, loads_[0].pid, a_end);
     ASSERT_GT(b_start, 0u) << "b never launched after a exited";
     total_ms += (b_start - a_end) / 1e6;
     printf("exit %d: the GPU idled %.2f ms before the other tenant's next kernel\n", i, (b_start - a_end) / 1e6);
