@@ -40,7 +40,6 @@ std::atomic<uint64_t> g_exec_keys[kMaxExecs];  // CUgraphExec, or kEmpty / kTomb
 struct ExecMemory {
   int devices;
   CUdevice device[kDevicesPerExec];
-  int gpu[kDevicesPerExec];
   uint64_t bytes[kDevicesPerExec];
   // trim epoch + 1 once a launch or upload succeeded: the driver then keeps
   // the exec's memory until the next trim, so relaunching takes nothing new.
@@ -172,18 +171,22 @@ Scan add_node_demand(CUgraph graph, int depth, Demand* demand) {
   return Scan::kOk;
 }
 
-// Gives back the reservations claimed for the first `count` devices of an exec.
-void release_reservations(const ExecMemory& e, const uint64_t* reserved, int count, bool settle) {
+// Ends the reservations claimed for the first `count` devices of an exec:
+// after a successful call by settling each device to what its cache holds
+// (false if the quota could not cover that), else by giving them back.
+bool release_reservations(const ExecMemory& e, const uint64_t* reserved, int count, bool settle) {
+  bool covered = true;
   for (int k = 0; k < count; ++k) {
     DeviceGraphCharge& d = g_devices[e.device[k]];
     d.inflight.fetch_sub(reserved[k], std::memory_order_seq_cst);
     if (settle) {
-      settle_device(e.device[k]);
+      covered &= settle_device(e.device[k]);
     } else if (reserved[k] != 0) {
       d.charged.fetch_sub(reserved[k], std::memory_order_seq_cst);
-      unreserve(e.gpu[k], reserved[k]);
+      unreserve(d.gpu.load(std::memory_order_relaxed), reserved[k]);
     }
   }
+  return covered;
 }
 
 }  // namespace
@@ -218,10 +221,11 @@ CUresult note_graph_exec(CUgraphExec exec, CUgraph graph) {
   e.devices = demand.devices;
   for (int k = 0; k < demand.devices; ++k) {
     e.device[k] = demand.device[k];
-    e.gpu[k] = gpu_entry_for_device(demand.device[k]);
     e.bytes[k] = demand.bytes[k];
+    // A device ordinal's GPU entry is fixed for the life of the process.
     int unset = kNotGranted;
-    g_devices[e.device[k]].gpu.compare_exchange_strong(unset, e.gpu[k], std::memory_order_acq_rel);
+    g_devices[e.device[k]].gpu.compare_exchange_strong(unset, gpu_entry_for_device(demand.device[k]),
+                                                        std::memory_order_acq_rel);
   }
   e.backed_epoch.store(0, std::memory_order_relaxed);
   publish_exec(index, key);
@@ -265,17 +269,18 @@ CUresult run_with_graph_memory(CUgraphExec exec, CUstream stream, CUresult (*cal
   const bool backed = e.backed_epoch.load(std::memory_order_acquire) == epoch + 1;
   uint64_t reserved[kDevicesPerExec] = {};
   for (int k = 0; k < e.devices; ++k) {
-    if (e.gpu[k] == kNotGranted) continue;  // the driver refuses work there
+    const int gpu = g_devices[e.device[k]].gpu.load(std::memory_order_relaxed);
+    if (gpu == kNotGranted) continue;  // the driver refuses work there
     // The most this call can make the cache grow: the whole exec. If the
     // quota refuses that (reserve() has settled every cache first), what
     // the cache holds unused is taken first, and an exec the driver already
     // backs takes nothing new. Concurrent launches may count the same
     // unused memory: the settle after the call charges what really grew.
     uint64_t want = e.bytes[k];
-    if (!reserve(e.gpu[k], want)) {
+    if (!reserve(gpu, want)) {
       const uint64_t slack = device_graph_slack(e.device[k]);
       want = backed ? 0 : want > slack ? want - slack : 0;
-      if (want != 0 && !reserve(e.gpu[k], want)) {
+      if (want != 0 && !reserve(gpu, want)) {
         release_reservations(e, reserved, k, false);
         return CUDA_ERROR_OUT_OF_MEMORY;
       }
@@ -287,18 +292,13 @@ CUresult run_with_graph_memory(CUgraphExec exec, CUstream stream, CUresult (*cal
   }
   const CUresult result = call(exec, stream);
   if (result == CUDA_SUCCESS) e.backed_epoch.store(epoch + 1, std::memory_order_release);
-  release_reservations(e, reserved, e.devices, result == CUDA_SUCCESS);
-  if (result == CUDA_SUCCESS) {
-    for (int k = 0; k < e.devices; ++k) {
-      if (e.gpu[k] == kNotGranted || settle_device(e.device[k])) continue;
-      // The cache grew past what the quota lets us charge, although the
-      // reservation allowed for the whole exec (another thread's graph grew
-      // it meanwhile, or the driver rounds more than we assume). The launch
-      // cannot be taken back; the rest is charged at the next settle that
-      // fits. Say so once: it should not happen.
-      FRACGPU_LOG_ONCE(LogLevel::kWarn, "graph memory on device %d exceeds what the quota could charge",
-                       static_cast<int>(e.device[k]));
-    }
+  if (!release_reservations(e, reserved, e.devices, result == CUDA_SUCCESS)) {
+    // The cache grew past what the quota lets us charge, although the
+    // reservation allowed for the whole exec (another thread's graph grew
+    // it meanwhile, or the driver rounds more than we assume). The launch
+    // cannot be taken back; the rest is charged at the next settle that
+    // fits. Say so once: it should not happen.
+    FRACGPU_LOG_ONCE(LogLevel::kWarn, "graph memory exceeds what the quota could charge");
   }
   return result;
 }

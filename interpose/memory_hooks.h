@@ -82,8 +82,9 @@ inline TenantMode gate() {
   return tenant_mode();
 }
 
-// For calls that only give memory back (trims, destroys): the real call,
-// then, if it succeeded in managed mode, `note(args...)` settles the charge.
+// The real call, then, if it succeeded in managed mode, `note(args...)`:
+// for calls whose effect we only need to hear of (trims and destroys that
+// give memory back, green contexts that make or free context handles).
 template <HookId id, class Note, class... Args>
 CUresult pass_then_note(Note note, Args... args) {
   TenantMode mode = gate();
@@ -588,28 +589,18 @@ CUresult primary_ctx_reset(CUdevice device) {
 // has not been measured, and a configured guess would be charged on every
 // create. They still make and free CUcontext handles (cuCtxFromGreenCtx),
 // which the per-thread context -> device cache and the pacer must hear of.
-// The real call; in managed mode, then, the context epoch is bumped.
-template <HookId id, class... Args>
-CUresult pass_noting_contexts(TenantMode mode, Args... args) {
-  if (mode == TenantMode::kDenied) return kDenied;
-  CUresult result = FRACGPU_PASS(id, args...);
-  if (mode == TenantMode::kManaged) note_contexts_changed();
-  return result;
-}
-
 template <HookId id>
 CUresult green_ctx_create(CUgreenCtx* green, CUdevResourceDesc desc, CUdevice device, unsigned int flags) {
-  return pass_noting_contexts<id>(gate(), green, desc, device, flags);
+  return pass_then_note<id>([](auto...) { note_contexts_changed(); }, green, desc, device, flags);
 }
 
 template <HookId id>
 CUresult green_ctx_destroy(CUgreenCtx green) {
-  const TenantMode mode = gate();
   CUcontext ctx = nullptr;
-  if (mode == TenantMode::kManaged && g_driver.cuCtxFromGreenCtx != nullptr &&
+  if (gate() == TenantMode::kManaged && g_driver.cuCtxFromGreenCtx != nullptr &&
       g_driver.cuCtxFromGreenCtx(&ctx, green) == CUDA_SUCCESS)
     gputime_forget_context(ctx);  // the pacer must not drain it any more
-  return pass_noting_contexts<id>(mode, green);
+  return pass_then_note<id>([](CUgreenCtx) { note_contexts_changed(); }, green);
 }
 
 // ---- what the tenant sees ----
