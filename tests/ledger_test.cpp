@@ -21,6 +21,7 @@
 
 #include "ledger.h"
 #include "reclaim_util.h"
+#include "sigbus_guard.h"
 
 using namespace fracgpu::ledger;
 namespace fs = std::filesystem;
@@ -489,3 +490,39 @@ TEST_F(LedgerTest, SlotsRunOutCleanly) {
 }
 
 }  // namespace
+
+// A mapping shrunk under a guarded reader costs the read, not the process;
+// the same read unguarded is fatal, so the guard is what saves it.
+TEST(SigbusGuard, AShrunkMappingFailsTheGuardedReadInsteadOfKillingTheProcess) {
+  char path[] = "/tmp/fracgpu-sigbus-XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  unlink(path);
+  const size_t bytes = 4 * 4096;
+  ASSERT_EQ(ftruncate(fd, bytes), 0);
+  auto* map = static_cast<volatile uint64_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(map, MAP_FAILED);
+  map[bytes / 8 - 1] = 7;
+  uint64_t seen = 0;
+  EXPECT_TRUE(fracgpu::shm::sigbus_guarded([&] { seen = map[bytes / 8 - 1]; }));
+  EXPECT_EQ(seen, 7u);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  for (int round = 0; round < 3; ++round) {  // the guard re-arms after each jump
+    seen = 1;
+    EXPECT_FALSE(fracgpu::shm::sigbus_guarded([&] { seen = map[bytes / 8 - 1]; }));
+    EXPECT_EQ(seen, 1u);
+  }
+  // Nested guards: the inner one catches, the outer body goes on.
+  bool inner = true;
+  EXPECT_TRUE(fracgpu::shm::sigbus_guarded([&] { inner = fracgpu::shm::sigbus_guarded([&] { map[0] = 1; }); }));
+  EXPECT_FALSE(inner);
+  EXPECT_EXIT(
+      {
+        fracgpu::shm::install_sigbus_guard();
+        map[0] = 1;
+        _exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
+  munmap(const_cast<uint64_t*>(map), bytes);
+  close(fd);
+}
