@@ -7,22 +7,27 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <filesystem>
 #include <sstream>
 
 #include <fmt/format.h>
 
 namespace fracgpu::controller {
+namespace fs = std::filesystem;
 namespace {
 
-std::string read_proc(int32_t pid, const char* what) {
-  std::ifstream in(fmt::format("/proc/{}/{}", pid, what), std::ios::binary);
+std::string read_proc_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
   std::ostringstream out;
   out << in.rdbuf();
   return out.str();
 }
 
-// Field 22 of /proc/<pid>/stat (clock ticks after boot); 0 if the process is gone.
-uint64_t start_time(int32_t pid) {
+std::string read_proc(int32_t pid, const char* what) { return read_proc_text(fmt::format("/proc/{}/{}", pid, what)); }
+
+}  // namespace
+
+uint64_t process_start_time(int32_t pid) {
   const std::string stat = read_proc(pid, "stat");
   const size_t paren = stat.rfind(')');
   if (paren == std::string::npos) return 0;
@@ -32,8 +37,6 @@ uint64_t start_time(int32_t pid) {
     if (i == 22) return std::strtoull(field.c_str(), nullptr, 10);
   return 0;
 }
-
-}  // namespace
 
 std::optional<AuditAction> parse_audit_action(std::string_view text) {
   if (text == "report") return AuditAction::kReport;
@@ -51,7 +54,93 @@ const char* audit_action_name(AuditAction action) {
   return "?";
 }
 
-std::string tenant_of_process(int32_t pid, const std::string& run_dir) {
+std::string mount_namespace_of(int32_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
+  char link[128];
+  const ssize_t n = readlink(path, link, sizeof link - 1);
+  if (n <= 0) return {};
+  return std::string(link, static_cast<size_t>(n));
+}
+
+namespace {
+
+// One line of /proc/<pid>/mountinfo: the device ("maj:min"), the path of the
+// mount's root within that filesystem, and where it is mounted.
+struct MountEntry {
+  std::string device, root, mount_point;
+};
+
+// mountinfo writes space, tab, newline and backslash as \ooo octal.
+std::string unescape_mount_path(std::string_view text) {
+  const auto octal = [](char c) { return c >= '0' && c <= '7'; };
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 3 < text.size() && octal(text[i + 1]) && octal(text[i + 2]) && octal(text[i + 3])) {
+      out += static_cast<char>((text[i + 1] - '0') * 64 + (text[i + 2] - '0') * 8 + (text[i + 3] - '0'));
+      i += 3;
+      continue;
+    }
+    out += text[i];
+  }
+  return out;
+}
+
+std::vector<MountEntry> read_mountinfo(const std::string& pid) {
+  std::vector<MountEntry> entries;
+  std::istringstream in(read_proc_text("/proc/" + pid + "/mountinfo"));
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, mount_point;
+    if (!(fields >> id >> parent >> device >> root >> mount_point)) continue;
+    entries.push_back({device, unescape_mount_path(root), unescape_mount_path(mount_point)});
+  }
+  return entries;
+}
+
+}  // namespace
+
+std::set<std::string> tenants_mounted_in(const std::string& pid, const std::string& run_dir) {
+  std::set<std::string> tenants;
+  // Where <run_dir>/tenants lives: the daemon's own mount that holds it,
+  // and the directory's path within that filesystem.
+  std::error_code ec;
+  const std::string dir = fs::weakly_canonical(fs::path(run_dir) / "tenants", ec).string();
+  if (ec) return tenants;
+  const MountEntry* holder = nullptr;
+  const std::vector<MountEntry> own = read_mountinfo("self");
+  for (const MountEntry& m : own) {
+    const bool under = m.mount_point == "/" || dir == m.mount_point || dir.starts_with(m.mount_point + "/");
+    if (under && (holder == nullptr || m.mount_point.size() >= holder->mount_point.size())) holder = &m;
+  }
+  if (holder == nullptr) return tenants;
+  std::string inside = holder->root;
+  const std::string rest = holder->mount_point == "/" ? dir : dir.substr(holder->mount_point.size());
+  inside = (inside == "/" ? "" : inside) + rest;  // "<root>/<rest>"
+  for (const MountEntry& m : read_mountinfo(pid)) {
+    if (m.device != holder->device || !m.root.starts_with(inside + "/")) continue;
+    const std::string name = m.root.substr(inside.size() + 1, m.root.find('/', inside.size() + 1) - inside.size() - 1);
+    if (!name.empty()) tenants.insert(name);
+  }
+  return tenants;
+}
+
+std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir) {
+  if (const std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())
+    return mounted.size() == 1 ? *mounted.begin() : std::string();
+  const std::string ns = mount_namespace_of(pid);
+  if (ns.empty()) return {};
+  std::string found;
+  for (const auto& [other, tenant] : charged) {
+    if (tenant == found || mount_namespace_of(other) != ns) continue;
+    if (!found.empty()) return {};  // several tenants share it: nothing can be told
+    found = tenant;
+  }
+  return found;
+}
+
+std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir) {
   const std::string environ = read_proc(pid, "environ");
   const std::string tenants = run_dir + "/tenants/";
   std::string tenant;
@@ -76,7 +165,7 @@ std::string tenant_of_process(int32_t pid, const std::string& run_dir) {
 Auditor::Auditor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log)
     : nvml_(nvml), log_(log), gpus_(gpus) {}
 
-bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const std::string& run_dir) {
+bool Auditor::audit(const std::map<int32_t, std::string>& charged, AuditAction action, const std::string& run_dir) {
   if (nvml_ == nullptr) return false;
   const Nvml::Api& api = nvml_->api();
   const int32_t self = static_cast<int32_t>(getpid());
@@ -93,7 +182,7 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
     for (const Nvml::Process& p : processes) {
       const auto pid = static_cast<int32_t>(p.pid);
       if (pid <= 1 || pid == self || charged.contains(pid)) continue;
-      const uint64_t started = start_time(pid);
+      const uint64_t started = process_start_time(pid);
       if (started == 0) {
         // Already gone, or in a PID namespace we cannot see. Listed again in
         // the next pass: not an exit race; say once that such processes are
@@ -122,15 +211,17 @@ bool Auditor::audit(const std::set<int32_t>& charged, AuditAction action, const 
       f.pid = pid;
       f.comm = read_proc(pid, "comm");
       while (!f.comm.empty() && f.comm.back() == '\n') f.comm.pop_back();
-      f.tenant = tenant_of_process(pid, run_dir);
+      f.tenant = attribute_process(pid, charged, run_dir);
+      f.claimed = claimed_tenant_of_process(pid, run_dir);
       f.first_seen_unix = static_cast<uint64_t>(time(nullptr));
       f.action = "reported";
-      const std::string who = f.tenant.empty() ? std::string("tenant unknown") : fmt::format("tenant \"{}\"", f.tenant);
+      std::string who = f.tenant.empty() ? std::string("tenant unknown") : fmt::format("tenant \"{}\"", f.tenant);
+      if (f.tenant.empty() && !f.claimed.empty()) who += fmt::format(", claims \"{}\" (unverified)", f.claimed);
       if (action == AuditAction::kDeny)
         f.action = f.tenant.empty() ? "reported (deny: tenant unknown)" : "tenant denied";
       if (action == AuditAction::kTerminate) {
         // Checked again just before: the PID must still name the process we saw.
-        if (start_time(pid) != started) {
+        if (process_start_time(pid) != started) {
           f.action = "not terminated: the process exited (or its PID was reused) before the signal";
         } else if (kill(pid, SIGKILL) == 0) {
           f.action = "terminated (SIGKILL)";

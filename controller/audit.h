@@ -2,9 +2,9 @@
 // lists on each GPU with the processes attached to a tenant ledger, and
 // reports those that hold GPU memory without being charged anywhere: no
 // interposer (statically linked CUDA, a stripped LD_PRELOAD), or an
-// interposer without a tenant. It does not compare amounts: a process
-// attached to a ledger that under-reports its usage is not caught. What follows a
-// finding is [daemon] audit_action: report (default), deny, or terminate.
+// interposer without a tenant. It does not compare amounts (the memory audit,
+// memory_audit.h, does). What follows a finding is [daemon] audit_action:
+// report (default), deny, or terminate.
 #pragma once
 
 #include <sys/types.h>
@@ -36,7 +36,8 @@ struct AuditFinding {
   int32_t pid = 0;         // host PID, as NVML reports it
   uint64_t bytes = 0;      // GPU memory NVML says it holds
   std::string comm;        // /proc/<pid>/comm
-  std::string tenant;      // from its environment (FRACGPU_TENANT / FRACGPU_TENANT_DIR); empty: unknown
+  std::string tenant;      // the tenant it belongs to, as the kernel shows it (attribute_process); empty: unknown
+  std::string claimed;     // the tenant its environment names (FRACGPU_TENANT / _DIR): display only, never acted on
   std::string action;      // what was done: "reported", "tenant denied", "terminated (SIGKILL)", ...
   uint64_t first_seen_unix = 0;
 };
@@ -46,13 +47,14 @@ class Auditor {
   // `nvml` may be null: then audit() finds nothing.
   Auditor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log);
 
-  // One pass. `charged`: host PIDs owning a live slot in some tenant ledger.
+  // One pass. `charged`: host PIDs owning a live slot in some tenant ledger,
+  // with their tenant, as the daemon verified them (never as a tenant wrote them).
   // A process is a finding once it has been seen uncharged in two passes in
   // a row (a process between its first allocation and its attach, or just
   // exiting, is not one). With kTerminate the finding is SIGKILLed (after
   // checking its start time, so a reused PID is never hit). Each finding is
   // logged once. Returns true if the findings changed.
-  bool audit(const std::set<int32_t>& charged, AuditAction action, const std::string& run_dir);
+  bool audit(const std::map<int32_t, std::string>& charged, AuditAction action, const std::string& run_dir);
   const std::vector<AuditFinding>& findings() const { return findings_; }
 
  private:
@@ -73,6 +75,30 @@ class Auditor {
 
 // The tenant a process names in its environment (FRACGPU_TENANT, or
 // FRACGPU_TENANT_DIR under <run_dir>/tenants/); empty if none or unreadable.
-std::string tenant_of_process(int32_t pid, const std::string& run_dir);
+// The process wrote that itself: a claim, shown to the operator, never acted on.
+std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
+
+// The tenant an uncharged process belongs to, from what the kernel says, not
+// what the process says. First, the one tenant whose directory
+// (<run_dir>/tenants/<name>, or a file in it) is mounted into the process's
+// mount namespace (/proc/<pid>/mountinfo): what a container of that tenant
+// is given, and a process without CAP_SYS_ADMIN can neither add nor remove.
+// Else, the one tenant whose verified processes (`charged`: host PID ->
+// tenant) share its mount namespace. Empty when neither tells exactly one
+// tenant (processes outside containers all share the host's namespace: there
+// nothing can be told). So a process can never get another tenant denied or
+// charged by naming it.
+std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir);
+
+// Tenants whose directory under `run_dir` is mounted into the mount
+// namespace of `pid` (see attribute_process). "self" reads the caller's.
+std::set<std::string> tenants_mounted_in(const std::string& pid, const std::string& run_dir);
+
+// Field 22 of /proc/<pid>/stat (clock ticks after boot): with the PID, names
+// one process across PID reuse. 0 if the process is gone.
+uint64_t process_start_time(int32_t pid);
+
+// /proc/<pid>/ns/mnt's link text ("mnt:[4026531840]"); empty if unreadable.
+std::string mount_namespace_of(int32_t pid);
 
 }  // namespace fracgpu::controller

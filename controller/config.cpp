@@ -372,6 +372,24 @@ class Parser {
 
   // ---- [daemon] ----
 
+  // The memory audit's keys (memory_audit.h): [daemon] memory_*.
+  void parse_memory_audit(const toml::table& t, std::string_view where, MemoryAuditSettings& m) {
+    if (auto every = get_duration(t, "memory_audit_interval", where, kMinCheckInterval, kMaxCheckInterval))
+      m.interval = *every;
+    if (auto grace = get_duration(t, "memory_grace", where, std::chrono::microseconds{0}, kMaxMemoryGrace))
+      m.grace = *grace;
+    if (const toml::node* n = t.get("memory_tolerance"))
+      if (auto bytes = get_size(*n, "memory_tolerance", where, /*allow_zero=*/true)) m.tolerance_per_process = *bytes;
+    if (auto action = get_string(t, "memory_audit_action", where)) {
+      if (auto parsed = parse_memory_audit_action(*action))
+        m.action = *parsed;
+      else
+        error_in(where, line_of(*t.get("memory_audit_action")),
+                 fmt::format("memory_audit_action \"{}\" is not a memory audit action (use {})", *action,
+                             kMemoryAuditActionList));
+    }
+  }
+
   void parse_daemon(const toml::node& n) {
     const toml::table* t = n.as_table();
     if (t == nullptr) {
@@ -380,7 +398,8 @@ class Parser {
     }
     constexpr std::string_view where = "[daemon]";
     check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
-                    "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout"},
+                    "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout",
+                    "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action"},
                where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
@@ -435,6 +454,7 @@ class Parser {
         error_in(where, line_of(*t->get("audit_action")),
                  fmt::format("audit_action \"{}\" is not an audit action (use {})", *action, kAuditActionList));
     }
+    parse_memory_audit(*t, where, d.memory_audit);
     if (auto address = get_string(*t, "metrics_address", where)) {
       std::string why;
       if (*address == "" || *address == "off")

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "audit.h"
+#include "memory_audit.h"
 #include "gpu_discovery.h"
 #include "placement.h"
 #include "units.h"
@@ -38,6 +39,8 @@ inline constexpr std::chrono::microseconds kMaxTimeSlice{200'000};
 // GPU health probe and bypass audit periods (docs/operations.md).
 inline constexpr std::chrono::microseconds kMinCheckInterval{10'000};
 inline constexpr std::chrono::microseconds kMaxCheckInterval{3'600'000'000};
+// The memory audit's grace: longer would let a tenant hold others' memory for long.
+inline constexpr std::chrono::microseconds kMaxMemoryGrace{60'000'000};
 // /healthz: how old the daemon's heartbeat may be (docs/operations.md).
 inline constexpr std::chrono::microseconds kMinLivenessTimeout{1'000'000};
 inline constexpr std::chrono::microseconds kMaxLivenessTimeout{3'600'000'000};
@@ -57,6 +60,7 @@ struct DaemonSettings {
   std::chrono::microseconds audit_interval{10'000'000};  // `audit_interval`: NVML bypass audit period
   AuditAction audit_action = AuditAction::kReport;       // `audit_action`: report, deny, terminate
   std::chrono::microseconds liveness_timeout{30'000'000};  // `liveness_timeout`: /healthz fails past this
+  MemoryAuditSettings memory_audit;  // `memory_*`: the driver's count against quotas (memory_audit.h)
 };
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.

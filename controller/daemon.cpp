@@ -586,7 +586,7 @@ void Daemon::tick() {
   metrics_.heartbeat(now);
   for (auto& [name, open] : ledgers_) {
     reap(name, open);
-    ledger::record_host_pids(open.ledger);
+    ledger::record_host_pids(open.ledger, open.host_pids.data());
     open.ledger.policy->daemon_heartbeat_ns.store(now, std::memory_order_release);
     open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   }
@@ -604,7 +604,8 @@ void Daemon::start_gpu_checks() {
   }
   health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_, config_->daemon.run_dir);
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
-  next_health_ns_ = next_audit_ns_ = 0;  // both at the first tick
+  memory_auditor_ = std::make_unique<MemoryAuditor>(nvml_.get(), discovery_.gpus, *log_);
+  next_health_ns_ = next_audit_ns_ = next_memory_audit_ns_ = 0;  // all at the first tick
   if (nvml_ == nullptr) {
     // Written once, so `fracgpu status` says why there is no health data.
     std::string error;
@@ -619,6 +620,8 @@ NodeChecks Daemon::node_checks() const {
   if (health_ != nullptr) checks.gpus = health_->gpus();
   if (config_) checks.audit_action = config_->daemon.audit_action;
   if (auditor_ != nullptr) checks.findings = auditor_->findings();
+  if (config_) checks.memory_action = config_->daemon.memory_audit.action;
+  if (memory_auditor_ != nullptr) checks.overuses = memory_auditor_->overuses();
   return checks;
 }
 
@@ -632,18 +635,14 @@ void Daemon::check_gpus(uint64_t now) {
     ran = true;
   }
   if (now >= next_audit_ns_) {
-    // Host PIDs of every live slot, as tick() just recorded them in the
-    // ledgers (ledger::record_host_pids), whatever namespace each runs in.
-    std::set<int32_t> charged;
-    for (const auto& [name, open] : ledgers_) {
-      const uint32_t high = std::min(open.ledger.usage->slot_high_water.load(std::memory_order_acquire), kMaxSlots);
-      for (uint32_t s = 0; s < high; ++s)
-        if (const int32_t pid = open.ledger.usage->slots[s].host_pid.load(std::memory_order_relaxed); pid > 0)
-          charged.insert(pid);
-    }
-    auditor_->audit(charged, config_->daemon.audit_action, config_->daemon.run_dir);
+    auditor_->audit(tenant_processes(), config_->daemon.audit_action, config_->daemon.run_dir);
     next_audit_ns_ = now + ns(config_->daemon.audit_interval);
     ran = true;
+  }
+  if (now >= next_memory_audit_ns_) {
+    ran |= memory_auditor_->check(tenant_processes(), memory_quotas(), config_->daemon.memory_audit,
+                                  config_->daemon.run_dir);
+    next_memory_audit_ns_ = now + ns(config_->daemon.memory_audit.interval);
   }
   if (ran) {
     // Every pass, not only on a change: the first pass after a start also
@@ -652,6 +651,26 @@ void Daemon::check_gpus(uint64_t now) {
     std::string error;
     if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);
   }
+}
+
+std::map<int32_t, std::string> Daemon::tenant_processes() const {
+  // As tick() just found them (ledger::record_host_pids), whatever PID
+  // namespace each process runs in.
+  std::map<int32_t, std::string> owners;
+  for (const auto& [name, open] : ledgers_)
+    for (const int32_t pid : open.host_pids)
+      if (pid > 0) owners.emplace(pid, name);
+  return owners;
+}
+
+std::vector<TenantQuota> Daemon::memory_quotas() const {
+  std::vector<TenantQuota> quotas;
+  if (!config_) return quotas;
+  for (const Tenant& tenant : config_->tenants)
+    for (const Grant& grant : tenant.grants)
+      if (grant.memory_quota != ledger::kUnlimited)
+        quotas.push_back({tenant.name, config_->gpus[grant.gpu].uuid, grant.memory_quota});
+  return quotas;
 }
 
 void Daemon::apply_unavailable() {
@@ -708,6 +727,7 @@ bool Daemon::reload() {
   const auto ns = [](std::chrono::microseconds d) { return static_cast<uint64_t>(d.count()) * 1000; };
   next_health_ns_ = std::min(next_health_ns_, now + ns(config_->daemon.health_interval));
   next_audit_ns_ = std::min(next_audit_ns_, now + ns(config_->daemon.audit_interval));
+  next_memory_audit_ns_ = std::min(next_memory_audit_ns_, now + ns(config_->daemon.memory_audit.interval));
   apply(*config_);
   apply_metrics();
   log_->info("reload applied: {} tenant(s)", config_->tenants.size());

@@ -27,6 +27,7 @@
 #include "config.h"
 #include "gpu_discovery.h"
 #include "gputime.h"
+#include "memory_audit.h"
 #include "health.h"
 #include "ledger.h"
 #include "metrics.h"
@@ -103,6 +104,10 @@ class Daemon {
     std::string dir;
     ledger::TenantLedger ledger;
     bool configured = false;  // in the current config (else all its GPUs are revoked)
+    // Each slot's owner as this daemon found it (record-lock holder with the
+    // slot's start time), 0 where none: the audits act on these, never on
+    // the copy in the tenant-writable usage file.
+    std::array<int32_t, ledger::kMaxSlots> host_pids{};
   };
 
   // The config at options_.config_path, placed keeping running tenants where
@@ -135,6 +140,10 @@ class Daemon {
   // GPU health and bypass audit through NVML (docs/operations.md).
   void start_gpu_checks();
   void check_gpus(uint64_t now);
+  // Host PID -> tenant of every verified tenant process (OpenLedger::host_pids).
+  std::map<int32_t, std::string> tenant_processes() const;
+  // Every finite memory quota of the config, by tenant and GPU.
+  std::vector<TenantQuota> memory_quotas() const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health
   // probe's and the audit's findings (deny), so new processes see them.
   void apply_unavailable();
@@ -150,8 +159,10 @@ class Daemon {
   std::unique_ptr<Nvml> nvml_;
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<Auditor> auditor_;
+  std::unique_ptr<MemoryAuditor> memory_auditor_;
   uint64_t next_health_ns_ = 0;
   uint64_t next_audit_ns_ = 0;
+  uint64_t next_memory_audit_ns_ = 0;
 };
 
 }  // namespace fracgpu::controller

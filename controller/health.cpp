@@ -239,8 +239,22 @@ std::string node_checks_json(const NodeChecks& checks) {
                                       {"bytes", f.bytes},
                                       {"comm", f.comm},
                                       {"tenant", f.tenant},
+                                      {"claimed_tenant", f.claimed},
                                       {"action", f.action},
                                       {"first_seen_unix", f.first_seen_unix}});
+  }
+  j["memory_audit"]["action"] = memory_audit_action_name(checks.memory_action);
+  j["memory_audit"]["overuses"] = nlohmann::json::array();
+  for (const MemoryOveruse& o : checks.overuses) {
+    j["memory_audit"]["overuses"].push_back({{"tenant", o.tenant},
+                                             {"gpu_index", o.gpu_index},
+                                             {"gpu_uuid", o.gpu_uuid},
+                                             {"quota", o.quota},
+                                             {"allowed", o.allowed},
+                                             {"used", o.used},
+                                             {"processes", o.processes},
+                                             {"since_unix", o.since_unix},
+                                             {"action", o.action}});
   }
   return j.dump(2) + "\n";
 }

@@ -16,6 +16,7 @@
 #include <spdlog/logger.h>
 
 #include "audit.h"
+#include "memory_audit.h"
 #include "fracgpu/ledger_layout.h"
 #include "gpu_discovery.h"
 #include "nvml.h"
@@ -108,6 +109,8 @@ struct NodeChecks {
   std::vector<GpuHealth> gpus;
   AuditAction audit_action = AuditAction::kReport;
   std::vector<AuditFinding> findings;
+  MemoryAuditAction memory_action = MemoryAuditAction::kTerminate;
+  std::vector<MemoryOveruse> overuses;
 };
 
 const char* unavailable_reason_name(ledger::GpuUnavailableReason reason);  // "lost", "xid", ...

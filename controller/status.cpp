@@ -254,6 +254,20 @@ std::string gpu_health_text(const nlohmann::json& h) {
                        f.value("action", std::string())});
     out += render_table(frows);
   }
+  const auto& memory = h.value("memory_audit", nlohmann::json::object());
+  const auto& overuses = memory.value("overuses", nlohmann::json::array());
+  out += fmt::format("\nmemory audit (action {}): {}\n", memory.value("action", std::string("terminate")),
+                     overuses.empty() ? "every tenant within its quota by the driver's count"
+                                      : "tenants over their quota by the driver's count:");
+  if (!overuses.empty()) {
+    std::vector<std::vector<std::string>> orows{{"  TENANT", "GPU", "HELD", "ALLOWED", "QUOTA", "PROCS", "ACTION"}};
+    for (const auto& o : overuses)
+      orows.push_back({"  " + o.value("tenant", std::string()), std::to_string(o.value("gpu_index", 0)),
+                       format_size(o.value("used", uint64_t{0})), format_size(o.value("allowed", uint64_t{0})),
+                       format_size(o.value("quota", uint64_t{0})), std::to_string(o.value("processes", 0)),
+                       o.value("action", std::string())});
+    out += render_table(orows);
+  }
   return out;
 }
 

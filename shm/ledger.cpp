@@ -425,9 +425,10 @@ bool read_self_identity(ProcessIdentity* out) {
   return read_stat_identity("/proc/self/stat", out);
 }
 
-void record_host_pids(TenantLedger& ledger) {
+void record_host_pids(TenantLedger& ledger, int32_t* verified) {
   UsageSegment& usage = *ledger.usage;
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+  if (verified != nullptr) std::fill(verified, verified + kMaxSlots, 0);
   for (uint32_t s = 0; s < high; ++s) {
     ProcessSlot& slot = usage.slots[s];
     int32_t host_pid = 0;
@@ -442,6 +443,7 @@ void record_host_pids(TenantLedger& ledger) {
           seen.start_time == slot.start_time.load(std::memory_order_relaxed))
         host_pid = holder;
     }
+    if (verified != nullptr) verified[s] = host_pid;
     if (slot.host_pid.load(std::memory_order_relaxed) != host_pid)
       slot.host_pid.store(host_pid, std::memory_order_relaxed);
   }

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -150,6 +151,34 @@ TEST(NvmlConfig, HealthAndAuditKeysAreValidatedWithFileAndLine) {
   EXPECT_EQ(bad.errors[0].to_string(),
             "node.toml:2: [daemon]: audit_action \"kill\" is not an audit action (use report, deny, terminate)");
   EXPECT_NE(bad.errors[1].to_string().find("node.toml:3: [daemon]: health_interval \"1ms\" is out of range"),
+            std::string::npos)
+      << bad.errors[1].to_string();
+  EXPECT_NE(bad.errors[2].to_string().find("node.toml:4:"), std::string::npos) << bad.errors[2].to_string();
+}
+
+TEST(NvmlConfig, MemoryAuditKeysAreValidatedWithFileAndLine) {
+  const std::vector<controller::DiscoveredGpu> node{{0, kUuid, "Sim A", 16ull << 30}};
+  auto parse = [&](const std::string& daemon_keys) {
+    return controller::parse_config("[daemon]\n" + daemon_keys + "\n[[gpu]]\nindex = 0\n", "node.toml", node);
+  };
+  const auto defaults = parse("");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults.config->daemon.memory_audit.action, controller::MemoryAuditAction::kTerminate);
+  EXPECT_EQ(defaults.config->daemon.memory_audit.grace, 1s);
+  EXPECT_EQ(defaults.config->daemon.memory_audit.tolerance_per_process, 512ull << 20);
+  const auto good = parse("memory_audit_interval = \"100ms\"\nmemory_grace = \"0s\"\nmemory_tolerance = \"1GiB\"\n"
+                          "memory_audit_action = \"report\"");
+  ASSERT_TRUE(good.ok()) << (good.errors.empty() ? "" : good.errors[0].to_string());
+  EXPECT_EQ(good.config->daemon.memory_audit.interval, 100ms);
+  EXPECT_EQ(good.config->daemon.memory_audit.grace, 0s);
+  EXPECT_EQ(good.config->daemon.memory_audit.tolerance_per_process, 1ull << 30);
+  EXPECT_EQ(good.config->daemon.memory_audit.action, controller::MemoryAuditAction::kReport);
+
+  const auto bad = parse("memory_audit_action = \"stop\"\nmemory_grace = \"90s\"\nmemory_tolerance = -1");
+  ASSERT_EQ(bad.errors.size(), 3u);
+  EXPECT_EQ(bad.errors[0].to_string(),
+            "node.toml:2: [daemon]: memory_audit_action \"stop\" is not a memory audit action (use report, terminate)");
+  EXPECT_NE(bad.errors[1].to_string().find("node.toml:3: [daemon]: memory_grace \"90s\" is out of range"),
             std::string::npos)
       << bad.errors[1].to_string();
   EXPECT_NE(bad.errors[2].to_string().find("node.toml:4:"), std::string::npos) << bad.errors[2].to_string();
@@ -431,6 +460,11 @@ TEST_F(NvmlDaemonTest, AuditReportsProcessesWithoutTheInterposerOnly) {
 
 TEST_F(NvmlDaemonTest, AuditDenyRefusesTheTenantsNewProcessesUntilTheBypassEnds) {
   start_with("deny");
+  // One of alice's processes, under the interposer: what ties the bypassing
+  // process below to alice is that it runs beside this one (here: the same
+  // mount namespace), not what its environment says.
+  const pid_t managed = holder("managed", true);
+  ASSERT_TRUE(eventually([&] { return probe_says("managed", "holding="); }));
   // A process of alice's with its LD_PRELOAD stripped.
   const pid_t bypass = holder("bypass", /*preload=*/false);
   ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuBypassDenied; }, 3000ms)) << daemon_log();
@@ -446,6 +480,136 @@ TEST_F(NvmlDaemonTest, AuditDenyRefusesTheTenantsNewProcessesUntilTheBypassEnds)
   const pid_t accepted = probe("accepted", {"init"});
   EXPECT_EQ(wait_exit(accepted, 5s), 0);
   EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
+  kill_and_reap(managed);
+}
+
+// A bypassing process's environment is its own to write: naming another
+// tenant there must not get that tenant denied. Only where the process
+// runs (beside which tenant's processes) counts.
+TEST_F(NvmlDaemonTest, AuditDenyNeverActsOnTheTenantABypassingProcessNames) {
+  write_config("deny", "", "20ms");
+  write_file(config_path_, read_file(config_path_) + "[[tenant]]\nname = \"bob\"\ngpus = 0.25\ndevices = [0]\n");
+  set_faults("");
+  start_daemon();
+  // Nothing of alice's runs yet: a bypassing process that claims to be bob's.
+  std::vector<std::string> env = environment(true);
+  env.push_back("FRACGPU_TENANT_DIR=" + run_dir_ + "/tenants/bob");
+  const pid_t liar = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "32MiB", "hold"}, env, tmp_ / "liar.log");
+  ASSERT_TRUE(eventually([&] { return finding_for(liar); }, 3000ms)) << daemon_log();
+  const nlohmann::json h = health();
+  for (const auto& f : h["audit"]["findings"]) {
+    if (f["pid"] != liar) continue;
+    EXPECT_EQ(f["tenant"], "") << h.dump();        // bob runs nothing beside it: unknown
+    EXPECT_EQ(f["claimed_tenant"], "bob") << h.dump();  // the claim is shown, not believed
+    EXPECT_EQ(f["action"], "reported (deny: tenant unknown)") << h.dump();
+  }
+  EXPECT_TRUE(log_contains("tenant unknown, claims \"bob\" (unverified)")) << daemon_log();
+  // bob's GPU stays open to bob's processes.
+  ledger::TenantLedger l;
+  char err[256];
+  ASSERT_EQ(ledger::open_ledger((run_dir_ + "/tenants/bob").c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
+                                sizeof err),
+            ledger::LedgerError::kOk)
+      << err;
+  const int e = ledger::find_gpu(*l.policy, controller::parse_gpu_uuid(kUuid)->data());
+  ASSERT_GE(e, 0);
+  std::this_thread::sleep_for(200ms);  // many audit passes
+  EXPECT_EQ(l.policy->gpus[e].unavailable.load(), uint32_t{ledger::kGpuAvailable});
+  ledger::close_ledger(&l);
+  kill_and_reap(liar);
+}
+
+// The driver is the authority on memory: a tenant that wipes its own charges
+// in its usage file and allocates past its quota is caught by NVML's count
+// of what its processes hold, and (default action) its processes are killed
+// until the rest fit, within the grace period, so its neighbour gets its
+// whole quota back.
+TEST_F(NvmlDaemonTest, MemoryAuditKillsATenantThatUnderReportsPastItsQuota) {
+  write_config("report",
+               "memory_audit_interval = \"50ms\"\nmemory_grace = \"500ms\"\nmemory_tolerance = \"128MiB\"\n");
+  write_file(config_path_, read_file(config_path_) + "[[tenant]]\nname = \"bob\"\ngpus = 0.5\ndevices = [0]\n");
+  set_faults("");
+  start_daemon();
+  // bob, honest, well within his 8 GiB: never touched.
+  const pid_t bob = probe("bob", {"init", "primary", "0", "alloc", "5GiB", "hold"}, true, run_dir_ + "/tenants/bob");
+  ASSERT_TRUE(eventually([&] { return probe_says("bob", "holding="); })) << probe_output("bob");
+  // alice (quota 8 GiB) wipes her charges between allocations: 10 GiB held,
+  // her ledger says 0, and the 16 GiB GPU has under 1 GiB left for bob.
+  const pid_t cheat = probe("cheat", {"init", "primary", "0", "alloc", "4GiB", "zero-charges", "alloc", "4GiB",
+                                      "zero-charges", "alloc", "2GiB", "zero-charges", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("cheat", "holding="); })) << probe_output("cheat");
+  EXPECT_EQ(probe_output("cheat").find("alloc=2"), std::string::npos) << probe_output("cheat");  // all went through
+  const auto held_from = std::chrono::steady_clock::now();
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(cheat, &status, WNOHANG) == cheat; }, 2000ms)) << daemon_log();
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - held_from);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_GE(took.count(), 300) << "acted before the grace period";
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
+  EXPECT_TRUE(log_contains("terminated process " + std::to_string(cheat))) << daemon_log();
+  EXPECT_EQ(kill(bob, 0), 0);  // the honest neighbour is left alone
+  // And bob gets the rest of his quota (a second process: its context is
+  // charged 256 MiB, so 5 + 0.25 + 0.25 + 2.5 = 8 GiB).
+  const pid_t more = probe("more", {"init", "primary", "0", "alloc", "2GiB", "alloc", "512MiB"}, true,
+                           run_dir_ + "/tenants/bob");
+  EXPECT_EQ(wait_exit(more, 10s), 0);
+  EXPECT_EQ(probe_output("more").find("alloc=2"), std::string::npos) << probe_output("more");
+  EXPECT_TRUE(eventually([&] { return log_contains("is within its quota on GPU"); }, 2000ms)) << daemon_log();
+  kill_and_reap(bob);
+}
+
+// A process that bypasses the interposer altogether (no slot, so nothing
+// the daemon verified) is still the tenant's if its container has the
+// tenant's directory mounted: the kernel says so in its mountinfo, which a
+// process without CAP_SYS_ADMIN cannot change. Its memory counts against the
+// tenant's quota; what its environment says does not matter.
+TEST_F(NvmlDaemonTest, MemoryAuditCountsAnUnchargedProcessInTheTenantsContainer) {
+  if (system("unshare -m --propagation private true 2>/dev/null") != 0)
+    GTEST_SKIP() << "unshare -m is not permitted here: no private mount namespace for the container's view";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  const std::string mount_point = tmp_ / "container-tenant";
+  fs::create_directories(mount_point);
+  std::vector<std::string> env = environment(true);
+  env.push_back("FRACGPU_TENANT=bob");  // a lie, and no interposer
+  const std::string script = "mount --bind '" + run_dir_ + "/tenants/alice' '" + mount_point + "' && exec '" +
+                             PROBE_PATH + "' init primary 0 alloc 9GiB hold";
+  const pid_t ctr = spawn({"/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c", script}, env,
+                          tmp_ / "ctr.log");
+  ASSERT_TRUE(eventually([&] { return probe_says("ctr", "holding="); })) << probe_output("ctr");
+  EXPECT_EQ(controller::tenants_mounted_in(std::to_string(ctr), run_dir_), std::set<std::string>{"alice"});
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(ctr, &status, WNOHANG) == ctr; }, 2000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
+  EXPECT_TRUE(log_contains("(fracgpu_probe, tenant \"alice\") uses")) << daemon_log();  // the bypass audit agrees
+}
+
+// memory_audit_action = "report": the overuse is shown (health.json, status)
+// and nothing is killed.
+TEST_F(NvmlDaemonTest, MemoryAuditReportOnlyShowsTheOveruse) {
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"100ms\"\nmemory_tolerance = \"0\"\n"
+                         "memory_audit_action = \"report\"\n");
+  set_faults("");
+  start_daemon();
+  const pid_t cheat = probe("cheat", {"init", "primary", "0", "alloc", "6GiB", "zero-charges", "alloc", "6GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("cheat", "holding="); })) << probe_output("cheat");
+  const auto reported = [&] {
+    const nlohmann::json h = health();
+    if (!h.is_object()) return false;
+    for (const auto& o : h["memory_audit"]["overuses"])
+      if (o["tenant"] == "alice" && o["action"] == "reported") return true;
+    return false;
+  };
+  ASSERT_TRUE(eventually(reported, 3000ms)) << daemon_log();
+  const std::string text = status();
+  EXPECT_NE(text.find("memory audit (action report): tenants over their quota by the driver's count:"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("  alice"), std::string::npos) << text;
+  EXPECT_EQ(kill(cheat, 0), 0);
+  kill_and_reap(cheat);
 }
 
 TEST_F(NvmlDaemonTest, AuditTerminateKillsTheBypassingProcessOnly) {

@@ -7,6 +7,8 @@
 // It links the driver directly (the "linked" path). Unknown commands and bad
 // arguments exit 64; a CUDA error is printed, not fatal: tests assert on it.
 #include <cuda.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <dlfcn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,6 +22,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "fracgpu/ledger_layout.h"
 
 extern "C" void* rtld_next_from_a();  // tests/probe/rtld_next_a.cpp
 
@@ -404,6 +408,23 @@ int main(int argc, char** argv) {
       size_t bytes = 0;
       print("total_result", cuDeviceTotalMem_v2(&bytes, atoi(arg())));
       print("device_total", static_cast<long long>(bytes));
+    } else if (cmd == "zero-charges") {
+      // What a hostile tenant can do to its own usage file: wipe every
+      // charge of every slot, so the ledger says it holds nothing.
+      const char* dir = getenv("FRACGPU_TENANT_DIR");
+      const std::string path = std::string(dir != nullptr ? dir : "") + "/" + fracgpu::ledger::kUsageFileName;
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      void* map = fd < 0 ? MAP_FAILED
+                         : mmap(nullptr, sizeof(fracgpu::ledger::UsageSegment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (map != MAP_FAILED) {
+        auto* usage = static_cast<fracgpu::ledger::UsageSegment*>(map);
+        for (auto& row : usage->charges)
+          for (auto& charge : row) charge.store(0);
+        munmap(map, sizeof(fracgpu::ledger::UsageSegment));
+      }
+      // fd stays open: closing any descriptor of the file would drop this
+      // process's record lock on its slot, and the slot would look dead.
+      print("zero_charges", map != MAP_FAILED ? 0 : 1);
     } else if (cmd == "fill") {
       // Allocate chunks until refused; report what fit.
       uint64_t chunk = parse_bytes(arg()), filled = 0;
