@@ -129,8 +129,10 @@ std::set<std::string> tenants_mounted_in(const std::string& pid, const std::stri
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir) {
   if (const std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())
     return mounted.size() == 1 ? *mounted.begin() : std::string();
+  // The daemon's own namespace is the host's (or its pod's): a process there
+  // is in no tenant's container, whoever else runs there.
   const std::string ns = mount_namespace_of(pid);
-  if (ns.empty()) return {};
+  if (ns.empty() || ns == mount_namespace_of(static_cast<int32_t>(getpid()))) return {};
   std::string found;
   for (const auto& [other, tenant] : charged) {
     if (tenant == found || mount_namespace_of(other) != ns) continue;

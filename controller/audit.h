@@ -84,10 +84,10 @@ std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
 // mount namespace (/proc/<pid>/mountinfo): what a container of that tenant
 // is given, and a process without CAP_SYS_ADMIN can neither add nor remove.
 // Else, the one tenant whose verified processes (`charged`: host PID ->
-// tenant) share its mount namespace. Empty when neither tells exactly one
-// tenant (processes outside containers all share the host's namespace: there
-// nothing can be told). So a process can never get another tenant denied or
-// charged by naming it.
+// tenant) share its mount namespace, unless that is the daemon's own (the
+// host's: processes outside containers are in no tenant's). Empty when
+// neither tells exactly one tenant. So a process can never get another
+// tenant denied or charged by naming it, nor by running beside it on the host.
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir);
 
 // Tenants whose directory under `run_dir` is mounted into the mount

@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -125,17 +127,65 @@ nvmlReturn_t copy_string(const std::string& s, char* out, unsigned int length) {
   return NVML_SUCCESS;
 }
 
+// Field 22 of /proc/<pid>/stat (start time, clock ticks after boot); 0 if gone.
+unsigned long long start_time_of(const std::string& pid) {
+  std::ifstream in("/proc/" + pid + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(paren + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i)
+    if (i == 22) return std::strtoull(field.c_str(), nullptr, 10);
+  return 0;
+}
+
+// The PID as the caller's namespace numbers the process. The sim's processes
+// record their own getpid(), which inside a PID namespace (a container) is
+// that namespace's number; the real driver reports the PID of the caller's
+// namespace (the host's, for a daemon run as documented). The same process
+// is the one that started at the same time and whose innermost PID
+// (NSpid's last field) is the recorded one. Unknown: the recorded PID.
+unsigned caller_pid(int32_t recorded, unsigned long long start_time) {
+  if (start_time_of(std::to_string(recorded)) == start_time) return static_cast<unsigned>(recorded);
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (start_time_of(name) != start_time) continue;
+    std::ifstream status("/proc/" + name + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("NSpid:", 0) != 0) continue;
+      const size_t last = line.find_last_of(" \t");
+      if (last != std::string::npos && std::atoi(line.c_str() + last + 1) == recorded)
+        return static_cast<unsigned>(std::atoi(name.c_str()));
+    }
+  }
+  return static_cast<unsigned>(recorded);
+}
+
 // Live processes holding memory on the device, with their bytes. Sweeps dead
 // processes first (as every reader of the sim's state does).
 std::vector<std::pair<unsigned, unsigned long long>> processes(int dev) {
-  std::vector<std::pair<unsigned, unsigned long long>> out;
-  simcuda::Guard guard;
-  simcuda::StateLock lock;
-  for (auto& slot : simcuda::S()->slots) {
-    if (slot.state.load(std::memory_order_acquire) != simcuda::kSlotLive) continue;
-    const uint64_t used = slot.used[dev].load(std::memory_order_relaxed);
-    if (used > 0) out.emplace_back(static_cast<unsigned>(slot.pid.load(std::memory_order_relaxed)), used);
+  struct Seen {
+    int32_t pid;
+    unsigned long long start_time, used;
+  };
+  std::vector<Seen> seen;
+  {
+    simcuda::Guard guard;
+    simcuda::StateLock lock;
+    for (auto& slot : simcuda::S()->slots) {
+      if (slot.state.load(std::memory_order_acquire) != simcuda::kSlotLive) continue;
+      const uint64_t used = slot.used[dev].load(std::memory_order_relaxed);
+      if (used > 0)
+        seen.push_back({slot.pid.load(std::memory_order_relaxed), slot.start_time.load(std::memory_order_relaxed), used});
+    }
   }
+  // Outside the state lock: naming a process may take a scan of /proc.
+  std::vector<std::pair<unsigned, unsigned long long>> out;
+  for (const Seen& p : seen) out.emplace_back(caller_pid(p.pid, p.start_time), p.used);
   return out;
 }
 
