@@ -17,7 +17,10 @@
 #include <spdlog/sinks/stdout_sinks.h>
 
 #include "placement.h"
+#include "safe_file.h"
+#include "sigbus_guard.h"
 #include "status.h"
+#include "text_escape.h"
 #include "units.h"
 
 namespace fracgpu::controller {
@@ -199,6 +202,7 @@ Daemon::~Daemon() {
     if (ftruncate(pid_fd_, 0) != 0) log_->debug("cannot empty the pid file: {}", strerror(errno));
     ::close(pid_fd_);
   }
+  if (run_.private_dir.valid()) shm::set_private_dir(-1);
 }
 
 int Daemon::start() {
@@ -248,12 +252,16 @@ ConfigResult Daemon::load_placed_config() const {
 PriorPlacement Daemon::running_placement() const {
   PriorPlacement prior;
   for (const auto& [name, open] : ledgers_) {
+    if (open.ledger.usage == nullptr) continue;  // corrupt: see usage_usable
     const ledger::UsageSegment& usage = *open.ledger.usage;
-    const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
     bool running = false;
-    for (uint32_t s = 0; s < high && !running; ++s)
-      running = usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree &&
-                ledger::slot_owner_pid(open.ledger, s) != 0;
+    // A fault (the file shrank) counts as not running; the next pass marks it corrupt.
+    shm::sigbus_guarded([&] {
+      const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+      for (uint32_t s = 0; s < high && !running; ++s)
+        running = usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree &&
+                  ledger::slot_owner_pid(open.ledger, s) != 0;
+    });
     if (!running) continue;
     std::vector<PriorGrant> grants;
     for (const GpuPolicy& e : open.ledger.policy->gpus) {
@@ -303,14 +311,18 @@ void Daemon::apply_metrics() {
   log_->info("metrics: serving http://{}/metrics", format_host_port({address->host, metrics_.port()}));
 }
 
+// The run dir is where every tenant's policy lives: the daemon runs only on
+// one that is its own and that no one else may write (run_dir.h).
 bool Daemon::prepare_run_dir() {
-  std::error_code ec;
-  const fs::path tenants = fs::path(config_->daemon.run_dir) / kTenantsDirName;
-  fs::create_directories(tenants, ec);
-  if (ec) {
-    log_->error("cannot create {}: {}", tenants.string(), ec.message());
+  std::string error, notes;
+  std::optional<DaemonRunDir> run = open_daemon_run_dir(config_->daemon.run_dir, &error, &notes);
+  if (!run) {
+    log_->error("run dir refused: {}", error);
     return false;
   }
+  if (!notes.empty()) log_->warn("run dir: {}", notes);
+  run_ = std::move(*run);
+  shm::set_private_dir(run_.private_dir.get());
   return true;
 }
 
@@ -319,11 +331,20 @@ bool Daemon::prepare_run_dir() {
 // it too); the kernel drops it when the daemon dies, however it dies.
 bool Daemon::lock_pid_file() {
   const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
-  pid_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (pid_fd_ < 0) {
-    log_->error("cannot open {}: {}", path, strerror(errno));
+  char err[512] = {};
+  const char* dir = config_->daemon.run_dir.c_str();
+  const shm::FileStatus created =
+      shm::create_file_at(run_.root.get(), kPidFileName, 0644, 0, nullptr, nullptr, dir, nullptr, err, sizeof err);
+  shm::Opened pid_file{};
+  if (created == shm::FileStatus::kOk || created == shm::FileStatus::kExists)
+    pid_file = shm::open_file_at(run_.root.get(), kPidFileName, O_RDWR, geteuid(), -1, dir, err, sizeof err);
+  else
+    pid_file.status = created;
+  if (!pid_file.ok()) {
+    log_->error("cannot open the pid file: {}", err);
     return false;
   }
+  pid_fd_ = pid_file.fd;
   struct flock fl {};
   fl.l_type = F_WRLCK;
   fl.l_whence = SEEK_SET;
@@ -350,24 +371,46 @@ Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
   if (auto it = ledgers_.find(name); it != ledgers_.end()) {
     // Still the same files? Someone may have removed the directory; then a
     // fresh ledger is made (or, for a tenant no longer configured, dropped).
-    struct stat by_path {}, mapped {};
+    struct stat by_path {}, mapped {}, dir_by_path {}, dir_open {};
     const std::string policy_path = it->second.dir + "/" + ledger::kPolicyFileName;
-    if (stat(policy_path.c_str(), &by_path) == 0 && fstat(it->second.ledger.policy_fd, &mapped) == 0 &&
-        by_path.st_ino == mapped.st_ino && by_path.st_dev == mapped.st_dev)
+    if (fstatat(run_.tenants.get(), name.c_str(), &dir_by_path, AT_SYMLINK_NOFOLLOW) == 0 &&
+        fstat(it->second.dir_fd.get(), &dir_open) == 0 && dir_by_path.st_ino == dir_open.st_ino &&
+        dir_by_path.st_dev == dir_open.st_dev &&
+        fstatat(it->second.dir_fd.get(), ledger::kPolicyFileName, &by_path, AT_SYMLINK_NOFOLLOW) == 0 &&
+        fstat(it->second.ledger.policy_fd, &mapped) == 0 && by_path.st_ino == mapped.st_ino &&
+        by_path.st_dev == mapped.st_dev)
       return &it->second;
     log_->warn("tenant \"{}\": {} was replaced or removed; re-opening", name, policy_path);
     ledger::close_ledger(&it->second.ledger);
     ledgers_.erase(it);
   }
   const std::string dir = (fs::path(config_->daemon.run_dir) / kTenantsDirName / name).string();
-  if (!create && access((dir + "/" + ledger::kPolicyFileName).c_str(), F_OK) != 0) return nullptr;
+  const std::string tenants = (fs::path(config_->daemon.run_dir) / kTenantsDirName).string();
   OpenLedger open;
   open.dir = dir;
   char err[512] = {};
-  const ledger::LedgerError rc =
-      ledger::open_ledger(dir.c_str(), ledger::AccessMode::kDaemon, name.c_str(), &open.ledger, err, sizeof err);
+  // The tenant's directory is the daemon's, 0755: its containers mount it
+  // read-only (docs/containers.md), so none of its names can be planted or
+  // replaced from inside; and its files are opened by name, never followed.
+  bool mode_fixed = false;
+  const shm::Opened dir_fd =
+      create ? shm::make_dir_at(run_.tenants.get(), name.c_str(), 0755, geteuid(), tenants.c_str(), &mode_fixed, err,
+                                sizeof err)
+             : shm::open_dir_at(run_.tenants.get(), name.c_str(), geteuid(), false, tenants.c_str(), err, sizeof err);
+  if (!dir_fd.ok()) {
+    log_->error("tenant \"{}\": directory refused and tenant skipped: {}", name, err);
+    return nullptr;
+  }
+  open.dir_fd.reset(dir_fd.fd);
+  if (mode_fixed) log_->warn("tenant \"{}\": {} was writable by others: its mode is 0755 again", name, dir);
+  struct stat policy_stat {};
+  if (!create && fstatat(open.dir_fd.get(), ledger::kPolicyFileName, &policy_stat, AT_SYMLINK_NOFOLLOW) != 0)
+    return nullptr;
+  const ledger::LedgerError rc = ledger::open_ledger_at(open.dir_fd.get(), dir.c_str(), ledger::AccessMode::kDaemon,
+                                                        geteuid(), name.c_str(), &open.ledger, err, sizeof err);
   if (rc != ledger::LedgerError::kOk) {
-    // Foreign, corrupt or of another version: not ours to repair or delete
+    // Foreign, corrupt, of another version, or not a regular file of ours
+    // (a link or FIFO where a file should be): not ours to repair or delete
     // (it may hold state someone needs). The tenant stays without service
     // until an operator fixes it and sends SIGHUP.
     log_->error("tenant \"{}\": ledger left alone and tenant skipped ({}): {}", name,
@@ -420,11 +463,14 @@ void Daemon::apply(const NodeConfig& config) {
 
 Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
   if (auto it = arbiters_.find(gpu.uuid); it != arbiters_.end()) return &it->second;
-  std::error_code ec;
   const fs::path dir = fs::path(config_->daemon.run_dir) / gputime::kGpusDirName / gpu.uuid;
-  fs::create_directories(dir, ec);
-  if (ec) {
-    log_->error("GPU {}: cannot create {}: {}; its time is not shared", gpu.index, dir.string(), ec.message());
+  // Made and checked one level at a time (run_dir.h): the daemon's own.
+  std::string why;
+  const UniqueFd gpus = make_daemon_dir(run_.root.get(), config_->daemon.run_dir, gputime::kGpusDirName, &why);
+  const UniqueFd own = gpus.valid() ? make_daemon_dir(gpus.get(), dir.parent_path().string(), gpu.uuid.c_str(), &why)
+                                    : UniqueFd();
+  if (!own.valid()) {
+    log_->error("GPU {}: {}; its time is not shared", gpu.index, why);
     return nullptr;
   }
   GpuArbiter entry;
@@ -446,17 +492,19 @@ Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
 // <tenant dir>/gputime-<entry> must be the arbiter itself (same inode): the
 // tenant's processes reach it only through their own directory.
 void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry) {
-  const std::string link = fmt::format("{}/{}{}", open.dir, kGpuTimeLinkPrefix, entry);
+  const std::string name = fmt::format("{}{}", kGpuTimeLinkPrefix, entry);
+  const std::string link = fmt::format("{}/{}", open.dir, name);
   struct stat by_link {}, target {};
-  if (stat(link.c_str(), &by_link) == 0 && fstat(arbiter.arbiter.fd, &target) == 0 && by_link.st_ino == target.st_ino &&
-      by_link.st_dev == target.st_dev)
+  if (fstatat(open.dir_fd.get(), name.c_str(), &by_link, AT_SYMLINK_NOFOLLOW) == 0 &&
+      fstat(arbiter.arbiter.fd, &target) == 0 && by_link.st_ino == target.st_ino && by_link.st_dev == target.st_dev)
     return;
-  const std::string tmp = link + ".tmp";
-  unlink(tmp.c_str());
-  if (::link(arbiter.path.c_str(), tmp.c_str()) != 0 || rename(tmp.c_str(), link.c_str()) != 0) {
+  // Whatever has the name (a link or FIFO planted there, an old arbiter's
+  // link) is replaced by a rename, never written through or followed.
+  std::string error;
+  if (!link_replacing(AT_FDCWD, arbiter.path.c_str(), open.dir_fd.get(), name.c_str(), run_.private_dir.get(),
+                      &error)) {
     log_->error("tenant \"{}\": cannot link {} to {}: {}; its GPU time there is not shared", tenant, link,
-                arbiter.path, strerror(errno));
-    unlink(tmp.c_str());
+                arbiter.path, error);
     return;
   }
   log_->debug("tenant \"{}\": {} -> {}", tenant, link, arbiter.path);
@@ -553,31 +601,95 @@ void Daemon::reap(const std::string& name, OpenLedger& open) {
     char comm[16];
     uint64_t bytes;
     bool candidate;
+    bool freed;  // free after the reclaim
   };
-  const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
-  std::vector<Held> before(high);
-  for (uint32_t s = 0; s < high; ++s) {
-    Held& h = before[s];
-    h.bytes = 0;
-    for (uint32_t g = 0; g < kMaxGpus; ++g) h.bytes += usage.charges[g][s].load(std::memory_order_relaxed);
-    h.candidate = h.bytes != 0 || usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree;
-    h.pid = usage.slots[s].pid.load(std::memory_order_relaxed);
-    memcpy(h.comm, usage.slots[s].comm, sizeof h.comm);
-    h.comm[sizeof h.comm - 1] = '\0';
+  // The tenant can shrink its usage file under us: every access to it runs
+  // guarded, and nothing in the guard may allocate (a fault jumps out of it).
+  std::array<Held, kMaxSlots> held;
+  uint32_t high = 0;
+  ledger::ReclaimResult result;
+  const bool ok = shm::sigbus_guarded([&] {
+    high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+    for (uint32_t s = 0; s < high; ++s) {
+      Held& h = held[s];
+      h.bytes = 0;
+      for (uint32_t g = 0; g < kMaxGpus; ++g) h.bytes += usage.charges[g][s].load(std::memory_order_relaxed);
+      h.candidate = h.bytes != 0 || usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree;
+      h.pid = usage.slots[s].pid.load(std::memory_order_relaxed);
+      memcpy(h.comm, usage.slots[s].comm, sizeof h.comm);
+      h.comm[sizeof h.comm - 1] = '\0';
+    }
+    result = ledger::reclaim_dead_slots(open.ledger, -1);
+    for (uint32_t s = 0; s < high; ++s)
+      held[s].freed = usage.slots[s].state.load(std::memory_order_acquire) == ledger::kSlotFree;
+    ledger::record_host_pids(open.ledger, open.host_pids.data());
+  });
+  if (!ok) {
+    // Closing the file also drops any slot lock the fault left us holding.
+    mark_corrupt(name, open, "shrank while the daemon was reading it (its mappings fault)");
+    return;
   }
-  const ledger::ReclaimResult result = ledger::reclaim_dead_slots(open.ledger, -1);
   const int reclaimed = result.reclaimed;
   const uint64_t bytes = result.bytes;
   if (reclaimed <= 0) return;
   int named = 0;
   for (uint32_t s = 0; s < high; ++s) {
-    if (!before[s].candidate || usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree) continue;
-    log_->info("tenant \"{}\": reclaimed slot {} of dead process {} ({}): {} released", name, s, before[s].pid,
-               before[s].comm, format_size(before[s].bytes));
+    if (!held[s].candidate || !held[s].freed) continue;
+    log_->info("tenant \"{}\": reclaimed slot {} of dead process {} ({}): {} released", name, s, held[s].pid,
+               escape_terminal(held[s].comm), format_size(held[s].bytes));
     ++named;
   }
   if (named != reclaimed)
     log_->info("tenant \"{}\": reclaimed {} dead process slot(s), {} released", name, reclaimed, format_size(bytes));
+}
+
+bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
+  const std::string usage_path = open.dir + "/" + ledger::kUsageFileName;
+  if (!open.corrupt.empty()) {
+    // Valid again (restored, or removed: then made afresh)? Checked as at
+    // adoption; on failure it stays as it is, logged once already.
+    ledger::TenantLedger fresh;
+    char err[512] = {};
+    if (ledger::open_ledger_at(open.dir_fd.get(), open.dir.c_str(), ledger::AccessMode::kDaemon, geteuid(),
+                               name.c_str(), &fresh, err, sizeof err) != ledger::LedgerError::kOk)
+      return false;
+    ledger::close_ledger(&open.ledger);
+    open.ledger = fresh;
+    open.corrupt.clear();
+    log_->info("tenant \"{}\": {} is valid again; reclaiming resumes", name, usage_path);
+  }
+  // Still the file we map? Removed or replaced: re-opened next pass (a
+  // missing one is made afresh).
+  struct stat by_name {}, mapped {};
+  if (fstatat(open.dir_fd.get(), ledger::kUsageFileName, &by_name, AT_SYMLINK_NOFOLLOW) != 0 ||
+      fstat(open.ledger.usage_fd, &mapped) != 0 || by_name.st_ino != mapped.st_ino ||
+      by_name.st_dev != mapped.st_dev) {
+    mark_corrupt(name, open, "was removed or replaced");
+    return false;
+  }
+  uint64_t bytes = 0;
+  switch (ledger::enforce_usage_size(open.ledger, &bytes)) {
+    case ledger::UsageSize::kOk: return true;
+    case ledger::UsageSize::kTruncated:
+      log_->warn("tenant \"{}\": {} had grown to {} bytes (written past its end): cut back to its {} bytes", name,
+                 usage_path, bytes, sizeof(ledger::UsageSegment));
+      return true;
+    case ledger::UsageSize::kShrunk:
+      mark_corrupt(name, open,
+                   fmt::format("shrank to {} bytes (the layout has {})", bytes, sizeof(ledger::UsageSegment)));
+      return false;
+    case ledger::UsageSize::kError: break;
+  }
+  mark_corrupt(name, open, fmt::format("cannot be checked: {}", strerror(errno)));
+  return false;
+}
+
+void Daemon::mark_corrupt(const std::string& name, OpenLedger& open, const std::string& why) {
+  log_->error("tenant \"{}\": {}/{} {}: its ledger is corrupt; nothing is reclaimed there until it is valid again "
+              "(checked every pass)",
+              name, open.dir, ledger::kUsageFileName, why);
+  ledger::close_usage(&open.ledger);
+  open.corrupt = why;
 }
 
 void Daemon::tick() {
@@ -585,8 +697,10 @@ void Daemon::tick() {
   // First: if anything below hangs (an NVML call), /healthz sees this go stale.
   metrics_.heartbeat(now);
   for (auto& [name, open] : ledgers_) {
-    reap(name, open);
-    ledger::record_host_pids(open.ledger, open.host_pids.data());
+    if (usage_usable(name, open))
+      reap(name, open);
+    else
+      open.host_pids.fill(0);  // unreadable: its processes count as uncharged until it is valid again
     open.ledger.policy->daemon_heartbeat_ns.store(now, std::memory_order_release);
     open.ledger.policy->daemon_pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   }

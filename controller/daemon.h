@@ -31,6 +31,7 @@
 #include "health.h"
 #include "ledger.h"
 #include "metrics.h"
+#include "run_dir.h"
 
 namespace fracgpu::controller {
 
@@ -102,12 +103,17 @@ class Daemon {
  private:
   struct OpenLedger {
     std::string dir;
+    UniqueFd dir_fd;  // the tenant directory: its files are opened by name from here
     ledger::TenantLedger ledger;
     bool configured = false;  // in the current config (else all its GPUs are revoked)
     // Each slot's owner as this daemon found it (record-lock holder with the
     // slot's start time), 0 where none: the audits act on these, never on
     // the copy in the tenant-writable usage file.
     std::array<int32_t, ledger::kMaxSlots> host_pids{};
+    // Non-empty: why the usage file is unusable (shrunk, faulted, replaced).
+    // It is unmapped (ledger.usage is null) and re-validated every pass;
+    // nothing is reclaimed in it meanwhile.
+    std::string corrupt;
   };
 
   // The config at options_.config_path, placed keeping running tenants where
@@ -122,6 +128,11 @@ class Daemon {
   void apply(const NodeConfig& config);
   OpenLedger* adopt(const std::string& name, bool create);
   void reap(const std::string& name, OpenLedger& open);
+  // Every pass, before reap: the usage file is still the one mapped and of
+  // the layout's size (grown: cut back; shrunk or replaced: corrupt), or, if
+  // corrupt, valid again. True if it may be touched now.
+  bool usage_usable(const std::string& name, OpenLedger& open);
+  void mark_corrupt(const std::string& name, OpenLedger& open, const std::string& why);
   void close_all();
 
   // GPU time (docs/sm-time.md): one arbiter per managed GPU, its tenant
@@ -154,6 +165,7 @@ class Daemon {
   std::optional<NodeConfig> config_;
   std::map<std::string, OpenLedger> ledgers_;  // by tenant name
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
+  DaemonRunDir run_;  // opened and checked by prepare_run_dir()
   int pid_fd_ = -1;
   MetricsServer metrics_;
   std::unique_ptr<Nvml> nvml_;

@@ -6,10 +6,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
-#include <fstream>
 #include <string>
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -18,12 +17,16 @@
 #include <nlohmann/json.hpp>
 
 #include "health.h"
+#include "run_dir.h"
+#include "safe_file.h"
 #include "status.h"
+#include "text_escape.h"
 #include "uuid.h"
 
 namespace {
 
 using namespace fracgpu::controller;
+namespace shm = fracgpu::shm;
 
 int status_command(const std::string& run_dir, bool json) {
   std::string error;
@@ -33,7 +36,9 @@ int status_command(const std::string& run_dir, bool json) {
     return kStatusNoRunDir;
   }
   if (json)
-    fmt::print("{}\n", status_to_json(*report).dump(2));
+    // A process's name need not be UTF-8: invalid bytes are replaced, never
+    // a reason to fail (control characters come out as \u00XX escapes).
+    fmt::print("{}\n", status_to_json(*report).dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
   else
     fmt::print("{}", status_to_text(*report));
   return report->all_ledgers_read() ? kStatusOk : kStatusBadLedger;
@@ -42,19 +47,29 @@ int status_command(const std::string& run_dir, bool json) {
 // The fenced GPU `which` names: a UUID ("GPU-..."), or a driver ordinal
 // looked up in the fences themselves (each records its GPU's index).
 int clear_command(const std::string& run_dir, const std::string& which) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::path(run_dir) / kFencesDirName;
+  const std::string dir = run_dir + "/" + kFencesDirName;
   std::string uuid;
   std::string listed;  // the fences there are, for the error message
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!parse_gpu_uuid(name)) continue;  // a .tmp file, or something foreign
-    std::ifstream in(entry.path());
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    const std::string index = j.is_object() && j.contains("index") ? j["index"].dump() : "?";
-    listed += fmt::format("{}{} (GPU {})", listed.empty() ? "" : ", ", name, index);
-    if (which == index) uuid = name;
+  std::string error;
+  if (const std::optional<RunDirView> view = open_run_dir_view(run_dir, &error)) {
+    char err[512] = {};
+    const shm::Opened fences =
+        shm::open_dir_at(view->root.get(), kFencesDirName, view->owner, false, run_dir.c_str(), err, sizeof err);
+    DIR* listing = fences.ok() ? fdopendir(fences.fd) : nullptr;
+    if (fences.ok() && listing == nullptr) ::close(fences.fd);
+    while (const struct dirent* entry = listing != nullptr ? readdir(listing) : nullptr) {
+      const std::string name = entry->d_name;
+      if (!parse_gpu_uuid(name)) continue;  // a temporary file, or something foreign
+      std::string ignored;
+      const std::optional<std::string> text =
+          read_file_at(dirfd(listing), dir, name.c_str(), view->owner, kMaxRunFileBytes, &ignored);
+      const nlohmann::json j = text ? nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false)
+                                    : nlohmann::json();
+      const std::string index = j.is_object() && j.contains("index") ? j["index"].dump() : "?";
+      listed += fmt::format("{}{} (GPU {})", listed.empty() ? "" : ", ", name, index);
+      if (which == index) uuid = name;
+    }
+    if (listing != nullptr) closedir(listing);
   }
   const bool digits = !which.empty() && which.find_first_not_of("0123456789") == std::string::npos;
   if (!digits) {
@@ -72,7 +87,7 @@ int clear_command(const std::string& run_dir, const std::string& which) {
       fmt::print(stderr, "fracgpu: cannot remove {}: {}\n", path, std::strerror(errno));
       return kStatusNoRunDir;
     }
-    fmt::print(stderr, "fracgpu: GPU {} has no Xid fence in {} (fenced: {})\n", which, dir.string(),
+    fmt::print(stderr, "fracgpu: GPU {} has no Xid fence in {} (fenced: {})\n", escape_terminal(which), dir,
                listed.empty() ? "none" : listed);
     return kStatusNoFence;
   }

@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "placement.h"
+#include "run_dir.h"
+#include "safe_file.h"
 
 namespace fracgpu::controller {
 
@@ -35,7 +37,7 @@ HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus,
   if (nvml_ == nullptr) return;
   // Fences left by an earlier daemon: the GPU stays unhealthy until cleared.
   for (size_t i = 0; i < gpus_.size() && !run_dir_.empty(); ++i) {
-    const std::optional<XidFence> f = read_xid_fence(xid_fence_path(run_dir_, gpus_[i].uuid));
+    const std::optional<XidFence> f = read_xid_fence(run_dir_, gpus_[i].uuid);
     if (!f) continue;
     fenced_on_disk_[i] = true;
     gpus_[i].last_xid = f->xid;
@@ -256,25 +258,44 @@ std::string node_checks_json(const NodeChecks& checks) {
                                              {"since_unix", o.since_unix},
                                              {"action", o.action}});
   }
-  return j.dump(2) + "\n";
+  // A process's name is its own to choose, not necessarily UTF-8: replaced
+  // bytes, not an exception that would stop the daemon.
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 bool write_node_checks(const std::string& run_dir, const NodeChecks& checks, std::string* error) {
-  return write_file_atomically(run_dir + "/" + kHealthFileName, node_checks_json(checks), error);
+  return write_run_file(run_dir, "", kHealthFileName, node_checks_json(checks), error);
 }
 
 std::string xid_fence_path(const std::string& run_dir, const std::string& uuid) {
   return fmt::format("{}/{}/{}", run_dir, kFencesDirName, uuid);
 }
 
-std::optional<XidFence> read_xid_fence(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return std::nullopt;
+std::optional<XidFence> read_xid_fence(const std::string& run_dir, const std::string& uuid) {
+  const std::string path = xid_fence_path(run_dir, uuid);
   XidFence fence;
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::string error;
+  bool missing = false;
+  std::optional<std::string> text;
+  if (const std::optional<RunDirView> view = open_run_dir_view(run_dir, &error)) {
+    char err[512] = {};
+    const shm::Opened fences =
+        shm::open_dir_at(view->root.get(), kFencesDirName, view->owner, false, run_dir.c_str(), err, sizeof err);
+    if (fences.status == shm::FileStatus::kMissing) return std::nullopt;
+    error = err;
+    if (fences.ok()) {
+      const UniqueFd dir(fences.fd);
+      text = read_file_at(dir.get(), fmt::format("{}/{}", run_dir, kFencesDirName), uuid.c_str(), view->owner,
+                          kMaxRunFileBytes, &error, &missing);
+    }
+  }
+  if (missing) return std::nullopt;
+  const nlohmann::json j =
+      text ? nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
   if (!j.is_object()) {
-    // Damaged or hand-made: still a fence (failing safe), with what is known.
-    fence.why = fmt::format("Xid fence {} (unreadable contents)", path);
+    // Damaged, hand-made or refused: still a fence (failing safe), with what is known.
+    fence.why = text ? fmt::format("Xid fence {} (unreadable contents)", path)
+                     : fmt::format("Xid fence {} ({})", path, error);
     return fence;
   }
   fence.xid = j.value("xid", uint64_t{0});
@@ -284,15 +305,13 @@ std::optional<XidFence> read_xid_fence(const std::string& path) {
 }
 
 bool write_xid_fence(const std::string& run_dir, const GpuHealth& gpu, const XidFence& fence, std::string* error) {
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(run_dir) / kFencesDirName, ec);
   nlohmann::ordered_json j;
   j["uuid"] = gpu.uuid;
   j["index"] = gpu.index;
   j["xid"] = fence.xid;
   j["why"] = fence.why;
   j["since_unix"] = fence.since_unix;
-  return write_file_atomically(xid_fence_path(run_dir, gpu.uuid), j.dump(2) + "\n", error);
+  return write_run_file(run_dir, kFencesDirName, gpu.uuid, j.dump(2) + "\n", error);
 }
 
 }  // namespace fracgpu::controller

@@ -56,8 +56,9 @@ struct XidFence {
   uint64_t since_unix = 0;
 };
 std::string xid_fence_path(const std::string& run_dir, const std::string& uuid);
-// nullopt when there is no fence; a file that cannot be parsed still fences.
-std::optional<XidFence> read_xid_fence(const std::string& path);
+// nullopt when there is no fence; a file that cannot be parsed, or is
+// refused (not a regular file of the run dir's owner), still fences.
+std::optional<XidFence> read_xid_fence(const std::string& run_dir, const std::string& uuid);
 
 class HealthMonitor {
  public:
@@ -99,7 +100,7 @@ class HealthMonitor {
 };
 
 // What fracgpud last found, written to <run_dir>/health.json after every probe
-// and audit (temporary file + rename: a reader never sees half of it) for
+// and audit (whole or not at all: write_run_file in run_dir.h) for
 // `fracgpu status` and anything else that wants it. Schema: docs/configuration.md.
 inline constexpr const char* kHealthFileName = "health.json";
 

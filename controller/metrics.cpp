@@ -21,21 +21,10 @@
 
 #include "ledger.h"
 #include "status.h"
+#include "text_escape.h"
 
 namespace fracgpu::controller {
 namespace {
-
-// Label values: backslash, double quote and newline escaped (text format).
-std::string escape(std::string_view value) {
-  std::string out;
-  for (char c : value) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '"') out += "\\\"";
-    else if (c == '\n') out += "\\n";
-    else out += c;
-  }
-  return out;
-}
 
 // Accumulates samples grouped by metric, each metric with one HELP and TYPE,
 // as the format requires.
@@ -151,11 +140,11 @@ std::string render_metrics(const StatusReport& report) {
       if (!g.is_object() || !g.contains("uuid") || !g["uuid"].is_string() || !g.contains("healthy") ||
           !g["healthy"].is_boolean())
         continue;
-      const std::string gpu = fmt::format("gpu=\"{}\"", escape(g["uuid"].get<std::string>()));
+      const std::string gpu = fmt::format("gpu=\"{}\"", escape_label_value(g["uuid"].get<std::string>()));
       m.sample("fracgpu_gpu_healthy", gpu, uint64_t{g["healthy"].get<bool>() ? 1u : 0u});
       if (!g["healthy"].get<bool>() && g.contains("reason") && g["reason"].is_string())
         m.sample("fracgpu_gpu_unhealthy_reason",
-                 fmt::format("{},reason=\"{}\"", gpu, escape(g["reason"].get<std::string>())), uint64_t{1});
+                 fmt::format("{},reason=\"{}\"", gpu, escape_label_value(g["reason"].get<std::string>())), uint64_t{1});
       uint64_t uncharged = 0;
       const nlohmann::json& audit = *report.gpu_health;
       if (audit.contains("audit") && audit["audit"].is_object() && audit["audit"].contains("findings") &&
@@ -166,13 +155,13 @@ std::string render_metrics(const StatusReport& report) {
     }
   }
   for (const TenantStatus& t : report.tenants) {
-    const std::string tenant = fmt::format("tenant=\"{}\"", escape(t.name));
+    const std::string tenant = fmt::format("tenant=\"{}\"", escape_label_value(t.name));
     m.sample("fracgpu_tenant_ledger_readable", tenant, uint64_t{t.error.empty() ? 1u : 0u});
     if (!t.error.empty()) continue;
     const auto running = std::count_if(t.processes.begin(), t.processes.end(), [](const ProcessStatus& p) { return p.running; });
     m.sample("fracgpu_tenant_processes", tenant, static_cast<uint64_t>(running));
     for (const GpuEntryStatus& g : t.gpus) {
-      const std::string labels = fmt::format("gpu=\"{}\",{}", escape(g.uuid), tenant);
+      const std::string labels = fmt::format("gpu=\"{}\",{}", escape_label_value(g.uuid), tenant);
       m.sample("fracgpu_grant_revoked", labels, uint64_t{g.state == "granted" ? 0u : 1u});
       if (g.memory_quota) m.sample("fracgpu_memory_quota_bytes", labels, *g.memory_quota);
       m.sample("fracgpu_memory_used_bytes", labels, g.memory_used);

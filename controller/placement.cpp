@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "run_dir.h"
 #include "status.h"
 #include "units.h"
 
@@ -240,34 +241,17 @@ bool write_placement_record(const std::string& run_dir, const PlacementRecord& r
     auto& list = j["grants"][name] = nlohmann::ordered_json::array();
     for (const auto& [uuid, share] : grants) list.push_back({{"uuid", uuid}, {"share_ppm", share}});
   }
-  return write_file_atomically((std::filesystem::path(run_dir) / kPlacementFileName).string(), j.dump(2) + "\n",
-                               error);
-}
-
-bool write_file_atomically(const std::string& path, std::string_view text, std::string* error) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    *error = fmt::format("cannot write {}: {}", tmp, std::strerror(errno));
-    return false;
-  }
-  fchmod(fd, 0644);  // whatever the umask: readers (the CLI, the metrics child) need it
-  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  const int write_errno = errno;
-  ::close(fd);
-  // Readers see the old file or the new one, never half of one.
-  if (!written || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    *error = fmt::format("cannot write {}: {}", path, std::strerror(written ? errno : write_errno));
-    ::unlink(tmp.c_str());
-    return false;
-  }
-  return true;
+  return write_run_file(run_dir, "", kPlacementFileName, j.dump(2) + "\n", error);
 }
 
 std::optional<PlacementRecord> read_placement_record(const std::string& run_dir) {
-  std::ifstream in(std::filesystem::path(run_dir) / kPlacementFileName);
-  if (!in) return std::nullopt;
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::string error;
+  const std::optional<RunDirView> view = open_run_dir_view(run_dir, &error);
+  if (!view) return std::nullopt;
+  const std::optional<std::string> text =
+      read_file_at(view->root.get(), run_dir, kPlacementFileName, view->owner, kMaxRunFileBytes, &error);
+  if (!text) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || !j.contains("policy") || !j["policy"].is_string()) return std::nullopt;
   PlacementRecord record;
   record.policy = j["policy"].get<std::string>();

@@ -122,14 +122,11 @@ struct PlacementRecord {
   std::map<std::string, std::vector<std::pair<std::string, uint32_t>>, std::less<>> grants;
 };
 
-// Writes `text` to `path` through `path`.tmp and a rename, mode 0644, so a
-// reader sees the old file or the new one, never half of one. False and
-// *error on failure. (Also used for health.json and Xid fences.)
-bool write_file_atomically(const std::string& path, std::string_view text, std::string* error);
-
-// Written atomically (temporary file, rename), mode 0644. False and *error on failure.
+// Written whole or not at all (write_run_file in run_dir.h), mode 0644. False
+// and *error on failure, the previous record kept.
 bool write_placement_record(const std::string& run_dir, const PlacementRecord& record, std::string* error);
-// nullopt when absent or unreadable (an older daemon, or none ran yet).
+// nullopt when absent or unreadable (an older daemon, or none ran yet), or
+// refused (not a regular file of the run dir's owner: run_dir.h).
 std::optional<PlacementRecord> read_placement_record(const std::string& run_dir);
 
 }  // namespace fracgpu::controller

@@ -5,10 +5,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
-#include <fstream>
+#include <memory>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -16,13 +17,16 @@
 #include "daemon.h"
 #include "gputime.h"
 #include "ledger.h"
+#include "run_dir.h"
+#include "safe_file.h"
+#include "sigbus_guard.h"
+#include "text_escape.h"
 #include "units.h"
 #include "uuid.h"
 
 namespace fracgpu::controller {
 namespace {
 
-namespace fs = std::filesystem;
 using ledger::kMaxGpus;
 using ledger::kMaxSlots;
 using ledger::monotonic_ns;
@@ -37,28 +41,61 @@ struct ArbiterProcess {
   ProcessGpuTime time;
 };
 
+// "wrong size: <path>: size is ..."; a refusal's message says what it is
+// already ("<path>: refused: not a regular file (a FIFO)").
+std::string describe(ledger::LedgerError rc, const char* err) {
+  return rc == ledger::LedgerError::kRefused ? std::string(err)
+                                             : fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
+}
+
+// A copy of a shared segment, taken under shm::sigbus_guarded(): a file
+// another party can shrink must not kill the CLI or the metrics child, and
+// what is read from a copy cannot change (or fault) half way through.
+template <typename Segment>
+std::unique_ptr<Segment> guarded_copy(const Segment* mapped) {
+  auto copy = std::make_unique<Segment>();  // before the guard: nothing inside may allocate
+  const bool ok = shm::sigbus_guarded(
+      [&] { memcpy(static_cast<void*>(copy.get()), static_cast<const void*>(mapped), sizeof(Segment)); });
+  if (!ok) copy.reset();
+  return copy;
+}
+
 // The tenant's standing in the GPU-time arbiter the daemon linked into its
 // dir as gputime-<entry>, and its process entries there (appended to
 // *processes). No link: gpu_time stays nullopt and there is no error.
 void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, GpuEntryStatus* out,
                    std::vector<ArbiterProcess>* processes) {
   const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
-  gputime::Arbiter arbiter;
+  gputime::Arbiter mapped;
   char err[512] = {};
-  // With the entry's UUID: a link to another GPU's arbiter is refused.
+  // With the entry's UUID: a link to another GPU's arbiter is refused. The
+  // file is opened by name from the tenant's directory, never through a
+  // link, never a FIFO (shm/safe_file.h): status must not hang on what a
+  // tenant may have planted there.
   const ledger::LedgerError rc =
-      gputime::open_arbiter(path.c_str(), false, true, policy.gpus[entry].uuid, &arbiter, err, sizeof err);
+      gputime::open_arbiter(path.c_str(), false, true, policy.gpus[entry].uuid, &mapped, err, sizeof err);
   if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
-    out->gpu_time_error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
+    out->gpu_time_error = describe(rc, err);
     return;
   }
-  const gputime::GpuTimeSegment& seg = *arbiter.seg;
+  // Read from a copy; record-lock queries go to the real file.
+  const std::unique_ptr<gputime::GpuTimeSegment> copy = guarded_copy(mapped.seg);
+  gputime::Arbiter arbiter;
+  arbiter.seg = copy.get();
+  arbiter.fd = mapped.fd;
+  const auto done = [&] { gputime::close_arbiter(&mapped); };
+  if (copy == nullptr) {
+    out->gpu_time_error = fmt::format("corrupt: {}: shrank while being read", path);
+    done();
+    return;
+  }
+  const gputime::GpuTimeSegment& seg = *copy;
   const int row = gputime::find_tenant(seg, policy.tenant);
   if (row < 0) {
     out->gpu_time_error =
         fmt::format("{}: tenant \"{}\" not listed", path, bounded(policy.tenant, sizeof policy.tenant));
-    gputime::close_arbiter(&arbiter);
+    done();
     return;
   }
   const gputime::TenantTime& t = seg.tenants[row];
@@ -92,22 +129,46 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
     processes->push_back(std::move(a));
   }
   out->gpu_time = g;
-  gputime::close_arbiter(&arbiter);
+  done();
 }
 
-TenantStatus read_tenant(const std::string& name, const std::string& dir) {
+// One tenant's ledger, read from `tenants` (the run dir's tenants/, every
+// entry of which must belong to `owner`, the daemon's user).
+TenantStatus read_tenant(int tenants, const std::string& name, const std::string& tenants_shown, uid_t owner) {
   TenantStatus t;
   t.name = name;
-  t.dir = dir;
-  ledger::TenantLedger l;
+  t.dir = tenants_shown + "/" + name;
+  const std::string& dir = t.dir;
   char err[512] = {};
-  const ledger::LedgerError rc = ledger::open_ledger(dir.c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err, sizeof err);
-  if (rc != ledger::LedgerError::kOk) {
-    t.error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
+  const shm::Opened dir_fd = shm::open_dir_at(tenants, name.c_str(), owner, false, tenants_shown.c_str(), err, sizeof err);
+  if (!dir_fd.ok()) {
+    t.error = err;
     return t;
   }
-  const ledger::PolicySegment& policy = *l.policy;
-  const ledger::UsageSegment& usage = *l.usage;
+  const UniqueFd dir_closer(dir_fd.fd);
+  ledger::TenantLedger l;
+  const ledger::LedgerError rc =
+      ledger::open_ledger_at(dir_fd.fd, dir.c_str(), ledger::AccessMode::kReadOnly, owner, nullptr, &l, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    t.error = describe(rc, err);
+    return t;
+  }
+  // The tenant can write (and shrink) its usage file: read it from a copy.
+  const std::unique_ptr<ledger::PolicySegment> policy_copy = guarded_copy(l.policy);
+  const std::unique_ptr<ledger::UsageSegment> usage_copy = guarded_copy(l.usage);
+  if (policy_copy == nullptr || usage_copy == nullptr) {
+    t.error = fmt::format("corrupt: {}/{}: shrank while being read", dir,
+                          policy_copy == nullptr ? ledger::kPolicyFileName : ledger::kUsageFileName);
+    ledger::close_ledger(&l);
+    return t;
+  }
+  if (usage_copy->slot_high_water.load(std::memory_order_relaxed) > kMaxSlots) {
+    t.error = fmt::format("corrupt: {}/{}: slot high-water mark out of range", dir, ledger::kUsageFileName);
+    ledger::close_ledger(&l);
+    return t;
+  }
+  const ledger::PolicySegment& policy = *policy_copy;
+  const ledger::UsageSegment& usage = *usage_copy;
   t.generation = policy.generation.load(std::memory_order_acquire);
   t.heartbeat_ns = policy.daemon_heartbeat_ns.load(std::memory_order_acquire);
   t.daemon_pid = policy.daemon_pid.load(std::memory_order_acquire);
@@ -148,7 +209,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     p.running = owner != 0;
     if (owner > 0) p.host_pid = owner;
     p.pid = slot.pid.load(std::memory_order_relaxed);
-    p.comm = bounded(slot.comm, sizeof slot.comm);
+    p.comm = bounded(slot.comm, sizeof slot.comm);  // the tenant's bytes: escaped where shown (text_escape.h)
     const uint64_t start_time = slot.start_time.load(std::memory_order_relaxed);
     for (const ArbiterProcess& a : arbiter_processes)
       if (a.pid == p.pid && a.start_time == start_time) p.gpu_time.push_back(a.time);
@@ -160,10 +221,11 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
 
 // The pid holding fracgpud's pid-file lock, if any: a daemon that runs but
 // has no tenant to heartbeat in is still seen.
-std::optional<int32_t> pid_file_holder(const std::string& run_dir) {
-  const std::string path = (fs::path(run_dir) / kPidFileName).string();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
+std::optional<int32_t> pid_file_holder(const RunDirView& run_dir) {
+  const shm::Opened file =
+      shm::open_file_at(run_dir.root.get(), kPidFileName, O_RDONLY, run_dir.owner, -1, "", nullptr, 0);
+  if (!file.ok()) return std::nullopt;
+  const int fd = file.fd;
   struct flock fl {};
   fl.l_type = F_WRLCK;
   fl.l_whence = SEEK_SET;
@@ -173,13 +235,12 @@ std::optional<int32_t> pid_file_holder(const std::string& run_dir) {
   return fl.l_pid;
 }
 
-DaemonStatus daemon_status(const StatusReport& report) {
+DaemonStatus daemon_status(const StatusReport& report, const std::optional<int32_t>& holder) {
   DaemonStatus d;
   const TenantStatus* freshest = nullptr;
   for (const TenantStatus& t : report.tenants)
     if (t.error.empty() && t.heartbeat_ns != 0 && (freshest == nullptr || t.heartbeat_ns > freshest->heartbeat_ns))
       freshest = &t;
-  const std::optional<int32_t> holder = pid_file_holder(report.run_dir);
   if (freshest != nullptr) {
     const uint64_t now = monotonic_ns();
     d.heartbeat_age_ms = now > freshest->heartbeat_ns ? (now - freshest->heartbeat_ns) / 1'000'000 : 0;
@@ -192,7 +253,11 @@ DaemonStatus daemon_status(const StatusReport& report) {
   return d;
 }
 
-std::string render_table(const std::vector<std::vector<std::string>>& rows) {
+// Every cell escaped (text_escape.h): process names, tenant and GPU names,
+// error texts may all carry a tenant's bytes.
+std::string render_table(std::vector<std::vector<std::string>> rows) {
+  for (auto& row : rows)
+    for (std::string& cell : row) cell = escape_terminal(cell);
   std::vector<size_t> width;
   for (const auto& row : rows)
     for (size_t c = 0; c < row.size(); ++c) {
@@ -230,7 +295,7 @@ std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm
 // The health.json section: one row per GPU, then the bypass audit's findings.
 std::string gpu_health_text(const nlohmann::json& h) {
   if (!h.value("nvml", false))
-    return fmt::format("\nGPU health: off (no NVML: {})\n", h.value("nvml_problem", std::string()));
+    return fmt::format("\nGPU health: off (no NVML: {})\n", escape_terminal(h.value("nvml_problem", std::string())));
   std::vector<std::vector<std::string>> rows{{"  GPU", "UUID", "HEALTH", "TEMP", "POWER", "ECC", "XIDS", "WHY"}};
   for (const auto& g : h.value("gpus", nlohmann::json::array())) {
     const int64_t temp = g.value("temperature_c", int64_t{-1}), mw = g.value("power_mw", int64_t{-1});
@@ -243,7 +308,7 @@ std::string gpu_health_text(const nlohmann::json& h) {
   std::string out = "\nGPU health (NVML):\n" + render_table(rows);
   const auto& audit = h.value("audit", nlohmann::json::object());
   const auto& findings = audit.value("findings", nlohmann::json::array());
-  out += fmt::format("\nbypass audit (action {}): {}\n", audit.value("action", std::string("report")),
+  out += fmt::format("\nbypass audit (action {}): {}\n", escape_terminal(audit.value("action", std::string("report"))),
                      findings.empty() ? "no process uses a GPU uncharged" : "processes using a GPU uncharged:");
   if (!findings.empty()) {
     std::vector<std::vector<std::string>> frows{{"  PID", "COMMAND", "TENANT", "GPU", "MEMORY", "ACTION"}};
@@ -283,31 +348,51 @@ std::string default_run_dir() {
 }
 
 std::optional<StatusReport> collect_status(const std::string& run_dir, std::string* error) {
-  std::error_code ec;
-  if (!fs::is_directory(run_dir, ec)) {
-    *error = fmt::format("{}: {}", run_dir, ec ? ec.message() : "not a directory (is fracgpud running? see --run-dir)");
+  std::optional<RunDirView> view = open_run_dir_view(run_dir, error);
+  if (!view) {
+    *error += " (is fracgpud running? see --run-dir)";
     return std::nullopt;
   }
   StatusReport report;
   report.run_dir = run_dir;
-  const fs::path tenants = fs::path(run_dir) / kTenantsDirName;
-  if (fs::exists(tenants, ec)) {
-    fs::directory_iterator it(tenants, ec);
-    if (ec) {
-      *error = fmt::format("{}: {}", tenants.string(), ec.message());
+  // Everything below belongs to the run dir's owner, the daemon's user.
+  const std::string tenants_shown = run_dir + "/" + kTenantsDirName;
+  char err[512] = {};
+  const shm::Opened tenants =
+      shm::open_dir_at(view->root.get(), kTenantsDirName, view->owner, false, run_dir.c_str(), err, sizeof err);
+  if (!tenants.ok() && tenants.status != shm::FileStatus::kMissing) {
+    *error = err;
+    return std::nullopt;
+  }
+  if (tenants.ok()) {
+    const UniqueFd tenants_fd(tenants.fd);
+    DIR* listing = fdopendir(dup(tenants.fd));
+    if (listing == nullptr) {
+      *error = fmt::format("{}: {}", tenants_shown, strerror(errno));
       return std::nullopt;
     }
-    for (const auto& entry : it)
-      if (entry.is_directory(ec))
-        report.tenants.push_back(read_tenant(entry.path().filename().string(), entry.path().string()));
+    while (const struct dirent* entry = readdir(listing)) {
+      const std::string name = entry->d_name;
+      if (name == "." || name == "..") continue;
+      // Directories are tenants; so is anything else that is not a plain
+      // file (a link where a tenant should be is reported, not followed).
+      if (entry->d_type == DT_REG) continue;
+      struct stat st {};
+      if (entry->d_type == DT_UNKNOWN && fstatat(tenants.fd, entry->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISREG(st.st_mode))
+        continue;
+      report.tenants.push_back(read_tenant(tenants.fd, name, tenants_shown, view->owner));
+    }
+    closedir(listing);
   }
   std::sort(report.tenants.begin(), report.tenants.end(),
             [](const TenantStatus& a, const TenantStatus& b) { return a.name < b.name; });
-  report.daemon = daemon_status(report);
+  report.daemon = daemon_status(report, pid_file_holder(*view));
   report.placement = read_placement_record(run_dir);
-  {
-    std::ifstream in(fs::path(run_dir) / kHealthFileName);
-    nlohmann::json health = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::string ignored;
+  if (const std::optional<std::string> text =
+          read_file_at(view->root.get(), run_dir, kHealthFileName, view->owner, kMaxRunFileBytes, &ignored)) {
+    nlohmann::json health = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (health.is_object()) report.gpu_health = std::move(health);
   }
   return report;
@@ -388,7 +473,7 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
 }
 
 std::string status_to_text(const StatusReport& report) {
-  std::string out = fmt::format("run dir: {}\n", report.run_dir);
+  std::string out = fmt::format("run dir: {}\n", escape_terminal(report.run_dir));
   const DaemonStatus& d = report.daemon;
   const std::string pid = d.pid ? fmt::format("pid {}", *d.pid) : "pid unknown";
   if (d.alive)
@@ -479,7 +564,7 @@ std::string status_to_text(const StatusReport& report) {
 
   if (report.placement && !report.placement->why.empty()) {
     const std::string& policy = report.placement->policy;
-    out += fmt::format("\nplacement (policy {}):\n", policy);
+    out += fmt::format("\nplacement (policy {}):\n", escape_terminal(policy));
     std::vector<std::vector<std::string>> why_table;
     for (const auto& [name, why] : report.placement->why) {
       const std::string text = why == "devices" ? "pinned by devices"
@@ -498,13 +583,16 @@ std::string status_to_text(const StatusReport& report) {
   for (const TenantStatus& t : report.tenants)
     for (const GpuEntryStatus& g : t.gpus)
       if (!g.gpu_time_error.empty())
-        arbiter_errors += fmt::format("  {} on {}: {}\n", t.name, g.uuid, g.gpu_time_error);
+        arbiter_errors += fmt::format("  {} on {}: {}\n", escape_terminal(t.name), escape_terminal(g.uuid),
+                                      escape_terminal(g.gpu_time_error));
   if (!arbiter_errors.empty()) out += "\nunreadable GPU-time arbiters (GPU time not shown):\n" + arbiter_errors;
 
   std::string errors;
   for (const TenantStatus& t : report.tenants)
-    if (!t.error.empty()) errors += fmt::format("  {}: {}\n", t.name, t.error);
-  if (!errors.empty()) out += "\nunreadable ledgers:\n" + errors;
+    if (!t.error.empty()) errors += fmt::format("  {}: {}\n", escape_terminal(t.name), escape_terminal(t.error));
+  if (!errors.empty())
+    out += "\nunreadable ledgers:\n" + errors +
+           "  (their processes are not shown; the daemon reclaims nothing in them until they are valid again)\n";
   return out;
 }
 

@@ -105,6 +105,12 @@ TenantMode attach() {
   char err[512] = {};
   ledger::TenantLedger ledger;
   ledger::LedgerError e = ledger::open_ledger(dir, ledger::AccessMode::kTenant, nullptr, &ledger, err, sizeof err);
+  if (e == ledger::LedgerError::kMissing && ledger::has_tenant_state(dir)) {
+    // A policy without its usage (or the reverse) is a tenant whose charges
+    // cannot be counted: never a reason to run without limits.
+    log_line(LogLevel::kError, "tenant ledger refused (missing): %s; GPU access denied", err);
+    return TenantMode::kDenied;
+  }
   if (e == ledger::LedgerError::kMissing) {
     TenantMode mode = unmanaged_mode();
     log_line(LogLevel::kError, "no tenant ledger: %s; %s", err,

@@ -13,14 +13,6 @@
 #include <unistd.h>
 
 namespace fracgpu::ledger {
-void set_error(char* err, size_t err_len, const char* fmt, ...) {
-  if (err == nullptr || err_len == 0) return;
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(err, err_len, fmt, args);
-  va_end(args);
-}
-
 namespace {
 
 LedgerError errno_to_error(int e) {
@@ -35,6 +27,45 @@ LedgerError errno_to_error(int e) {
     default:
       return LedgerError::kIo;
   }
+}
+
+LedgerError file_error(const shm::Opened& o) {
+  switch (o.status) {
+    case shm::FileStatus::kOk: return LedgerError::kOk;
+    case shm::FileStatus::kMissing: return LedgerError::kMissing;
+    case shm::FileStatus::kWrongSize: return LedgerError::kWrongSize;
+    case shm::FileStatus::kWrongType:
+    case shm::FileStatus::kWrongOwner:
+    case shm::FileStatus::kOpenToOthers: return LedgerError::kRefused;
+    case shm::FileStatus::kExists: return LedgerError::kIo;
+    case shm::FileStatus::kSystem: return errno_to_error(o.sys_errno);
+  }
+  return LedgerError::kIo;
+}
+
+uid_t resolve_owner(int dirfd, uid_t owner) {
+  if (owner != kDirOwner) return owner;
+  struct stat st {};
+  // A directory we cannot stat has no owner to match: nothing will.
+  return fstat(dirfd, &st) == 0 ? st.st_uid : static_cast<uid_t>(-3);
+}
+
+// Splits "a/b/c" into the directory "a/b" (opened, links followed: the
+// caller named it) and the name "c". Returns the directory's descriptor or
+// -1 with the error set.
+int open_parent(const char* path, char* dir, size_t dir_len, const char** name, LedgerError* error, char* err,
+                size_t err_len) {
+  const char* slash = strrchr(path, '/');
+  if (slash == nullptr) {
+    snprintf(dir, dir_len, ".");
+    *name = path;
+  } else {
+    snprintf(dir, dir_len, "%.*s", static_cast<int>(slash == path ? 1 : slash - path), path);
+    *name = slash + 1;
+  }
+  const shm::Opened d = shm::open_dir_path(dir, shm::kAnyOwner, false, err, err_len);
+  if (!d.ok()) *error = file_error(d);
+  return d.fd;
 }
 
 bool is_all_zero(const void* p, size_t n) {
@@ -69,27 +100,44 @@ struct Mapping {
   int fd = -1;
 };
 
-LedgerError map_segment(const char* dir, const char* file, bool writable, bool create, uint64_t magic,
-                        size_t bytes, mode_t mode, const char* tenant_name, Mapping* out, char* err,
+// pread of exactly `bytes` at `offset`; a file cut short meanwhile is kWrongSize.
+LedgerError read_exactly(int fd, void* out, size_t bytes, off_t offset, const char* dir, const char* file, char* err,
+                         size_t err_len) {
+  const ssize_t n = pread(fd, out, bytes, offset);
+  if (n == static_cast<ssize_t>(bytes)) return LedgerError::kOk;
+  if (n < 0) {
+    set_error(err, err_len, "%s/%s: cannot read: %s", dir, file, strerror(errno));
+    return errno_to_error(errno);
+  }
+  set_error(err, err_len, "%s/%s: shrank while being opened", dir, file);
+  return LedgerError::kWrongSize;
+}
+
+LedgerError map_segment(int dirfd, const char* dir, const char* file, bool writable, bool create, uint64_t magic,
+                        size_t bytes, mode_t mode, uid_t owner, const char* tenant_name, Mapping* out, char* err,
                         size_t err_len) {
-  char path[4096];
-  snprintf(path, sizeof path, "%s/%s", dir, file);
   const LedgerStamp stamp{magic, bytes, tenant_name};
   void* map = nullptr;
   int fd = -1;
-  LedgerError e = map_shared_file(path, writable, create ? mode : 0, bytes, create ? stamp_ledger_segment : nullptr,
-                                  &stamp, &map, &fd, err, err_len);
+  LedgerError e = map_shared_file_at(dirfd, file, dir, writable, create ? mode : 0, bytes,
+                                     create ? stamp_ledger_segment : nullptr, &stamp, owner, &map, &fd, err, err_len);
   if (e != LedgerError::kOk) return e;
-  LedgerError check = check_header(*static_cast<const SegmentHeader*>(map), magic, bytes);
+  // Read through the descriptor, not the mapping: the file may shrink
+  // between the size check and here, and a read past its end through the
+  // mapping would kill the caller (the daemon, the CLI: sigbus_guard.h).
+  SegmentHeader h{};
+  LedgerError check = read_exactly(fd, &h, sizeof h, 0, dir, file, err, err_len);
+  if (check == LedgerError::kOk) check = check_header(h, magic, bytes);
   if (check != LedgerError::kOk) {
-    const auto* h = static_cast<const SegmentHeader*>(map);
-    if (check == LedgerError::kWrongVersion)
-      set_error(err, err_len, "%s: ledger layout version %u, this fracgpu speaks version %u", path,
-                h->layout_version, kLayoutVersion);
+    if (check == LedgerError::kWrongSize) {
+      // read_exactly said why.
+    } else if (check == LedgerError::kWrongVersion)
+      set_error(err, err_len, "%s/%s: ledger layout version %u, this fracgpu speaks version %u", dir, file,
+                h.layout_version, kLayoutVersion);
     else if (check == LedgerError::kForeign)
-      set_error(err, err_len, "%s: not a fracgpu %s segment (bad magic)", path, file);
+      set_error(err, err_len, "%s/%s: not a fracgpu %s segment (bad magic)", dir, file, file);
     else
-      set_error(err, err_len, "%s: corrupt header", path);
+      set_error(err, err_len, "%s/%s: corrupt header", dir, file);
     munmap(map, bytes);
     ::close(fd);
     return check;
@@ -172,78 +220,60 @@ int set_byte_lock(int fd, off_t offset, short type) {
 
 LedgerError create_segment_file(const char* path, mode_t mode, size_t bytes, StampFn stamp, const void* stamp_arg,
                                 char* err, size_t err_len) {
-  char tmp[4096 + 32];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, static_cast<int>(getpid()));
-  int fd = ::open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  if (fd < 0) {
-    set_error(err, err_len, "%s: cannot create: %s", tmp, strerror(errno));
-    return errno_to_error(errno);
-  }
-  fchmod(fd, mode);  // not subject to the umask
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int e = errno;
-    ::close(fd);
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot size: %s", tmp, strerror(e));
-    return errno_to_error(e);
-  }
-  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED) {
-    int e = errno;
-    ::close(fd);
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot map: %s", tmp, strerror(e));
-    return errno_to_error(e);
-  }
-  if (stamp != nullptr) stamp(map, stamp_arg);
-  munmap(map, bytes);
-  ::close(fd);
-  // link() fails if another creator won the race; then we use theirs.
-  if (link(tmp, path) != 0 && errno != EEXIST) {
-    int e = errno;
-    unlink(tmp);
-    set_error(err, err_len, "%s: cannot publish: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  unlink(tmp);
-  return LedgerError::kOk;
+  char dir[4096];
+  const char* name = nullptr;
+  LedgerError e = LedgerError::kOk;
+  const int dirfd = open_parent(path, dir, sizeof dir, &name, &e, err, err_len);
+  if (dirfd < 0) return e;
+  int sys_errno = 0;
+  const shm::FileStatus created =
+      shm::create_file_at(dirfd, name, mode, bytes, stamp, stamp_arg, dir, &sys_errno, err, err_len);
+  ::close(dirfd);
+  // Another creator won the race: theirs is kept.
+  if (created == shm::FileStatus::kOk || created == shm::FileStatus::kExists) return LedgerError::kOk;
+  return errno_to_error(sys_errno);
 }
 
 LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode, size_t bytes, StampFn stamp,
-                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len) {
-  int fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0 && errno == ENOENT && create_mode != 0) {
-    LedgerError e = create_segment_file(path, create_mode, bytes, stamp, stamp_arg, err, err_len);
-    if (e != LedgerError::kOk) return e;
-    fd = ::open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len,
+                            uid_t owner) {
+  char dir[4096];
+  const char* name = nullptr;
+  LedgerError e = LedgerError::kOk;
+  const int dirfd = open_parent(path, dir, sizeof dir, &name, &e, err, err_len);
+  if (dirfd < 0) return e;
+  e = map_shared_file_at(dirfd, name, dir, writable, create_mode, bytes, stamp, stamp_arg, owner, map_out, fd_out,
+                         err, err_len);
+  ::close(dirfd);
+  return e;
+}
+
+LedgerError map_shared_file_at(int dirfd, const char* name, const char* shown_dir, bool writable, mode_t create_mode,
+                               size_t bytes, StampFn stamp, const void* stamp_arg, uid_t owner, void** map_out,
+                               int* fd_out, char* err, size_t err_len) {
+  owner = resolve_owner(dirfd, owner);
+  const int access = writable ? O_RDWR : O_RDONLY;
+  const auto size = static_cast<int64_t>(bytes);
+  shm::Opened file = shm::open_file_at(dirfd, name, access, owner, size, shown_dir, err, err_len);
+  if (file.status == shm::FileStatus::kMissing && create_mode != 0) {
+    int sys_errno = 0;
+    const shm::FileStatus created =
+        shm::create_file_at(dirfd, name, create_mode, bytes, stamp, stamp_arg, shown_dir, &sys_errno, err, err_len);
+    if (created != shm::FileStatus::kOk && created != shm::FileStatus::kExists) return errno_to_error(sys_errno);
+    // Ours, or the winner's of a race (checked like any other).
+    file = shm::open_file_at(dirfd, name, access, owner, size, shown_dir, err, err_len);
   }
-  if (fd < 0) {
-    int e = errno;
-    set_error(err, err_len, "%s: cannot open: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    set_error(err, err_len, "%s: cannot stat: %s", path, strerror(e));
-    return errno_to_error(e);
-  }
-  if (static_cast<uint64_t>(st.st_size) != bytes) {
-    ::close(fd);
-    set_error(err, err_len, "%s: size is %lld bytes, this fracgpu expects %zu", path,
-              static_cast<long long>(st.st_size), bytes);
-    return LedgerError::kWrongSize;
-  }
-  void* map = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  if (!file.ok()) return file_error(file);
+  // Only now, with the size checked: a mapping past the end would fault.
+  void* map = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, file.fd, 0);
   if (map == MAP_FAILED) {
     int e = errno;
-    ::close(fd);
-    set_error(err, err_len, "%s: cannot map: %s", path, strerror(e));
+    ::close(file.fd);
+    set_error(err, err_len, "%s/%s: cannot map: %s", shown_dir, name, strerror(e));
     return errno_to_error(e);
   }
   *map_out = map;
-  *fd_out = fd;
+  *fd_out = file.fd;
   return LedgerError::kOk;
 }
 
@@ -258,6 +288,7 @@ const char* ledger_error_name(LedgerError e) {
     case LedgerError::kCorrupt: return "corrupt";
     case LedgerError::kIo: return "i/o error";
     case LedgerError::kFull: return "full";
+    case LedgerError::kRefused: return "refused";
   }
   return "unknown";
 }
@@ -273,40 +304,67 @@ LedgerError check_header(const SegmentHeader& h, uint64_t expected_magic, uint64
 LedgerError open_ledger(const char* dir, AccessMode mode, const char* tenant_name, TenantLedger* out, char* err,
                         size_t err_len) {
   const bool daemon = mode == AccessMode::kDaemon;
-  if (daemon) {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-      set_error(err, err_len, "%s: cannot create directory: %s", dir, strerror(errno));
-      return errno_to_error(errno);
-    }
+  if (daemon && mkdir(dir, 0755) != 0 && errno != EEXIST) {
+    set_error(err, err_len, "%s: cannot create directory: %s", dir, strerror(errno));
+    return errno_to_error(errno);
   }
+  const shm::Opened d = shm::open_dir_path(dir, shm::kAnyOwner, false, err, err_len);
+  if (!d.ok()) return file_error(d);
+  const uid_t owner = daemon ? geteuid() : mode == AccessMode::kTenant ? shm::kAnyOwner : kDirOwner;
+  const LedgerError e = open_ledger_at(d.fd, dir, mode, owner, tenant_name, out, err, err_len);
+  ::close(d.fd);
+  return e;
+}
+
+LedgerError open_ledger_at(int dirfd, const char* dir, AccessMode mode, uid_t owner, const char* tenant_name,
+                           TenantLedger* out, char* err, size_t err_len) {
+  const bool daemon = mode == AccessMode::kDaemon;
   Mapping policy, usage;
-  LedgerError e = map_segment(dir, kPolicyFileName, daemon, daemon, kPolicyMagic, sizeof(PolicySegment), 0644,
-                              tenant_name, &policy, err, err_len);
+  LedgerError e = map_segment(dirfd, dir, kPolicyFileName, daemon, daemon, kPolicyMagic, sizeof(PolicySegment), 0644,
+                              owner, tenant_name, &policy, err, err_len);
   if (e != LedgerError::kOk) return e;
-  e = map_segment(dir, kUsageFileName, mode != AccessMode::kReadOnly, daemon, kUsageMagic, sizeof(UsageSegment),
-                  0666, nullptr, &usage, err, err_len);
+  e = map_segment(dirfd, dir, kUsageFileName, mode != AccessMode::kReadOnly, daemon, kUsageMagic, sizeof(UsageSegment),
+                  0666, owner, nullptr, &usage, err, err_len);
   if (e != LedgerError::kOk) {
     unmap(policy, sizeof(PolicySegment));
     return e;
   }
-  auto* p = static_cast<PolicySegment*>(policy.addr);
+  if (daemon) {
+    // Files of older versions were created sparse: a tenant's store into a
+    // hole could then fault on a full file system. Best effort (a file
+    // system without fallocate keeps them as they are).
+    shm::reserve_blocks(policy.fd, sizeof(PolicySegment));
+    shm::reserve_blocks(usage.fd, sizeof(UsageSegment));
+  }
   // Entries and the high-water mark index fixed-size arrays: refuse values
-  // that would send a reader out of bounds.
-  auto* u = static_cast<UsageSegment*>(usage.addr);
-  if (u->slot_high_water.load(std::memory_order_relaxed) > kMaxSlots) {
-    set_error(err, err_len, "%s/%s: corrupt: slot high-water mark out of range", dir, kUsageFileName);
+  // that would send a reader out of bounds. (Read through the descriptors,
+  // as the headers are.)
+  const auto refuse = [&](LedgerError why) {
     unmap(policy, sizeof(PolicySegment));
     unmap(usage, sizeof(UsageSegment));
-    return LedgerError::kCorrupt;
+    return why;
+  };
+  uint32_t high = 0;
+  e = read_exactly(usage.fd, &high, sizeof high, offsetof(UsageSegment, slot_high_water), dir, kUsageFileName, err,
+                   err_len);
+  if (e != LedgerError::kOk) return refuse(e);
+  if (high > kMaxSlots) {
+    set_error(err, err_len, "%s/%s: corrupt: slot high-water mark out of range", dir, kUsageFileName);
+    return refuse(LedgerError::kCorrupt);
   }
-  for (const GpuPolicy& g : p->gpus) {
-    if (g.state.load(std::memory_order_relaxed) > kGpuRevoked) {
+  unsigned char gpus[sizeof(GpuPolicy) * kMaxGpus];
+  e = read_exactly(policy.fd, gpus, sizeof gpus, offsetof(PolicySegment, gpus), dir, kPolicyFileName, err, err_len);
+  if (e != LedgerError::kOk) return refuse(e);
+  for (uint32_t g = 0; g < kMaxGpus; ++g) {
+    uint32_t state = 0;
+    memcpy(&state, gpus + g * sizeof(GpuPolicy) + offsetof(GpuPolicy, state), sizeof state);
+    if (state > kGpuRevoked) {
       set_error(err, err_len, "%s/%s: corrupt: GPU entry in unknown state", dir, kPolicyFileName);
-      unmap(policy, sizeof(PolicySegment));
-      unmap(usage, sizeof(UsageSegment));
-      return LedgerError::kCorrupt;
+      return refuse(LedgerError::kCorrupt);
     }
   }
+  auto* p = static_cast<PolicySegment*>(policy.addr);
+  auto* u = static_cast<UsageSegment*>(usage.addr);
   out->policy = p;
   out->usage = u;
   out->policy_fd = policy.fd;
@@ -321,6 +379,35 @@ void close_ledger(TenantLedger* ledger) {
   if (ledger->policy_fd >= 0) ::close(ledger->policy_fd);
   if (ledger->usage_fd >= 0) ::close(ledger->usage_fd);
   *ledger = TenantLedger{};
+}
+
+void close_usage(TenantLedger* ledger) {
+  if (ledger->usage != nullptr) munmap(ledger->usage, sizeof(UsageSegment));
+  if (ledger->usage_fd >= 0) ::close(ledger->usage_fd);
+  ledger->usage = nullptr;
+  ledger->usage_fd = -1;
+}
+
+bool has_tenant_state(const char* dir) {
+  struct stat st {};
+  for (const char* name : {kPolicyFileName, kUsageFileName}) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    // Anything by the name counts, a link or FIFO too: never looked through.
+    if (fstatat(AT_FDCWD, path, &st, AT_SYMLINK_NOFOLLOW) == 0 || errno != ENOENT) return true;
+  }
+  return false;
+}
+
+UsageSize enforce_usage_size(const TenantLedger& ledger, uint64_t* bytes) {
+  struct stat st {};
+  if (ledger.usage_fd < 0 || fstat(ledger.usage_fd, &st) != 0) return UsageSize::kError;
+  if (bytes != nullptr) *bytes = static_cast<uint64_t>(st.st_size);
+  if (static_cast<uint64_t>(st.st_size) == sizeof(UsageSegment)) return UsageSize::kOk;
+  if (static_cast<uint64_t>(st.st_size) < sizeof(UsageSegment)) return UsageSize::kShrunk;
+  // Cutting what lies past the layout touches no mapped byte.
+  return ftruncate(ledger.usage_fd, static_cast<off_t>(sizeof(UsageSegment))) == 0 ? UsageSize::kTruncated
+                                                                                    : UsageSize::kError;
 }
 
 int find_gpu(const PolicySegment& policy, const uint8_t uuid[16]) {

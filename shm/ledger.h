@@ -4,6 +4,10 @@
 //   - the interposer in a tenant process: policy read-only, usage read-write;
 //   - the daemon: creates/adopts both files, writes policy, reclaims dead slots;
 //   - the CLI: everything read-only.
+// Files are opened through safe_file.h: one name at a time from a directory
+// descriptor, never through a link, never a FIFO or device, and checked to be
+// regular files of the exact size (and owner, for the daemon and the CLI)
+// before they are mapped.
 // Nothing here allocates after attach, throws, or logs: errors come back as a
 // code plus a message in a caller-provided buffer, because the interposer
 // calls this from inside arbitrary user processes.
@@ -16,6 +20,7 @@
 #include <sys/types.h>
 
 #include "fracgpu/ledger_layout.h"
+#include "safe_file.h"
 
 namespace fracgpu::ledger {
 
@@ -29,6 +34,7 @@ enum class LedgerError {
   kCorrupt,       // header fields or entries out of range
   kIo,            // any other system error
   kFull,          // no free process slot / GPU entry
+  kRefused,       // not a regular file (a link, FIFO, device...), or not the expected owner's: never opened
 };
 
 const char* ledger_error_name(LedgerError e);
@@ -52,14 +58,42 @@ struct TenantLedger {
 };
 
 // Maps <dir>/policy and <dir>/usage. With kDaemon, missing files are created
-// (written in full under a temporary name, then renamed, so no process can
-// ever map a half-written policy) with modes 0644 (policy) and 0666 (usage),
-// and `tenant_name` is stamped into a fresh policy. Existing files are
-// validated, never rewritten. On failure *out is untouched, and a one-line
-// reason naming the file is written to err.
+// (complete before they get their name: safe_file.h) with modes 0644 (policy)
+// and 0666 (usage), `tenant_name` is stamped into a fresh policy, and the
+// blocks of existing files are reserved (files of older versions were
+// sparse). Existing files are validated, never rewritten. On failure *out is
+// untouched, and a one-line reason naming the file is written to err.
+//
+// `dir` is opened as given (links in it followed: the operator named it);
+// the files in it are opened by name from that directory, refused if they
+// are anything but regular files of this build's sizes. Owners checked:
+// kDaemon, the daemon's euid; kReadOnly, the directory's owner; kTenant,
+// none (inside a user namespace the owner may show as another user).
 LedgerError open_ledger(const char* dir, AccessMode mode, const char* tenant_name, TenantLedger* out,
                         char* err, size_t err_len);
+// The same in the directory `dirfd` (named `shown_dir` in messages), with the
+// files' expected owner given (shm::kAnyOwner: not checked; kDirOwner: the
+// directory's owner).
+LedgerError open_ledger_at(int dirfd, const char* shown_dir, AccessMode mode, uid_t owner, const char* tenant_name,
+                           TenantLedger* out, char* err, size_t err_len);
 void close_ledger(TenantLedger* ledger);
+// Unmaps and closes the usage file only (closing drops every record lock this
+// process holds on it); the policy stays mapped.
+void close_usage(TenantLedger* ledger);
+
+// True if `dir` holds a policy or a usage file, or anything else by either
+// name: tenant state, so a process there must never run unlimited. (A
+// process whose directory has neither passes through, or is denied, by
+// FRACGPU_UNMANAGED.)
+bool has_tenant_state(const char* dir);
+
+// The daemon, every reap: a usage file must stay exactly the layout's size.
+// Grown (a tenant writing past the end, perhaps to fill the disk): cut back
+// to size, which is safe for every mapping (none reaches past the layout).
+// Shrunk: the tenant's mappings fault; the caller must treat the ledger as
+// corrupt. *bytes (if given) is the size found.
+enum class UsageSize { kOk, kTruncated, kShrunk, kError };
+UsageSize enforce_usage_size(const TenantLedger& ledger, uint64_t* bytes);
 
 // CLOCK_MONOTONIC in nanoseconds: the clock of every time stored in the
 // ledgers and arbiters (comparable across processes, never set back).
@@ -70,27 +104,35 @@ LedgerError check_header(const SegmentHeader& h, uint64_t expected_magic, uint64
 
 // ---- Shared files (also used by the GPU-time arbiter, shm/gputime.h) ----
 
-// printf into a caller's error buffer (either may be null/0: then nothing).
-void set_error(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+using shm::set_error;
 
 // Fills a freshly created, zeroed mapping (header, names) before it is published.
-using StampFn = void (*)(void* map, const void* arg);
+using StampFn = shm::FillFn;
 
 // A POSIX record lock (F_WRLCK / F_UNLCK, never waiting) on one byte: how
 // slots and arbiter entries prove their owner alive. Returns fcntl's result.
 int set_byte_lock(int fd, off_t offset, short type);
 
-// Creates `path` complete: written under a temporary name, stamped, then
-// linked into place, so no process can ever map a half-written file. If
+// The expected owner of a shared file: the owner of the directory it is in.
+inline constexpr uid_t kDirOwner = static_cast<uid_t>(-2);
+
+// Creates `path` complete (shm::create_file_at: nameless, sized, stamped,
+// then linked in), so no process can ever map a half-written file. If
 // another creator wins the race, theirs is kept.
 LedgerError create_segment_file(const char* path, mode_t mode, size_t bytes, StampFn stamp, const void* stamp_arg,
                                 char* err, size_t err_len);
 
-// Opens and maps `path` (MAP_SHARED), which must be exactly `bytes` long.
+// Opens and maps `path` (MAP_SHARED), which must be a regular file exactly
+// `bytes` long, owned by `owner` (shm::kAnyOwner: anyone), never a link.
 // With create_mode != 0 a missing file is created first (create_segment_file).
 // Headers are the caller's to check.
 LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode, size_t bytes, StampFn stamp,
-                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len);
+                            const void* stamp_arg, void** map_out, int* fd_out, char* err, size_t err_len,
+                            uid_t owner = kDirOwner);
+// The same for `name` in the directory `dirfd`, shown as `shown_dir`.
+LedgerError map_shared_file_at(int dirfd, const char* name, const char* shown_dir, bool writable, mode_t create_mode,
+                               size_t bytes, StampFn stamp, const void* stamp_arg, uid_t owner, void** map_out,
+                               int* fd_out, char* err, size_t err_len);
 
 // ---- GPU entries (policy) ----
 

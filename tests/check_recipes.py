@@ -8,6 +8,11 @@ exist in the install layout (`cmake --install --prefix PREFIX`, standing in for
 manifests must parse and hold what the docs promise. The ConfigMap's node
 config is written to --toml-out so the caller can run `fracgpud --check` on it.
 
+The tenant's directory must be mounted read-only at /run/fracgpu/tenant, with
+its usage file alone mounted read-write over it at /run/fracgpu/tenant/usage
+(docs/containers.md): a read-write tenant directory is rejected, in docker
+recipes and pod manifests alike.
+
 Two operational mistakes are rejected as well: a reload that signals PID 1
 while the DaemonSet runs with hostPID (PID 1 is then the host's init, not
 fracgpud; the reload must read the daemon's pid file, which must exist in the
@@ -36,6 +41,10 @@ gathered = {"reloads": [], "host_pid": False, "run_dirs": set(), "library_instal
 # The interposer on the host, as the install layout puts it and tenant pods
 # mount it (docs/containers.md).
 LIBRARY = "/usr/lib/fracgpu/libfracgpu.so"
+# Where a container gets its tenant's directory, and the one file in it that it
+# may write (docs/containers.md).
+TENANT_MOUNT = "/run/fracgpu/tenant"
+USAGE_MOUNT = TENANT_MOUNT + "/usage"
 # The daemon's pid file, in its run dir (kPidFileName in controller/daemon.h).
 PID_FILE_NAME = "fracgpud.pid"
 # kill -HUP PID, kill -s HUP PID, kill -SIGHUP PID, kill -1 PID: the target.
@@ -90,15 +99,17 @@ def check_docs(doc, prefix, run_dir):
         for command in re.split(r"\n(?=\S)", block.replace("\\\n", " ")):
             if "docker run" not in command:
                 continue
-            mounts = re.findall(r"-v\s+(\S+?):(\S+?)(?::ro)?(?=\s)", command + " ")
-            for host, _ in mounts:
+            # -v HOST:CONTAINER[:OPTIONS]
+            mounts = re.findall(r"-v\s+([^\s:]+):([^\s:]+)(?::(\S+))?(?=\s)", command + " ")
+            for host, _, _ in mounts:
                 check_host_path(f"{doc}: docker run", host, prefix, run_dir)
-            targets = {container for _, container in mounts}
+            targets = {container for _, container, _ in mounts}
             for preload in re.findall(r"LD_PRELOAD=(\S+)", command):
                 if preload not in targets:
                     fail(f"{doc}: docker run", f"LD_PRELOAD={preload} is not mounted into the container")
-            if "/run/fracgpu/tenant/policy" not in targets:
-                fail(f"{doc}: docker run", "the tenant's policy is not mounted read-only over the tenant dir")
+            check_tenant_mounts(f"{doc}: docker run",
+                                [(host, container, "ro" in options.split(","))
+                                 for host, container, options in mounts])
     for key, seen in found.items():
         if not seen:
             fail(doc, f"no recipe uses {key}")
@@ -107,6 +118,31 @@ def check_docs(doc, prefix, run_dir):
         # (A path right after ':' is the container side of a mount: skipped.)
         for path in re.findall(r"(?<![\w:.-])(/(?:usr|lib/systemd|etc/fracgpu)[\w./-]*fracgpu[\w./-]*)", block):
             check_host_path(doc, path, prefix, run_dir)
+
+
+def check_tenant_mounts(where, mounts):
+    """mounts: (host path, container path, read_only). The tenant directory
+    must be mounted read-only and its usage file read-write over it."""
+    tenant = [(h, ro) for h, c, ro in mounts if c.rstrip("/") == TENANT_MOUNT]
+    usage = [(h, ro) for h, c, ro in mounts if c == USAGE_MOUNT]
+    if not tenant:
+        fail(where, f"the tenant's directory is not mounted at {TENANT_MOUNT}")
+        return
+    host_dir, read_only = tenant[0]
+    if not read_only:
+        fail(where, f"the tenant's directory is mounted read-write at {TENANT_MOUNT}: mount it read-only "
+                    "(a tenant that can write it can plant links and FIFOs under the daemon's names, remove "
+                    "its usage file, or truncate the daemon's files under it), and its usage file alone "
+                    f"read-write at {USAGE_MOUNT}")
+    if not usage:
+        fail(where, f"the tenant's usage file is not mounted read-write at {USAGE_MOUNT} (processes could not "
+                    "charge through a read-only directory)")
+        return
+    usage_host, usage_ro = usage[0]
+    if usage_ro:
+        fail(where, f"the tenant's usage file is mounted read-only at {USAGE_MOUNT}: processes could not charge")
+    if usage_host != host_dir.rstrip("/") + "/usage":
+        fail(where, f"{USAGE_MOUNT} is {usage_host}, not the usage file of the tenant directory {host_dir}")
 
 
 def reload_targets(where, text):
@@ -282,9 +318,14 @@ def check_manifest(path, prefix, run_dir, toml_out):
                         if host:
                             check_host_path(where, host + e["value"][len(m["mountPath"].rstrip("/")):], prefix, run_dir)
             if d.get("kind") == "Pod":
-                policy = [m for m in mounts if m["mountPath"] == "/run/fracgpu/tenant/policy"]
-                if not policy or not policy[0].get("readOnly"):
-                    fail(where, "the tenant's policy must be mounted read-only at /run/fracgpu/tenant/policy")
+                hosts = host_mounts(pod, c)
+                check_tenant_mounts(where, [(hosts.get(m["mountPath"].rstrip("/"), ""), m["mountPath"],
+                                             bool(m.get("readOnly"))) for m in mounts])
+                for m in mounts:
+                    volume = volumes.get(m["name"], {})
+                    if m["mountPath"] == USAGE_MOUNT and volume.get("hostPath", {}).get("type") != "File":
+                        fail(where, f"the volume mounted at {USAGE_MOUNT} must be a hostPath of type File "
+                                    "(the daemon's file, never one made by the kubelet)")
     return kinds
 
 

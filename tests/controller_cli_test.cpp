@@ -5,7 +5,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <sstream>
@@ -664,6 +667,62 @@ TEST(CliRunDir, MissingRunDirAndUsageErrors) {
   EXPECT_EQ(run_cli("status --bogus", &out), kStatusUsage) << out;
   EXPECT_EQ(run_cli("status --help", &out), 0) << out;
   EXPECT_NE(out.find("--run-dir"), std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// A process names itself: its name is the tenant's bytes. An escape
+// sequence there must reach the operator's terminal as text, and bytes that
+// are not UTF-8 must not break the JSON.
+TEST_F(CliTest, ControlCharactersInAProcessNameAreEscaped) {
+  const char evil[] = "\x1b]0;pwn\x07\x1b[2J\xff";  // retitle, clear the screen, not UTF-8
+  const pid_t p = spawn_tenant_process(tenant_dir("bob"), 0, 1 << 20, evil);
+  ASSERT_GT(p, 0);
+  holders_.push_back(p);
+  std::string out;
+  EXPECT_EQ(run_cli("status --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(out.find('\x1b'), std::string::npos) << "raw escape reached the terminal";
+  EXPECT_EQ(out.find('\x07'), std::string::npos);
+  EXPECT_EQ(out.find('\xff'), std::string::npos);
+  EXPECT_NE(out.find("\\x1b]0;pwn\\x07\\x1b[2J\\xff"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("status --json --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(out.find('\x1b'), std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(out);
+  std::string comm;
+  for (const auto& proc : j.at("tenants").at(1).at("processes")) comm = proc.at("comm").get<std::string>();
+  EXPECT_EQ(comm, "\x1b]0;pwn\x07\x1b[2J\xef\xbf\xbd");  // JSON escapes controls; the bad byte is replaced
+}
+
+// Status never waits on what a tenant may have planted in its directory: a
+// FIFO (an open for reading would block for ever), a link, a device.
+TEST_F(CliTest, AFifoLinkOrDeviceForAFileIsRefusedNotWaitedOn) {
+  const std::string usage = tenant_dir("bob") + "/usage";
+  const std::string link = tenant_dir("alice") + "/gputime-0";
+  std::filesystem::remove(usage);
+  ASSERT_EQ(mkfifo(usage.c_str(), 0666), 0);
+  ASSERT_EQ(symlink("/dev/zero", link.c_str()), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string out;
+  EXPECT_EQ(run_cli("status --run-dir " + run_dir_, &out), kStatusBadLedger) << out;
+  EXPECT_LT(std::chrono::steady_clock::now(), deadline);
+  EXPECT_NE(out.find("  bob: " + usage + ": refused: not a regular file (a FIFO)"), std::string::npos) << out;
+  EXPECT_NE(out.find("alice on " + kUuid + ": " + link + ": refused: not a regular file (a symbolic link)"),
+            std::string::npos)
+      << out;
+}
+
+// Tenants are directories of the daemon's user: a link in tenants/ (which
+// only the daemon can write) is reported, never followed.
+TEST_F(CliTest, ATenantDirectoryThatIsALinkIsRefused) {
+  ASSERT_EQ(symlink(tenant_dir("alice").c_str(), tenant_dir("mallory").c_str()), 0);
+  const StatusReport report = collect();
+  ASSERT_EQ(report.tenants.size(), 3u);
+  EXPECT_EQ(report.tenants[2].name, "mallory");
+  EXPECT_NE(report.tenants[2].error.find(tenant_dir("mallory") + ": refused: not a directory (a symbolic link)"),
+            std::string::npos)
+      << report.tenants[2].error;
 }
 
 }  // namespace

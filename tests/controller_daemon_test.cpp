@@ -2,10 +2,12 @@
 // temporary run dir, with stand-in tenant processes attached to the ledgers.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,7 @@
 
 #include "controller_test_util.h"
 #include "gpu_discovery.h"
+#include "status.h"
 #include "ledger.h"
 #include "uuid.h"
 
@@ -52,10 +55,12 @@ class DaemonTest : public ::testing::Test {
   void write_config(const std::string& text) { write_file(config_path_, text); }
 
   // Runs a binary with the simulated driver; stdout and stderr go to `log`.
-  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::string& devices = kDevices) {
+  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::string& devices = kDevices,
+              int gate = -1) {
     // No SIMCUDA_STATE: a private simulated state, the daemon only lists GPUs.
     return spawn_logged(args, log,
-                        {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR, "SIMCUDA_DEVICES=" + devices, "SIMCUDA_STATE"});
+                        {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR, "SIMCUDA_DEVICES=" + devices, "SIMCUDA_STATE"},
+                        gate);
   }
 
   // Runs fracgpud to completion (--check, or a start that must fail).
@@ -70,8 +75,9 @@ class DaemonTest : public ::testing::Test {
   }
 
   // Starts fracgpud and waits until it heartbeats into alice's ledger.
-  pid_t start_daemon() {
-    const pid_t pid = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_);
+  pid_t start_daemon() { return wait_until_up(spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_)); }
+
+  pid_t wait_until_up(pid_t pid) {
     const bool up = eventually([&] {
       ledger::TenantLedger l;
       if (!open_tenant("alice", &l)) return false;
@@ -97,6 +103,14 @@ class DaemonTest : public ::testing::Test {
   }
 
   std::string tenant_dir(const std::string& name) const { return run_dir_ + "/tenants/" + name; }
+
+  // A tenant process (spawn_tenant_process) killed at the end of the test.
+  pid_t keep_worker(const std::string& tenant, uint64_t bytes, const char* comm = "trainer") {
+    const pid_t pid = spawn_tenant_process(tenant_dir(tenant), 0, bytes, comm);
+    EXPECT_GT(pid, 0) << "the tenant process of " << tenant << " could not charge";
+    if (pid > 0) children_.push_back(pid);
+    return pid;
+  }
 
   bool log_contains(const std::string& text) const { return read_file(log_path_).find(text) != std::string::npos; }
 
@@ -373,3 +387,263 @@ TEST(Discovery, MissingDriverIsAProblemNotACrash) {
 }
 
 }  // namespace
+
+namespace {
+
+// What a host file is: its content, mode and owner.
+struct FileFacts {
+  std::string content;
+  mode_t mode = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  bool operator==(const FileFacts&) const = default;
+};
+
+FileFacts facts_of(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(lstat(path.c_str(), &st), 0) << path;
+  return {read_file(path), st.st_mode, st.st_uid, st.st_gid};
+}
+
+// `fracgpu status` with a deadline: its exit code (-1 if it hangs, then
+// killed), output in *out.
+int status_within(const std::string& run_dir, const std::string& log, std::string* out,
+                  std::chrono::milliseconds deadline = 10s) {
+  fs::remove(log);
+  const pid_t pid = spawn_logged({FRACGPU_CLI_PATH, "status", "--run-dir", run_dir}, log, {});
+  const int rc = wait_exit(pid, deadline);
+  if (rc == -1) kill_and_reap(pid);
+  *out = read_file(log);
+  return rc;
+}
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+// A tenant that could write its directory (older recipes mounted it
+// read-write) plants links and FIFOs under every name the daemon uses there,
+// temporaries included, while the daemon is down. The next daemon changes no
+// file outside the run dir, stays up, and `fracgpu status` still answers.
+TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir) {
+  const std::string canary = tmp_ / "canary";
+  write_file(canary, "a host file the tenant wants rewritten\n");
+  ASSERT_EQ(chmod(canary.c_str(), 0640), 0);
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(canary.c_str(), 65534, 65534), 0);
+  }
+  const FileFacts before = facts_of(canary);
+  write_config(config(run_dir_, "0.5") + "[[tenant]]\nname = \"carol\"\nmemory = { \"0\" = \"1GiB\" }\n");
+  for (const char* tenant : {"alice", "bob", "carol"}) fs::create_directories(tenant_dir(tenant));
+  int gate[2];
+  ASSERT_EQ(pipe(gate), 0);
+  daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_, kDevices, gate[0]);
+  close(gate[0]);
+  const std::string pid = std::to_string(daemon_);
+  const auto plant_link = [&](const std::string& path) { EXPECT_EQ(symlink(canary.c_str(), path.c_str()), 0) << path; };
+  const auto plant_fifo = [&](const std::string& path) { EXPECT_EQ(mkfifo(path.c_str(), 0666), 0) << path; };
+  // alice: the temporaries of every file the daemon made there (named by
+  // its pid), the GPU-time link and its temporary, the node link.
+  for (const char* name : {"policy", "usage"}) plant_link(tenant_dir("alice") + "/" + name + ".tmp." + pid);
+  plant_fifo(tenant_dir("alice") + "/gputime-0");
+  plant_link(tenant_dir("alice") + "/gputime-0.tmp");
+  plant_link(tenant_dir("alice") + "/node");
+  // bob: a FIFO for a usage file; carol: links for both files.
+  plant_fifo(tenant_dir("bob") + "/usage");
+  plant_link(tenant_dir("carol") + "/policy");
+  plant_link(tenant_dir("carol") + "/usage");
+  ASSERT_EQ(write(gate[1], "g", 1), 1);
+  close(gate[1]);
+  wait_until_up(daemon_);
+
+  EXPECT_EQ(facts_of(canary), before) << "a file outside the run dir was changed";
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << "the daemon died:\n" << read_file(log_path_);
+  // alice is served: her GPU-time link is the arbiter itself now.
+  struct stat link {}, arbiter {};
+  ASSERT_EQ(lstat((tenant_dir("alice") + "/gputime-0").c_str(), &link), 0);
+  ASSERT_EQ(stat((run_dir_ + "/gpus/" + kUuid + "/gputime").c_str(), &arbiter), 0);
+  EXPECT_TRUE(S_ISREG(link.st_mode));
+  EXPECT_EQ(link.st_ino, arbiter.st_ino);
+  // bob and carol are refused, and said so.
+  EXPECT_TRUE(eventually([&] { return log_contains("tenant \"carol\": ledger left alone"); })) << read_file(log_path_);
+  EXPECT_TRUE(log_contains(tenant_dir("bob") + "/usage: refused: not a regular file (a FIFO)"));
+  EXPECT_TRUE(log_contains(tenant_dir("carol") + "/policy: refused: not a regular file (a symbolic link)"));
+  std::string out;
+  EXPECT_EQ(status_within(run_dir_, tmp_ / "status.log", &out), controller::kStatusBadLedger) << out;
+  EXPECT_NE(out.find("  bob: " + tenant_dir("bob") + "/usage: refused: not a regular file (a FIFO)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("alice"), std::string::npos) << out;
+  EXPECT_EQ(facts_of(canary), before);
+}
+
+// A tenant truncates its usage file under everyone's mappings. The daemon,
+// `fracgpu status` and the metrics endpoint survive it, report the ledger
+// corrupt, and recover when the file is restored.
+TEST_F(DaemonTest, ATruncatedUsageFileIsReportedCorruptAndKillsNoOneOutsideTheTenant) {
+  std::string text = config(run_dir_, "0.5");
+  text.replace(text.find("[daemon]\n"), 9, "[daemon]\nmetrics_address = \"127.0.0.1:0\"\n");
+  write_config(text);
+  daemon_ = start_daemon();
+  uint16_t port = 0;
+  ASSERT_TRUE(eventually([&] { return (port = logged_metrics_port(read_file(log_path_))) != 0; }));
+  const pid_t worker = keep_worker("alice", 1 * kGiB);
+  const std::string usage = tenant_dir("alice") + "/usage";
+  const std::string saved = read_file(usage);
+  ASSERT_EQ(saved.size(), sizeof(ledger::UsageSegment));
+  const std::string status_log = tmp_ / "status.log";
+  std::string out;
+
+  ASSERT_EQ(truncate(usage.c_str(), 0), 0);
+  EXPECT_TRUE(eventually([&] { return log_contains("its ledger is corrupt"); })) << read_file(log_path_);
+  EXPECT_EQ(status_within(run_dir_, status_log, &out), controller::kStatusBadLedger) << out;
+  EXPECT_NE(out.find("alice: wrong size: " + usage + ": size is 0 bytes"), std::string::npos) << out;
+  EXPECT_NE(http_get(port, "/metrics").find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 0"), std::string::npos);
+
+  // Shrunk and restored over and over while everyone reads it.
+  std::atomic<bool> stop{false};
+  std::thread flipper([&] {
+    while (!stop.load()) {
+      if (truncate(usage.c_str(), 0) != 0 || truncate(usage.c_str(), static_cast<off_t>(saved.size())) != 0) return;
+      std::this_thread::sleep_for(300us);
+    }
+  });
+  for (int i = 0; i < 15; ++i) {
+    const int rc = status_within(run_dir_, status_log, &out);
+    EXPECT_TRUE(rc == controller::kStatusOk || rc == controller::kStatusBadLedger) << rc << "\n" << out;
+    EXPECT_NE(http_get(port, "/metrics").find("fracgpu_daemon_up 1"), std::string::npos);
+  }
+  stop = true;
+  flipper.join();
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << "the daemon died:\n" << read_file(log_path_);
+  EXPECT_NE(http_get(port, "/healthz").find("200 OK"), std::string::npos);
+  EXPECT_FALSE(log_contains("metrics: the endpoint's process")) << read_file(log_path_);
+
+  // Restored: valid again, and reclaiming resumes.
+  ASSERT_EQ(truncate(usage.c_str(), 0), 0);
+  const size_t corrupt_before = count_of(read_file(log_path_), "its ledger is corrupt");
+  ASSERT_TRUE(eventually([&] { return count_of(read_file(log_path_), "its ledger is corrupt") > corrupt_before; }));
+  const size_t valid_before = count_of(read_file(log_path_), "is valid again");
+  {
+    const int fd = open(usage.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(pwrite(fd, saved.data(), saved.size(), 0), static_cast<ssize_t>(saved.size()));
+    close(fd);
+  }
+  EXPECT_TRUE(eventually([&] { return count_of(read_file(log_path_), "is valid again") > valid_before; }));
+  EXPECT_EQ(status_within(run_dir_, status_log, &out), controller::kStatusOk) << out;
+  EXPECT_NE(http_get(port, "/metrics").find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 1"), std::string::npos);
+  ledger::TenantLedger alice = map_tenant("alice");
+  EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 1 * kGiB);
+  kill_and_reap(worker);
+  EXPECT_TRUE(eventually([&] { return ledger::tenant_used(*alice.usage, 0) == 0; }, 2s));
+  ledger::close_ledger(&alice);
+}
+
+// A tenant writes past the end of its usage file (it can write the file:
+// that is how it could fill the run dir's file system). The daemon cuts it
+// back to the layout's size; nothing of the layout is lost.
+TEST_F(DaemonTest, AUsageFileGrownTo100MBIsCutBack) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  keep_worker("alice", 1 * kGiB);
+  const std::string usage = tenant_dir("alice") + "/usage";
+  const int fd = open(usage.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  const std::string chunk(1 << 20, 'x');
+  for (off_t at = sizeof(ledger::UsageSegment); at < (100 << 20); at += static_cast<off_t>(chunk.size()))
+    ASSERT_EQ(pwrite(fd, chunk.data(), chunk.size(), at), static_cast<ssize_t>(chunk.size()));
+  close(fd);
+  EXPECT_TRUE(eventually([&] { return fs::file_size(usage) == sizeof(ledger::UsageSegment); }))
+      << fs::file_size(usage);
+  // (Logged just after the cut.)
+  EXPECT_TRUE(eventually([&] { return log_contains("tenant \"alice\": " + usage + " had grown to"); }))
+      << read_file(log_path_);
+  ledger::TenantLedger alice = map_tenant("alice");
+  EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 1 * kGiB);
+  EXPECT_EQ(alice.usage->header.magic, ledger::kUsageMagic);
+  ledger::close_ledger(&alice);
+}
+
+// The run dir holds every tenant's policy: a run dir others may write, or
+// that is not the daemon's, is refused at start, with a message that says
+// what to do. Directories the daemon makes in it get their modes back.
+TEST_F(DaemonTest, ARunDirOthersMayWriteIsRefused) {
+  write_config(config(run_dir_, "0.5"));
+  fs::create_directories(run_dir_);
+  std::string output;
+  ASSERT_EQ(chmod(run_dir_.c_str(), 0777), 0);
+  EXPECT_EQ(run_daemon({}, &output), 3);
+  EXPECT_NE(output.find("run dir refused: " + run_dir_ + ": refused: writable by every user (mode 0777)"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("chmod 755"), std::string::npos) << output;
+  ASSERT_EQ(chmod(run_dir_.c_str(), 0775), 0);
+  EXPECT_EQ(run_daemon({}, &output), 3);
+  EXPECT_NE(output.find("writable by its group (mode 0775)"), std::string::npos) << output;
+  EXPECT_FALSE(fs::exists(run_dir_ + "/tenants"));
+  ASSERT_EQ(chmod(run_dir_.c_str(), 0755), 0);
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(run_dir_.c_str(), 65534, 65534), 0);
+    EXPECT_EQ(run_daemon({}, &output), 3);
+    EXPECT_NE(output.find("refused: owned by uid 65534, expected uid 0"), std::string::npos) << output;
+    ASSERT_EQ(chown(run_dir_.c_str(), 0, 0), 0);
+  }
+  fs::create_directories(tenant_dir("alice"));
+  ASSERT_EQ(chmod((run_dir_ + "/tenants").c_str(), 0777), 0);
+  ASSERT_EQ(chmod(tenant_dir("alice").c_str(), 0777), 0);
+  daemon_ = start_daemon();
+  EXPECT_TRUE(log_contains(run_dir_ + "/tenants: mode set to 0755")) << read_file(log_path_);
+  EXPECT_TRUE(log_contains(tenant_dir("alice") + " was writable by others: its mode is 0755 again"));
+  EXPECT_EQ(fs::status(run_dir_ + "/tenants").permissions(), static_cast<fs::perms>(0755));
+  EXPECT_EQ(fs::status(tenant_dir("alice")).permissions(), static_cast<fs::perms>(0755));
+  EXPECT_EQ(fs::status(run_dir_ + "/.tmp").permissions(), static_cast<fs::perms>(0700));
+}
+
+// The run dir's file system fills up (a tenant could do it through the one
+// file it may write, until the daemon cuts it back). Stores through the
+// ledgers' mappings cannot fault then: the files' blocks were reserved when
+// they were made. The daemon's own files are replaced whole or not at all.
+TEST_F(DaemonTest, AFullRunDirFileSystemFaultsNoMappingAndKeepsTheDaemonsFiles) {
+  fs::create_directories(run_dir_);
+  if (mount("tmpfs", run_dir_.c_str(), "tmpfs", 0, "size=1m,mode=0755") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << strerror(errno);
+  struct Unmount {
+    std::string path;
+    ~Unmount() { umount2(path.c_str(), MNT_DETACH); }
+  } unmount{run_dir_};
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  const std::string placement = read_file(run_dir_ + "/placement.json");
+  ASSERT_NE(placement, "");
+  {
+    const int fd = open((run_dir_ + "/filler").c_str(), O_WRONLY | O_CREAT, 0600);
+    const std::string chunk(4096, 'f');
+    while (write(fd, chunk.data(), chunk.size()) > 0) {
+    }
+    EXPECT_EQ(errno, ENOSPC);
+    close(fd);
+  }
+  // bob's usage file was never written past its header: its first charge
+  // lands on a page nothing touched before.
+  const pid_t worker = keep_worker("bob", 1 * kGiB, "bobs");  // (a SIGBUS would kill it charging)
+  // A reload writes placement.json: it cannot, says so, keeps the old one.
+  write_config(config(run_dir_, "0.25"));
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(eventually([&] { return log_contains("reload applied"); })) << read_file(log_path_);
+  EXPECT_TRUE(log_contains("cannot write " + run_dir_ + "/placement.json: "));
+  EXPECT_TRUE(log_contains("the previous version (if any) is kept"));
+  EXPECT_EQ(read_file(run_dir_ + "/placement.json"), placement);
+  EXPECT_TRUE(fs::is_empty(run_dir_ + "/.tmp"));
+  // The daemon still reclaims (stores into the mapping) and runs on.
+  ledger::TenantLedger bob = map_tenant("bob");
+  EXPECT_EQ(ledger::tenant_used(*bob.usage, 0), 1 * kGiB);
+  kill_and_reap(worker);
+  EXPECT_TRUE(eventually([&] { return ledger::tenant_used(*bob.usage, 0) == 0; }, 2s));
+  ledger::close_ledger(&bob);
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << read_file(log_path_);
+}

@@ -472,4 +472,21 @@ TEST(RenderMetrics, GpuHealthOnlyFromARealProbe) {
   EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
 }
 
+// Label values are escaped as the text format defines (backslash, quote,
+// line feed); what it cannot carry (other controls, bytes that are not
+// UTF-8) becomes U+FFFD, so a scrape always parses and a terminal showing it
+// gets no escape sequence.
+TEST(RenderMetrics, LabelValuesAreEscapedPerTheTextFormat) {
+  controller::StatusReport report;
+  controller::TenantStatus t;
+  t.name = std::string("a\"b\\c\nd\x1b[2J\xff\xc3\xa9");
+  t.error = "unreadable";
+  report.tenants.push_back(t);
+  const std::string text = controller::render_metrics(report);
+  EXPECT_NE(text.find("fracgpu_tenant_ledger_readable{tenant=\"a\\\"b\\\\c\\nd\xef\xbf\xbd[2J\xef\xbf\xbd\xc3\xa9\"} 0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find('\x1b'), std::string::npos);
+}
+
 }  // namespace

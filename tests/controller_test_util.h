@@ -80,10 +80,17 @@ inline int wait_exit(pid_t pid, std::chrono::milliseconds timeout = std::chrono:
 // Runs `args` (argv[0] a path) in a child whose stdout and stderr are
 // appended to `log`, after applying `env` to the inherited environment:
 // "NAME=value" sets NAME, a bare "NAME" removes it; later entries win.
+// With a `gate` descriptor, the child waits for a byte (or end of file) on it
+// before it execs: the caller knows the pid the program will run as first.
 inline pid_t spawn_logged(const std::vector<std::string>& args, const std::string& log,
-                          const std::vector<std::string>& env) {
+                          const std::vector<std::string>& env, int gate = -1) {
   const pid_t pid = fork();
   if (pid == 0) {
+    if (gate >= 0) {
+      char go = 0;
+      if (read(gate, &go, 1) < 0) _exit(126);
+      close(gate);
+    }
     for (const std::string& e : env) {
       if (e.find('=') == std::string::npos) unsetenv(e.c_str());
       else putenv(const_cast<char*>(e.c_str()));

@@ -77,6 +77,28 @@ assert s["placement"]["tenants"]["alice"] == "policy", s["placement"]
 
 python3 "$source/tests/check_recipes.py" --source "$source" --prefix "$prefix" --run-dir "$run" \
   --toml-out "$tmp/configmap.toml" || fail "container recipes"
+# The recipes as they used to be, with the tenant directory mounted
+# read-write: rejected, in the docker recipes and in the pod alike.
+bad=$tmp/bad-recipes
+mkdir -p "$bad/docs" "$bad/examples/k8s"
+sed 's|/run/fracgpu/tenant:ro|/run/fracgpu/tenant|' "$source/docs/containers.md" >"$bad/docs/containers.md"
+cp "$source"/examples/k8s/*.yaml "$bad/examples/k8s/"
+python3 - "$bad/examples/k8s/tenant-pod.yaml" <<'PY'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+rw = text.replace("mountPath: /run/fracgpu/tenant\n          readOnly: true\n", "mountPath: /run/fracgpu/tenant\n")
+assert rw != text, "the pod no longer mounts its tenant directory as this test expects"
+open(path, "w").write(rw)
+PY
+if python3 "$source/tests/check_recipes.py" --source "$bad" --prefix "$prefix" --run-dir "$run" \
+     --toml-out "$tmp/bad-configmap.toml" >"$tmp/bad-recipes.log" 2>&1; then
+  cat "$tmp/bad-recipes.log"; fail "check_recipes.py accepted a read-write tenant directory"
+fi
+for where in "docs/containers.md: docker run" "tenant-pod.yaml: container train"; do
+  grep -q "$where: the tenant's directory is mounted read-write at /run/fracgpu/tenant" "$tmp/bad-recipes.log" ||
+    { cat "$tmp/bad-recipes.log"; fail "check_recipes.py did not reject a read-write tenant directory in $where"; }
+done
 # The ConfigMap's node config is valid (on one simulated GPU, index 0).
 sed "s|^run_dir = .*|run_dir = \"$tmp/run-cm\"|" "$tmp/configmap.toml" >"$tmp/configmap-local.toml"
 "$prefix/bin/fracgpud" --config "$tmp/configmap-local.toml" --check >"$tmp/cm-check.log" 2>&1 ||

@@ -4,6 +4,7 @@
 // and against the simulated driver's own count of device memory.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <string>
@@ -222,6 +224,54 @@ class InterposeTest : public ::testing::Test {
   uint64_t sim_peak(int device) {
     ProbeResult r = probe({"sim-peak", std::to_string(device)}, {}, false);
     return r.num("sim_peak");
+  }
+
+  // A node config giving alice 1 GiB of GPU 0, for start_daemon.
+  void write_daemon_config() {
+    FILE* f = fopen(daemon_config().c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    fprintf(f,
+            "[daemon]\nrun_dir = \"%s\"\nreap_interval_ms = 100\n\n[[gpu]]\nuuid = \"%s\"\ncontext_memory = \"64MiB\"\n\n"
+            "[[tenant]]\nname = \"alice\"\n[tenant.memory]\n\"%s\" = \"1GiB\"\n",
+            root_.c_str(), kUuid0, kUuid0);
+    fclose(f);
+  }
+  std::string daemon_config() const { return root_ + "/fracgpud.toml"; }
+
+  // The real fracgpud on that config (stderr discarded).
+  pid_t start_daemon() {
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::vector<std::string> env = environment(false, {});
+      std::vector<char*> envp;
+      for (auto& e : env) envp.push_back(e.data());
+      envp.push_back(nullptr);
+      const std::string config = daemon_config();
+      const char* argv[] = {FRACGPUD_PATH, "--config", config.c_str(), nullptr};
+      int devnull = open("/dev/null", O_WRONLY);
+      dup2(devnull, 2);
+      execve(FRACGPUD_PATH, const_cast<char**>(argv), envp.data());
+      _exit(127);
+    }
+    return pid;
+  }
+
+  // Until the daemon has granted alice GPU 0; *view then maps her ledger.
+  ::testing::AssertionResult wait_until_granted(TenantLedger* view) {
+    char err[256] = {};
+    const bool granted = wait_for([&] {
+      if (view->is_open()) close_ledger(view);
+      return open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, view, err, sizeof err) ==
+                 LedgerError::kOk &&
+             view->policy->gpus[0].state.load() == kGpuGranted;
+    }, 5000);
+    if (granted) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "alice was not granted GPU 0: " << err;
+  }
+
+  static bool wait_for(const std::function<bool()>& done, int ms) {
+    for (int i = 0; i < ms / 10 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done();
   }
 
   std::string root_, tenant_dir_, devices_;
@@ -706,6 +756,82 @@ TEST_F(InterposeTest, WithoutTenantStateTheProcessPassesThroughOrIsDenied) {
   (void)g;
 }
 
+// A tenant directory with a policy is a tenant: a usage file that is
+// missing, not a regular file, foreign or of the wrong size means its
+// charges cannot be counted, so GPU access is denied, never unlimited. Only
+// a directory with no tenant state at all passes through.
+TEST_F(InterposeTest, APolicyWithoutAUsableUsageFileIsDeniedNeverPassedThrough) {
+  grant(kUuid0, 256 * kMiB);
+  close_ledger(&daemon_);
+  const std::string usage = tenant_dir_ + "/usage";
+  const std::vector<std::string> greedy = {"init", "primary", "0", "alloc", "8GiB"};
+  fs::remove(usage);
+  ProbeResult r = probe(greedy);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find(usage + ": missing; GPU access denied"), std::string::npos) << r.err;
+  ASSERT_EQ(mkfifo(usage.c_str(), 0666), 0);  // and no waiting on it
+  r = probe(greedy);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find(usage + ": refused: not a regular file (a FIFO)"), std::string::npos) << r.err;
+  fs::remove(usage);
+  ASSERT_EQ(symlink((root_ + "/elsewhere").c_str(), usage.c_str()), 0);
+  r = probe(greedy);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find("(a symbolic link)"), std::string::npos) << r.err;
+  fs::remove(usage);
+  {
+    std::ofstream(usage) << "short";
+  }
+  r = probe(greedy);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find("size is 5 bytes"), std::string::npos) << r.err;
+  // The usage file without its policy is tenant state too.
+  fs::remove(tenant_dir_ + "/policy");
+  r = probe(greedy);
+  EXPECT_EQ(r["alloc"], kNotPermitted) << r.err;
+  // Nothing at all: not a tenant, passes through.
+  fs::remove(usage);
+  r = probe(greedy);
+  EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+  EXPECT_NE(r.err.find("no tenant ledger"), std::string::npos) << r.err;
+}
+
+// `rm usage` (possible where a tenant could write its directory) with the
+// daemon down: denied. With the daemon up: denied until the daemon has made
+// a new one, then limited again; never unlimited.
+TEST_F(InterposeTest, ARemovedUsageFileIsNeverUnlimitedWithTheDaemonDownOrUp) {
+  write_daemon_config();
+  pid_t daemon = start_daemon();
+  TenantLedger view;
+  ASSERT_TRUE(wait_until_granted(&view));
+  close_ledger(&view);
+  const std::string usage = tenant_dir_ + "/usage";
+  const std::vector<std::string> greedy = {"init", "primary", "0", "alloc", "8GiB"};
+
+  fs::remove(usage);
+  ProbeResult r = probe(greedy);
+  EXPECT_NE(r["alloc"], kSuccess) << r.err;  // denied, or limited if the daemon was quicker
+  ASSERT_TRUE(wait_for([&] { return fs::exists(usage); }, 2000)) << "the daemon did not make a new usage file";
+  r = probe({"init", "primary", "0", "alloc", "900MiB", "alloc", "8GiB"});
+  EXPECT_EQ(r["init"], kSuccess) << r.err;
+  EXPECT_EQ(r["alloc"], kOutOfMemory) << r.err;  // the last: 900 MiB fit, 8 GiB does not
+
+  kill(daemon, SIGKILL);
+  waitpid(daemon, nullptr, 0);
+  fs::remove(usage);
+  r = probe(greedy);
+  EXPECT_EQ(r["init"], kNotPermitted) << r.err;
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  daemon = start_daemon();
+  ASSERT_TRUE(wait_for([&] { return fs::exists(usage); }, 5000));
+  r = probe({"init", "primary", "0", "alloc", "900MiB", "alloc", "8GiB"});
+  EXPECT_EQ(r["alloc"], kOutOfMemory) << r.err;
+  kill(daemon, SIGTERM);
+  waitpid(daemon, nullptr, 0);
+}
+
 TEST_F(InterposeTest, AForkedChildAttachesWithItsOwnSlot) {
   const int g = grant(kUuid0, 1 * kGiB);
   ProbeResult r = probe({"init", "primary", "0", "alloc", "600MiB", "fork", "init", "primary", "0", "alloc",
@@ -734,42 +860,10 @@ TEST_F(InterposeTest, WorksBeforeMainAndDuringExit) {
 // With the daemon SIGKILLed, running tenants go on and their quotas hold;
 // a restarted daemon re-adopts the ledgers and reclaims the dead.
 TEST_F(InterposeTest, QuotasHoldWithTheDaemonDownAndARestartedDaemonReclaims) {
-  const std::string config = root_ + "/fracgpud.toml";
-  FILE* f = fopen(config.c_str(), "w");
-  ASSERT_NE(f, nullptr);
-  fprintf(f,
-          "[daemon]\nrun_dir = \"%s\"\nreap_interval_ms = 100\n\n[[gpu]]\nuuid = \"%s\"\ncontext_memory = \"64MiB\"\n\n"
-          "[[tenant]]\nname = \"alice\"\n[tenant.memory]\n\"%s\" = \"1GiB\"\n",
-          root_.c_str(), kUuid0, kUuid0);
-  fclose(f);
-  auto start_daemon = [&] {
-    pid_t pid = fork();
-    if (pid == 0) {
-      std::vector<std::string> env = environment(false, {});
-      std::vector<char*> envp;
-      for (auto& e : env) envp.push_back(e.data());
-      envp.push_back(nullptr);
-      const char* argv[] = {FRACGPUD_PATH, "--config", config.c_str(), nullptr};
-      int devnull = open("/dev/null", O_WRONLY);
-      dup2(devnull, 2);
-      execve(FRACGPUD_PATH, const_cast<char**>(argv), envp.data());
-      _exit(127);
-    }
-    return pid;
-  };
-  auto wait_for = [](const std::function<bool()>& done, int ms) {
-    for (int i = 0; i < ms / 10 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return done();
-  };
+  write_daemon_config();
   pid_t daemon = start_daemon();
-  ASSERT_TRUE(wait_for([&] { return fs::exists(tenant_dir_ + "/usage"); }, 5000));
   TenantLedger view;
-  char err[256];
-  ASSERT_TRUE(wait_for([&] {
-    return open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, &view, err, sizeof err) ==
-               LedgerError::kOk &&
-           view.policy->gpus[0].state.load() == kGpuGranted;
-  }, 5000)) << err;
+  ASSERT_TRUE(wait_until_granted(&view));
 
   Held holder = probe_and_hold({"init", "primary", "0", "alloc", "600MiB"});
   EXPECT_EQ(holder.seen["alloc"], kSuccess);

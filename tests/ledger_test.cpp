@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "ledger.h"
+#include "safe_file.h"
 #include "reclaim_util.h"
 #include "sigbus_guard.h"
 
@@ -525,4 +527,176 @@ TEST(SigbusGuard, AShrunkMappingFailsTheGuardedReadInsteadOfKillingTheProcess) {
       ::testing::KilledBySignal(SIGBUS), "");
   munmap(const_cast<uint64_t*>(map), bytes);
   close(fd);
+}
+
+namespace {
+
+// A file outside the tenant directory that a planted link points at: it must
+// come out of every open exactly as it went in.
+struct Canary {
+  std::string path, content;
+  explicit Canary(const std::string& p, std::string text = "host file: not the ledger's\n")
+      : path(p), content(std::move(text)) {
+    FILE* f = fopen(path.c_str(), "w");
+    fwrite(content.data(), 1, content.size(), f);
+    fclose(f);
+    chmod(path.c_str(), 0600);
+  }
+  ::testing::AssertionResult untouched() const {
+    struct stat st {};
+    if (lstat(path.c_str(), &st) != 0) return ::testing::AssertionFailure() << path << " is gone";
+    FILE* f = fopen(path.c_str(), "r");
+    std::string now(content.size() + 1, '\0');
+    now.resize(fread(now.data(), 1, now.size(), f));
+    fclose(f);
+    if (now != content) return ::testing::AssertionFailure() << path << " was rewritten (" << now.size() << " bytes)";
+    if ((st.st_mode & 07777) != 0600) return ::testing::AssertionFailure() << path << " mode " << std::oct << st.st_mode;
+    return ::testing::AssertionSuccess();
+  }
+};
+
+}  // namespace
+
+// The daemon used to create its files under <name>.tmp.<pid> with O_CREAT |
+// O_TRUNC, following a link a tenant planted there: any host file could be
+// truncated and made world-writable. Now nothing is written through a name.
+TEST_F(LedgerTest, TheDaemonNeverWritesThroughLinksPlantedUnderItsNames) {
+  const Canary canary(dir_ + "/canary");
+  fs::create_directories(tenant_dir_);
+  for (const char* name : {"policy", "usage"})
+    ASSERT_EQ(symlink(canary.path.c_str(), (tenant_dir_ + "/" + name + ".tmp." + std::to_string(getpid())).c_str()),
+              0);
+  TenantLedger d = make_daemon(1 << 20);
+  ASSERT_TRUE(d.is_open());
+  EXPECT_TRUE(canary.untouched());
+  struct stat st {};
+  ASSERT_EQ(lstat((tenant_dir_ + "/usage").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  close_ledger(&d);
+
+  // The files themselves as links (to a file of the right size, even):
+  // refused, never mapped, never followed, for every kind of caller.
+  fs::remove(tenant_dir_ + "/usage");
+  const Canary big(dir_ + "/canary-big", std::string(sizeof(UsageSegment), '\0'));
+  ASSERT_EQ(symlink(big.path.c_str(), (tenant_dir_ + "/usage").c_str()), 0);
+  for (AccessMode mode : {AccessMode::kDaemon, AccessMode::kTenant, AccessMode::kReadOnly}) {
+    TenantLedger t;
+    char err[512] = {};
+    EXPECT_EQ(open_ledger(tenant_dir_.c_str(), mode, "alice", &t, err, sizeof err), LedgerError::kRefused);
+    EXPECT_NE(std::string(err).find("usage: refused: not a regular file (a symbolic link)"), std::string::npos) << err;
+  }
+  EXPECT_TRUE(big.untouched());
+}
+
+// A FIFO where a file should be is never opened (an open for reading would
+// wait for a writer for ever), and neither is a device.
+TEST_F(LedgerTest, FifosAndDevicesAreRefusedWithoutBeingOpened) {
+  TenantLedger d = make_daemon(1 << 20);
+  close_ledger(&d);
+  fs::remove(tenant_dir_ + "/policy");
+  ASSERT_EQ(mkfifo((tenant_dir_ + "/policy").c_str(), 0644), 0);
+  char err[512] = {};
+  TenantLedger t;
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, &t, err, sizeof err), LedgerError::kRefused);
+  EXPECT_NE(std::string(err).find("policy: refused: not a regular file (a FIFO)"), std::string::npos) << err;
+  fs::remove(tenant_dir_ + "/policy");
+  ASSERT_EQ(symlink("/dev/zero", (tenant_dir_ + "/policy").c_str()), 0);
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err), LedgerError::kRefused);
+  EXPECT_NE(std::string(err).find("(a symbolic link)"), std::string::npos) << err;
+}
+
+// The daemon and the CLI accept only files of the daemon's user; the
+// interposer does not check (in a user namespace owners may look different).
+TEST_F(LedgerTest, FilesOfAnotherOwnerAreRefusedByTheDaemonAndTheCli) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give a file away";
+  TenantLedger d = make_daemon(1 << 20);
+  close_ledger(&d);
+  ASSERT_EQ(chown((tenant_dir_ + "/usage").c_str(), 65534, 65534), 0);
+  char err[512] = {};
+  TenantLedger t;
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &t, err, sizeof err), LedgerError::kRefused);
+  EXPECT_NE(std::string(err).find("usage: refused: owned by uid 65534, expected uid 0"), std::string::npos) << err;
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, &t, err, sizeof err),
+            LedgerError::kRefused);
+  ASSERT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err), LedgerError::kOk)
+      << err;
+  close_ledger(&t);
+}
+
+// Files are created with their blocks reserved: a store through a mapping
+// can never fault for lack of space on a full file system.
+TEST_F(LedgerTest, NewSegmentsAreNotSparse) {
+  TenantLedger d = make_daemon(1 << 20);
+  close_ledger(&d);
+  for (auto [name, size] : {std::pair{"policy", sizeof(PolicySegment)}, {"usage", sizeof(UsageSegment)}}) {
+    struct stat st {};
+    ASSERT_EQ(stat((tenant_dir_ + "/" + name).c_str(), &st), 0);
+    EXPECT_EQ(static_cast<size_t>(st.st_size), size);
+    EXPECT_GE(static_cast<size_t>(st.st_blocks) * 512, size) << name << " is sparse";
+  }
+}
+
+// Without O_TMPFILE, files are made under a random name in the daemon's
+// private directory, never in the tenant's, and linked in from there.
+TEST_F(LedgerTest, WithoutTmpfileNewFilesAreMadeInThePrivateDirectory) {
+  fracgpu::shm::force_no_tmpfile_for_testing(true);
+  TenantLedger d;
+  char err[512] = {};
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &d, err, sizeof err), LedgerError::kIo);
+  EXPECT_NE(std::string(err).find("no O_TMPFILE and no private directory"), std::string::npos) << err;
+  const std::string priv = dir_ + "/.tmp";
+  ASSERT_EQ(mkdir(priv.c_str(), 0700), 0);
+  const int priv_fd = open(priv.c_str(), O_RDONLY | O_DIRECTORY);
+  fracgpu::shm::set_private_dir(priv_fd);
+  const LedgerError e = open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &d, err, sizeof err);
+  fracgpu::shm::force_no_tmpfile_for_testing(false);
+  fracgpu::shm::set_private_dir(-1);
+  close(priv_fd);
+  ASSERT_EQ(e, LedgerError::kOk) << err;
+  EXPECT_STREQ(d.policy->tenant, "alice");
+  EXPECT_EQ(d.usage->header.magic, kUsageMagic);
+  close_ledger(&d);
+  EXPECT_TRUE(fs::is_empty(priv));
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(tenant_dir_)) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"policy", "usage"}));
+}
+
+TEST_F(LedgerTest, AUsageFileGrownPastTheLayoutIsCutBackAndAShrunkOneReported) {
+  TenantLedger d = make_daemon(1 << 20);
+  TenantLedger t = open_tenant();
+  ProcessIdentity self{};
+  read_self_identity(&self);
+  const int slot = claim_slot(t, self, nullptr);
+  ASSERT_GE(slot, 0);
+  ASSERT_TRUE(try_charge(*t.policy, *t.usage, 0, slot, 4096));
+  EXPECT_EQ(enforce_usage_size(d, nullptr), UsageSize::kOk);
+  const char byte = 1;
+  ASSERT_EQ(pwrite(t.usage_fd, &byte, 1, 100 << 20), 1);  // a tenant filling the disk
+  uint64_t seen = 0;
+  EXPECT_EQ(enforce_usage_size(d, &seen), UsageSize::kTruncated);
+  EXPECT_EQ(seen, (100u << 20) + 1);
+  struct stat st {};
+  ASSERT_EQ(fstat(d.usage_fd, &st), 0);
+  EXPECT_EQ(static_cast<size_t>(st.st_size), sizeof(UsageSegment));
+  EXPECT_EQ(tenant_used(*d.usage, 0), 4096u);  // nothing of the layout lost
+  ASSERT_EQ(ftruncate(t.usage_fd, 100), 0);
+  EXPECT_EQ(enforce_usage_size(d, &seen), UsageSize::kShrunk);
+  EXPECT_EQ(seen, 100u);
+  close_ledger(&t);
+  close_ledger(&d);
+}
+
+TEST_F(LedgerTest, TenantStateIsAPolicyOrAUsageFileOrAnythingByThoseNames) {
+  EXPECT_FALSE(has_tenant_state(tenant_dir_.c_str()));  // no directory
+  fs::create_directories(tenant_dir_);
+  EXPECT_FALSE(has_tenant_state(tenant_dir_.c_str()));  // empty
+  ASSERT_EQ(symlink("/nonexistent", (tenant_dir_ + "/usage").c_str()), 0);
+  EXPECT_TRUE(has_tenant_state(tenant_dir_.c_str()));  // a dangling link counts
+  fs::remove(tenant_dir_ + "/usage");
+  TenantLedger d = make_daemon(1 << 20);
+  close_ledger(&d);
+  fs::remove(tenant_dir_ + "/usage");
+  EXPECT_TRUE(has_tenant_state(tenant_dir_.c_str()));  // a policy alone
 }
