@@ -118,7 +118,10 @@ bool pool_holds(const void* arg, uint64_t* bytes) {
 }
 
 HeldCharge::Settled settle_pool(PoolCharge& p, bool wait) {
-  return p.charge.settle(p.gpu.load(std::memory_order_relaxed), pool_holds, &p, wait);
+  // Host pools and pools of GPUs not granted hold nothing charged.
+  const int gpu = p.gpu.load(std::memory_order_relaxed);
+  if (gpu < 0) return HeldCharge::Settled::kDone;
+  return p.charge.settle(gpu, pool_holds, &p, wait);
 }
 
 // Memory the pool holds that no allocation uses, or 0 if it cannot tell.
