@@ -737,7 +737,10 @@ TEST_P(RaceTest, ThreadsOfOneProcessNeverPassTheQuota) {
   EXPECT_GT(r.num("race_oom"), 0u) << r.out << r.err;
   const uint64_t peak = sim_peak(0);
   EXPECT_LE(peak, kQuota) << r.out << r.err;
-  EXPECT_GT(peak, kQuota - 2 * 96 * kMiB);  // the race reached the edge
+  // The race reached the edge. Graph launches refused at the edge trim the
+  // cache first, which takes the memory of execs not running: their peak
+  // lands anywhere above half.
+  EXPECT_GT(peak, kind == "graph" ? kQuota / 2 : kQuota - 2 * 96 * kMiB);
   EXPECT_EQ(used(g), 0u);  // everything given back (the probe has exited)
 }
 
