@@ -721,6 +721,21 @@ int main(int argc, char** argv) {
           ++failures;
       }
       print("loop_failures", failures);
+    } else if (cmd == "loop-async") {
+      // N stream-ordered allocate/free pairs on the default pool; prints the
+      // wall time per pair.
+      const long n = atol(arg());
+      const uint64_t bytes = parse_bytes(arg());
+      long failures = 0;
+      const auto start = std::chrono::steady_clock::now();
+      for (long k = 0; k < n; ++k) {
+        CUdeviceptr p = 0;
+        if (cuMemAllocAsync(&p, bytes, nullptr) != CUDA_SUCCESS || cuMemFreeAsync(p, nullptr) != CUDA_SUCCESS)
+          ++failures;
+      }
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+      print("loop_failures", failures);
+      print("loop_ns_per_pair", n > 0 ? ns.count() / n : 0);
     } else if (cmd == "race") {
       // race THREADS SECONDS MAX_BYTES KIND (linear, pitch, managed, async,
       // pool: the pool of pool-create, vmm, array, graph, context, mixed)
