@@ -18,7 +18,8 @@ enum class ChargeKind : uint8_t {
   kLinear,     // cuMemAlloc, cuMemAllocPitch: freed with their context
   kManaged,    // cuMemAllocManaged: freed with their context
   kAsync,      // stream-ordered: `owner` is the pool; charged through the pool
-  kVmm,        // cuMemCreate physical allocation
+  kVmm,        // a mapping of a cuMemCreate allocation (cuMemMap): `owner` is its handle,
+               // `bytes` the mapped size; charged through the handle (memory_vmm.cpp)
   kArray,      // cuArrayCreate / cuArray3DCreate: freed with their context
   kMipmapped,  // cuMipmappedArrayCreate: freed with their context
   kContext,    // a regular context's footprint

@@ -2,10 +2,13 @@
 // runs unless the process instantiated a graph with allocation nodes.
 #include "graph_memory.h"
 
+#include <sched.h>
+
 #include <vector>
 
 #include "hook_table.h"
 #include "log.h"
+#include "memory_held.h"
 #include "memory_hooks.h"
 #include "tenant.h"
 
@@ -47,16 +50,26 @@ struct ExecMemory {
 };
 
 // Per device ordinal: what this process charged for the driver's graph
-// memory cache there, and reservations of launches still in the driver.
+// memory cache there (memory_held.h: settled, and reservations of launches
+// still in the driver).
 struct DeviceGraphCharge {
   std::atomic<int> gpu{kNotGranted};
-  std::atomic<uint64_t> charged{0};
-  std::atomic<uint64_t> inflight{0};
+  HeldCharge charge;
 };
 
 ExecMemory g_execs[kMaxExecs];  // the record of g_exec_keys[i]
 DeviceGraphCharge g_devices[kMaxDevices];
 std::atomic<uint64_t> g_trim_epoch{0};
+
+// An exec the driver backs (launched since the last trim) relaunches without
+// taking memory, so a launch the quota refuses may still run it: unreserved.
+// That is exact only while no trim can unback it during the call, so such
+// launches and trims exclude each other: a launch counts itself, then looks
+// for trims; a trim counts itself, then waits for the launches to end (all
+// sequentially consistent, so of a racing pair one sees the other). Only
+// refused launches and trims, both slow paths, ever wait or back off.
+std::atomic<int64_t> g_unreserved_launches{0};
+std::atomic<int> g_trims{0};
 
 size_t home_slot(uint64_t exec) { return static_cast<size_t>((exec * 0x9E3779B97F4A7C15ull) >> 54) & (kMaxExecs - 1); }
 
@@ -99,27 +112,17 @@ bool device_graph_attribute(CUdevice device, CUgraphMem_attribute attr, uint64_t
   return true;
 }
 
-// Memory the device's graph cache holds but no graph is using: a newly
-// launched exec is backed from it before the cache grows.
-uint64_t device_graph_slack(CUdevice device) {
-  uint64_t reserved = 0, used = 0;
-  if (!device_graph_attribute(device, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
-      !device_graph_attribute(device, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
-    return 0;
-  return reserved > used ? reserved - used : 0;
+bool device_graph_holds(const void* arg, uint64_t* bytes) {
+  const auto device = static_cast<CUdevice>(static_cast<const DeviceGraphCharge*>(arg) - g_devices);
+  return device_graph_attribute(device, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, bytes);
 }
 
 // Brings the device's graph memory charge to what the driver's cache holds.
-bool settle_device(CUdevice device) {
+HeldCharge::Settled settle_device(CUdevice device, bool wait) {
   DeviceGraphCharge& d = g_devices[device];
   const int gpu = d.gpu.load(std::memory_order_acquire);
-  if (gpu == kNotGranted) return true;
-  // inflight before the driver's figure: a launch that finishes between the
-  // two reads is counted twice (safe), never zero times.
-  const uint64_t inflight = d.inflight.load(std::memory_order_seq_cst);
-  uint64_t holds = 0;
-  if (!device_graph_attribute(device, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &holds)) return true;
-  return settle_charge(d.charged, gpu, holds, inflight);
+  if (gpu == kNotGranted) return HeldCharge::Settled::kDone;
+  return d.charge.settle(gpu, device_graph_holds, &d, wait);
 }
 
 struct Demand {
@@ -171,22 +174,71 @@ Scan add_node_demand(CUgraph graph, int depth, Demand* demand) {
   return Scan::kOk;
 }
 
-// Ends the reservations claimed for the first `count` devices of an exec:
-// after a successful call by settling each device to what its cache holds
-// (false if the quota could not cover that), else by giving them back.
-bool release_reservations(const ExecMemory& e, const uint64_t* reserved, int count, bool settle) {
-  bool covered = true;
-  for (int k = 0; k < count; ++k) {
-    DeviceGraphCharge& d = g_devices[e.device[k]];
-    d.inflight.fetch_sub(reserved[k], std::memory_order_seq_cst);
-    if (settle) {
-      covered &= settle_device(e.device[k]);
-    } else if (reserved[k] != 0) {
-      d.charged.fetch_sub(reserved[k], std::memory_order_seq_cst);
-      unreserve(d.gpu.load(std::memory_order_relaxed), reserved[k]);
+void unreserve_exec(const ExecMemory& e, const uint64_t* reserved) {
+  for (int k = 0; k < e.devices; ++k)
+    unreserve(g_devices[e.device[k]].gpu.load(std::memory_order_relaxed), reserved[k]);
+}
+
+void trim_begin() {
+  g_trims.fetch_add(1, std::memory_order_seq_cst);
+  while (g_unreserved_launches.load(std::memory_order_seq_cst) != 0) sched_yield();
+}
+
+void trim_end(CUdevice device, bool trimmed) {
+  if (trimmed) g_trim_epoch.fetch_add(1, std::memory_order_seq_cst);
+  g_trims.fetch_sub(1, std::memory_order_seq_cst);
+  if (trimmed && valid_device(device)) settle_device(device, /*wait=*/false);
+}
+
+// Memory the device's graph cache holds that no exec is backed by.
+uint64_t device_graph_unused(CUdevice device) {
+  uint64_t reserved = 0, used = 0;
+  if (!device_graph_attribute(device, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
+      !device_graph_attribute(device, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
+    return 0;
+  return reserved > used ? reserved - used : 0;
+}
+
+// Reserves what each of the exec's devices may have to add to its cache
+// (the whole exec: the most a launch can take). trim: where the quota
+// refuses and the cache holds memory no exec uses, first give it back to the
+// device (a trim: unused cached memory is charged, but cannot stand in for a
+// reservation, since the driver may grow the cache anyway), settle, and try
+// again. A trim also takes their memory from execs not running (the driver
+// backs them again at their next launch).
+bool reserve_exec(const ExecMemory& e, uint64_t* reserved, bool trim) {
+  for (int k = 0; k < e.devices; ++k) {
+    const CUdevice device = e.device[k];
+    const int gpu = g_devices[device].gpu.load(std::memory_order_relaxed);
+    bool ok = reserve(gpu, e.bytes[k]);
+    if (!ok && trim && gpu != kNotGranted && real<HookId::cuDeviceGraphMemTrim>() != nullptr &&
+        device_graph_unused(device) != 0) {
+      trim_begin();
+      trim_end(device, real<HookId::cuDeviceGraphMemTrim>()(device) == CUDA_SUCCESS);
+      settle_device(device, /*wait=*/true);
+      ok = reserve(gpu, e.bytes[k]);
     }
+    if (!ok) {
+      unreserve_exec(e, reserved);
+      for (int j = 0; j < k; ++j) reserved[j] = 0;
+      return false;
+    }
+    reserved[k] = e.bytes[k];
   }
-  return covered;
+  return true;
+}
+
+// Runs the exec without a reservation if the driver backs it and no trim
+// can take that away during the call. False if it could not (not run).
+bool run_backed(const ExecMemory& e, CUgraphExec exec, CUstream stream, CUresult (*call)(CUgraphExec, CUstream),
+                CUresult* result) {
+  g_unreserved_launches.fetch_add(1, std::memory_order_seq_cst);
+  const bool backed = g_trims.load(std::memory_order_seq_cst) == 0 &&
+                      e.backed_epoch.load(std::memory_order_seq_cst) ==
+                          g_trim_epoch.load(std::memory_order_seq_cst) + 1;
+  if (backed) *result = call(exec, stream);
+  g_unreserved_launches.fetch_sub(1, std::memory_order_seq_cst);
+  return backed;
 }
 
 }  // namespace
@@ -198,10 +250,10 @@ CUresult note_graph_exec(CUgraphExec exec, CUgraph graph) {
       break;
     case Scan::kUnreadable:
       // The driver answered the instantiation but not questions about the
-      // graph it instantiated: nothing to go on. Let it run uncharged rather
-      // than break the application, and say so.
-      FRACGPU_LOG_ONCE(LogLevel::kWarn, "could not read a graph's nodes: its graph memory (if any) is not charged");
-      return CUDA_SUCCESS;
+      // graph it instantiated: what it allocates is unknown, and an exec
+      // that could take memory uncharged is not let through.
+      FRACGPU_LOG_ONCE(LogLevel::kError, "could not read a graph's nodes to charge its memory: refused");
+      return CUDA_ERROR_NOT_SUPPORTED;
     case Scan::kTooManyDevices:
       FRACGPU_LOG_ONCE(LogLevel::kError, "a graph allocates memory on more than %d devices: refused", kDevicesPerExec);
       return CUDA_ERROR_NOT_SUPPORTED;
@@ -256,7 +308,7 @@ void graph_exec_destroyed(CUgraphExec exec, ForgottenGraphExec forgotten, bool d
   }
   // The driver may give the exec's memory back now or keep it cached until
   // a trim: its own figure decides.
-  for (int k = 0; k < e.devices; ++k) settle_device(e.device[k]);
+  for (int k = 0; k < e.devices; ++k) settle_device(e.device[k], /*wait=*/false);
   g_exec_keys[forgotten.index].store(kTombstone, std::memory_order_release);
 }
 
@@ -265,62 +317,55 @@ CUresult run_with_graph_memory(CUgraphExec exec, CUstream stream, CUresult (*cal
   const int index = find_exec(reinterpret_cast<uint64_t>(exec));
   if (index < 0) return call(exec, stream);
   ExecMemory& e = g_execs[index];
-  const uint64_t epoch = g_trim_epoch.load(std::memory_order_acquire);
-  const bool backed = e.backed_epoch.load(std::memory_order_acquire) == epoch + 1;
   uint64_t reserved[kDevicesPerExec] = {};
+  CUresult result = CUDA_ERROR_OUT_OF_MEMORY;
+  if (!reserve_exec(e, reserved, /*trim=*/false)) {
+    // At the quota's edge: an exec the driver backs needs nothing new;
+    // anything else needs room made for its whole demand, or is refused
+    // (CUDA_ERROR_OUT_OF_MEMORY: the driver's own answer when it cannot back
+    // a graph), and nothing runs.
+    if (run_backed(e, exec, stream, call, &result)) return result;
+    if (!reserve_exec(e, reserved, /*trim=*/true)) return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const uint64_t epoch = g_trim_epoch.load(std::memory_order_seq_cst);
+  for (int k = 0; k < e.devices; ++k) g_devices[e.device[k]].charge.begin(reserved[k]);
+  result = call(exec, stream);
+  if (result == CUDA_SUCCESS) e.backed_epoch.store(epoch + 1, std::memory_order_seq_cst);
+  bool covered = true;
   for (int k = 0; k < e.devices; ++k) {
-    const int gpu = g_devices[e.device[k]].gpu.load(std::memory_order_relaxed);
-    if (gpu == kNotGranted) continue;  // the driver refuses work there
-    // The most this call can make the cache grow: the whole exec. If the
-    // quota refuses that (reserve() has settled every cache first), what
-    // the cache holds unused is taken first, and an exec the driver already
-    // backs takes nothing new. Concurrent launches may count the same
-    // unused memory: the settle after the call charges what really grew.
-    uint64_t want = e.bytes[k];
-    if (!reserve(gpu, want)) {
-      const uint64_t slack = device_graph_slack(e.device[k]);
-      want = backed ? 0 : want > slack ? want - slack : 0;
-      if (want != 0 && !reserve(gpu, want)) {
-        release_reservations(e, reserved, k, false);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-      }
-    }
     DeviceGraphCharge& d = g_devices[e.device[k]];
-    d.charged.fetch_add(want, std::memory_order_seq_cst);
-    d.inflight.fetch_add(want, std::memory_order_seq_cst);
-    reserved[k] = want;
+    d.charge.end(reserved[k], result == CUDA_SUCCESS, d.gpu.load(std::memory_order_relaxed));
+    covered &= settle_device(e.device[k], /*wait=*/false) == HeldCharge::Settled::kDone;
   }
-  const CUresult result = call(exec, stream);
-  if (result == CUDA_SUCCESS) e.backed_epoch.store(epoch + 1, std::memory_order_release);
-  if (!release_reservations(e, reserved, e.devices, result == CUDA_SUCCESS)) {
-    // The cache grew past what the quota lets us charge, although the
-    // reservation allowed for the whole exec (another thread's graph grew
-    // it meanwhile, or the driver rounds more than we assume). The launch
-    // cannot be taken back; the rest is charged at the next settle that
-    // fits. Say so once: it should not happen.
-    FRACGPU_LOG_ONCE(LogLevel::kWarn, "graph memory exceeds what the quota could charge");
-  }
+  // The cache grew past the whole exec's reservation and the quota (the
+  // driver rounds more than we assume). A launch cannot be taken back: the
+  // memory is charged over the quota, and further reservations are refused
+  // until it is given back.
+  if (!covered) FRACGPU_LOG_ONCE(LogLevel::kError, "graph memory exceeds what the quota could charge");
   return result;
 }
 
-void graph_memory_trimmed(CUdevice device) {
-  g_trim_epoch.fetch_add(1, std::memory_order_acq_rel);
-  if (valid_device(device)) settle_device(device);
+GraphTrim graph_trim_begin() {
+  trim_begin();
+  return GraphTrim{};
 }
 
-void settle_all_graph_memory() {
+void graph_trim_end(GraphTrim, CUdevice device, bool trimmed) { trim_end(device, trimmed); }
+
+void settle_all_graph_memory(bool wait) {
   for (CUdevice device = 0; device < kMaxDevices; ++device)
-    if (g_devices[device].gpu.load(std::memory_order_relaxed) != kNotGranted) settle_device(device);
+    if (g_devices[device].gpu.load(std::memory_order_relaxed) != kNotGranted) settle_device(device, wait);
 }
 
 void reset_graph_memory_state() {
   for (auto& key : g_exec_keys) key.store(kEmpty, std::memory_order_relaxed);
   for (auto& d : g_devices) {
     d.gpu.store(kNotGranted, std::memory_order_relaxed);
-    d.charged.store(0, std::memory_order_relaxed);
-    d.inflight.store(0, std::memory_order_relaxed);
+    d.charge.reset();
   }
   g_graph_execs_with_memory.store(0, std::memory_order_relaxed);
+  g_unreserved_launches.store(0, std::memory_order_relaxed);
+  g_trims.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace fracgpu::interpose

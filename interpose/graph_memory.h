@@ -8,10 +8,14 @@
 //   instantiate: note how much each exec's allocation nodes ask for, per device;
 //   launch/upload of such an exec: reserve that much before the driver call
 //     (the most its first launch can take), then settle the device's charge to
-//     what the cache really holds (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
+//     what the cache really holds (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), as
+//     a HeldCharge (memory_held.h: exact under any interleaving);
 //   trim, exec destroy: settle again.
-// A refused reservation refuses the launch with CUDA_ERROR_OUT_OF_MEMORY, which
-// is what the driver itself returns when it cannot back a graph.
+// A reservation the quota refuses: an exec the driver still backs relaunches
+// without one (trims held off meanwhile); otherwise the cache's unused memory
+// is trimmed and the reservation tried again; otherwise the launch is refused
+// with CUDA_ERROR_OUT_OF_MEMORY, which is what the driver itself returns when
+// it cannot back a graph.
 #pragma once
 
 #include <cuda.h>
@@ -43,11 +47,16 @@ void graph_exec_destroyed(CUgraphExec exec, ForgottenGraphExec forgotten, bool d
 // after.
 CUresult run_with_graph_memory(CUgraphExec exec, CUstream stream, CUresult (*call)(CUgraphExec, CUstream));
 
-// After cuDeviceGraphMemTrim succeeded on `device`.
-void graph_memory_trimmed(CUdevice device);
+// Around cuDeviceGraphMemTrim: a trim waits for launches running without a
+// reservation (an exec the driver backs, launched at the quota's edge) and
+// holds new ones off, since it unbacks them.
+struct GraphTrim {};
+GraphTrim graph_trim_begin();
+void graph_trim_end(GraphTrim trim, CUdevice device, bool trimmed);
 
-// Brings every device's graph memory charge to what its cache holds.
-void settle_all_graph_memory();
+// Brings every device's graph memory charge to what its cache holds. wait:
+// returns only after settles started after the call have ended.
+void settle_all_graph_memory(bool wait);
 
 // Forgets everything (a forked child inherits its parent's copy).
 void reset_graph_memory_state();

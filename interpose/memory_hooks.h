@@ -43,22 +43,41 @@ void release_context_records(uint64_t ctx);
 // False if growing to `actual` was refused (the caller then undoes).
 bool settle(int gpu, uint64_t reserved, uint64_t actual);
 
-// Brings `charged` (what we charged for one pool or cache of the driver's)
-// to what it holds, plus `inflight`: reservations for calls still inside the
-// driver. False if growing to `holds` was refused by the quota.
-bool settle_charge(std::atomic<uint64_t>& charged, int gpu, uint64_t holds, uint64_t inflight);
-
-// Stream-ordered pool accounting (memory.cpp explains the method).
+// Stream-ordered pool accounting (memory_pools.cpp explains the method).
 CUresult pooled_alloc(CUmemoryPool pool, int gpu, size_t bytes, CUdeviceptr* dptr, CUstream stream,
                       CUresult (*alloc)(void*), void* alloc_state);
 void pooled_free_done(const ChargeRecord& record);
 void pool_settle(CUmemoryPool pool);
-void pool_destroyed(CUmemoryPool pool);
-// Remembers the GPU entry a created pool's memory lives on.
-void pool_created(CUmemoryPool pool, int gpu);
-// The GPU entry a pool's memory lives on, if it was created through us.
-int pool_gpu(CUmemoryPool pool, int otherwise);
+// Remembers where a created pool's memory lives (a GPU entry, or the host).
+void pool_created(CUmemoryPool pool, const CUmemPoolProps& props);
+// Around cuMemPoolDestroy: settles of the pool are held off during the call
+// (its handle may name a new pool as soon as it returns); its charge goes
+// back once no allocation from it is outstanding.
+struct PoolDestroy {
+  int index = -1;
+};
+PoolDestroy pool_destroy_begin(CUmemoryPool pool);
+void pool_destroy_end(PoolDestroy destroy, bool destroyed);
 bool pools_dirty();
+// Settles the pools a free marked, and graph memory; never waits.
+void settle_dirty_pools();
+void reset_pools();
+
+// VMM physical allocations (memory_vmm.cpp): charged while their handle or
+// any mapping of them is alive.
+bool vmm_created(CUmemGenericAllocationHandle handle, uint64_t bytes, int gpu);
+bool vmm_ref(CUmemGenericAllocationHandle handle);
+void vmm_unref(CUmemGenericAllocationHandle handle);
+// After cuMemMap: records the mapping (false if it cannot, the caller undoes).
+bool vmm_record_mapping(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle handle);
+// Before cuMemUnmap: takes up to `capacity` mapping records from *va on,
+// advancing *va past them.
+struct VmmMapping {
+  CUdeviceptr va;
+  ChargeRecord record;
+};
+int vmm_forget_mappings(CUdeviceptr* va, CUdeviceptr end, VmmMapping* out, int capacity);
+void reset_vmm();
 
 // Arrays: bytes the driver says the array takes, or 0 if it cannot tell.
 uint64_t array_real_bytes(CUarray array, CUdevice device);
@@ -66,7 +85,14 @@ uint64_t mipmapped_real_bytes(CUmipmappedArray array, CUdevice device);
 uint64_t array_estimate_bytes(const CUDA_ARRAY_DESCRIPTOR_v1& d);
 uint64_t array_estimate_bytes(const CUDA_ARRAY_DESCRIPTOR& d);
 uint64_t array_estimate_bytes(const CUDA_ARRAY3D_DESCRIPTOR_v1& d);
-uint64_t array_estimate_bytes(const CUDA_ARRAY3D_DESCRIPTOR& d);
+uint64_t array_estimate_bytes(const CUDA_ARRAY3D_DESCRIPTOR& d, unsigned levels = 1);
+
+// cuCtxAttach's usage counts: context_attached counts one (false if there is
+// no room to); context_detach_keeps takes one if any is left (the detach then
+// leaves the context alive); context_attaches_forget drops a destroyed one's.
+bool context_attached(CUcontext ctx);
+bool context_detach_keeps(CUcontext ctx);
+void context_attaches_forget(CUcontext ctx);
 
 // Primary contexts: our own count of retains per device ordinal.
 bool primary_retain_charge(CUdevice device, int gpu);
@@ -216,9 +242,12 @@ CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
   CUdevice device;
   int gpu;
   CUmemoryPool pool = nullptr;
-  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || g_driver.cuDeviceGetMemPool == nullptr ||
-      g_driver.cuDeviceGetMemPool(&pool, device) != CUDA_SUCCESS || captures_graph_memory(stream))
+  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, stream);
+  // The pool the driver will allocate from: without it, nothing would say
+  // what the allocation costs, so it is refused rather than let through.
+  if (g_driver.cuDeviceGetMemPool == nullptr) return CUDA_ERROR_NOT_SUPPORTED;
+  if (CUresult r = g_driver.cuDeviceGetMemPool(&pool, device); r != CUDA_SUCCESS) return r;
   struct Call {
     CUdeviceptr* dptr;
     size_t bytes;
@@ -242,8 +271,8 @@ CUresult mem_alloc_from_pool_async(CUdeviceptr* dptr, size_t bytes, CUmemoryPool
       captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, pool, stream);
   // The driver has no query for a pool's location: we note it when the pool
-  // is created, and fall back to the current device for pools we did not see.
-  gpu = pool_gpu(pool, gpu);
+  // is created, and fall back to the current device for pools we did not see
+  // (pooled_alloc).
   struct Call {
     CUdeviceptr* dptr;
     size_t bytes;
@@ -281,9 +310,7 @@ CUresult mem_pool_create(CUmemoryPool* pool, const CUmemPoolProps* props) {
   TenantMode mode = gate();
   if (mode == TenantMode::kDenied) return kDenied;
   CUresult result = FRACGPU_PASS(id, pool, props);
-  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS && props != nullptr &&
-      props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
-    pool_created(*pool, gpu_entry_for_device(props->location.id));
+  if (mode == TenantMode::kManaged && result == CUDA_SUCCESS && props != nullptr) pool_created(*pool, *props);
   return result;
 }
 
@@ -294,7 +321,13 @@ CUresult mem_pool_trim_to(CUmemoryPool pool, size_t keep_bytes) {
 
 template <HookId id>
 CUresult mem_pool_destroy(CUmemoryPool pool) {
-  return pass_then_note<id>([](CUmemoryPool p) { pool_destroyed(p); }, pool);
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, pool);
+  const PoolDestroy destroy = pool_destroy_begin(pool);
+  CUresult result = FRACGPU_PASS(id, pool);
+  pool_destroy_end(destroy, result == CUDA_SUCCESS);
+  return result;
 }
 
 // ---- graph memory (graph_memory.h) ----
@@ -336,7 +369,13 @@ CUresult graph_exec_destroy(CUgraphExec exec) {
 
 template <HookId id>
 CUresult graph_mem_trim(CUdevice device) {
-  return pass_then_note<id>([](CUdevice d) { graph_memory_trimmed(d); }, device);
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, device);
+  const GraphTrim trim = graph_trim_begin();
+  CUresult result = FRACGPU_PASS(id, device);
+  graph_trim_end(trim, device, result == CUDA_SUCCESS);
+  return result;
 }
 
 template <HookId id, class... Args>
@@ -349,7 +388,7 @@ CUresult synchronize(Args... args) {
   // Pools release memory above their threshold when synchronized: give the
   // charge back now. One relaxed load when no pool has anything to settle.
   if (result == CUDA_SUCCESS && pools_dirty()) [[unlikely]]
-    settle_all_pools();
+    settle_dirty_pools();
   return result;
 }
 
@@ -371,7 +410,7 @@ CUresult mem_create(CUmemGenericAllocationHandle* handle, size_t bytes, const CU
     unreserve(gpu, bytes);
     return result;
   }
-  if (!record_handle(*handle, {bytes, 0, static_cast<uint32_t>(gpu), ChargeKind::kVmm})) {
+  if (!vmm_created(*handle, bytes, gpu)) {
     real<HookId::cuMemRelease>()(*handle);
     unreserve(gpu, bytes);
     return CUDA_ERROR_OUT_OF_MEMORY;
@@ -379,21 +418,69 @@ CUresult mem_create(CUmemGenericAllocationHandle* handle, size_t bytes, const CU
   return CUDA_SUCCESS;
 }
 
+// The charge stays while a mapping or another reference keeps the memory.
 template <HookId id>
 CUresult mem_release(CUmemGenericAllocationHandle handle) {
+  return pass_then_note<id>([](CUmemGenericAllocationHandle h) { vmm_unref(h); }, handle);
+}
+
+template <HookId id>
+CUresult mem_retain_allocation_handle(CUmemGenericAllocationHandle* handle, void* addr) {
+  return pass_then_note<id>([](CUmemGenericAllocationHandle* h, void*) { vmm_ref(*h); }, handle, addr);
+}
+
+template <HookId id>
+CUresult mem_map(CUdeviceptr va, size_t bytes, size_t offset, CUmemGenericAllocationHandle handle,
+                 unsigned long long flags) {
   TenantMode mode = gate();
   if (mode != TenantMode::kManaged) [[unlikely]]
-    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, handle);
-  ChargeRecord record;
-  const bool charged = forget_handle(handle, &record);
-  CUresult result = FRACGPU_PASS(id, handle);
-  if (!charged) return result;
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, va, bytes, offset, handle, flags);
+  CUresult result = FRACGPU_PASS(id, va, bytes, offset, handle, flags);
+  if (result != CUDA_SUCCESS || vmm_record_mapping(va, bytes, handle)) return result;
+  // Untracked, the mapping would keep memory alive after its charge went.
+  real<HookId::cuMemUnmap>()(va, bytes);
+  return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+template <HookId id>
+CUresult mem_unmap(CUdeviceptr va, size_t bytes) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, va, bytes);
+  // Forget before unmapping (once unmapped, the addresses may be mapped
+  // again by another thread); put back if the driver refuses.
+  constexpr int kBatch = 64;
+  VmmMapping taken[kBatch];
+  CUdeviceptr next = va;
+  const CUdeviceptr end = va + bytes;
+  const int n = vmm_forget_mappings(&next, end, taken, kBatch);
+  CUresult result = FRACGPU_PASS(id, va, bytes);
   if (result != CUDA_SUCCESS) {
-    record_handle(handle, record);
+    for (int i = 0; i < n; ++i) record_pointer(taken[i].va, taken[i].record);
     return result;
   }
-  unreserve(static_cast<int>(record.gpu), record.bytes);
+  for (int i = 0; i < n; ++i) vmm_unref(static_cast<CUmemGenericAllocationHandle>(taken[i].record.owner));
+  // More mappings than one batch: the rest are taken after the call.
+  for (int more = n == kBatch ? kBatch : 0; more == kBatch;) {
+    more = vmm_forget_mappings(&next, end, taken, kBatch);
+    for (int i = 0; i < more; ++i) vmm_unref(static_cast<CUmemGenericAllocationHandle>(taken[i].record.owner));
+  }
   return result;
+}
+
+// Tiles of sparse arrays mapped onto a physical allocation: an unmap names
+// no handle, so a handle mapped this way stays charged for the process's
+// life (never less than the driver holds).
+template <HookId id>
+CUresult mem_map_array_async(CUarrayMapInfo* infos, unsigned int count, CUstream stream) {
+  return pass_then_note<id>(
+      [](CUarrayMapInfo* list, unsigned int n, CUstream) {
+        for (unsigned int i = 0; list != nullptr && i < n; ++i)
+          if (list[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP &&
+              list[i].memHandleType == CU_MEM_HANDLE_TYPE_GENERIC)
+            vmm_ref(list[i].memHandle.memHandle);
+      },
+      infos, count, stream);
 }
 
 // ---- arrays ----
@@ -458,9 +545,7 @@ CUresult mipmapped_array_create(CUmipmappedArray* array, const CUDA_ARRAY3D_DESC
   int gpu;
   if (!current_gpu_entry(&ctx, &device, &gpu) || array == nullptr || desc == nullptr || levels == 0)
     return FRACGPU_PASS(id, array, desc, levels);
-  // The levels after the first add at most a third of it (a geometric series).
-  const uint64_t base = array_estimate_bytes(*desc);
-  const uint64_t estimate = levels > 1 ? base + base / 3 + 1 : base;
+  const uint64_t estimate = array_estimate_bytes(*desc, levels);
   if (!reserve(gpu, estimate)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, array, desc, levels);
   if (result != CUDA_SUCCESS) {
@@ -532,6 +617,7 @@ CUresult ctx_destroy(CUcontext ctx) {
   const bool charged = forget_handle(reinterpret_cast<uint64_t>(ctx), &record);
   CUresult result = FRACGPU_PASS(id, ctx);
   note_contexts_changed();
+  if (result == CUDA_SUCCESS) context_attaches_forget(ctx);  // its handle may come back
   if (!charged) return result;
   if (result != CUDA_SUCCESS) {
     record_handle(reinterpret_cast<uint64_t>(ctx), record);
@@ -539,6 +625,32 @@ CUresult ctx_destroy(CUcontext ctx) {
   }
   unreserve(static_cast<int>(record.gpu), record.bytes);
   release_context_records(reinterpret_cast<uint64_t>(ctx));
+  return result;
+}
+
+// cuCtxAttach raises a context's usage count, cuCtxDetach lowers it and
+// destroys the context at zero: a detach of a context attached more often
+// than detached leaves it alive (and charged), any other is a destroy.
+template <HookId id>
+CUresult ctx_attach(CUcontext* ctx, unsigned int flags) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx, flags);
+  CUresult result = FRACGPU_PASS(id, ctx, flags);
+  if (result != CUDA_SUCCESS || ctx == nullptr || context_attached(*ctx)) return result;
+  // Uncounted, a later detach would be taken for a destroy: undo.
+  if (real<HookId::cuCtxDetach>() != nullptr) real<HookId::cuCtxDetach>()(*ctx);
+  return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+template <HookId id>
+CUresult ctx_detach(CUcontext ctx) {
+  TenantMode mode = gate();
+  if (mode != TenantMode::kManaged) [[unlikely]]
+    return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx);
+  if (!context_detach_keeps(ctx)) return ctx_destroy<id>(ctx);
+  CUresult result = FRACGPU_PASS(id, ctx);
+  if (result != CUDA_SUCCESS) context_attached(ctx);  // still attached
   return result;
 }
 
@@ -629,7 +741,7 @@ CUresult mem_get_info(Size* free_bytes, Size* total_bytes) {
   CUdevice device;
   int gpu;
   if (!current_gpu_entry(&ctx, &device, &gpu)) return FRACGPU_PASS(id, free_bytes, total_bytes);
-  if (pools_dirty()) settle_all_pools();
+  if (pools_dirty()) settle_dirty_pools();
   uint64_t free64 = real_free, total64 = real_total;
   tenant_memory_view(gpu, real_free, real_total, &free64, &total64);
   if (free_bytes) *free_bytes = clamp_to<Size>(free64);

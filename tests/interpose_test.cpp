@@ -370,6 +370,65 @@ TEST_F(InterposeTest, VirtualMemoryHandlesAreCharged) {
   EXPECT_EQ(r["vmm"], kOutOfMemory);
 }
 
+// The driver frees a VMM allocation when its handle is released and its
+// last mapping is gone, whichever comes last: mapping, then releasing the
+// handle at once, is a common pattern.
+TEST_F(InterposeTest, VirtualMemoryStaysChargedWhileMappedOrRetained) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  Held h = probe_and_hold({"init", "primary", "0", "vmm", "256MiB", "0", "vmm-map", "0", "vmm-release", "0"});
+  EXPECT_EQ(h.seen["vmm_map"], kSuccess);
+  EXPECT_EQ(h.seen["vmm_release"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 256 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+  // So another 256 MiB does not fit beside it.
+  ProbeResult r = probe({"init", "primary", "0", "vmm", "256MiB", "0", "vmm-map", "0", "vmm-release", "0", "vmm",
+                         "256MiB", "0"});
+  EXPECT_EQ(r["vmm"], kOutOfMemory);
+  // Unmapped as well: given back.
+  h = probe_and_hold({"init", "primary", "0", "vmm", "256MiB", "0", "vmm-map", "0", "vmm-release", "0", "vmm-unmap",
+                      "0"});
+  EXPECT_EQ(h.seen["vmm_unmap"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+  used(g);
+  // A handle retained from its mapping is one more reference to release.
+  h = probe_and_hold({"init", "primary", "0", "vmm", "256MiB", "0", "vmm-map", "0", "vmm-retain", "0", "vmm-release",
+                      "0", "vmm-unmap", "0"});
+  EXPECT_EQ(h.seen["vmm_retain"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 256 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+  h = probe_and_hold({"init", "primary", "0", "vmm", "256MiB", "0", "vmm-map", "0", "vmm-retain", "0", "vmm-release",
+                      "0", "vmm-unmap", "0", "vmm-release", "0"});
+  EXPECT_EQ(h.seen["vmm_release"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+}
+
+// cuCtxDetach (deprecated, still handed to the CUDA runtime) destroys the
+// context unless cuCtxAttach raised its usage count.
+TEST_F(InterposeTest, ADetachedContextIsGivenBackUnlessStillAttached) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "ctx-create", "2", "0", "alloc", "100MiB", "ctx-attach", "ctx-detach", "last"});
+  EXPECT_EQ(h.seen["ctx_attach"], kSuccess);
+  EXPECT_EQ(h.seen["ctx_detach"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+  h = probe_and_hold({"init", "ctx-create", "2", "0", "alloc", "100MiB", "ctx-attach", "ctx-detach", "last",
+                      "ctx-detach", "0"});
+  EXPECT_EQ(h.seen["ctx_detach"], kSuccess);
+  EXPECT_EQ(used(g), 0u);  // the context and the memory allocated in it
+  EXPECT_EQ(sim_used(0), 0u);
+  kill_held(h);
+}
+
 TEST_F(InterposeTest, StreamOrderedPoolsChargeWhatThePoolHolds) {
   const int g = grant(kUuid0, 512 * kMiB);
   // Default pool, release threshold 0: memory goes back at synchronize.
@@ -396,11 +455,21 @@ TEST_F(InterposeTest, StreamOrderedPoolsChargeWhatThePoolHolds) {
   kill_held(h);
   used(g);  // the killed probe's charges are gone before the next starts
 
+  // Destroyed with allocations outstanding: the driver keeps their memory
+  // until they are freed, and the charge stays until then.
   h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "100MiB",
                       "pool-async", "100MiB", "pool-destroy"});
-  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(h.seen["pool_destroy"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 200 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
   kill_held(h);
   used(g);  // the killed probe's charges are gone before the next starts
+  h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "100MiB",
+                      "pool-async", "100MiB", "pool-destroy", "free-async", "0", "free-async", "0"});
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+  used(g);
 
   // Reuse inside the pool needs no new charge.
   h = probe_and_hold({"init", "primary", "0", "pool-create", "0", "pool-threshold", "1GiB", "pool-async", "300MiB",
@@ -409,6 +478,29 @@ TEST_F(InterposeTest, StreamOrderedPoolsChargeWhatThePoolHolds) {
   EXPECT_EQ(used(g), kContextBytes + 300 * kMiB);
   kill_held(h);
   used(g);  // the killed probe's charges are gone before the next starts
+}
+
+// Where the interposer cannot tell what an allocation will cost, it refuses
+// or charges more, never lets memory through uncharged. SIMCUDA_FAIL makes
+// the simulated driver refuse the query.
+TEST_F(InterposeTest, WhatCannotBeCostedIsRefusedOrOvercharged) {
+  const int g = grant(kUuid0, 512 * kMiB);
+  // The pool cuMemAllocAsync would use cannot be named.
+  ProbeResult r = probe({"init", "primary", "0", "async", "100MiB"}, {"SIMCUDA_FAIL=cuDeviceGetMemPool"});
+  EXPECT_EQ(r["primary"], kSuccess);
+  EXPECT_EQ(r["async"], "801");  // CUDA_ERROR_NOT_SUPPORTED, the driver's own answer
+  // A graph whose nodes cannot be read.
+  r = probe({"init", "primary", "0", "graph-node", "0", "100MiB", "graph-launch", "last"},
+            {"SIMCUDA_FAIL=cuGraphGetNodes"});
+  EXPECT_EQ(r["graph_alloc_node"], kSuccess);
+  EXPECT_EQ(r["graph_instantiate"], "801");
+  // A pool whose size cannot be read: its charge is never lowered on a guess.
+  Held h = probe_and_hold({"init", "primary", "0", "async", "100MiB", "free-async", "0", "sync"},
+                          {"SIMCUDA_FAIL=cuMemPoolGetAttribute"});
+  EXPECT_EQ(h.seen["async"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), kContextBytes);  // the pool gave it back at the synchronize
+  kill_held(h);
 }
 
 TEST_F(InterposeTest, PoolMemoryIsChargedToThePoolsOwnGpu) {
@@ -666,6 +758,47 @@ TEST_F(InterposeTest, EveryPathEnforcesTheQuotaAndCallsTheRightVariant) {
 
 // ---- Races, kills, bad state ----
 
+// The quota is a limit on the device's memory in use, whatever the driver
+// holds it for (allocations, pool reserves, the graph memory cache, contexts),
+// under any interleaving. The simulated driver's own high-water mark is the
+// judge: it counts all of those, as a real driver does.
+class RaceTest : public InterposeTest, public ::testing::WithParamInterface<const char*> {};
+
+// Threads of one process racing on one path: sharing the current context,
+// the default pool (async), one explicit pool (pool) and one graph exec that
+// every thread launches next to its own (graph).
+TEST_P(RaceTest, ThreadsOfOneProcessNeverPassTheQuota) {
+  constexpr uint64_t kQuota = 1 * kGiB;
+  const int g = grant(kUuid0, kQuota);
+  const std::string kind = GetParam();
+  ProbeResult reset = probe({"sim-reset-peak", "0"}, {}, false);
+  ASSERT_EQ(reset.status, 0) << reset.err;
+  std::vector<std::string> args = {"init", "primary", "0"};
+  // An explicit pool that keeps what is freed into it: allocations at the
+  // edge find it holding unused memory.
+  if (kind == "pool" || kind == "mixed") args.insert(args.end(), {"pool-create", "0", "pool-threshold", "256MiB"});
+  args.insert(args.end(), {"race", "8", "1.5", "96MiB", kind});
+  ProbeResult r = probe(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r["race_other"], "0") << "last error " << r["race_last_other"] << "\n" << r.err;
+  EXPECT_GT(r.num("race_ok"), 100u) << r.out << r.err;
+  // Refusals (few for graphs: a refused launch first trims the cache, taking
+  // the memory of execs not running).
+  EXPECT_GT(r.num("race_oom"), 0u) << r.out << r.err;
+  const uint64_t peak = sim_peak(0);
+  EXPECT_LE(peak, kQuota) << r.out << r.err;
+  // The race reached the edge. Graph launches refused at the edge trim the
+  // cache first, which takes the memory of execs not running: their peak
+  // lands anywhere above half.
+  EXPECT_GT(peak, kind == "graph" ? kQuota / 2 : kQuota - 2 * 96 * kMiB);
+  EXPECT_EQ(used(g), 0u);  // everything given back (the probe has exited)
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryChargedPath, RaceTest,
+                         ::testing::Values("linear", "pitch", "managed", "async", "pool", "vmm", "array", "graph",
+                                           "relaunch", "context", "mixed"));
+
+// Processes of one tenant, each with threads, racing on every path at once.
 TEST_F(InterposeTest, ThreadsInProcessesNeverTogetherPassTheQuota) {
   constexpr uint64_t kQuota = 1 * kGiB;
   grant(kUuid0, kQuota);
@@ -679,8 +812,10 @@ TEST_F(InterposeTest, ThreadsInProcessesNeverTogetherPassTheQuota) {
   std::vector<std::thread> runners;
   std::vector<ProbeResult> results(4);
   for (int p = 0; p < 4; ++p)
-    runners.emplace_back(
-        [&, p] { results[p] = probe({"init", "primary", "0", "barrier", barrier, "race", "8", "3", "96MiB"}); });
+    runners.emplace_back([&, p] {
+      results[p] = probe({"init", "primary", "0", "pool-create", "0", "pool-threshold", "128MiB", "barrier", barrier,
+                          "race", "4", "3", "96MiB", p == 0 ? "linear" : "mixed"});
+    });
   auto ready = [&] {
     int n = 0;
     for (const auto& entry : fs::directory_iterator(barrier)) n += entry.path().filename().string().rfind("ready-", 0) == 0;
@@ -697,7 +832,7 @@ TEST_F(InterposeTest, ThreadsInProcessesNeverTogetherPassTheQuota) {
   for (const auto& r : results) {
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_EQ(r["primary"], kSuccess);  // 4 contexts fit: the race starts after
-    EXPECT_EQ(r["race_other"], "0");
+    EXPECT_EQ(r["race_other"], "0") << "last error " << r["race_last_other"];
     ok += r.num("race_ok");
     oom += r.num("race_oom");
   }

@@ -13,11 +13,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -34,6 +36,12 @@ std::vector<CUdeviceptr> g_async_ptrs;
 std::vector<CUcontext> g_contexts;
 std::vector<CUgreenCtx> g_greens;
 std::vector<CUmemGenericAllocationHandle> g_vmm;
+std::vector<uint64_t> g_vmm_sizes;  // of g_vmm's handles
+struct VmmMap {
+  CUdeviceptr va;
+  uint64_t size;
+};
+std::vector<VmmMap> g_maps;
 std::vector<CUarray> g_arrays;
 std::vector<CUmipmappedArray> g_mipmaps;
 CUmemoryPool g_pool = nullptr;
@@ -90,43 +98,292 @@ CUresult get_proc(const char* symbol, int version, cuuint64_t flags, void** fn) 
   return cuGetProcAddress_v2(symbol, fn, version, flags, &status);
 }
 
-// Threads allocate and free random sizes at the quota's edge.
-void race(int threads, double seconds, uint64_t max_chunk) {
+// What a racing thread holds: one allocation of any charged kind.
+enum class RaceKind { kLinear, kPitch, kManaged, kAsync, kPool, kVmm, kArray, kGraph, kContext, kCount };
+const char* const kRaceKindNames[] = {"linear", "pitch", "managed", "async", "pool", "vmm", "array", "graph",
+                                      "context"};
+static_assert(sizeof(kRaceKindNames) / sizeof(kRaceKindNames[0]) == static_cast<size_t>(RaceKind::kCount));
+
+struct RaceHeld {
+  RaceKind kind;
+  uint64_t handle;
+  uint64_t size;  // vmm: a mapping of that size at `handle`, whose handle is released
+};
+
+// A VMM allocation mapped into an address range of its own, its handle
+// released at once: the mapping alone keeps the memory.
+CUresult map_and_release(CUmemGenericAllocationHandle h, uint64_t size, CUdeviceptr* va) {
+  CUresult r = cuMemAddressReserve(va, size, 0, 0, 0);
+  if (r != CUDA_SUCCESS) return r;
+  r = cuMemMap(*va, size, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    cuMemAddressFree(*va, size);
+    return r;
+  }
+  return cuMemRelease(h);
+}
+
+CUresult unmap_and_free(CUdeviceptr va, uint64_t size) {
+  CUresult r = cuMemUnmap(va, size);
+  if (r == CUDA_SUCCESS) r = cuMemAddressFree(va, size);
+  return r;
+}
+
+// One exec that every racing thread launches (graph memory shared by threads),
+// made before the race by `race ... graph` or `mixed`.
+CUgraphExec g_race_shared_exec = nullptr;
+
+CUresult race_graph_exec(uint64_t bytes, CUgraphExec* exec) {
+  CUDA_MEM_ALLOC_NODE_PARAMS params{};
+  params.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  params.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  params.poolProps.location.id = 0;
+  params.bytesize = bytes;
+  CUgraph graph = nullptr;
+  CUgraphNode node = nullptr;
+  CUresult r = cuGraphCreate(&graph, 0);
+  if (r == CUDA_SUCCESS) r = cuGraphAddMemAllocNode(&node, graph, nullptr, 0, &params);
+  if (r == CUDA_SUCCESS) r = cuGraphInstantiateWithFlags(exec, graph, 0);
+  if (graph != nullptr) cuGraphDestroy(graph);
+  return r;
+}
+
+// Takes `bytes` (about) of device memory of the given kind.
+CUresult race_take(RaceKind kind, uint64_t bytes, std::mt19937_64& rng, RaceHeld* out) {
+  out->kind = kind;
+  CUresult r = CUDA_ERROR_UNKNOWN;
+  switch (kind) {
+    case RaceKind::kLinear: {
+      CUdeviceptr p = 0;
+      r = cuMemAlloc_v2(&p, bytes);
+      out->handle = p;
+      break;
+    }
+    case RaceKind::kPitch: {
+      CUdeviceptr p = 0;
+      size_t pitch = 0;
+      const size_t width = 1000 + rng() % 3000;  // pitch rounds it up
+      r = cuMemAllocPitch_v2(&p, &pitch, width, std::max<uint64_t>(bytes / width, 1), 4);
+      out->handle = p;
+      break;
+    }
+    case RaceKind::kManaged: {
+      CUdeviceptr p = 0;
+      r = cuMemAllocManaged(&p, bytes, CU_MEM_ATTACH_GLOBAL);
+      out->handle = p;
+      break;
+    }
+    case RaceKind::kAsync: {
+      CUdeviceptr p = 0;
+      r = rng() % 2 ? cuMemAllocAsync(&p, bytes, nullptr) : cuMemAllocAsync_ptsz(&p, bytes, nullptr);
+      out->handle = p;
+      break;
+    }
+    case RaceKind::kPool: {
+      CUdeviceptr p = 0;
+      r = cuMemAllocFromPoolAsync(&p, bytes, g_pool, nullptr);
+      out->handle = p;
+      break;
+    }
+    case RaceKind::kVmm: {
+      CUmemAllocationProp prop{};
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      prop.location.id = 0;
+      CUmemGenericAllocationHandle h = 0;
+      const uint64_t size = (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+      r = cuMemCreate(&h, size, &prop, 0);
+      out->handle = h;
+      out->size = 0;
+      if (r == CUDA_SUCCESS && rng() % 2) {
+        CUdeviceptr va = 0;
+        r = map_and_release(h, size, &va);
+        if (r != CUDA_SUCCESS) {
+          cuMemRelease(h);
+          break;
+        }
+        out->handle = va;
+        out->size = size;
+      }
+      break;
+    }
+    case RaceKind::kArray: {
+      CUDA_ARRAY_DESCRIPTOR d{};
+      d.Width = 4096;  // float4: 64 KiB a row
+      d.Height = std::max<uint64_t>(bytes >> 16, 1);
+      d.Format = CU_AD_FORMAT_FLOAT;
+      d.NumChannels = 4;
+      CUarray a = nullptr;
+      r = cuArrayCreate_v2(&a, &d);
+      out->handle = reinterpret_cast<uint64_t>(a);
+      break;
+    }
+    case RaceKind::kGraph: {
+      // Launch the shared exec now and then (threads sharing one exec), else
+      // an exec of our own, launched: it holds its memory until destroyed.
+      if (g_race_shared_exec != nullptr && rng() % 4 == 0) {
+        r = rng() % 2 ? cuGraphLaunch(g_race_shared_exec, nullptr) : cuGraphUpload(g_race_shared_exec, nullptr);
+        out->handle = 0;
+        break;
+      }
+      CUgraphExec exec = nullptr;
+      r = race_graph_exec(bytes, &exec);
+      if (r != CUDA_SUCCESS) break;
+      r = cuGraphLaunch(exec, nullptr);
+      if (r != CUDA_SUCCESS) cuGraphExecDestroy(exec);
+      out->handle = reinterpret_cast<uint64_t>(exec);
+      break;
+    }
+    case RaceKind::kContext: {
+      CUcontext ctx = nullptr;
+      r = cuCtxCreate_v2(&ctx, 0, 0);
+      if (r == CUDA_SUCCESS) cuCtxPopCurrent_v2(nullptr);  // back to the shared context
+      out->handle = reinterpret_cast<uint64_t>(ctx);
+      break;
+    }
+    case RaceKind::kCount:
+      break;
+  }
+  return r;
+}
+
+CUresult race_give_back(const RaceHeld& held, std::mt19937_64& rng) {
+  switch (held.kind) {
+    case RaceKind::kLinear:
+    case RaceKind::kPitch:
+    case RaceKind::kManaged:
+      return cuMemFree_v2(held.handle);
+    case RaceKind::kAsync:
+    case RaceKind::kPool: {
+      CUresult r = rng() % 2 ? cuMemFreeAsync(held.handle, nullptr) : cuMemFreeAsync_ptsz(held.handle, nullptr);
+      // The default pool gives memory back at synchronization.
+      if (r == CUDA_SUCCESS && rng() % 2 == 0) r = cuStreamSynchronize(nullptr);
+      if (r == CUDA_SUCCESS && held.kind == RaceKind::kPool && rng() % 8 == 0) r = cuMemPoolTrimTo(g_pool, 0);
+      return r;
+    }
+    case RaceKind::kVmm:
+      return held.size != 0 ? unmap_and_free(held.handle, held.size) : cuMemRelease(held.handle);
+    case RaceKind::kArray:
+      return cuArrayDestroy(reinterpret_cast<CUarray>(held.handle));
+    case RaceKind::kGraph: {
+      CUresult r = CUDA_SUCCESS;
+      if (held.handle != 0) r = cuGraphExecDestroy(reinterpret_cast<CUgraphExec>(held.handle));
+      if (r == CUDA_SUCCESS && rng() % 16 == 0) r = cuDeviceGraphMemTrim(0);
+      return r;
+    }
+    case RaceKind::kContext: {
+      auto ctx = reinterpret_cast<CUcontext>(held.handle);
+      if (rng() % 2) return cuCtxDestroy_v2(ctx);
+      // cuCtxDetach destroys the context it is given (once attached), and
+      // wants it current.
+      CUresult r = cuCtxPushCurrent_v2(ctx);
+      if (r == CUDA_SUCCESS) r = cuCtxDetach(ctx);
+      return r;
+    }
+    case RaceKind::kCount:
+      break;
+  }
+  return CUDA_ERROR_UNKNOWN;
+}
+
+// Threads relaunch one exec, which the driver backs, trim the graph memory
+// cache (which takes its memory away), and take and give back linear memory
+// (which keeps the quota at its edge), all at once.
+void race_relaunch(const std::atomic<long long>& stop_flag, std::mt19937_64& rng, std::atomic<long long>& ok,
+                   const std::function<void(CUresult)>& count) {
+  std::vector<CUdeviceptr> mine;
+  while (stop_flag.load() == 0) {
+    CUresult r;
+    switch (rng() % 4) {
+      case 0:
+      case 1:
+        r = cuGraphLaunch(g_race_shared_exec, nullptr);
+        break;
+      case 2:
+        r = cuDeviceGraphMemTrim(0);
+        break;
+      default:
+        if (!mine.empty() && rng() % 2) {
+          r = cuMemFree_v2(mine.back());
+          mine.pop_back();
+        } else {
+          CUdeviceptr p = 0;
+          r = cuMemAlloc_v2(&p, 8 << 20);
+          if (r == CUDA_SUCCESS) mine.push_back(p);
+        }
+    }
+    if (r == CUDA_SUCCESS) ok++;
+    count(r);
+  }
+  for (CUdeviceptr p : mine) cuMemFree_v2(p);
+}
+
+// Threads allocate and free random sizes at the quota's edge, of one kind
+// ("mixed": any kind, chosen each time; "relaunch": race_relaunch).
+void race(int threads, double seconds, uint64_t max_chunk, const std::string& what) {
+  int kind_index = -1;  // mixed
+  for (int k = 0; k < static_cast<int>(RaceKind::kCount); ++k)
+    if (what == kRaceKindNames[k]) kind_index = k;
+  if (kind_index < 0 && what != "mixed" && what != "relaunch") usage("race: unknown kind");
   std::atomic<long long> ok{0}, oom{0}, other{0};
+  std::atomic<int> last_other{0};
   CUcontext ctx = nullptr;
   cuCtxGetCurrent(&ctx);
+  if (what == "graph" || what == "mixed" || what == "relaunch") {
+    CUresult r = race_graph_exec(what == "relaunch" ? max_chunk : max_chunk / 2, &g_race_shared_exec);
+    if (r == CUDA_SUCCESS && what == "relaunch") r = cuGraphLaunch(g_race_shared_exec, nullptr);
+    if (r != CUDA_SUCCESS) usage("race: cannot make the shared graph");
+  }
+
+  std::atomic<long long> stop{0};
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       cuCtxSetCurrent(ctx);
       std::mt19937_64 rng(getpid() * 131 + t);
-      std::vector<CUdeviceptr> mine;
+      std::vector<RaceHeld> mine;
+      auto count = [&](CUresult r) {
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+          oom++;
+        } else if (r != CUDA_SUCCESS) {
+          other++;
+          last_other.store(r);
+        }
+      };
       const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+      if (what == "relaunch") {
+        if (t == 0) {
+          std::this_thread::sleep_until(end);
+          stop.store(1);
+        }
+        race_relaunch(stop, rng, ok, count);
+        return;
+      }
       while (std::chrono::steady_clock::now() < end) {
         if (!mine.empty() && (rng() % 2 == 0 || mine.size() > 6)) {
           size_t i = rng() % mine.size();
-          cuMemFree_v2(mine[i]);
+          count(race_give_back(mine[i], rng));
           mine.erase(mine.begin() + static_cast<long>(i));
           continue;
         }
-        CUdeviceptr p = 0;
-        CUresult r = cuMemAlloc_v2(&p, (rng() % max_chunk) + 1);
+        const auto kind = kind_index >= 0 ? static_cast<RaceKind>(kind_index)
+                                          : static_cast<RaceKind>(rng() % static_cast<int>(RaceKind::kCount));
+        RaceHeld held{};
+        CUresult r = race_take(kind, (rng() % max_chunk) + 1, rng, &held);
         if (r == CUDA_SUCCESS) {
-          mine.push_back(p);
+          mine.push_back(held);
           ok++;
-        } else if (r == CUDA_ERROR_OUT_OF_MEMORY) {
-          oom++;
-        } else {
-          other++;
         }
+        count(r);
       }
-      for (CUdeviceptr p : mine) cuMemFree_v2(p);
+      for (const RaceHeld& held : mine) race_give_back(held, rng);
     });
   }
   for (auto& th : pool) th.join();
   print("race_ok", ok);
   print("race_oom", oom);
   print("race_other", other);
+  print("race_last_other", last_other);
 }
 
 size_t index_arg(const char* s, size_t size) {
@@ -202,6 +459,17 @@ int main(int argc, char** argv) {
       print("ctx_destroy", cuCtxDestroy_v2(g_contexts[k]));
       g_contexts.erase(g_contexts.begin() + static_cast<long>(k));
       if (!g_contexts.empty()) cuCtxSetCurrent(g_contexts.back());
+    } else if (cmd == "ctx-attach") {  // the current context, once more
+      CUcontext ctx = nullptr;
+      CUresult r = cuCtxAttach(&ctx, 0);
+      if (r == CUDA_SUCCESS) g_contexts.push_back(ctx);
+      print("ctx_attach", r);
+    } else if (cmd == "ctx-detach") {  // ctx-detach IDX: made current, then detached
+      size_t k = index_arg(arg(), g_contexts.size());
+      CUresult r = cuCtxSetCurrent(g_contexts[k]);
+      if (r == CUDA_SUCCESS) r = cuCtxDetach(g_contexts[k]);
+      print("ctx_detach", r);
+      g_contexts.erase(g_contexts.begin() + static_cast<long>(k));
     } else if (cmd == "green-create") {  // green-create DEV KEY: all of DEV's SMs; made current; KEY=<its CUcontext>
       CUdevice dev = atoi(arg());
       const char* key = arg();
@@ -347,12 +615,37 @@ int main(int argc, char** argv) {
       prop.location.id = atoi(arg());
       CUmemGenericAllocationHandle h = 0;
       CUresult r = cuMemCreate(&h, bytes, &prop, 0);
-      if (r == CUDA_SUCCESS) g_vmm.push_back(h);
+      if (r == CUDA_SUCCESS) {
+        g_vmm.push_back(h);
+        g_vmm_sizes.push_back(bytes);
+      }
       print("vmm", r);
     } else if (cmd == "vmm-release") {
       size_t k = index_arg(arg(), g_vmm.size());
       print("vmm_release", cuMemRelease(g_vmm[k]));
       g_vmm.erase(g_vmm.begin() + static_cast<long>(k));
+      g_vmm_sizes.erase(g_vmm_sizes.begin() + static_cast<long>(k));
+    } else if (cmd == "vmm-map") {  // vmm-map IDX: all of handle IDX, at an address range of its own
+      size_t k = index_arg(arg(), g_vmm.size());
+      VmmMap m{0, g_vmm_sizes[k]};
+      CUresult r = cuMemAddressReserve(&m.va, m.size, 0, 0, 0);
+      if (r == CUDA_SUCCESS) r = cuMemMap(m.va, m.size, 0, g_vmm[k], 0);
+      if (r == CUDA_SUCCESS) g_maps.push_back(m);
+      print("vmm_map", r);
+    } else if (cmd == "vmm-unmap") {
+      size_t k = index_arg(arg(), g_maps.size());
+      print("vmm_unmap", cuMemUnmap(g_maps[k].va, g_maps[k].size));
+      cuMemAddressFree(g_maps[k].va, g_maps[k].size);
+      g_maps.erase(g_maps.begin() + static_cast<long>(k));
+    } else if (cmd == "vmm-retain") {  // vmm-retain IDX: the handle behind mapping IDX, as a new handle
+      size_t k = index_arg(arg(), g_maps.size());
+      CUmemGenericAllocationHandle h = 0;
+      CUresult r = cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(g_maps[k].va));
+      if (r == CUDA_SUCCESS) {
+        g_vmm.push_back(h);
+        g_vmm_sizes.push_back(g_maps[k].size);
+      }
+      print("vmm_retain", r);
     } else if (cmd == "array") {
       CUDA_ARRAY_DESCRIPTOR d{};
       d.Width = parse_bytes(arg());
@@ -449,10 +742,28 @@ int main(int argc, char** argv) {
           ++failures;
       }
       print("loop_failures", failures);
+    } else if (cmd == "loop-async") {
+      // N stream-ordered allocate/free pairs on the default pool; prints the
+      // wall time per pair.
+      const long n = atol(arg());
+      const uint64_t bytes = parse_bytes(arg());
+      long failures = 0;
+      const auto start = std::chrono::steady_clock::now();
+      for (long k = 0; k < n; ++k) {
+        CUdeviceptr p = 0;
+        if (cuMemAllocAsync(&p, bytes, nullptr) != CUDA_SUCCESS || cuMemFreeAsync(p, nullptr) != CUDA_SUCCESS)
+          ++failures;
+      }
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+      print("loop_failures", failures);
+      print("loop_ns_per_pair", n > 0 ? ns.count() / n : 0);
     } else if (cmd == "race") {
+      // race THREADS SECONDS MAX_BYTES KIND (linear, pitch, managed, async,
+      // pool: the pool of pool-create, vmm, array, graph, context, mixed)
       int threads = atoi(arg());
       double seconds = atof(arg());
-      race(threads, seconds, parse_bytes(arg()));
+      uint64_t max_bytes = parse_bytes(arg());
+      race(threads, seconds, max_bytes, arg());
     } else if (cmd == "fork") {
       // The child runs the remaining commands; the parent waits for it and
       // reports how it ended, then stops.

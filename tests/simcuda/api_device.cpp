@@ -612,6 +612,31 @@ CUresult cuCtxDestroy_v2(CUcontext ctx) {
   return ctx_destroy(ctx);
 }
 
+// The deprecated usage count: cuCtxAttach raises it on the current context,
+// cuCtxDetach lowers it and destroys the context at zero (cuCtxCreate counts
+// as the first use). Both want a regular context current to the caller.
+CUresult cuCtxAttach(CUcontext* pctx, unsigned int flags) {
+  SIMCUDA_LOCKED_ENTRY(cuCtxAttach);
+  if (pctx == nullptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  Ctx* c = current_ctx();
+  if (c == nullptr || c->primary || c->green || !c->active) return CUDA_ERROR_INVALID_CONTEXT;
+  ++c->attaches;
+  *pctx = reinterpret_cast<CUcontext>(c);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxDetach(CUcontext ctx) {
+  SIMCUDA_LOCKED_ENTRY(cuCtxDetach);
+  if (ctx == nullptr || proc().ctx_set.count(key(ctx)) == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  Ctx* c = reinterpret_cast<Ctx*>(ctx);
+  if (c != current_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (c->attaches > 0 && c->active && !c->primary && !c->green) {
+    --c->attaches;
+    return CUDA_SUCCESS;
+  }
+  return ctx_destroy(ctx);
+}
+
 CUresult cuCtxSetCurrent(CUcontext ctx) {
   SIMCUDA_LOCKED_ENTRY(cuCtxSetCurrent);
   auto& st = ctx_stack();

@@ -1001,9 +1001,31 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   Process& P = proc();
   auto it = P.phys.find(handle);
   if (it == P.phys.end() || it->second.released) return CUDA_ERROR_INVALID_VALUE;
+  if (it->second.retains > 0) {
+    --it->second.retains;
+    return CUDA_SUCCESS;
+  }
   it->second.released = true;
   // Still mapped: the memory stays until the last cuMemUnmap, like the driver.
   phys_maybe_free(handle);
+  return CUDA_SUCCESS;
+}
+
+// The handle behind a mapped address, with one more reference to release.
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* handle, void* addr) {
+  SIMCUDA_LOCKED_ENTRY(cuMemRetainAllocationHandle);
+  Process& P = proc();
+  if (handle == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  const auto* m = find_mapping(reinterpret_cast<CUdeviceptr>(addr));
+  if (m == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto it = P.phys.find(m->second.handle);
+  if (it == P.phys.end()) return CUDA_ERROR_INVALID_VALUE;
+  // A released handle whose memory is still mapped gets a reference again.
+  if (it->second.released)
+    it->second.released = false;
+  else
+    ++it->second.retains;
+  *handle = m->second.handle;
   return CUDA_SUCCESS;
 }
 

@@ -137,6 +137,7 @@ struct Ctx {
   bool active = false;  // created: until destroyed; primary: while retained
   unsigned flags = 0;
   unsigned refcount = 0;  // primary only
+  unsigned attaches = 0;  // regular only: cuCtxAttach's usage count beyond the creation's
   bool green = false;     // the CUcontext of a green context (no footprint, not cuCtxDestroy'ed)
 };
 
@@ -224,7 +225,8 @@ struct PhysAlloc {
   uint64_t size = 0;
   uint64_t charged = 0;
   int dev = -1;           // -1: host memory, not charged
-  bool released = false;  // cuMemRelease called; freed when the last mapping goes
+  bool released = false;  // every handle reference released; freed when the last mapping goes
+  unsigned retains = 0;   // cuMemRetainAllocationHandle's references, each released on its own
   unsigned maps = 0;
 };
 
@@ -432,6 +434,10 @@ consteval int proc_row(std::string_view exported) {
 
 extern U64 g_calls[kProcRows];
 inline void count_call(int row) { g_calls[row].fetch_add(1, std::memory_order_relaxed); }
+// Entry points named in SIMCUDA_FAIL (comma-separated exported names): they
+// answer CUDA_ERROR_NOT_SUPPORTED and do nothing, so that tests can see what
+// a caller does when the driver refuses a query.
+bool failing(int row);
 
 // Every exported entry point starts with this: it counts the call and does
 // not compile for a function missing from proc_table.def.
@@ -440,6 +446,7 @@ inline void count_call(int row) { g_calls[row].fetch_add(1, std::memory_order_re
     constexpr int simcuda_row_ = ::simcuda::proc_row(#name);                       \
     static_assert(simcuda_row_ >= 0, #name " is not listed in proc_table.def");    \
     ::simcuda::count_call(simcuda_row_);                                           \
+    if (::simcuda::failing(simcuda_row_)) return CUDA_ERROR_NOT_SUPPORTED;        \
   } while (0)
 
 // Entry prologue for everything that needs cuInit: locks the process and

@@ -507,6 +507,31 @@ TEST(InChild, ForeignFile) {
 // cuInit
 // ===========================================================================
 
+TEST(Config, FailingEntryPointsAnswerNotSupported) {
+  std::string path = g_state + ".fail";
+  unlink(path.c_str());
+  SelfResult r = run_self("Failing", {{"SIMCUDA_STATE", path}, {"SIMCUDA_FAIL", "cuDeviceGetMemPool,cuMemAlloc_v2"}});
+  EXPECT_TRUE(r.passed()) << r.output;
+  unlink(path.c_str());
+}
+
+TEST(InChild, Failing) {
+  CHILD_ONLY("Failing");
+  ASSERT_CU(cuInit(0));
+  CUcontext ctx = nullptr;
+  ASSERT_CU(cuDevicePrimaryCtxRetain(&ctx, 0));
+  ASSERT_CU(cuCtxSetCurrent(ctx));
+  CUmemoryPool pool = nullptr;
+  CUdeviceptr p = 0;
+  EXPECT_EQ(cuDeviceGetMemPool(&pool, 0), CUDA_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(pool, nullptr) << "did nothing";
+  EXPECT_EQ(cuMemAlloc_v2(&p, kMiB), CUDA_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(simcuda_call_count("cuMemAlloc_v2"), 1u) << "still counted";
+  EXPECT_CU(cuDeviceGetDefaultMemPool(&pool, 0)) << "only the names given fail";
+  EXPECT_CU(cuMemAllocAsync(&p, kMiB, nullptr));
+  EXPECT_CU(cuDevicePrimaryCtxRelease_v2(0));
+}
+
 TEST(Init, RequiredBeforeDriverCalls) {
   std::string path = g_state + ".init";
   unlink(path.c_str());
@@ -830,6 +855,30 @@ TEST_F(Contexts, DestroyingAContextFreesWhatLivesInIt) {
   EXPECT_EQ(used(0), base_[0]);
 }
 
+TEST_F(Contexts, AttachCountsUsesAndDetachDestroysAtZero) {
+  const uint64_t u = used(0);
+  CUcontext ctx = nullptr, attached = nullptr;
+  CUdeviceptr p = 0;
+  ASSERT_CU(cuCtxCreate_v2(&ctx, 0, 0));
+  ASSERT_CU(cuMemAlloc_v2(&p, 10 * kMiB));
+  EXPECT_EQ(cuCtxAttach(&attached, 1), CUDA_ERROR_INVALID_VALUE) << "flags must be 0";
+  ASSERT_CU(cuCtxAttach(&attached, 0));
+  EXPECT_EQ(attached, ctx) << "the current context";
+  EXPECT_CU(cuCtxDetach(ctx));
+  EXPECT_EQ(used(0), u + 64 * kMiB + 10 * kMiB) << "attached once more than detached: alive";
+  CUcontext other = nullptr;
+  ASSERT_CU(cuCtxCreate_v2(&other, 0, 0));  // now current instead
+  EXPECT_EQ(cuCtxDetach(ctx), CUDA_ERROR_INVALID_CONTEXT) << "must be current";
+  ASSERT_CU(cuCtxDestroy_v2(other));
+  ASSERT_CU(cuCtxSetCurrent(ctx));
+  EXPECT_CU(cuCtxDetach(ctx));
+  EXPECT_EQ(used(0), u) << "the last use: destroyed with its memory";
+  EXPECT_EQ(cuMemFree_v2(p), CUDA_ERROR_INVALID_VALUE);
+  CUdevice dev = -1;
+  EXPECT_EQ(cuCtxPushCurrent_v2(ctx), CUDA_ERROR_CONTEXT_IS_DESTROYED);
+  (void)dev;
+}
+
 TEST_F(Contexts, PrimaryContextIsRefcounted) {
   const uint64_t u = used(0);
   unsigned flags = 0;
@@ -1038,6 +1087,23 @@ TEST_F(Vmm, PhysicalMemoryIsChargedUntilReleasedAndUnmapped) {
   EXPECT_CU(cuMemRelease(host));
   EXPECT_EQ(used(1), base_[1]);
   EXPECT_EQ(simcuda_vmm_bytes(1), vmm1);
+
+  // A handle retained from a mapping is one more reference to release.
+  prop.location.id = 0;
+  ASSERT_CU(cuMemCreate(&h, 2 * kMiB, &prop, 0));
+  ASSERT_CU(cuMemAddressReserve(&va, 2 * kMiB, 0, 0, 0));
+  CUmemGenericAllocationHandle retained = 0;
+  EXPECT_EQ(cuMemRetainAllocationHandle(&retained, reinterpret_cast<void*>(va)), CUDA_ERROR_INVALID_VALUE)
+      << "not mapped yet";
+  ASSERT_CU(cuMemMap(va, 2 * kMiB, 0, h, 0));
+  ASSERT_CU(cuMemRetainAllocationHandle(&retained, reinterpret_cast<void*>(va + 4096)));
+  EXPECT_EQ(retained, h) << "the handle it was mapped with";
+  EXPECT_CU(cuMemRelease(h));
+  EXPECT_CU(cuMemUnmap(va, 2 * kMiB));
+  EXPECT_EQ(used(0), base_[0] + 2 * kMiB) << "the retained reference keeps it";
+  EXPECT_CU(cuMemRelease(retained));
+  EXPECT_EQ(used(0), base_[0]);
+  EXPECT_CU(cuMemAddressFree(va, 2 * kMiB));
 }
 
 // ===========================================================================

@@ -14,12 +14,30 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string_view>
+#include <vector>
 
 #include "sim_internal.h"
 
 namespace simcuda {
 
 U64 g_calls[kProcRows];
+
+bool failing(int row) {
+  static const std::vector<bool> failing_rows = [] {
+    std::vector<bool> rows(kProcRows, false);
+    const char* list = std::getenv("SIMCUDA_FAIL");
+    for (std::string_view rest = list != nullptr ? list : ""; !rest.empty();) {
+      const size_t comma = rest.find(',');
+      const std::string_view name = rest.substr(0, comma);
+      for (size_t i = 0; i < kProcRows; ++i)
+        if (kProcTable[i].exported == name) rows[i] = true;
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+    return rows;
+  }();
+  return failing_rows[static_cast<size_t>(row)];
+}
 
 namespace {
 
