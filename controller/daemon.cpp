@@ -222,7 +222,7 @@ int Daemon::start() {
   else
     log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
                discovery_.nvml_problem);
-  if (!prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
+  if (!lock_run_dir() || !prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
   apply_metrics();
@@ -314,9 +314,27 @@ bool Daemon::prepare_run_dir() {
   return true;
 }
 
-// One daemon per run dir: two would fight over the policies. The lock, not
-// the file's existence or content, says whether a daemon runs (the CLI probes
-// it too); the kernel drops it when the daemon dies, however it dies.
+// One daemon per run dir, before anything is written in it (run_dir_lock.h).
+// Only the run dir itself may be created first: the lock is taken on it.
+bool Daemon::lock_run_dir() {
+  std::error_code ec;
+  fs::create_directories(config_->daemon.run_dir, ec);
+  std::string error;
+  if (ec) {
+    log_->error("cannot create {}: {}", config_->daemon.run_dir, ec.message());
+    return false;
+  }
+  if (!run_dir_lock_.acquire(config_->daemon.run_dir, &error)) {
+    log_->error("{}", error);
+    return false;
+  }
+  return true;
+}
+
+// The pid file's lock is what the CLI probes to tell whether a daemon runs
+// (and which); the kernel drops it when the daemon dies, however it dies.
+// The run dir's lock, taken before, is what keeps a second daemon out even
+// when this file has been removed.
 bool Daemon::lock_pid_file() {
   const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
   pid_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -693,7 +711,7 @@ bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
   ConfigResult result = load_placed_config();
   if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
-    result.errors.push_back({options_.config_path, 0,
+    result.errors.push_back({options_.config_path, result.config->daemon.run_dir_line,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
                                          config_->daemon.run_dir, result.config->daemon.run_dir)});
   if (!result.errors.empty()) {

@@ -4,7 +4,8 @@
 //
 // Life of the daemon:
 //   start()  discover GPUs, load + validate the config (nothing is touched
-//            if it is invalid), lock the pid file, create or re-adopt every
+//            if it is invalid), lock the run dir (run_dir_lock.h) and the
+//            pid file, create or re-adopt every
 //            tenant's ledger and write its policy;
 //            and each GPU's time arbiter (tenant shares and limits);
 //   run()    every reap_interval: reclaim dead slots and arbiter entries,
@@ -30,6 +31,7 @@
 #include "health.h"
 #include "ledger.h"
 #include "metrics.h"
+#include "run_dir_lock.h"
 
 namespace fracgpu::controller {
 
@@ -37,7 +39,7 @@ namespace fracgpu::controller {
 inline constexpr int kExitOk = 0;           // clean stop, or --check found the config valid
 inline constexpr int kExitCheckFailed = 1;  // --check found the config invalid
 inline constexpr int kExitBadConfig = 2;    // start refused: invalid config, nothing changed
-inline constexpr int kExitCannotStart = 3;  // run dir, pid file (another fracgpud?) or signals failed
+inline constexpr int kExitCannotStart = 3;  // run dir (another fracgpud?), pid file or signals failed
 inline constexpr int kExitUsage = 64;       // bad command line
 inline constexpr int kExitInternal = 70;    // a bug: an unexpected exception
 
@@ -113,6 +115,7 @@ class Daemon {
   // Starts, restarts or stops the metrics endpoint to match the config.
   void apply_metrics();
   bool prepare_run_dir();
+  bool lock_run_dir();
   bool lock_pid_file();
   void apply(const NodeConfig& config);
   OpenLedger* adopt(const std::string& name, bool create);
@@ -145,6 +148,7 @@ class Daemon {
   std::optional<NodeConfig> config_;
   std::map<std::string, OpenLedger> ledgers_;  // by tenant name
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
+  RunDirLock run_dir_lock_;  // held from before the first write to the run dir until the daemon ends
   int pid_fd_ = -1;
   MetricsServer metrics_;
   std::unique_ptr<Nvml> nvml_;

@@ -345,6 +345,46 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameRunDirIsRefused) {
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
 }
 
+TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
+  // With metrics on: its child process must not be what holds the lock.
+  write_config("[daemon]\nmetrics_address = \"127.0.0.1:0\"\n" + config(run_dir_, "0.5").substr(9));
+  daemon_ = start_daemon();
+  ASSERT_TRUE(eventually([&] { return logged_metrics_port(read_file(log_path_)) != 0; })) << read_file(log_path_);
+  // The metrics child keeps no descriptor of the run dir: a copy of the
+  // daemon's lock would outlive the daemon for as long as the child lives.
+  const std::string children = read_file("/proc/" + std::to_string(daemon_) + "/task/" + std::to_string(daemon_) + "/children");
+  ASSERT_FALSE(children.empty());
+  const std::string child_fds = "/proc/" + std::to_string(std::stoi(children)) + "/fd";
+  size_t child_fd_count = 0;
+  for (const auto& fd : fs::directory_iterator(child_fds)) {
+    std::error_code ec;
+    EXPECT_NE(fs::read_symlink(fd.path(), ec), fs::path(run_dir_)) << "the metrics child holds " << fd.path();
+    ++child_fd_count;
+  }
+  EXPECT_GT(child_fd_count, 0u);
+  ASSERT_TRUE(fs::remove(run_dir_ + "/fracgpud.pid"));
+  std::string output;
+  EXPECT_EQ(run_daemon({}, &output), 3) << output;
+  EXPECT_NE(output.find("another fracgpud (pid " + std::to_string(daemon_) + ") already manages " + run_dir_),
+            std::string::npos)
+      << output;
+  // Refused before writing anything: no new pid file, the first daemon's policies untouched.
+  EXPECT_FALSE(fs::exists(run_dir_ + "/fracgpud.pid"));
+  ledger::TenantLedger alice = map_tenant("alice");
+  EXPECT_EQ(alice.policy->daemon_pid.load(), daemon_);
+  ledger::close_ledger(&alice);
+
+  // Once the first daemon is gone (SIGKILL: nothing cleaned up), its metrics
+  // child goes with it and the run dir is free at once.
+  kill_and_reap(daemon_);
+  daemon_ = -1;
+  std::string second_log = tmp_ / "second.log";
+  const pid_t second = spawn({FRACGPUD_PATH, "--config", config_path_}, second_log);
+  EXPECT_TRUE(eventually([&] { return read_file(second_log).find("started") != std::string::npos; }))
+      << read_file(second_log);
+  daemon_ = second;
+}
+
 TEST_F(DaemonTest, NodeWithoutGpusGetsAClearMessage) {
   write_config(config(run_dir_, "0.5"));
   std::string output;
