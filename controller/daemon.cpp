@@ -29,8 +29,8 @@ using ledger::kMaxGpus;
 using ledger::kMaxSlots;
 using ledger::monotonic_ns;
 
-// Stores and reports whether the value changed, so untouched policies keep
-// their generation (the interposer re-reads limits when it moves).
+// Stores and reports whether the value changed, so untouched arbiters keep
+// their generation (the pacer re-reads shares when it moves).
 template <typename T>
 bool store_if_changed(std::atomic<T>& field, T value) {
   if (field.load(std::memory_order_relaxed) == value) return false;
@@ -86,44 +86,36 @@ void set_log_level(spdlog::logger& log, LogLevel level) {
   }
 }
 
-bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const NodeConfig& config, spdlog::logger& log,
-                  std::string* error) {
-  const std::string name = tenant != nullptr ? tenant->name : stamped_name(policy);
-  bool changed = false;
+bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const NodeConfig& config,
+                 ledger::GpuTable* out, std::string* error) {
+  *out = current;
   bool ok = true;
   bool keep[kMaxGpus] = {};
   static const std::vector<Grant> kNoGrants;
   for (const Grant& grant : tenant != nullptr ? tenant->grants : kNoGrants) {
     const ManagedGpu& gpu = config.gpus[grant.gpu];
-    const int entry = ledger::bind_gpu(policy, gpu.uuid_bytes.data());
+    int entry = ledger::find_gpu(*out, gpu.uuid_bytes.data());
+    for (uint32_t g = 0; entry < 0 && g < kMaxGpus; ++g)
+      if (out->gpus[g].state == ledger::kGpuUnused) entry = static_cast<int>(g);  // appended: bound from now on
     if (entry < 0) {
       *error = fmt::format("tenant \"{}\": cannot grant GPU {} ({}): all {} GPU entries of its ledger are bound to "
                            "other GPUs",
-                           name, gpu.index, gpu.uuid, kMaxGpus);
+                           tenant->name, gpu.index, gpu.uuid, kMaxGpus);
       ok = false;
       continue;
     }
     keep[entry] = true;
-    GpuPolicy& e = policy.gpus[entry];
-    // The limits first, the state last (release): a process that sees the
-    // entry granted sees its limits.
-    bool entry_changed = store_if_changed(e.memory_quota, grant.memory_quota);
-    entry_changed |= store_if_changed(e.context_memory, gpu.context_memory);
-    entry_changed |= store_if_changed(e.flags, tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u);
-    entry_changed |= store_if_changed(e.share_ppm, grant.share_ppm);
-    entry_changed |= store_if_changed(e.limit_ppm, grant.limit_ppm);
-    entry_changed |= store_if_changed(e.state, uint32_t{ledger::kGpuGranted});
-    if (entry_changed) log.info("tenant \"{}\": granted {}", name, describe_grant(config, grant));
-    changed |= entry_changed;
+    ledger::GpuEntry& e = out->gpus[entry];
+    memcpy(e.uuid, gpu.uuid_bytes.data(), sizeof e.uuid);
+    e.memory_quota = grant.memory_quota;
+    e.context_memory = gpu.context_memory;
+    e.flags = tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u;
+    e.share_ppm = grant.share_ppm;
+    e.limit_ppm = grant.limit_ppm;
+    e.state = ledger::kGpuGranted;
   }
-  for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    GpuPolicy& e = policy.gpus[g];
-    if (keep[g] || e.state.load(std::memory_order_acquire) != ledger::kGpuGranted) continue;
-    e.state.store(ledger::kGpuRevoked, std::memory_order_release);
-    log.info("tenant \"{}\": revoked GPU {}", name, format_gpu_uuid(e.uuid));
-    changed = true;
-  }
-  if (changed) ledger::publish_policy_change(policy);
+  for (uint32_t g = 0; g < kMaxGpus; ++g)
+    if (!keep[g] && out->gpus[g].state == ledger::kGpuGranted) out->gpus[g].state = ledger::kGpuRevoked;
   return ok;
 }
 
@@ -199,6 +191,7 @@ Daemon::~Daemon() {
     if (ftruncate(pid_fd_, 0) != 0) log_->debug("cannot empty the pid file: {}", strerror(errno));
     ::close(pid_fd_);
   }
+  ledger::close_node(node_, node_fd_);
 }
 
 int Daemon::start() {
@@ -222,7 +215,7 @@ int Daemon::start() {
   else
     log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
                discovery_.nvml_problem);
-  if (!lock_run_dir() || !prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
+  if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
   apply_metrics();
@@ -256,12 +249,13 @@ PriorPlacement Daemon::running_placement() const {
                 ledger::slot_owner_pid(open.ledger, s) != 0;
     if (!running) continue;
     std::vector<PriorGrant> grants;
-    for (const GpuPolicy& e : open.ledger.policy->gpus) {
-      const uint32_t share = e.share_ppm.load(std::memory_order_relaxed);
-      if (e.state.load(std::memory_order_acquire) != ledger::kGpuGranted || share == 0) continue;
+    ledger::GpuTable table;
+    ledger::read_gpu_table(open.ledger, &table);
+    for (const ledger::GpuEntry& e : table.gpus) {
+      if (e.state != ledger::kGpuGranted || e.share_ppm == 0) continue;
       PriorGrant g;
       memcpy(g.uuid.data(), e.uuid, g.uuid.size());
-      g.share_ppm = share;
+      g.share_ppm = e.share_ppm;
       grants.push_back(g);
     }
     if (!grants.empty()) prior.emplace(name, std::move(grants));
@@ -364,21 +358,101 @@ bool Daemon::lock_pid_file() {
   return true;
 }
 
+// The generation of policy in force, for the whole node (ledger_layout.h).
+// A node file of another layout, or another program's, is not ours to fix.
+// If <run_dir>/node is gone but a tenant directory still links the node file
+// (someone removed it), that file is put back: processes already running map
+// it, and a new one would never reach them.
+bool Daemon::open_node_file() {
+  const fs::path path = fs::path(config_->daemon.run_dir) / ledger::kNodeFileName;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    for (const auto& entry : fs::directory_iterator(fs::path(config_->daemon.run_dir) / kTenantsDirName, ec)) {
+      const fs::path link = entry.path() / ledger::kNodeFileName;
+      ledger::SegmentHeader header{};
+      const int fd = ::open(link.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      struct stat st {};
+      const bool node_file = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                             st.st_size == static_cast<off_t>(sizeof(ledger::NodeSegment)) &&
+                             pread(fd, &header, sizeof header, 0) == static_cast<ssize_t>(sizeof header) &&
+                             header.magic == ledger::kNodeMagic &&
+                             ledger::check_header(header, ledger::kNodeMagic, sizeof(ledger::NodeSegment)) ==
+                                 ledger::LedgerError::kOk;
+      if (fd >= 0) ::close(fd);
+      if (node_file && ::link(link.c_str(), path.c_str()) == 0) {
+        log_->warn("{} was missing: restored from {}", path.string(), link.string());
+        break;
+      }
+    }
+  }
+  char err[512] = {};
+  const ledger::LedgerError rc = ledger::open_node(config_->daemon.run_dir.c_str(), &node_, &node_fd_, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    log_->error("cannot use the node file ({}): {}", ledger::ledger_error_name(rc), err);
+    return false;
+  }
+  log_->debug("node file {}/{}: generation {} in force", config_->daemon.run_dir, ledger::kNodeFileName,
+              node_->committed.load(std::memory_order_acquire));
+  return true;
+}
+
+namespace {
+
+// True if `path` is the file open at `fd` (same inode).
+bool same_file(const std::string& path, int fd) {
+  struct stat by_path {}, open_file {};
+  return stat(path.c_str(), &by_path) == 0 && fstat(fd, &open_file) == 0 && by_path.st_ino == open_file.st_ino &&
+         by_path.st_dev == open_file.st_dev;
+}
+
+// Makes `link` a hard link to `target` (open at target_fd): linked under a
+// temporary name, then renamed over whatever `link` was, so a reader finds
+// either the old file or the target, never nothing.
+bool link_into_place(const std::string& target, int target_fd, const std::string& link) {
+  if (same_file(link, target_fd)) return true;
+  const std::string tmp = link + ".tmp";
+  unlink(tmp.c_str());
+  if (::link(target.c_str(), tmp.c_str()) != 0 || rename(tmp.c_str(), link.c_str()) != 0) {
+    const int e = errno;
+    unlink(tmp.c_str());
+    errno = e;
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool Daemon::link_node(const std::string& tenant, const std::string& dir) {
+  const std::string target = (fs::path(config_->daemon.run_dir) / ledger::kNodeFileName).string();
+  const std::string link = dir + "/" + ledger::kNodeFileName;
+  if (link_into_place(target, node_fd_, link)) return true;
+  log_->error("tenant \"{}\": cannot link {} to {}: {}; tenant skipped (its processes are denied GPU access)", tenant,
+              link, target, strerror(errno));
+  return false;
+}
+
 Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
   if (auto it = ledgers_.find(name); it != ledgers_.end()) {
     // Still the same files? Someone may have removed the directory; then a
     // fresh ledger is made (or, for a tenant no longer configured, dropped).
-    struct stat by_path {}, mapped {};
     const std::string policy_path = it->second.dir + "/" + ledger::kPolicyFileName;
-    if (stat(policy_path.c_str(), &by_path) == 0 && fstat(it->second.ledger.policy_fd, &mapped) == 0 &&
-        by_path.st_ino == mapped.st_ino && by_path.st_dev == mapped.st_dev)
+    const std::string node_path = it->second.dir + "/" + ledger::kNodeFileName;
+    if (same_file(policy_path, it->second.ledger.policy_fd) && same_file(node_path, node_fd_) &&
+        it->second.ledger.node_fd >= 0 && same_file(node_path, it->second.ledger.node_fd))
       return &it->second;
-    log_->warn("tenant \"{}\": {} was replaced or removed; re-opening", name, policy_path);
+    log_->warn("tenant \"{}\": {} or {} was replaced or removed; re-opening", name, policy_path, node_path);
     ledger::close_ledger(&it->second.ledger);
     ledgers_.erase(it);
   }
   const std::string dir = (fs::path(config_->daemon.run_dir) / kTenantsDirName / name).string();
   if (!create && access((dir + "/" + ledger::kPolicyFileName).c_str(), F_OK) != 0) return nullptr;
+  // The node file goes in first: a process finding the policy finds it too.
+  if (create && mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    log_->error("tenant \"{}\": cannot create {}: {}; tenant skipped", name, dir, strerror(errno));
+    return nullptr;
+  }
+  if (!link_node(name, dir)) return nullptr;
   OpenLedger open;
   open.dir = dir;
   char err[512] = {};
@@ -410,10 +484,7 @@ void Daemon::apply(const NodeConfig& config) {
   for (const Tenant& tenant : config.tenants) {
     wanted.insert(tenant.name);
     OpenLedger* open = adopt(tenant.name, /*create=*/true);
-    if (open == nullptr) continue;
-    open->configured = true;
-    std::string error;
-    if (!write_policy(*open->ledger.policy, &tenant, config, *log_, &error)) log_->error("{}", error);
+    if (open != nullptr) open->configured = true;
   }
   // Ledgers of tenants not (or no longer) in the config, including those left
   // by an earlier run: revoke their GPUs but keep the directory and keep
@@ -428,12 +499,62 @@ void Daemon::apply(const NodeConfig& config) {
     if (wanted.contains(name)) continue;
     if (open.configured) log_->info("tenant \"{}\" is no longer configured: revoking its GPUs, keeping {}", name, open.dir);
     open.configured = false;
-    std::string error;
-    write_policy(*open.ledger.policy, nullptr, config, *log_, &error);
   }
+  commit_policies(config);
   apply_gpu_time(config);
   record_placement(config);
   apply_unavailable();
+}
+
+void Daemon::commit_policies(const NodeConfig& config) {
+  struct Plan {
+    const std::string* name;
+    OpenLedger* open;
+    ledger::GpuTable before;  // its latest table (the one in force, if readable)
+    ledger::GpuTable after;
+  };
+  std::vector<Plan> plans;
+  bool changed = false;
+  for (auto& [name, open] : ledgers_) {
+    Plan plan{&name, &open, {}, {}};
+    ledger::GpuTable in_force;
+    const bool readable = ledger::read_gpu_table(open.ledger, &in_force);
+    ledger::latest_gpu_table(open.ledger, &plan.before);
+    std::string error;
+    if (!plan_policy(plan.before, open.configured ? config.find_tenant(name) : nullptr, config, &plan.after, &error))
+      log_->error("{}", error);
+    // A tenant whose readers see no copy of the generation in force (a new
+    // one, or after the node file was recreated) needs one as well.
+    changed |= !readable || !std::equal(std::begin(in_force.gpus), std::end(in_force.gpus), std::begin(plan.after.gpus));
+    plans.push_back(std::move(plan));
+  }
+  if (!changed) return;
+  uint64_t next = node_->committed.load(std::memory_order_acquire) + 1;
+  for (const Plan& plan : plans) next = ledger::next_generation(next, plan.open->ledger);
+  for (Plan& plan : plans) {
+    GpuPolicy* gpus = ledger::begin_policy_copy(plan.open->ledger, next);
+    for (uint32_t g = 0; g < kMaxGpus; ++g) ledger::store_gpu_entry(gpus[g], plan.after.gpus[g]);
+    ledger::end_policy_copy(plan.open->ledger, next);
+  }
+  // The commit point: before this store every tenant reads the old copies,
+  // after it every tenant the new ones.
+  ledger::commit_generation(*node_, next);
+  for (const Plan& plan : plans) {
+    const Tenant* tenant = plan.open->configured ? config.find_tenant(*plan.name) : nullptr;
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      const ledger::GpuEntry& before = plan.before.gpus[g];
+      const ledger::GpuEntry& after = plan.after.gpus[g];
+      if (before == after) continue;
+      if (after.state == ledger::kGpuRevoked && before.state == ledger::kGpuGranted) {
+        log_->info("tenant \"{}\": revoked GPU {}", *plan.name, format_gpu_uuid(after.uuid));
+        continue;
+      }
+      for (const Grant& grant : tenant != nullptr ? tenant->grants : std::vector<Grant>{})
+        if (memcmp(config.gpus[grant.gpu].uuid_bytes.data(), after.uuid, sizeof after.uuid) == 0)
+          log_->info("tenant \"{}\": granted {}", *plan.name, describe_grant(config, grant));
+    }
+  }
+  log_->info("policy generation {} committed on {} tenant ledger(s)", next, plans.size());
 }
 
 Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
@@ -465,16 +586,10 @@ Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
 // tenant's processes reach it only through their own directory.
 void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry) {
   const std::string link = fmt::format("{}/{}{}", open.dir, kGpuTimeLinkPrefix, entry);
-  struct stat by_link {}, target {};
-  if (stat(link.c_str(), &by_link) == 0 && fstat(arbiter.arbiter.fd, &target) == 0 && by_link.st_ino == target.st_ino &&
-      by_link.st_dev == target.st_dev)
-    return;
-  const std::string tmp = link + ".tmp";
-  unlink(tmp.c_str());
-  if (::link(arbiter.path.c_str(), tmp.c_str()) != 0 || rename(tmp.c_str(), link.c_str()) != 0) {
+  if (same_file(link, arbiter.arbiter.fd)) return;
+  if (!link_into_place(arbiter.path, arbiter.arbiter.fd, link)) {
     log_->error("tenant \"{}\": cannot link {} to {}: {}; its GPU time there is not shared", tenant, link,
                 arbiter.path, strerror(errno));
-    unlink(tmp.c_str());
     return;
   }
   log_->debug("tenant \"{}\": {} -> {}", tenant, link, arbiter.path);
@@ -505,7 +620,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
         changed |= store_if_changed(t.limit_ppm, grant.limit_ppm);
         changed |= store_if_changed(t.state, uint32_t{gputime::kTenantActive});
         if (auto it = ledgers_.find(tenant.name); it != ledgers_.end()) {
-          const int entry = ledger::find_gpu(*it->second.ledger.policy, gpu.uuid_bytes.data());
+          const int entry = ledger::find_gpu(it->second.ledger, gpu.uuid_bytes.data());
           if (entry >= 0) link_arbiter(tenant.name, it->second, *arbiter, entry);
         }
       }
@@ -675,34 +790,39 @@ void Daemon::check_gpus(uint64_t now) {
 void Daemon::apply_unavailable() {
   if (health_ == nullptr || !config_) return;
   const bool deny = config_->daemon.audit_action == AuditAction::kDeny;
+  // Marks change outside reloads: both copies get them, so whichever is in
+  // force now or after the next commit carries them. Logged for the copy in
+  // force only.
+  const uint64_t in_force = node_->committed.load(std::memory_order_acquire) & 1;
   for (auto& [name, open] : ledgers_) {
-    ledger::PolicySegment& policy = *open.ledger.policy;
-    for (uint32_t g = 0; g < kMaxGpus; ++g) {
-      GpuPolicy& e = policy.gpus[g];
-      if (e.state.load(std::memory_order_acquire) == ledger::kGpuUnused) continue;
-      const std::string uuid = format_gpu_uuid(e.uuid);
-      uint32_t reason = ledger::kGpuAvailable, detail = 0;
-      if (const GpuHealth* h = health_->find(uuid); h != nullptr && !h->healthy) {
-        reason = h->reason;
-        detail = h->detail;
-      } else if (deny && auditor_ != nullptr) {
-        for (const AuditFinding& f : auditor_->findings()) {
-          if (f.tenant != name || f.gpu_uuid != uuid) continue;
-          reason = ledger::kGpuBypassDenied;
-          detail = static_cast<uint32_t>(f.pid);
+    for (uint32_t c = 0; c < 2; ++c) {
+      for (GpuPolicy& e : open.ledger.policy->copies[c].gpus) {
+        if (e.state.load(std::memory_order_acquire) == ledger::kGpuUnused) continue;
+        const std::string uuid = format_gpu_uuid(e.uuid);
+        uint32_t reason = ledger::kGpuAvailable, detail = 0;
+        if (const GpuHealth* h = health_->find(uuid); h != nullptr && !h->healthy) {
+          reason = h->reason;
+          detail = h->detail;
+        } else if (deny && auditor_ != nullptr) {
+          for (const AuditFinding& f : auditor_->findings()) {
+            if (f.tenant != name || f.gpu_uuid != uuid) continue;
+            reason = ledger::kGpuBypassDenied;
+            detail = static_cast<uint32_t>(f.pid);
+          }
         }
+        const uint32_t before = e.unavailable.load(std::memory_order_relaxed);
+        if (before == reason && e.unavailable_detail.load(std::memory_order_relaxed) == detail) continue;
+        // Detail first, reason last (release): a reader that sees the reason sees its detail.
+        e.unavailable_detail.store(detail, std::memory_order_relaxed);
+        e.unavailable.store(reason, std::memory_order_release);
+        // Health changes are logged once per GPU by the probe; a denial is per tenant.
+        if (c != in_force) continue;
+        if (reason == ledger::kGpuBypassDenied)
+          log_->warn("audit: tenant \"{}\": new processes on GPU {} are refused (process {} uses it uncharged)", name,
+                     uuid, detail);
+        else if (before == ledger::kGpuBypassDenied)
+          log_->info("audit: tenant \"{}\": GPU {} accepts new processes again", name, uuid);
       }
-      const uint32_t before = e.unavailable.load(std::memory_order_relaxed);
-      if (before == reason && e.unavailable_detail.load(std::memory_order_relaxed) == detail) continue;
-      // Detail first, reason last (release): a reader that sees the reason sees its detail.
-      e.unavailable_detail.store(detail, std::memory_order_relaxed);
-      e.unavailable.store(reason, std::memory_order_release);
-      // Health changes are logged once per GPU by the probe; a denial is per tenant.
-      if (reason == ledger::kGpuBypassDenied)
-        log_->warn("audit: tenant \"{}\": new processes on GPU {} are refused (process {} uses it uncharged)", name,
-                   uuid, detail);
-      else if (before == ledger::kGpuBypassDenied)
-        log_->info("audit: tenant \"{}\": GPU {} accepts new processes again", name, uuid);
     }
   }
 }

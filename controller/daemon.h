@@ -5,8 +5,8 @@
 // Life of the daemon:
 //   start()  discover GPUs, load + validate the config (nothing is touched
 //            if it is invalid), lock the run dir (run_dir_lock.h) and the
-//            pid file, create or re-adopt every
-//            tenant's ledger and write its policy;
+//            pid file, create or re-adopt every tenant's ledger and commit
+//            every tenant's policy at once (commit_policies);
 //            and each GPU's time arbiter (tenant shares and limits);
 //   run()    every reap_interval: reclaim dead slots and arbiter entries,
 //            compute achieved GPU-time shares, heartbeat; SIGHUP
@@ -14,6 +14,8 @@
 //            no work ever runs in a signal handler.
 // Everything the daemon writes is a single atomic store into a mapped file,
 // so a SIGKILL at any point leaves valid ledgers; the next start re-adopts them.
+// Policy changes, across all tenants, take effect at one store (the node
+// file's generation): a SIGKILL during a reload leaves the old policy set.
 #pragma once
 
 #include <array>
@@ -60,15 +62,15 @@ struct DaemonOptions {
 std::shared_ptr<spdlog::logger> make_daemon_logger();
 void set_log_level(spdlog::logger& log, LogLevel level);
 
-// Writes `tenant`'s grants into a mapped policy: binds each GPU, stores its
-// limits, marks it granted; every other granted entry becomes revoked
-// (`tenant` == nullptr revokes all). Quotas change in place, one atomic store
-// each; usage is never touched, so a quota below current use only refuses new
-// charges. Bumps the generation iff something changed. Returns false (with
-// *error) if the policy has no free GPU entry left for a grant; the other
-// grants are still written.
-bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const NodeConfig& config, spdlog::logger& log,
-                  std::string* error);
+// The GPU table `tenant` must have, from `current` (its latest table): each
+// grant bound (an entry appended if needed), its limits filled, granted; every
+// other granted entry revoked (`tenant` == nullptr revokes all). Bindings and
+// unavailable marks are kept. Usage is never touched, so a quota below current
+// use only refuses new charges. Returns false (with *error) if no free GPU
+// entry is left for a grant; the other grants are still planned. The daemon
+// writes the plans of all tenants and commits them at once (Daemon::apply).
+bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const NodeConfig& config,
+                 ledger::GpuTable* out, std::string* error);
 
 // Blocks the signals fracgpud handles (SIGHUP, SIGTERM, SIGINT) in the calling
 // thread; call first thing in main(), before any thread exists, so that they
@@ -118,6 +120,14 @@ class Daemon {
   bool lock_run_dir();
   bool lock_pid_file();
   void apply(const NodeConfig& config);
+  // Every open ledger's policy for `config`, committed at once: each tenant's
+  // copy not in force is written, then one store into <run_dir>/node makes
+  // them all current (ledger_layout.h). Nothing is written if no tenant's
+  // committed table would change.
+  void commit_policies(const NodeConfig& config);
+  bool open_node_file();
+  // <dir>/node must be the run dir's node file itself (a hard link).
+  bool link_node(const std::string& tenant, const std::string& dir);
   OpenLedger* adopt(const std::string& name, bool create);
   void reap(const std::string& name, OpenLedger& open);
   void close_all();
@@ -150,6 +160,8 @@ class Daemon {
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
   RunDirLock run_dir_lock_;  // held from before the first write to the run dir until the daemon ends
   int pid_fd_ = -1;
+  ledger::NodeSegment* node_ = nullptr;  // <run_dir>/node: the committed generation of policy
+  int node_fd_ = -1;
   MetricsServer metrics_;
   std::unique_ptr<Nvml> nvml_;
   std::unique_ptr<HealthMonitor> health_;

@@ -284,9 +284,11 @@ class NvmlDaemonTest : public ::testing::Test {
     if (ledger::open_ledger((run_dir_ + "/tenants/alice").c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
                             sizeof err) != ledger::LedgerError::kOk)
       return {UINT32_MAX, 0};
-    const int e = ledger::find_gpu(*l.policy, controller::parse_gpu_uuid(kUuid)->data());
+    ledger::GpuTable table;
+    ledger::read_gpu_table(l, &table);
+    const int e = ledger::find_gpu(table, controller::parse_gpu_uuid(kUuid)->data());
     std::pair<uint32_t, uint32_t> mark{UINT32_MAX, 0};
-    if (e >= 0) mark = {l.policy->gpus[e].unavailable.load(), l.policy->gpus[e].unavailable_detail.load()};
+    if (e >= 0) mark = {table.gpus[e].unavailable, table.gpus[e].unavailable_detail};
     ledger::close_ledger(&l);
     return mark;
   }

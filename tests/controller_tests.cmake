@@ -95,3 +95,13 @@ target_link_libraries(config_fuzz_test_asan PRIVATE fracgpu_controller GTest::gt
 add_test(NAME config_fuzz_test_asan COMMAND config_fuzz_test_asan)
 set_tests_properties(config_fuzz_test_asan PROPERTIES TIMEOUT 300
                      ENVIRONMENT "ASAN_OPTIONS=detect_leaks=1;UBSAN_OPTIONS=print_stacktrace=1")
+
+# fracgpud SIGKILLed at random instants of 100 reloads and starts: every
+# tenant sees the whole old policy or the whole new one (about 20 s).
+add_executable(reload_kill_test reload_kill_test.cpp)
+target_link_libraries(reload_kill_test PRIVATE fracgpu_controller GTest::gtest_main)
+target_compile_definitions(reload_kill_test PRIVATE
+  FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+  SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
+add_dependencies(reload_kill_test fracgpud simcuda)
+gtest_discover_tests(reload_kill_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 180)
