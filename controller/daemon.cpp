@@ -360,31 +360,10 @@ bool Daemon::lock_pid_file() {
 
 // The generation of policy in force, for the whole node (ledger_layout.h).
 // A node file of another layout, or another program's, is not ours to fix.
-// If <run_dir>/node is gone but a tenant directory still links the node file
-// (someone removed it), that file is put back: processes already running map
-// it, and a new one would never reach them.
+// A missing one is created at generation 0; the first commit then goes above
+// every stamp the policies hold (ledger::next_generation). It is never taken
+// from a tenant directory: a container may be able to write there.
 bool Daemon::open_node_file() {
-  const fs::path path = fs::path(config_->daemon.run_dir) / ledger::kNodeFileName;
-  std::error_code ec;
-  if (!fs::exists(path, ec)) {
-    for (const auto& entry : fs::directory_iterator(fs::path(config_->daemon.run_dir) / kTenantsDirName, ec)) {
-      const fs::path link = entry.path() / ledger::kNodeFileName;
-      ledger::SegmentHeader header{};
-      const int fd = ::open(link.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-      struct stat st {};
-      const bool node_file = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-                             st.st_size == static_cast<off_t>(sizeof(ledger::NodeSegment)) &&
-                             pread(fd, &header, sizeof header, 0) == static_cast<ssize_t>(sizeof header) &&
-                             header.magic == ledger::kNodeMagic &&
-                             ledger::check_header(header, ledger::kNodeMagic, sizeof(ledger::NodeSegment)) ==
-                                 ledger::LedgerError::kOk;
-      if (fd >= 0) ::close(fd);
-      if (node_file && ::link(link.c_str(), path.c_str()) == 0) {
-        log_->warn("{} was missing: restored from {}", path.string(), link.string());
-        break;
-      }
-    }
-  }
   char err[512] = {};
   const ledger::LedgerError rc = ledger::open_node(config_->daemon.run_dir.c_str(), &node_, &node_fd_, err, sizeof err);
   if (rc != ledger::LedgerError::kOk) {
@@ -529,7 +508,8 @@ void Daemon::commit_policies(const NodeConfig& config) {
     plans.push_back(std::move(plan));
   }
   if (!changed) return;
-  uint64_t next = node_->committed.load(std::memory_order_acquire) + 1;
+  const uint64_t previous = node_->committed.load(std::memory_order_acquire);
+  uint64_t next = previous + 1;
   for (const Plan& plan : plans) next = ledger::next_generation(next, plan.open->ledger);
   for (Plan& plan : plans) {
     GpuPolicy* gpus = ledger::begin_policy_copy(plan.open->ledger, next);
@@ -539,6 +519,7 @@ void Daemon::commit_policies(const NodeConfig& config) {
   // The commit point: before this store every tenant reads the old copies,
   // after it every tenant the new ones.
   ledger::commit_generation(*node_, next);
+  for (Plan& plan : plans) ledger::retire_policy_copy(plan.open->ledger, previous);
   for (const Plan& plan : plans) {
     const Tenant* tenant = plan.open->configured ? config.find_tenant(*plan.name) : nullptr;
     for (uint32_t g = 0; g < kMaxGpus; ++g) {

@@ -394,8 +394,8 @@ bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64
   uint32_t state = ledger::kGpuUnused;
   uint64_t quota = 0;
   if (!ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
-        state = e.state.load(std::memory_order_relaxed);
-        quota = e.memory_quota.load(std::memory_order_relaxed);
+        state = e.state.load(std::memory_order_acquire);
+        quota = e.memory_quota.load(std::memory_order_acquire);
       }))
     state = ledger::kGpuUnused;
   if (state != ledger::kGpuGranted) {

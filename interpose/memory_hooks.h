@@ -160,7 +160,7 @@ CUresult mem_alloc_managed(CUdeviceptr* dptr, size_t bytes, unsigned int flags) 
   if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0) return FRACGPU_PASS(id, dptr, bytes, flags);
   uint32_t policy_flags = 0;
   if (gpu >= 0 && ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
-        policy_flags = e.flags.load(std::memory_order_relaxed);
+        policy_flags = e.flags.load(std::memory_order_acquire);
       }) && !(policy_flags & ledger::kCountManagedMemory))
     return FRACGPU_PASS(id, dptr, bytes, flags);
   if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;

@@ -348,27 +348,28 @@ void close_ledger(TenantLedger* ledger) {
 namespace {
 
 // The UUID's bytes are plain data in a copy the daemon may be rewriting: each
-// byte is read and written with a relaxed atomic access, and the stamp check
-// decides whether what was read counts.
+// byte is read and written with an atomic access (acquire and release, as
+// every field: see still_committed), and the stamp check decides whether
+// what was read counts.
 void load_uuid(const GpuPolicy& entry, uint8_t out[16]) {
   for (int i = 0; i < 16; ++i) out[i] = __atomic_load_n(&entry.uuid[i], __ATOMIC_RELAXED);
 }
 
 void store_uuid(GpuPolicy& entry, const uint8_t uuid[16]) {
-  for (int i = 0; i < 16; ++i) __atomic_store_n(&entry.uuid[i], uuid[i], __ATOMIC_RELAXED);
+  for (int i = 0; i < 16; ++i) __atomic_store_n(&entry.uuid[i], uuid[i], __ATOMIC_RELEASE);
 }
 
 GpuEntry load_entry(const GpuPolicy& e) {
   GpuEntry v;
-  v.state = e.state.load(std::memory_order_relaxed);
-  v.flags = e.flags.load(std::memory_order_relaxed);
+  v.state = e.state.load(std::memory_order_acquire);
+  v.flags = e.flags.load(std::memory_order_acquire);
   load_uuid(e, v.uuid);
-  v.memory_quota = e.memory_quota.load(std::memory_order_relaxed);
-  v.context_memory = e.context_memory.load(std::memory_order_relaxed);
-  v.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
-  v.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
-  v.unavailable = e.unavailable.load(std::memory_order_relaxed);
-  v.unavailable_detail = e.unavailable_detail.load(std::memory_order_relaxed);
+  v.memory_quota = e.memory_quota.load(std::memory_order_acquire);
+  v.context_memory = e.context_memory.load(std::memory_order_acquire);
+  v.share_ppm = e.share_ppm.load(std::memory_order_acquire);
+  v.limit_ppm = e.limit_ppm.load(std::memory_order_acquire);
+  v.unavailable = e.unavailable.load(std::memory_order_acquire);
+  v.unavailable_detail = e.unavailable_detail.load(std::memory_order_acquire);
   return v;
 }
 
@@ -422,7 +423,7 @@ void latest_gpu_table(const TenantLedger& ledger, GpuTable* out) {
   const PolicyCopy* best = nullptr;
   for (const PolicyCopy& copy : ledger.policy->copies) {
     const uint64_t stamp = copy.stamp.load(std::memory_order_acquire);
-    if (stamp != kStampWriting && (best == nullptr || stamp > best->stamp.load(std::memory_order_relaxed))) best = &copy;
+    if (stamp < kStampRetired && (best == nullptr || stamp > best->stamp.load(std::memory_order_relaxed))) best = &copy;
   }
   *out = GpuTable{};
   if (best != nullptr) load_copy(best->gpus, out);
@@ -432,7 +433,7 @@ void latest_gpu_table(const TenantLedger& ledger, GpuTable* out) {
 uint64_t next_generation(uint64_t candidate, const TenantLedger& ledger) {
   for (const PolicyCopy& copy : ledger.policy->copies) {
     const uint64_t stamp = copy.stamp.load(std::memory_order_acquire);
-    if (stamp == kStampWriting) continue;
+    if (stamp >= kStampRetired) continue;
     while (candidate <= stamp) candidate += 2;  // keeps the parity
   }
   return candidate;
@@ -442,10 +443,9 @@ GpuPolicy* begin_policy_copy(TenantLedger& ledger, uint64_t next) {
   GpuTable from;
   latest_gpu_table(ledger, &from);
   PolicyCopy& copy = ledger.policy->copies[next & 1];
-  // The mark first, then the entries (seqlock): a reader whose loads see any
-  // entry store below also sees the mark when it checks the stamp.
+  // The mark first, then the entries with release stores (seqlock): a reader
+  // whose acquire load sees any of them also sees the mark when it checks.
   copy.stamp.store(kStampWriting, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
   for (uint32_t g = 0; g < kMaxGpus; ++g) store_gpu_entry(copy.gpus[g], from.gpus[g]);
   return copy.gpus;
 }
@@ -456,17 +456,22 @@ void end_policy_copy(TenantLedger& ledger, uint64_t next) {
 
 void commit_generation(NodeSegment& node, uint64_t next) { node.committed.store(next, std::memory_order_release); }
 
+void retire_policy_copy(TenantLedger& ledger, uint64_t previous) {
+  std::atomic<uint64_t>& stamp = ledger.policy->copies[previous & 1].stamp;
+  if (stamp.load(std::memory_order_relaxed) == previous) stamp.store(kStampRetired, std::memory_order_release);
+}
+
 void store_gpu_entry(GpuPolicy& entry, const GpuEntry& value) {
   uint8_t bound[16];
   load_uuid(entry, bound);
   if (memcmp(bound, value.uuid, 16) != 0) store_uuid(entry, value.uuid);
-  entry.flags.store(value.flags, std::memory_order_relaxed);
-  entry.memory_quota.store(value.memory_quota, std::memory_order_relaxed);
-  entry.context_memory.store(value.context_memory, std::memory_order_relaxed);
-  entry.share_ppm.store(value.share_ppm, std::memory_order_relaxed);
-  entry.limit_ppm.store(value.limit_ppm, std::memory_order_relaxed);
-  entry.unavailable_detail.store(value.unavailable_detail, std::memory_order_relaxed);
-  entry.unavailable.store(value.unavailable, std::memory_order_relaxed);
+  entry.flags.store(value.flags, std::memory_order_release);
+  entry.memory_quota.store(value.memory_quota, std::memory_order_release);
+  entry.context_memory.store(value.context_memory, std::memory_order_release);
+  entry.share_ppm.store(value.share_ppm, std::memory_order_release);
+  entry.limit_ppm.store(value.limit_ppm, std::memory_order_release);
+  entry.unavailable_detail.store(value.unavailable_detail, std::memory_order_release);
+  entry.unavailable.store(value.unavailable, std::memory_order_release);
   entry.state.store(value.state, std::memory_order_release);
 }
 
@@ -527,8 +532,8 @@ bool try_charge(const TenantLedger& ledger, uint32_t gpu, uint32_t slot, uint64_
     // is never half-seen. (A copy stamped otherwise than the committed
     // generation grants nothing: after the retries, refused.)
     const CommittedGpus table = committed_gpus(ledger);
-    const uint32_t state = table.gpus[gpu].state.load(std::memory_order_relaxed);
-    const uint64_t quota = table.gpus[gpu].memory_quota.load(std::memory_order_relaxed);
+    const uint32_t state = table.gpus[gpu].state.load(std::memory_order_acquire);
+    const uint64_t quota = table.gpus[gpu].memory_quota.load(std::memory_order_acquire);
     if (!still_committed(table)) continue;
     if (state != kGpuGranted) return false;
     if (quota == kUnlimited) {

@@ -104,8 +104,8 @@ LedgerError map_shared_file(const char* path, bool writable, mode_t create_mode,
 // A tenant's GPU table in force is the copy of its policy stamped with the
 // generation its node file has committed (ledger_layout.h). Readers in the
 // hot path use committed_gpus() + still_committed() around the fields they
-// need (one acquire load, then an acquire fence and one relaxed load); every
-// other reader takes a whole consistent snapshot with read_gpu_table().
+// need (one acquire load before, one relaxed load after); every other reader
+// takes a whole consistent snapshot with read_gpu_table().
 
 struct CommittedGpus {
   const GpuPolicy* gpus;  // kMaxGpus entries: the copy of `generation`, if stamped so
@@ -119,12 +119,15 @@ inline CommittedGpus committed_gpus(const TenantLedger& ledger) {
   return {copy.gpus, generation, &copy.stamp};
 }
 
-// After reading fields of `table.gpus`: true if they all came from the copy of
-// table.generation, whole. False if that copy is stamped with another
-// generation (it grants nothing) or was rewritten while it was read (the
-// reader fell a commit behind the daemon): read again from committed_gpus().
+// After reading fields of `table.gpus` with acquire loads: true if they all
+// came from the copy of table.generation, whole. False if that copy is
+// stamped with another generation (it grants nothing) or was rewritten while
+// it was read (the reader fell a commit behind the daemon): read again from
+// committed_gpus(). Why acquire loads (free on x86): the daemon marks a copy
+// before it stores into it with release stores, so a reader whose acquire
+// load saw one of those stores sees the mark here; and no load can move
+// after this one (a seqlock without fences, which ThreadSanitizer follows).
 inline bool still_committed(const CommittedGpus& table) {
-  std::atomic_thread_fence(std::memory_order_acquire);
   return table.stamp->load(std::memory_order_relaxed) == table.generation;
 }
 
@@ -134,7 +137,7 @@ inline bool still_committed(const CommittedGpus& table) {
 // a single read.
 inline constexpr int kPolicyReadAttempts = 4;
 
-// Calls read(entry) (relaxed loads of the fields it needs) on entry `gpu` of
+// Calls read(entry) (acquire loads of the fields it needs) on entry `gpu` of
 // the committed table until one call's loads all came from one copy whole.
 // False when none did (no copy of the committed generation): then what read
 // saw must be dropped and the entry taken as not granted.
@@ -193,6 +196,7 @@ bool parse_gpu_uuid_text(std::string_view text, uint8_t out[16]);
 //   for every tenant: gpus = begin_policy_copy(ledger, next); edit gpus;
 //                     end_policy_copy(ledger, next);
 //   commit_generation(node, next);        <- the commit point, one store
+//   for every tenant: retire_policy_copy(ledger, committed);
 // Until the commit, readers see generation `committed` on every tenant; after
 // it, `next` on every tenant. A tenant whose copy was not written for `next`
 // grants nothing after the commit, so every open ledger must be written.
@@ -212,8 +216,13 @@ GpuPolicy* begin_policy_copy(TenantLedger& ledger, uint64_t next);
 void end_policy_copy(TenantLedger& ledger, uint64_t next);
 // The commit point: every tenant's policy is read at `next` from this store on.
 void commit_generation(NodeSegment& node, uint64_t next);
+// After the commit: the copy of `previous` (the generation in force before
+// it) is stamped kStampRetired, so that nothing can read it as complete any
+// more. A reader still in it finds the stamp changed and reads `next`.
+void retire_policy_copy(TenantLedger& ledger, uint64_t previous);
 
-// Writes every field of an entry of a copy being written (the state last).
+// Writes every field of an entry of a copy being written (release stores, the
+// state last).
 void store_gpu_entry(GpuPolicy& entry, const GpuEntry& value);
 
 // The entry for this UUID in a table being written, appending one if

@@ -92,11 +92,15 @@ class PolicyCommit : public ::testing::Test {
   }
 
   // Writes `policy` into every tenant's copy for the next generation; with
-  // commit, commits it. `step` is called after every store-level step (the
-  // mark, each entry, the stamp, the commit) with its number.
+  // commit, commits it and retires the old copies. `step` is called after
+  // every store-level step (the mark, each entry, the stamp; the commit; each
+  // retirement) with its number.
+  static constexpr int kCommitStep = kTenants * (kEntries + 2);
+  static constexpr int kSteps = kCommitStep + 1 + kTenants;
   template <typename Step>
   uint64_t change(uint64_t policy, bool commit, Step&& step) {
-    uint64_t next = node_->committed.load() + 1;
+    const uint64_t previous = node_->committed.load();
+    uint64_t next = previous + 1;
     for (TenantLedger& l : daemon_) next = next_generation(next, l);
     int n = 0;
     for (int t = 0; t < kTenants; ++t) {
@@ -112,6 +116,10 @@ class PolicyCommit : public ::testing::Test {
     if (commit) {
       commit_generation(*node_, next);
       step(n++);
+      for (TenantLedger& l : daemon_) {
+        retire_policy_copy(l, previous);
+        step(n++);
+      }
     }
     return next;
   }
@@ -185,9 +193,8 @@ TEST_F(PolicyCommit, ATenantWithoutACopyOfTheCommittedGenerationGetsNothing) {
 TEST_F(PolicyCommit, KilledAtAnyStepTheWriterLeavesTheOldPolicyOrTheNewEverywhere) {
   constexpr uint64_t before = 1, after = 2;
   change(before);
-  const int steps = kTenants * (kEntries + 2) + 1;  // per tenant: mark, entries, stamp; then the commit
   int old_seen = 0, new_seen = 0;
-  for (int kill_after = -1; kill_after < steps; ++kill_after) {
+  for (int kill_after = -1; kill_after < kSteps; ++kill_after) {
     ASSERT_EQ(seen_everywhere(), static_cast<int64_t>(before));
     const pid_t writer = fork();
     if (writer == 0) {
@@ -201,8 +208,8 @@ TEST_F(PolicyCommit, KilledAtAnyStepTheWriterLeavesTheOldPolicyOrTheNewEverywher
     ASSERT_EQ(waitpid(writer, &status, 0), writer);
     ASSERT_TRUE(WIFSIGNALED(status)) << "step " << kill_after;
     const int64_t seen = seen_everywhere();
-    if (kill_after == steps - 1) EXPECT_EQ(seen, static_cast<int64_t>(after)) << "killed right after the commit";
-    else EXPECT_EQ(seen, static_cast<int64_t>(before)) << "killed after step " << kill_after << " of " << steps;
+    if (kill_after >= kCommitStep) EXPECT_EQ(seen, static_cast<int64_t>(after)) << "killed after step " << kill_after;
+    else EXPECT_EQ(seen, static_cast<int64_t>(before)) << "killed after step " << kill_after << " of " << kSteps;
     (seen == static_cast<int64_t>(before) ? old_seen : new_seen) += 1;
     // The next daemon starts over from what it finds, and then commits; and
     // the next round starts from the old policy again.
@@ -210,8 +217,26 @@ TEST_F(PolicyCommit, KilledAtAnyStepTheWriterLeavesTheOldPolicyOrTheNewEverywher
     ASSERT_EQ(seen_everywhere(), static_cast<int64_t>(after));
     change(before);
   }
-  EXPECT_EQ(old_seen, steps);  // killed before any step, and after each step but the commit
-  EXPECT_EQ(new_seen, 1);
+  EXPECT_EQ(old_seen, kCommitStep + 1);  // killed before any step, and after each step before the commit
+  EXPECT_EQ(new_seen, 1 + kTenants);     // after the commit, and after each retirement
+}
+
+TEST_F(PolicyCommit, NoNodeFileCanPointATenantBackAtAnOlderPolicy) {
+  change(1);
+  const uint64_t first = node_->committed.load();
+  change(2);
+  EXPECT_EQ(seen_everywhere(), 2);
+  // A node file saying `first` (a stale one, or one written by someone who
+  // should not): the copy of `first` was retired at the commit, so it grants
+  // nothing rather than the older, perhaps larger, quotas.
+  node_->committed.store(first);
+  EXPECT_EQ(seen_everywhere(), 0);
+  ProcessIdentity self{};
+  ASSERT_TRUE(read_self_identity(&self));
+  const int slot = claim_slot(tenant_[0], self, nullptr);
+  ASSERT_GE(slot, 0);
+  EXPECT_FALSE(try_charge(tenant_[0], 0, static_cast<uint32_t>(slot), 1));
+  release_slot(tenant_[0], static_cast<uint32_t>(slot));
 }
 
 // A writer rewrites copies as fast as it can while readers read: every table
@@ -236,8 +261,8 @@ TEST_F(PolicyCommit, ConcurrentReadersNeverAcceptAHalfRewrittenCopy) {
         }
         // The hot path's two fields, as try_charge reads them.
         const CommittedGpus c = committed_gpus(tenant_[t]);
-        const uint64_t quota = c.gpus[1].memory_quota.load(std::memory_order_relaxed);
-        const uint64_t context = c.gpus[1].context_memory.load(std::memory_order_relaxed);
+        const uint64_t quota = c.gpus[1].memory_quota.load(std::memory_order_acquire);
+        const uint64_t context = c.gpus[1].context_memory.load(std::memory_order_acquire);
         if (still_committed(c) && context != (quota >> 20) * 7 + 1) mixed.fetch_add(1);
       }
     });

@@ -16,12 +16,13 @@ namespace fracgpu::testing {
 // change it, and commits it. Returns the generation committed.
 template <typename Edit>
 uint64_t publish_policy(ledger::TenantLedger& daemon, Edit&& edit) {
-  const uint64_t next =
-      ledger::next_generation(daemon.node->committed.load(std::memory_order_acquire) + 1, daemon);
+  const uint64_t previous = daemon.node->committed.load(std::memory_order_acquire);
+  const uint64_t next = ledger::next_generation(previous + 1, daemon);
   ledger::GpuPolicy* gpus = ledger::begin_policy_copy(daemon, next);
   edit(gpus);
   ledger::end_policy_copy(daemon, next);
   ledger::commit_generation(*daemon.node, next);
+  ledger::retire_policy_copy(daemon, previous);
   return next;
 }
 

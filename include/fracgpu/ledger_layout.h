@@ -113,7 +113,9 @@ static_assert(offsetof(GpuPolicy, share_ppm) == 40);
 // (or a start that changes policies) writes every tenant's *other* copy for
 // generation G+1, and only then stores G+1 into the node file: one store,
 // the commit point. A daemon killed at any instant before it leaves every
-// tenant at G, after it every tenant at G+1; never a mix.
+// tenant at G, after it every tenant at G+1; never a mix. Then the copies of
+// G are retired (kStampRetired): only the copy in force is ever complete
+// between changes, so no node file could point a tenant back at an older one.
 //
 // Readers (shm/ledger.h: committed_gpus, read_gpu_table) load the committed
 // generation G, read copies[G & 1], and accept what they read only if that
@@ -123,9 +125,10 @@ static_assert(offsetof(GpuPolicy, share_ppm) == 40);
 // recreated) grants nothing. Health and audit marks (`unavailable`), which
 // change outside reloads, are written into both copies.
 inline constexpr uint64_t kStampWriting = UINT64_MAX;
+inline constexpr uint64_t kStampRetired = UINT64_MAX - 1;
 
 struct alignas(64) PolicyCopy {
-  std::atomic<uint64_t> stamp;  // the generation it holds; kStampWriting while rewritten
+  std::atomic<uint64_t> stamp;  // the generation it holds; kStampWriting while rewritten, kStampRetired after
   uint64_t reserved[7];
   GpuPolicy gpus[kMaxGpus];
 };
