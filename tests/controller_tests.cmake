@@ -92,9 +92,11 @@ target_compile_options(config_fuzz_test_asan PRIVATE -fsanitize=address,undefine
                        -fno-omit-frame-pointer -O1 -g)
 target_link_options(config_fuzz_test_asan PRIVATE -fsanitize=address,undefined)
 target_link_libraries(config_fuzz_test_asan PRIVATE fracgpu_controller GTest::gtest_main Threads::Threads)
+# Leak checking is off: LeakSanitizer needs ptrace, which some CI containers
+# refuse, and what this test is after is crashes, overflows and UB.
 add_test(NAME config_fuzz_test_asan COMMAND config_fuzz_test_asan)
 set_tests_properties(config_fuzz_test_asan PROPERTIES TIMEOUT 300
-                     ENVIRONMENT "ASAN_OPTIONS=detect_leaks=1;UBSAN_OPTIONS=print_stacktrace=1")
+                     ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0;UBSAN_OPTIONS=print_stacktrace=1")
 
 # fracgpud SIGKILLed at random instants of 100 reloads and starts: every
 # tenant sees the whole old policy or the whole new one (about 20 s).
