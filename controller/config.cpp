@@ -1,18 +1,14 @@
 #include "config.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include "config_file.h"
 #include "fracgpu/ledger_layout.h"
 #include "metrics.h"
 
@@ -57,6 +53,67 @@ size_t edit_distance(std::string_view a, std::string_view b) {
     }
   }
   return row[b.size()];
+}
+
+// The most '.' one line may hold outside strings and comments. toml++ builds
+// (and frees) the tables of a dotted key or a table header recursively, one
+// level per component, and no limit of its own stops it: a key of 50,000
+// components overflowed the 8 MiB stack of fracgpud --check. Arrays and
+// inline tables it already stops at 256 levels. A real config has a dot or
+// two per line (a fraction, a dotted key); a key can only nest as deep as
+// the dots on its line, so 128 keeps any nesting a few hundred levels deep.
+constexpr size_t kMaxDotsPerLine = 128;
+
+// The first line (1-based) holding more than kMaxDotsPerLine '.' outside
+// strings and comments, or 0. Multi-line strings are followed across lines.
+int line_with_too_many_dots(std::string_view text) {
+  enum class In { kCode, kComment, kBasic, kLiteral, kMultiBasic, kMultiLiteral } in = In::kCode;
+  constexpr std::string_view kMultiBasicQuote = R"(""")";
+  constexpr std::string_view kMultiLiteralQuote = R"(''')";
+  size_t dots = 0;
+  int line = 1;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    const std::string_view rest = text.substr(i);
+    const auto opens = [&](std::string_view quote) {
+      if (!rest.starts_with(quote)) return false;
+      i += quote.size() - 1;
+      return true;
+    };
+    if (c == '\n') {
+      ++line;
+      dots = 0;
+      if (in == In::kComment || in == In::kBasic || in == In::kLiteral) in = In::kCode;  // they end with the line
+      continue;
+    }
+    switch (in) {
+      case In::kCode:
+        if (c == '#') in = In::kComment;
+        else if (opens(kMultiBasicQuote)) in = In::kMultiBasic;
+        else if (opens(kMultiLiteralQuote)) in = In::kMultiLiteral;
+        else if (c == '"') in = In::kBasic;
+        else if (c == '\'') in = In::kLiteral;
+        else if (c == '.' && ++dots > kMaxDotsPerLine) return line;
+        break;
+      case In::kBasic:
+        if (c == '\\' && i + 1 < text.size() && text[i + 1] != '\n') ++i;  // an escaped quote does not end it
+        else if (c == '"') in = In::kCode;
+        break;
+      case In::kMultiBasic:
+        if (c == '\\' && i + 1 < text.size() && text[i + 1] != '\n') ++i;
+        else if (opens(kMultiBasicQuote)) in = In::kCode;
+        break;
+      case In::kLiteral:
+        if (c == '\'') in = In::kCode;
+        break;
+      case In::kMultiLiteral:
+        if (opens(kMultiLiteralQuote)) in = In::kCode;
+        break;
+      case In::kComment:
+        break;
+    }
+  }
+  return 0;
 }
 
 bool valid_tenant_name(std::string_view name) {
@@ -175,6 +232,12 @@ class Parser {
       : source_(source), node_(node), prior_(prior) {}
 
   ConfigResult run(std::string_view text) {
+    if (const int line = line_with_too_many_dots(text); line != 0) {
+      error(line, fmt::format("more than {} '.' outside strings on one line: keys or table headers nested this deep "
+                              "are refused",
+                              kMaxDotsPerLine));
+      return finish();
+    }
     toml::table root;
     try {
       root = toml::parse(text, std::string_view(source_));
@@ -407,6 +470,7 @@ class Parser {
         error_in(where, line_of(*t->get("run_dir")), fmt::format("run_dir \"{}\" must be an absolute path", *dir));
       else
         d.run_dir = *dir;
+      d.run_dir_line = line_of(*t->get("run_dir"));
     }
     if (auto level = get_string(*t, "log_level", where)) {
       if (auto parsed = parse_log_level(*level))
@@ -971,7 +1035,11 @@ const Tenant* NodeConfig::find_tenant(std::string_view name) const {
   return nullptr;
 }
 
-std::string ConfigError::to_string() const { return fmt::format("{}:{}: {}", file, line, message); }
+std::string ConfigError::to_string() const {
+  // Line 0: about the file as a whole (it cannot be read), not a line of it.
+  if (line <= 0) return fmt::format("{}: {}", file, message);
+  return fmt::format("{}:{}: {}", file, line, message);
+}
 
 ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
                           const PriorPlacement* prior) {
@@ -979,19 +1047,14 @@ ConfigResult parse_config(std::string_view text, std::string_view source, const 
 }
 
 ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior) {
-  auto unreadable = [&](std::string why) {
+  std::string why;
+  std::optional<std::string> text = read_config_file(path, &why);
+  if (!text) {
     ConfigResult result;
     result.errors.push_back({path, 0, "cannot read the config file: " + why});
     return result;
-  };
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return unreadable("it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return unreadable(std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return unreadable(std::strerror(errno));
-  return parse_config(text.str(), path, node, prior);
+  }
+  return parse_config(*text, path, node, prior);
 }
 
 }  // namespace fracgpu::controller

@@ -49,6 +49,7 @@ inline constexpr std::string_view kDefaultMetricsAddress = "127.0.0.1:9410";
 
 struct DaemonSettings {
   std::string run_dir = "/run/fracgpu";
+  int run_dir_line = 0;  // where the config sets run_dir; 0: not set (the default)
   LogLevel log_level = LogLevel::kInfo;
   std::chrono::milliseconds reap_interval{200};
   bool allow_overcommit = false;
@@ -126,7 +127,9 @@ struct ConfigResult {
 ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
                           const PriorPlacement* prior = nullptr);
 
-// Reads and parses a file; an unreadable file is reported as an error at line 0.
+// Reads and parses a file. A file that cannot be read, is not a regular file
+// (a FIFO, a device, a directory, a symlink to one) or is larger than
+// kMaxConfigBytes is one error at line 0 naming the reason (config_file.h).
 ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node,
                          const PriorPlacement* prior = nullptr);
 

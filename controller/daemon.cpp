@@ -32,8 +32,8 @@ using ledger::kMaxGpus;
 using ledger::kMaxSlots;
 using ledger::monotonic_ns;
 
-// Stores and reports whether the value changed, so untouched policies keep
-// their generation (the interposer re-reads limits when it moves).
+// Stores and reports whether the value changed, so untouched arbiters keep
+// their generation (the pacer re-reads shares when it moves).
 template <typename T>
 bool store_if_changed(std::atomic<T>& field, T value) {
   if (field.load(std::memory_order_relaxed) == value) return false;
@@ -89,44 +89,36 @@ void set_log_level(spdlog::logger& log, LogLevel level) {
   }
 }
 
-bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const NodeConfig& config, spdlog::logger& log,
-                  std::string* error) {
-  const std::string name = tenant != nullptr ? tenant->name : stamped_name(policy);
-  bool changed = false;
+bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const NodeConfig& config,
+                 ledger::GpuTable* out, std::string* error) {
+  *out = current;
   bool ok = true;
   bool keep[kMaxGpus] = {};
   static const std::vector<Grant> kNoGrants;
   for (const Grant& grant : tenant != nullptr ? tenant->grants : kNoGrants) {
     const ManagedGpu& gpu = config.gpus[grant.gpu];
-    const int entry = ledger::bind_gpu(policy, gpu.uuid_bytes.data());
+    int entry = ledger::find_gpu(*out, gpu.uuid_bytes.data());
+    for (uint32_t g = 0; entry < 0 && g < kMaxGpus; ++g)
+      if (out->gpus[g].state == ledger::kGpuUnused) entry = static_cast<int>(g);  // appended: bound from now on
     if (entry < 0) {
       *error = fmt::format("tenant \"{}\": cannot grant GPU {} ({}): all {} GPU entries of its ledger are bound to "
                            "other GPUs",
-                           name, gpu.index, gpu.uuid, kMaxGpus);
+                           tenant->name, gpu.index, gpu.uuid, kMaxGpus);
       ok = false;
       continue;
     }
     keep[entry] = true;
-    GpuPolicy& e = policy.gpus[entry];
-    // The limits first, the state last (release): a process that sees the
-    // entry granted sees its limits.
-    bool entry_changed = store_if_changed(e.memory_quota, grant.memory_quota);
-    entry_changed |= store_if_changed(e.context_memory, gpu.context_memory);
-    entry_changed |= store_if_changed(e.flags, tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u);
-    entry_changed |= store_if_changed(e.share_ppm, grant.share_ppm);
-    entry_changed |= store_if_changed(e.limit_ppm, grant.limit_ppm);
-    entry_changed |= store_if_changed(e.state, uint32_t{ledger::kGpuGranted});
-    if (entry_changed) log.info("tenant \"{}\": granted {}", name, describe_grant(config, grant));
-    changed |= entry_changed;
+    ledger::GpuEntry& e = out->gpus[entry];
+    memcpy(e.uuid, gpu.uuid_bytes.data(), sizeof e.uuid);
+    e.memory_quota = grant.memory_quota;
+    e.context_memory = gpu.context_memory;
+    e.flags = tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u;
+    e.share_ppm = grant.share_ppm;
+    e.limit_ppm = grant.limit_ppm;
+    e.state = ledger::kGpuGranted;
   }
-  for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    GpuPolicy& e = policy.gpus[g];
-    if (keep[g] || e.state.load(std::memory_order_acquire) != ledger::kGpuGranted) continue;
-    e.state.store(ledger::kGpuRevoked, std::memory_order_release);
-    log.info("tenant \"{}\": revoked GPU {}", name, format_gpu_uuid(e.uuid));
-    changed = true;
-  }
-  if (changed) ledger::publish_policy_change(policy);
+  for (uint32_t g = 0; g < kMaxGpus; ++g)
+    if (!keep[g] && out->gpus[g].state == ledger::kGpuGranted) out->gpus[g].state = ledger::kGpuRevoked;
   return ok;
 }
 
@@ -203,6 +195,7 @@ Daemon::~Daemon() {
     ::close(pid_fd_);
   }
   if (run_.private_dir.valid()) shm::set_private_dir(-1);
+  ledger::close_node(node_, node_fd_);
 }
 
 int Daemon::start() {
@@ -226,7 +219,7 @@ int Daemon::start() {
   else
     log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
                discovery_.nvml_problem);
-  if (!prepare_run_dir() || !lock_pid_file()) return kExitCannotStart;
+  if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
   apply_metrics();
@@ -264,12 +257,13 @@ PriorPlacement Daemon::running_placement() const {
     });
     if (!running) continue;
     std::vector<PriorGrant> grants;
-    for (const GpuPolicy& e : open.ledger.policy->gpus) {
-      const uint32_t share = e.share_ppm.load(std::memory_order_relaxed);
-      if (e.state.load(std::memory_order_acquire) != ledger::kGpuGranted || share == 0) continue;
+    ledger::GpuTable table;
+    ledger::read_gpu_table(open.ledger, &table);
+    for (const ledger::GpuEntry& e : table.gpus) {
+      if (e.state != ledger::kGpuGranted || e.share_ppm == 0) continue;
       PriorGrant g;
       memcpy(g.uuid.data(), e.uuid, g.uuid.size());
-      g.share_ppm = share;
+      g.share_ppm = e.share_ppm;
       grants.push_back(g);
     }
     if (!grants.empty()) prior.emplace(name, std::move(grants));
@@ -326,9 +320,27 @@ bool Daemon::prepare_run_dir() {
   return true;
 }
 
-// One daemon per run dir: two would fight over the policies. The lock, not
-// the file's existence or content, says whether a daemon runs (the CLI probes
-// it too); the kernel drops it when the daemon dies, however it dies.
+// One daemon per run dir, before anything is written in it (run_dir_lock.h).
+// Only the run dir itself may be created first: the lock is taken on it.
+bool Daemon::lock_run_dir() {
+  std::error_code ec;
+  fs::create_directories(config_->daemon.run_dir, ec);
+  std::string error;
+  if (ec) {
+    log_->error("cannot create {}: {}", config_->daemon.run_dir, ec.message());
+    return false;
+  }
+  if (!run_dir_lock_.acquire(config_->daemon.run_dir, &error)) {
+    log_->error("{}", error);
+    return false;
+  }
+  return true;
+}
+
+// The pid file's lock is what the CLI probes to tell whether a daemon runs
+// (and which); the kernel drops it when the daemon dies, however it dies.
+// The run dir's lock, taken before, is what keeps a second daemon out even
+// when this file has been removed.
 bool Daemon::lock_pid_file() {
   const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
   char err[512] = {};
@@ -367,20 +379,65 @@ bool Daemon::lock_pid_file() {
   return true;
 }
 
+// The generation of policy in force, for the whole node (ledger_layout.h).
+// A node file of another layout, or another program's, is not ours to fix.
+// A missing one is created at generation 0; the first commit then goes above
+// every stamp the policies hold (ledger::next_generation). It is never taken
+// from a tenant directory: a container may be able to write there.
+bool Daemon::open_node_file() {
+  char err[512] = {};
+  const ledger::LedgerError rc = ledger::open_node(config_->daemon.run_dir.c_str(), &node_, &node_fd_, err, sizeof err);
+  if (rc != ledger::LedgerError::kOk) {
+    log_->error("cannot use the node file ({}): {}", ledger::ledger_error_name(rc), err);
+    return false;
+  }
+  log_->debug("node file {}/{}: generation {} in force", config_->daemon.run_dir, ledger::kNodeFileName,
+              node_->committed.load(std::memory_order_acquire));
+  return true;
+}
+
+namespace {
+
+bool same_inode(const struct stat& a, const struct stat& b) { return a.st_ino == b.st_ino && a.st_dev == b.st_dev; }
+
+// True if `name` in the directory `dir` is, itself (never through a link),
+// the file open at `fd`.
+bool names_file(int dir, const char* name, int fd) {
+  struct stat by_name {}, open_file {};
+  return fstatat(dir, name, &by_name, AT_SYMLINK_NOFOLLOW) == 0 && fstat(fd, &open_file) == 0 &&
+         same_inode(by_name, open_file);
+}
+
+}  // namespace
+
+bool Daemon::link_node(const std::string& tenant, const OpenLedger& open) {
+  if (names_file(open.dir_fd.get(), ledger::kNodeFileName, node_fd_)) return true;
+  const std::string target = (fs::path(config_->daemon.run_dir) / ledger::kNodeFileName).string();
+  // Whatever has the name is replaced by a rename, never written through or followed.
+  std::string error;
+  if (link_replacing(AT_FDCWD, target.c_str(), open.dir_fd.get(), ledger::kNodeFileName, run_.private_dir.get(),
+                     &error))
+    return true;
+  log_->error("tenant \"{}\": cannot link {}/{} to {}: {}; tenant skipped (its processes are denied GPU access)",
+              tenant, open.dir, ledger::kNodeFileName, target, error);
+  return false;
+}
+
 Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
   if (auto it = ledgers_.find(name); it != ledgers_.end()) {
     // Still the same files? Someone may have removed the directory; then a
     // fresh ledger is made (or, for a tenant no longer configured, dropped).
-    struct stat by_path {}, mapped {}, dir_by_path {}, dir_open {};
-    const std::string policy_path = it->second.dir + "/" + ledger::kPolicyFileName;
+    const OpenLedger& known = it->second;
+    struct stat dir_by_path {}, dir_open {};
+    const std::string policy_path = known.dir + "/" + ledger::kPolicyFileName;
+    const std::string node_path = known.dir + "/" + ledger::kNodeFileName;
     if (fstatat(run_.tenants.get(), name.c_str(), &dir_by_path, AT_SYMLINK_NOFOLLOW) == 0 &&
-        fstat(it->second.dir_fd.get(), &dir_open) == 0 && dir_by_path.st_ino == dir_open.st_ino &&
-        dir_by_path.st_dev == dir_open.st_dev &&
-        fstatat(it->second.dir_fd.get(), ledger::kPolicyFileName, &by_path, AT_SYMLINK_NOFOLLOW) == 0 &&
-        fstat(it->second.ledger.policy_fd, &mapped) == 0 && by_path.st_ino == mapped.st_ino &&
-        by_path.st_dev == mapped.st_dev)
+        fstat(known.dir_fd.get(), &dir_open) == 0 && same_inode(dir_by_path, dir_open) &&
+        names_file(known.dir_fd.get(), ledger::kPolicyFileName, known.ledger.policy_fd) &&
+        names_file(known.dir_fd.get(), ledger::kNodeFileName, node_fd_) && known.ledger.node_fd >= 0 &&
+        names_file(known.dir_fd.get(), ledger::kNodeFileName, known.ledger.node_fd))
       return &it->second;
-    log_->warn("tenant \"{}\": {} was replaced or removed; re-opening", name, policy_path);
+    log_->warn("tenant \"{}\": {} or {} was replaced or removed; re-opening", name, policy_path, node_path);
     ledger::close_ledger(&it->second.ledger);
     ledgers_.erase(it);
   }
@@ -406,6 +463,8 @@ Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
   struct stat policy_stat {};
   if (!create && fstatat(open.dir_fd.get(), ledger::kPolicyFileName, &policy_stat, AT_SYMLINK_NOFOLLOW) != 0)
     return nullptr;
+  // The node file goes in first: a process finding the policy finds it too.
+  if (!link_node(name, open)) return nullptr;
   const ledger::LedgerError rc = ledger::open_ledger_at(open.dir_fd.get(), dir.c_str(), ledger::AccessMode::kDaemon,
                                                         geteuid(), name.c_str(), &open.ledger, err, sizeof err);
   if (rc != ledger::LedgerError::kOk) {
@@ -435,10 +494,7 @@ void Daemon::apply(const NodeConfig& config) {
   for (const Tenant& tenant : config.tenants) {
     wanted.insert(tenant.name);
     OpenLedger* open = adopt(tenant.name, /*create=*/true);
-    if (open == nullptr) continue;
-    open->configured = true;
-    std::string error;
-    if (!write_policy(*open->ledger.policy, &tenant, config, *log_, &error)) log_->error("{}", error);
+    if (open != nullptr) open->configured = true;
   }
   // Ledgers of tenants not (or no longer) in the config, including those left
   // by an earlier run: revoke their GPUs but keep the directory and keep
@@ -453,12 +509,64 @@ void Daemon::apply(const NodeConfig& config) {
     if (wanted.contains(name)) continue;
     if (open.configured) log_->info("tenant \"{}\" is no longer configured: revoking its GPUs, keeping {}", name, open.dir);
     open.configured = false;
-    std::string error;
-    write_policy(*open.ledger.policy, nullptr, config, *log_, &error);
   }
+  commit_policies(config);
   apply_gpu_time(config);
   record_placement(config);
   apply_unavailable();
+}
+
+void Daemon::commit_policies(const NodeConfig& config) {
+  struct Plan {
+    const std::string* name;
+    OpenLedger* open;
+    ledger::GpuTable before;  // its latest table (the one in force, if readable)
+    ledger::GpuTable after;
+  };
+  std::vector<Plan> plans;
+  bool changed = false;
+  for (auto& [name, open] : ledgers_) {
+    Plan plan{&name, &open, {}, {}};
+    ledger::GpuTable in_force;
+    const bool readable = ledger::read_gpu_table(open.ledger, &in_force);
+    ledger::latest_gpu_table(open.ledger, &plan.before);
+    std::string error;
+    if (!plan_policy(plan.before, open.configured ? config.find_tenant(name) : nullptr, config, &plan.after, &error))
+      log_->error("{}", error);
+    // A tenant whose readers see no copy of the generation in force (a new
+    // one, or after the node file was recreated) needs one as well.
+    changed |= !readable || !std::equal(std::begin(in_force.gpus), std::end(in_force.gpus), std::begin(plan.after.gpus));
+    plans.push_back(std::move(plan));
+  }
+  if (!changed) return;
+  const uint64_t previous = node_->committed.load(std::memory_order_acquire);
+  uint64_t next = previous + 1;
+  for (const Plan& plan : plans) next = ledger::next_generation(next, plan.open->ledger);
+  for (Plan& plan : plans) {
+    GpuPolicy* gpus = ledger::begin_policy_copy(plan.open->ledger, next);
+    for (uint32_t g = 0; g < kMaxGpus; ++g) ledger::store_gpu_entry(gpus[g], plan.after.gpus[g]);
+    ledger::end_policy_copy(plan.open->ledger, next);
+  }
+  // The commit point: before this store every tenant reads the old copies,
+  // after it every tenant the new ones.
+  ledger::commit_generation(*node_, next);
+  for (Plan& plan : plans) ledger::retire_policy_copy(plan.open->ledger, previous);
+  for (const Plan& plan : plans) {
+    const Tenant* tenant = plan.open->configured ? config.find_tenant(*plan.name) : nullptr;
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      const ledger::GpuEntry& before = plan.before.gpus[g];
+      const ledger::GpuEntry& after = plan.after.gpus[g];
+      if (before == after) continue;
+      if (after.state == ledger::kGpuRevoked && before.state == ledger::kGpuGranted) {
+        log_->info("tenant \"{}\": revoked GPU {}", *plan.name, format_gpu_uuid(after.uuid));
+        continue;
+      }
+      for (const Grant& grant : tenant != nullptr ? tenant->grants : std::vector<Grant>{})
+        if (memcmp(config.gpus[grant.gpu].uuid_bytes.data(), after.uuid, sizeof after.uuid) == 0)
+          log_->info("tenant \"{}\": granted {}", *plan.name, describe_grant(config, grant));
+    }
+  }
+  log_->info("policy generation {} committed on {} tenant ledger(s)", next, plans.size());
 }
 
 Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
@@ -494,10 +602,7 @@ Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
 void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry) {
   const std::string name = fmt::format("{}{}", kGpuTimeLinkPrefix, entry);
   const std::string link = fmt::format("{}/{}", open.dir, name);
-  struct stat by_link {}, target {};
-  if (fstatat(open.dir_fd.get(), name.c_str(), &by_link, AT_SYMLINK_NOFOLLOW) == 0 &&
-      fstat(arbiter.arbiter.fd, &target) == 0 && by_link.st_ino == target.st_ino && by_link.st_dev == target.st_dev)
-    return;
+  if (names_file(open.dir_fd.get(), name.c_str(), arbiter.arbiter.fd)) return;
   // Whatever has the name (a link or FIFO planted there, an old arbiter's
   // link) is replaced by a rename, never written through or followed.
   std::string error;
@@ -535,7 +640,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
         changed |= store_if_changed(t.limit_ppm, grant.limit_ppm);
         changed |= store_if_changed(t.state, uint32_t{gputime::kTenantActive});
         if (auto it = ledgers_.find(tenant.name); it != ledgers_.end()) {
-          const int entry = ledger::find_gpu(*it->second.ledger.policy, gpu.uuid_bytes.data());
+          const int entry = ledger::find_gpu(it->second.ledger, gpu.uuid_bytes.data());
           if (entry >= 0) link_arbiter(tenant.name, it->second, *arbiter, entry);
         }
       }
@@ -790,34 +895,39 @@ std::vector<TenantQuota> Daemon::memory_quotas() const {
 void Daemon::apply_unavailable() {
   if (health_ == nullptr || !config_) return;
   const bool deny = config_->daemon.audit_action == AuditAction::kDeny;
+  // Marks change outside reloads: both copies get them, so whichever is in
+  // force now or after the next commit carries them. Logged for the copy in
+  // force only.
+  const uint64_t in_force = node_->committed.load(std::memory_order_acquire) & 1;
   for (auto& [name, open] : ledgers_) {
-    ledger::PolicySegment& policy = *open.ledger.policy;
-    for (uint32_t g = 0; g < kMaxGpus; ++g) {
-      GpuPolicy& e = policy.gpus[g];
-      if (e.state.load(std::memory_order_acquire) == ledger::kGpuUnused) continue;
-      const std::string uuid = format_gpu_uuid(e.uuid);
-      uint32_t reason = ledger::kGpuAvailable, detail = 0;
-      if (const GpuHealth* h = health_->find(uuid); h != nullptr && !h->healthy) {
-        reason = h->reason;
-        detail = h->detail;
-      } else if (deny && auditor_ != nullptr) {
-        for (const AuditFinding& f : auditor_->findings()) {
-          if (f.tenant != name || f.gpu_uuid != uuid) continue;
-          reason = ledger::kGpuBypassDenied;
-          detail = static_cast<uint32_t>(f.pid);
+    for (uint32_t c = 0; c < 2; ++c) {
+      for (GpuPolicy& e : open.ledger.policy->copies[c].gpus) {
+        if (e.state.load(std::memory_order_acquire) == ledger::kGpuUnused) continue;
+        const std::string uuid = format_gpu_uuid(e.uuid);
+        uint32_t reason = ledger::kGpuAvailable, detail = 0;
+        if (const GpuHealth* h = health_->find(uuid); h != nullptr && !h->healthy) {
+          reason = h->reason;
+          detail = h->detail;
+        } else if (deny && auditor_ != nullptr) {
+          for (const AuditFinding& f : auditor_->findings()) {
+            if (f.tenant != name || f.gpu_uuid != uuid) continue;
+            reason = ledger::kGpuBypassDenied;
+            detail = static_cast<uint32_t>(f.pid);
+          }
         }
+        const uint32_t before = e.unavailable.load(std::memory_order_relaxed);
+        if (before == reason && e.unavailable_detail.load(std::memory_order_relaxed) == detail) continue;
+        // Detail first, reason last (release): a reader that sees the reason sees its detail.
+        e.unavailable_detail.store(detail, std::memory_order_relaxed);
+        e.unavailable.store(reason, std::memory_order_release);
+        // Health changes are logged once per GPU by the probe; a denial is per tenant.
+        if (c != in_force) continue;
+        if (reason == ledger::kGpuBypassDenied)
+          log_->warn("audit: tenant \"{}\": new processes on GPU {} are refused (process {} uses it uncharged)", name,
+                     uuid, detail);
+        else if (before == ledger::kGpuBypassDenied)
+          log_->info("audit: tenant \"{}\": GPU {} accepts new processes again", name, uuid);
       }
-      const uint32_t before = e.unavailable.load(std::memory_order_relaxed);
-      if (before == reason && e.unavailable_detail.load(std::memory_order_relaxed) == detail) continue;
-      // Detail first, reason last (release): a reader that sees the reason sees its detail.
-      e.unavailable_detail.store(detail, std::memory_order_relaxed);
-      e.unavailable.store(reason, std::memory_order_release);
-      // Health changes are logged once per GPU by the probe; a denial is per tenant.
-      if (reason == ledger::kGpuBypassDenied)
-        log_->warn("audit: tenant \"{}\": new processes on GPU {} are refused (process {} uses it uncharged)", name,
-                   uuid, detail);
-      else if (before == ledger::kGpuBypassDenied)
-        log_->info("audit: tenant \"{}\": GPU {} accepts new processes again", name, uuid);
     }
   }
 }
@@ -826,7 +936,7 @@ bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
   ConfigResult result = load_placed_config();
   if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
-    result.errors.push_back({options_.config_path, 0,
+    result.errors.push_back({options_.config_path, result.config->daemon.run_dir_line,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
                                          config_->daemon.run_dir, result.config->daemon.run_dir)});
   if (!result.errors.empty()) {

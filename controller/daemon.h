@@ -4,8 +4,9 @@
 //
 // Life of the daemon:
 //   start()  discover GPUs, load + validate the config (nothing is touched
-//            if it is invalid), lock the pid file, create or re-adopt every
-//            tenant's ledger and write its policy;
+//            if it is invalid), lock the run dir (run_dir_lock.h) and the
+//            pid file, create or re-adopt every tenant's ledger and commit
+//            every tenant's policy at once (commit_policies);
 //            and each GPU's time arbiter (tenant shares and limits);
 //   run()    every reap_interval: reclaim dead slots and arbiter entries,
 //            compute achieved GPU-time shares, heartbeat; SIGHUP
@@ -13,6 +14,8 @@
 //            no work ever runs in a signal handler.
 // Everything the daemon writes is a single atomic store into a mapped file,
 // so a SIGKILL at any point leaves valid ledgers; the next start re-adopts them.
+// Policy changes, across all tenants, take effect at one store (the node
+// file's generation): a SIGKILL during a reload leaves the old policy set.
 #pragma once
 
 #include <array>
@@ -32,6 +35,7 @@
 #include "ledger.h"
 #include "metrics.h"
 #include "run_dir.h"
+#include "run_dir_lock.h"
 
 namespace fracgpu::controller {
 
@@ -39,7 +43,7 @@ namespace fracgpu::controller {
 inline constexpr int kExitOk = 0;           // clean stop, or --check found the config valid
 inline constexpr int kExitCheckFailed = 1;  // --check found the config invalid
 inline constexpr int kExitBadConfig = 2;    // start refused: invalid config, nothing changed
-inline constexpr int kExitCannotStart = 3;  // run dir, pid file (another fracgpud?) or signals failed
+inline constexpr int kExitCannotStart = 3;  // run dir (another fracgpud?), pid file or signals failed
 inline constexpr int kExitUsage = 64;       // bad command line
 inline constexpr int kExitInternal = 70;    // a bug: an unexpected exception
 
@@ -60,15 +64,15 @@ struct DaemonOptions {
 std::shared_ptr<spdlog::logger> make_daemon_logger();
 void set_log_level(spdlog::logger& log, LogLevel level);
 
-// Writes `tenant`'s grants into a mapped policy: binds each GPU, stores its
-// limits, marks it granted; every other granted entry becomes revoked
-// (`tenant` == nullptr revokes all). Quotas change in place, one atomic store
-// each; usage is never touched, so a quota below current use only refuses new
-// charges. Bumps the generation iff something changed. Returns false (with
-// *error) if the policy has no free GPU entry left for a grant; the other
-// grants are still written.
-bool write_policy(ledger::PolicySegment& policy, const Tenant* tenant, const NodeConfig& config, spdlog::logger& log,
-                  std::string* error);
+// The GPU table `tenant` must have, from `current` (its latest table): each
+// grant bound (an entry appended if needed), its limits filled, granted; every
+// other granted entry revoked (`tenant` == nullptr revokes all). Bindings and
+// unavailable marks are kept. Usage is never touched, so a quota below current
+// use only refuses new charges. Returns false (with *error) if no free GPU
+// entry is left for a grant; the other grants are still planned. The daemon
+// writes the plans of all tenants and commits them at once (Daemon::apply).
+bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const NodeConfig& config,
+                 ledger::GpuTable* out, std::string* error);
 
 // Blocks the signals fracgpud handles (SIGHUP, SIGTERM, SIGINT) in the calling
 // thread; call first thing in main(), before any thread exists, so that they
@@ -124,8 +128,17 @@ class Daemon {
   // Starts, restarts or stops the metrics endpoint to match the config.
   void apply_metrics();
   bool prepare_run_dir();
+  bool lock_run_dir();
   bool lock_pid_file();
   void apply(const NodeConfig& config);
+  // Every open ledger's policy for `config`, committed at once: each tenant's
+  // copy not in force is written, then one store into <run_dir>/node makes
+  // them all current (ledger_layout.h). Nothing is written if no tenant's
+  // committed table would change.
+  void commit_policies(const NodeConfig& config);
+  bool open_node_file();
+  // <tenant dir>/node must be the run dir's node file itself (a hard link).
+  bool link_node(const std::string& tenant, const OpenLedger& open);
   OpenLedger* adopt(const std::string& name, bool create);
   void reap(const std::string& name, OpenLedger& open);
   // Every pass, before reap: the usage file is still the one mapped and of
@@ -165,8 +178,11 @@ class Daemon {
   std::optional<NodeConfig> config_;
   std::map<std::string, OpenLedger> ledgers_;  // by tenant name
   std::map<std::string, GpuArbiter> arbiters_; // by GPU UUID text
-  DaemonRunDir run_;  // opened and checked by prepare_run_dir()
+  RunDirLock run_dir_lock_;  // held from before the first write to the run dir until the daemon ends
+  DaemonRunDir run_;         // opened and checked by prepare_run_dir()
   int pid_fd_ = -1;
+  ledger::NodeSegment* node_ = nullptr;  // <run_dir>/node: the committed generation of policy
+  int node_fd_ = -1;
   MetricsServer metrics_;
   std::unique_ptr<Nvml> nvml_;
   std::unique_ptr<HealthMonitor> health_;

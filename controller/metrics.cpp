@@ -273,6 +273,13 @@ bool MetricsServer::start(const HostPort& address, std::string run_dir, std::sha
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_UNBLOCK, &all, nullptr);
+    // Every inherited descriptor but the socket goes: a copy of the run dir's
+    // flock (run_dir_lock.h) would keep it held after the daemon dies, and
+    // the child needs none of the daemon's files. POSIX record locks (pid
+    // file, ledger slots) are the daemon's own, never inherited: closing the
+    // child's copies cannot drop them.
+    close_range(3, static_cast<unsigned>(listen_fd_) - 1, 0);
+    close_range(static_cast<unsigned>(listen_fd_) + 1, ~0u, 0);
     prctl(PR_SET_NAME, "fracgpud-metric");
     serve();
   }

@@ -6,13 +6,16 @@
 // Why a child process, not a thread: a scrape opens and closes every ledger,
 // arbiter and the pid file, and closing any descriptor of a file drops every
 // POSIX record lock the *process* holds on it. In fracgpud's own process
-// that would drop its pid-file lock (a second daemon could start) and, while
-// the reaper holds a dead slot's lock, let a new process claim the slot
-// under it. A child holds no locks, so its closes cost nothing. It also keeps
-// a slow client or a slow scrape away from the reaping loop. The child dies
-// with the daemon (PR_SET_PDEATHSIG) and shares no state with it but one
-// page: the daemon's heartbeat, for /healthz (below). Otherwise it reads the
-// run dir read-only, exactly as the CLI does.
+// that would drop its pid-file lock (`fracgpu status` would think it gone)
+// and, while the reaper holds a dead slot's lock, let a new process claim the
+// slot under it. A child holds no record locks, so its closes cost nothing.
+// It closes every descriptor it inherits but its socket at once: a flock (the
+// run dir's, run_dir_lock.h) does follow a descriptor into a child, and would
+// outlive the daemon with it. It also keeps a slow client or a slow scrape
+// away from the reaping loop. The child dies with the daemon
+// (PR_SET_PDEATHSIG) and shares no state with it but one page: the daemon's
+// heartbeat, for /healthz (below). Otherwise it reads the run dir read-only,
+// exactly as the CLI does.
 //
 // /healthz: 200 while the daemon's main loop has stored a heartbeat (every
 // tick) within the configured bound ([daemon] liveness_timeout), 503 with the

@@ -63,8 +63,8 @@ std::unique_ptr<Segment> guarded_copy(const Segment* mapped) {
 // The tenant's standing in the GPU-time arbiter the daemon linked into its
 // dir as gputime-<entry>, and its process entries there (appended to
 // *processes). No link: gpu_time stays nullopt and there is no error.
-void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, GpuEntryStatus* out,
-                   std::vector<ArbiterProcess>* processes) {
+void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, const uint8_t uuid[16],
+                   GpuEntryStatus* out, std::vector<ArbiterProcess>* processes) {
   const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
   gputime::Arbiter mapped;
   char err[512] = {};
@@ -73,7 +73,7 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
   // link, never a FIFO (shm/safe_file.h): status must not hang on what a
   // tenant may have planted there.
   const ledger::LedgerError rc =
-      gputime::open_arbiter(path.c_str(), false, true, policy.gpus[entry].uuid, &mapped, err, sizeof err);
+      gputime::open_arbiter(path.c_str(), false, true, uuid, &mapped, err, sizeof err);
   if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
     out->gpu_time_error = describe(rc, err);
@@ -169,28 +169,29 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
   }
   const ledger::PolicySegment& policy = *policy_copy;
   const ledger::UsageSegment& usage = *usage_copy;
-  t.generation = policy.generation.load(std::memory_order_acquire);
   t.heartbeat_ns = policy.daemon_heartbeat_ns.load(std::memory_order_acquire);
   t.daemon_pid = policy.daemon_pid.load(std::memory_order_acquire);
+  // The table in force, read whole: never half of a reload in progress.
+  ledger::GpuTable table;
+  ledger::read_gpu_table(l, &table);
+  t.generation = table.generation;
   std::string uuids[kMaxGpus];
   std::vector<ArbiterProcess> arbiter_processes;
   for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    const ledger::GpuPolicy& e = policy.gpus[g];
-    const uint32_t state = e.state.load(std::memory_order_acquire);
-    if (state == ledger::kGpuUnused) continue;
+    const ledger::GpuEntry& e = table.gpus[g];
+    if (e.state == ledger::kGpuUnused) continue;
     uuids[g] = format_gpu_uuid(e.uuid);
     GpuEntryStatus s;
     s.entry = g;
     s.uuid = uuids[g];
-    s.state = state == ledger::kGpuGranted ? "granted" : "revoked";
-    const uint64_t quota = e.memory_quota.load(std::memory_order_acquire);
-    if (quota != ledger::kUnlimited) s.memory_quota = quota;
+    s.state = e.state == ledger::kGpuGranted ? "granted" : "revoked";
+    if (e.memory_quota != ledger::kUnlimited) s.memory_quota = e.memory_quota;
     s.memory_used = ledger::tenant_used(usage, g);
-    s.context_memory = e.context_memory.load(std::memory_order_relaxed);
-    s.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
-    s.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
-    s.count_managed = (e.flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory) != 0;
-    read_gpu_time(dir, policy, g, &s, &arbiter_processes);
+    s.context_memory = e.context_memory;
+    s.share_ppm = e.share_ppm;
+    s.limit_ppm = e.limit_ppm;
+    s.count_managed = (e.flags & ledger::kCountManagedMemory) != 0;
+    read_gpu_time(dir, policy, g, e.uuid, &s, &arbiter_processes);
     t.gpus.push_back(std::move(s));
   }
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
@@ -201,7 +202,7 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
     for (uint32_t g = 0; g < kMaxGpus; ++g) {
       const uint64_t bytes = usage.charges[g][s].load(std::memory_order_relaxed);
       if (bytes == 0) continue;
-      p.charges.push_back({uuids[g].empty() ? format_gpu_uuid(policy.gpus[g].uuid) : uuids[g], bytes});
+      p.charges.push_back({uuids[g].empty() ? format_gpu_uuid(table.gpus[g].uuid) : uuids[g], bytes});
       p.total_bytes += bytes;
     }
     if (slot.state.load(std::memory_order_acquire) == ledger::kSlotFree && p.total_bytes == 0) continue;

@@ -85,7 +85,7 @@ struct TenantStatus {
   std::string name;
   std::string dir;
   std::string error;  // non-empty: the ledger could not be read; nothing else is set
-  uint64_t generation = 0;
+  uint64_t generation = 0;  // the node's committed generation of policy, as read
   uint64_t heartbeat_ns = 0;  // CLOCK_MONOTONIC, 0 if never
   int32_t daemon_pid = 0;
   std::vector<GpuEntryStatus> gpus;

@@ -93,9 +93,9 @@ void refresh_gate() {
   bump_gate();
 }
 
-uint32_t my_share(int gpu) { return gpu_policy(gpu).share_ppm.load(std::memory_order_relaxed); }
+uint32_t my_share(int gpu) { return gpu_policy(gpu).share_ppm; }
 uint32_t my_limit(int gpu) {
-  const uint32_t limit = gpu_policy(gpu).limit_ppm.load(std::memory_order_relaxed);
+  const uint32_t limit = gpu_policy(gpu).limit_ppm;
   return limit == 0 ? kPpm : limit;
 }
 
@@ -249,7 +249,7 @@ bool open_gpu(int gpu) {
   char path[1100];
   snprintf(path, sizeof path, "%s/gputime-%d", g_tenant.dir, gpu);
   char err[512] = {};
-  const ledger::GpuPolicy& policy = gpu_policy(gpu);
+  const ledger::GpuEntry policy = gpu_policy(gpu);
   Arbiter arbiter;
   ledger::LedgerError e = gputime::open_arbiter(path, false, false, policy.uuid, &arbiter, err, sizeof err);
   if (e == ledger::LedgerError::kMissing) {

@@ -145,7 +145,7 @@ struct PrimaryContext {
 PrimaryContext g_primary[kMaxDevices];
 
 uint64_t context_footprint(int gpu) {
-  return gpu >= 0 ? gpu_policy(gpu).context_memory.load(std::memory_order_relaxed) : 0;
+  return gpu >= 0 ? gpu_policy(gpu).context_memory : 0;
 }
 
 }  // namespace
@@ -268,13 +268,19 @@ bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64
     *total_bytes = 0;
     return true;
   }
-  const ledger::GpuPolicy& policy = gpu_policy(gpu);
-  if (policy.state.load(std::memory_order_acquire) != ledger::kGpuGranted) {
+  // Only the two fields needed, from one copy of the policy (a common path).
+  uint32_t state = ledger::kGpuUnused;
+  uint64_t quota = 0;
+  if (!ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
+        state = e.state.load(std::memory_order_acquire);
+        quota = e.memory_quota.load(std::memory_order_acquire);
+      }))
+    state = ledger::kGpuUnused;
+  if (state != ledger::kGpuGranted) {
     *free_bytes = 0;
     *total_bytes = 0;
     return true;
   }
-  const uint64_t quota = policy.memory_quota.load(std::memory_order_acquire);
   if (quota == ledger::kUnlimited) {
     *free_bytes = real_free;
     *total_bytes = real_total;

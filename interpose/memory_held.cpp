@@ -13,7 +13,7 @@ namespace {
 // Charges with the ledger directly, not through reserve(): a refusal there
 // settles every pool, which would wait for the settle this thread is running.
 bool charge_now(int gpu, uint64_t bytes) {
-  return gpu >= 0 && ledger::try_charge(*g_tenant.ledger.policy, *g_tenant.ledger.usage, static_cast<uint32_t>(gpu),
+  return gpu >= 0 && ledger::try_charge(g_tenant.ledger, static_cast<uint32_t>(gpu),
                                         static_cast<uint32_t>(g_tenant.slot), bytes);
 }
 

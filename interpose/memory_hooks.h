@@ -184,7 +184,10 @@ CUresult mem_alloc_managed(CUdeviceptr* dptr, size_t bytes, unsigned int flags) 
   CUdevice device;
   int gpu;
   if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0) return FRACGPU_PASS(id, dptr, bytes, flags);
-  if (gpu >= 0 && !(gpu_policy(gpu).flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory))
+  uint32_t policy_flags = 0;
+  if (gpu >= 0 && ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
+        policy_flags = e.flags.load(std::memory_order_acquire);
+      }) && !(policy_flags & ledger::kCountManagedMemory))
     return FRACGPU_PASS(id, dptr, bytes, flags);
   if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, dptr, bytes, flags);
@@ -589,7 +592,7 @@ CUresult ctx_create(CUcontext* ctx, Args... args) {
   const CUdevice device = last_of(args...);
   const int gpu = gpu_entry_for_device(device);
   if (ctx == nullptr) return FRACGPU_PASS(id, ctx, args...);
-  const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory.load(std::memory_order_relaxed) : 0;
+  const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory : 0;
   if (!reserve(gpu, footprint)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, args...);
   note_contexts_changed();

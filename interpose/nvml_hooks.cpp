@@ -101,7 +101,7 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
   }
   // Anything but a GPU's UUID (MIG devices' "MIG-..." included) is not a GPU we grant.
   uint8_t uuid[16];
-  *gpu = ledger::parse_gpu_uuid_text(text, uuid) ? ledger::find_gpu(*g_tenant.ledger.policy, uuid) : kNotGranted;
+  *gpu = ledger::parse_gpu_uuid_text(text, uuid) ? ledger::find_gpu(g_tenant.ledger, uuid) : kNotGranted;
   return Scope::kTenant;
 }
 

@@ -148,6 +148,12 @@ TenantMode attach() {
   g_tenant.slot = slot;
   snprintf(g_tenant.dir, sizeof g_tenant.dir, "%s", dir);
   log_line(LogLevel::kInfo, "attached to tenant \"%s\" (%s), slot %d", ledger.policy->tenant, dir, slot);
+  ledger::GpuTable table;
+  if (!ledger::read_gpu_table(ledger, &table))
+    log_line(LogLevel::kError,
+             "%s: the policy holds no copy of generation %llu, which %s/node says is in force: no GPU is granted "
+             "until fracgpud commits a policy for this tenant",
+             dir, static_cast<unsigned long long>(table.generation), dir);
   return TenantMode::kManaged;
 }
 
@@ -171,12 +177,12 @@ TenantMode attach_tenant_slow() {
   }
 }
 
-const ledger::GpuPolicy& gpu_policy(int gpu) { return g_tenant.ledger.policy->gpus[gpu]; }
+ledger::GpuEntry gpu_policy(int gpu) { return ledger::read_gpu_entry(g_tenant.ledger, static_cast<uint32_t>(gpu)); }
 
 int gpu_entry_for_device(CUdevice device) {
   if (device < 0 || device >= kMaxDevices) return kNotGranted;
-  // A new grant (config reload) changes the generation: look again.
-  const uint64_t generation = g_tenant.ledger.policy->generation.load(std::memory_order_acquire);
+  // A new grant (config reload) commits a new generation: look again.
+  const uint64_t generation = g_tenant.ledger.node->committed.load(std::memory_order_acquire);
   if (generation != g_device_entry_generation.load(std::memory_order_relaxed)) [[unlikely]] {
     forget_devices();
     g_device_entry_generation.store(generation, std::memory_order_relaxed);
@@ -187,7 +193,7 @@ int gpu_entry_for_device(CUdevice device) {
   CUuuid uuid{};
   entry = kNotGranted;
   if (g_driver.cuDeviceGetUuid_v2 != nullptr && g_driver.cuDeviceGetUuid_v2(&uuid, device) == CUDA_SUCCESS)
-    entry = ledger::find_gpu(*g_tenant.ledger.policy, reinterpret_cast<const uint8_t*>(uuid.bytes));
+    entry = ledger::find_gpu(g_tenant.ledger, reinterpret_cast<const uint8_t*>(uuid.bytes));
   if (entry == kNotGranted)
     FRACGPU_LOG_ONCE(LogLevel::kError, "device %d is not granted to tenant \"%s\": allocations on it are refused",
                      device, g_tenant.ledger.policy->tenant);
@@ -215,15 +221,16 @@ bool visible_gpu_unavailable() {
   if (g_driver.cuDeviceGetCount == nullptr || g_driver.cuDeviceGetUuid_v2 == nullptr ||
       g_driver.cuDeviceGetCount(&count) != CUDA_SUCCESS)
     return false;  // the driver will report its own trouble on the next call
-  const ledger::PolicySegment& policy = *g_tenant.ledger.policy;
+  ledger::GpuTable table;
+  ledger::read_gpu_table(g_tenant.ledger, &table);
   for (int device = 0; device < count; ++device) {
     CUuuid uuid{};
     if (g_driver.cuDeviceGetUuid_v2(&uuid, device) != CUDA_SUCCESS) continue;
-    const int entry = ledger::find_gpu(policy, reinterpret_cast<const uint8_t*>(uuid.bytes));
-    if (entry < 0 || policy.gpus[entry].state.load(std::memory_order_acquire) != ledger::kGpuGranted) continue;
-    const uint32_t reason = policy.gpus[entry].unavailable.load(std::memory_order_acquire);
+    const int entry = ledger::find_gpu(table, reinterpret_cast<const uint8_t*>(uuid.bytes));
+    if (entry < 0 || table.gpus[entry].state != ledger::kGpuGranted) continue;
+    const uint32_t reason = table.gpus[entry].unavailable;
     if (reason == ledger::kGpuAvailable) continue;
-    const uint32_t detail = policy.gpus[entry].unavailable_detail.load(std::memory_order_relaxed);
+    const uint32_t detail = table.gpus[entry].unavailable_detail;
     const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
     const bool has_detail = reason != ledger::kGpuLost && reason != ledger::kGpuSensors;
     char number[16] = "";
@@ -233,7 +240,7 @@ bool visible_gpu_unavailable() {
              "is marked unavailable by fracgpud (%s%s); new processes of tenant \"%s\" get "
              "CUDA_ERROR_DEVICE_UNAVAILABLE until it is cleared, running ones are not affected",
              device, u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
-             u[15], unavailable_text(reason), number, policy.tenant);
+             u[15], unavailable_text(reason), number, g_tenant.ledger.policy->tenant);
     return true;
   }
   return false;
@@ -265,8 +272,7 @@ bool current_gpu_entry(CUcontext* ctx, CUdevice* device, int* gpu) {
 bool reserve(int gpu, uint64_t bytes) {
   if (gpu < 0) return false;
   auto& ledger = g_tenant.ledger;
-  if (ledger::try_charge(*ledger.policy, *ledger.usage, static_cast<uint32_t>(gpu),
-                         static_cast<uint32_t>(g_tenant.slot), bytes)) [[likely]]
+  if (ledger::try_charge(ledger, static_cast<uint32_t>(gpu), static_cast<uint32_t>(g_tenant.slot), bytes)) [[likely]]
     return true;
   // Refused. Charges of dead processes and slack held by our own pools may
   // be standing in the way: clear both, then ask once more.
@@ -279,12 +285,11 @@ bool reserve(int gpu, uint64_t bytes) {
     ledger::reclaim_dead_slots(ledger, g_tenant.slot);
   }
   settle_all_pools();
-  if (ledger::try_charge(*ledger.policy, *ledger.usage, static_cast<uint32_t>(gpu),
-                         static_cast<uint32_t>(g_tenant.slot), bytes))
+  if (ledger::try_charge(ledger, static_cast<uint32_t>(gpu), static_cast<uint32_t>(g_tenant.slot), bytes))
     return true;
   log_line(LogLevel::kInfo, "refused %llu bytes on GPU entry %d: quota %llu, tenant uses %llu",
            static_cast<unsigned long long>(bytes), gpu,
-           static_cast<unsigned long long>(gpu_policy(gpu).memory_quota.load(std::memory_order_relaxed)),
+           static_cast<unsigned long long>(gpu_policy(gpu).memory_quota),
            static_cast<unsigned long long>(ledger::tenant_used(*ledger.usage, static_cast<uint32_t>(gpu))));
   return false;
 }

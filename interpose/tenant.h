@@ -68,7 +68,9 @@ void note_contexts_changed();
 bool reserve(int gpu, uint64_t bytes);
 void unreserve(int gpu, uint64_t bytes);
 
-const ledger::GpuPolicy& gpu_policy(int gpu);
+// Entry `gpu` of the tenant's GPU table in force (the committed copy), read
+// whole: fields taken from one call belong to one generation of policy.
+ledger::GpuEntry gpu_policy(int gpu);
 
 // cuInit (managed mode): true, after one log line naming the GPU and why,
 // when a GPU this process can see is granted to its tenant but marked

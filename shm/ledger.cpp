@@ -352,23 +352,41 @@ LedgerError open_ledger_at(int dirfd, const char* dir, AccessMode mode, uid_t ow
     set_error(err, err_len, "%s/%s: corrupt: slot high-water mark out of range", dir, kUsageFileName);
     return refuse(LedgerError::kCorrupt);
   }
-  unsigned char gpus[sizeof(GpuPolicy) * kMaxGpus];
-  e = read_exactly(policy.fd, gpus, sizeof gpus, offsetof(PolicySegment, gpus), dir, kPolicyFileName, err, err_len);
+  unsigned char copies[sizeof(PolicySegment::copies)];
+  e = read_exactly(policy.fd, copies, sizeof copies, offsetof(PolicySegment, copies), dir, kPolicyFileName, err,
+                   err_len);
   if (e != LedgerError::kOk) return refuse(e);
-  for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    uint32_t state = 0;
-    memcpy(&state, gpus + g * sizeof(GpuPolicy) + offsetof(GpuPolicy, state), sizeof state);
-    if (state > kGpuRevoked) {
-      set_error(err, err_len, "%s/%s: corrupt: GPU entry in unknown state", dir, kPolicyFileName);
-      return refuse(LedgerError::kCorrupt);
+  for (uint32_t c = 0; c < 2; ++c) {
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      uint32_t state = 0;
+      memcpy(&state, copies + c * sizeof(PolicyCopy) + offsetof(PolicyCopy, gpus) + g * sizeof(GpuPolicy) +
+                         offsetof(GpuPolicy, state),
+             sizeof state);
+      if (state > kGpuRevoked) {
+        set_error(err, err_len, "%s/%s: corrupt: GPU entry in unknown state", dir, kPolicyFileName);
+        return refuse(LedgerError::kCorrupt);
+      }
     }
   }
   auto* p = static_cast<PolicySegment*>(policy.addr);
   auto* u = static_cast<UsageSegment*>(usage.addr);
+  // Which copy of the policy is in force is the node's to say: without its
+  // node file a tenant's policy cannot be read (kCorrupt, not kMissing, so
+  // the interposer denies rather than letting the process through unlimited).
+  Mapping node;
+  e = map_segment(dirfd, dir, kNodeFileName, daemon, daemon, kNodeMagic, sizeof(NodeSegment), 0644, owner, nullptr,
+                  &node, err, err_len);
+  if (e != LedgerError::kOk) {
+    if (e == LedgerError::kMissing)
+      set_error(err, err_len, "%s/%s: missing: the generation of policy in force cannot be told", dir, kNodeFileName);
+    return refuse(e == LedgerError::kMissing ? LedgerError::kCorrupt : e);
+  }
   out->policy = p;
   out->usage = u;
+  out->node = static_cast<NodeSegment*>(node.addr);
   out->policy_fd = policy.fd;
   out->usage_fd = usage.fd;
+  out->node_fd = node.fd;
   out->mode = mode;
   return LedgerError::kOk;
 }
@@ -376,8 +394,10 @@ LedgerError open_ledger_at(int dirfd, const char* dir, AccessMode mode, uid_t ow
 void close_ledger(TenantLedger* ledger) {
   if (ledger->policy != nullptr) munmap(ledger->policy, sizeof(PolicySegment));
   if (ledger->usage != nullptr) munmap(ledger->usage, sizeof(UsageSegment));
+  if (ledger->node != nullptr) munmap(ledger->node, sizeof(NodeSegment));
   if (ledger->policy_fd >= 0) ::close(ledger->policy_fd);
   if (ledger->usage_fd >= 0) ::close(ledger->usage_fd);
+  if (ledger->node_fd >= 0) ::close(ledger->node_fd);
   *ledger = TenantLedger{};
 }
 
@@ -410,28 +430,176 @@ UsageSize enforce_usage_size(const TenantLedger& ledger, uint64_t* bytes) {
                                                                                     : UsageSize::kError;
 }
 
-int find_gpu(const PolicySegment& policy, const uint8_t uuid[16]) {
-  for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    if (policy.gpus[g].state.load(std::memory_order_acquire) == kGpuUnused) continue;
-    if (memcmp(policy.gpus[g].uuid, uuid, 16) == 0) return static_cast<int>(g);
+// ---- The committed GPU table ----
+
+namespace {
+
+// The UUID's bytes are plain data in a copy the daemon may be rewriting: each
+// byte is read and written with an atomic access (acquire and release, as
+// every field: see still_committed), and the stamp check decides whether
+// what was read counts.
+void load_uuid(const GpuPolicy& entry, uint8_t out[16]) {
+  for (int i = 0; i < 16; ++i) out[i] = __atomic_load_n(&entry.uuid[i], __ATOMIC_RELAXED);
+}
+
+void store_uuid(GpuPolicy& entry, const uint8_t uuid[16]) {
+  for (int i = 0; i < 16; ++i) __atomic_store_n(&entry.uuid[i], uuid[i], __ATOMIC_RELEASE);
+}
+
+GpuEntry load_entry(const GpuPolicy& e) {
+  GpuEntry v;
+  v.state = e.state.load(std::memory_order_acquire);
+  v.flags = e.flags.load(std::memory_order_acquire);
+  load_uuid(e, v.uuid);
+  v.memory_quota = e.memory_quota.load(std::memory_order_acquire);
+  v.context_memory = e.context_memory.load(std::memory_order_acquire);
+  v.share_ppm = e.share_ppm.load(std::memory_order_acquire);
+  v.limit_ppm = e.limit_ppm.load(std::memory_order_acquire);
+  v.unavailable = e.unavailable.load(std::memory_order_acquire);
+  v.unavailable_detail = e.unavailable_detail.load(std::memory_order_acquire);
+  return v;
+}
+
+void load_copy(const GpuPolicy* gpus, GpuTable* out) {
+  for (uint32_t g = 0; g < kMaxGpus; ++g) out->gpus[g] = load_entry(gpus[g]);
+}
+
+}  // namespace
+
+bool read_gpu_table(const TenantLedger& ledger, GpuTable* out) {
+  CommittedGpus table{};
+  for (int attempt = 0; attempt < kPolicyReadAttempts; ++attempt) {
+    table = committed_gpus(ledger);
+    load_copy(table.gpus, out);
+    if (still_committed(table)) {
+      out->generation = table.generation;
+      out->stamped = true;
+      return true;
+    }
   }
+  *out = GpuTable{};
+  out->generation = table.generation;
+  return false;
+}
+
+GpuEntry read_gpu_entry(const TenantLedger& ledger, uint32_t gpu) {
+  GpuEntry entry;
+  if (gpu >= kMaxGpus || !read_committed_entry(ledger, gpu, [&](const GpuPolicy& e) { entry = load_entry(e); }))
+    return {};
+  return entry;
+}
+
+int find_gpu(const GpuTable& table, const uint8_t uuid[16]) {
+  for (uint32_t g = 0; g < kMaxGpus; ++g)
+    if (table.gpus[g].state != kGpuUnused && memcmp(table.gpus[g].uuid, uuid, 16) == 0) return static_cast<int>(g);
   return -1;
 }
 
-int bind_gpu(PolicySegment& policy, const uint8_t uuid[16]) {
-  int found = find_gpu(policy, uuid);
-  if (found >= 0) return found;
-  for (uint32_t g = 0; g < kMaxGpus; ++g) {
-    GpuPolicy& entry = policy.gpus[g];
-    if (entry.state.load(std::memory_order_acquire) != kGpuUnused) continue;
-    memcpy(entry.uuid, uuid, 16);
-    entry.memory_quota.store(0, std::memory_order_relaxed);
-    // Bound but not yet granted: readers treat it like a revoked grant until
-    // the daemon fills the limits and flips it to kGpuGranted.
-    entry.state.store(kGpuRevoked, std::memory_order_release);
-    return static_cast<int>(g);
+int find_gpu(const TenantLedger& ledger, const uint8_t uuid[16]) {
+  GpuTable table;
+  read_gpu_table(ledger, &table);
+  return find_gpu(table, uuid);
+}
+
+// ---- Policy writes (daemon only) ----
+
+void latest_gpu_table(const TenantLedger& ledger, GpuTable* out) {
+  if (read_gpu_table(ledger, out)) return;
+  // No copy of the committed generation: take the most recent complete one.
+  // The daemon is the only writer, so nothing moves under this read.
+  const PolicyCopy* best = nullptr;
+  for (const PolicyCopy& copy : ledger.policy->copies) {
+    const uint64_t stamp = copy.stamp.load(std::memory_order_acquire);
+    if (stamp < kStampRetired && (best == nullptr || stamp > best->stamp.load(std::memory_order_relaxed))) best = &copy;
   }
-  return -1;
+  *out = GpuTable{};
+  if (best != nullptr) load_copy(best->gpus, out);
+  out->generation = ledger.node->committed.load(std::memory_order_acquire);
+}
+
+uint64_t next_generation(uint64_t candidate, const TenantLedger& ledger) {
+  for (const PolicyCopy& copy : ledger.policy->copies) {
+    const uint64_t stamp = copy.stamp.load(std::memory_order_acquire);
+    if (stamp >= kStampRetired) continue;
+    while (candidate <= stamp) candidate += 2;  // keeps the parity
+  }
+  return candidate;
+}
+
+GpuPolicy* begin_policy_copy(TenantLedger& ledger, uint64_t next) {
+  GpuTable from;
+  latest_gpu_table(ledger, &from);
+  PolicyCopy& copy = ledger.policy->copies[next & 1];
+  // The mark first, then the entries with release stores (seqlock): a reader
+  // whose acquire load sees any of them also sees the mark when it checks.
+  copy.stamp.store(kStampWriting, std::memory_order_relaxed);
+  for (uint32_t g = 0; g < kMaxGpus; ++g) store_gpu_entry(copy.gpus[g], from.gpus[g]);
+  return copy.gpus;
+}
+
+void end_policy_copy(TenantLedger& ledger, uint64_t next) {
+  ledger.policy->copies[next & 1].stamp.store(next, std::memory_order_release);
+}
+
+void commit_generation(NodeSegment& node, uint64_t next) { node.committed.store(next, std::memory_order_release); }
+
+void retire_policy_copy(TenantLedger& ledger, uint64_t previous) {
+  std::atomic<uint64_t>& stamp = ledger.policy->copies[previous & 1].stamp;
+  if (stamp.load(std::memory_order_relaxed) == previous) stamp.store(kStampRetired, std::memory_order_release);
+}
+
+void store_gpu_entry(GpuPolicy& entry, const GpuEntry& value) {
+  uint8_t bound[16];
+  load_uuid(entry, bound);
+  if (memcmp(bound, value.uuid, 16) != 0) store_uuid(entry, value.uuid);
+  entry.flags.store(value.flags, std::memory_order_release);
+  entry.memory_quota.store(value.memory_quota, std::memory_order_release);
+  entry.context_memory.store(value.context_memory, std::memory_order_release);
+  entry.share_ppm.store(value.share_ppm, std::memory_order_release);
+  entry.limit_ppm.store(value.limit_ppm, std::memory_order_release);
+  entry.unavailable_detail.store(value.unavailable_detail, std::memory_order_release);
+  entry.unavailable.store(value.unavailable, std::memory_order_release);
+  entry.state.store(value.state, std::memory_order_release);
+}
+
+int bind_gpu(GpuPolicy* table, const uint8_t uuid[16]) {
+  int free_entry = -1;
+  for (uint32_t g = 0; g < kMaxGpus; ++g) {
+    const uint32_t state = table[g].state.load(std::memory_order_relaxed);
+    if (state == kGpuUnused) {
+      if (free_entry < 0) free_entry = static_cast<int>(g);
+      continue;
+    }
+    uint8_t bound[16];
+    load_uuid(table[g], bound);
+    if (memcmp(bound, uuid, 16) == 0) return static_cast<int>(g);
+  }
+  if (free_entry < 0) return -1;
+  GpuEntry entry;
+  memcpy(entry.uuid, uuid, 16);
+  // Bound but not granted yet: like a revoked grant until the caller fills
+  // the limits and grants it.
+  entry.state = kGpuRevoked;
+  store_gpu_entry(table[free_entry], entry);
+  return free_entry;
+}
+
+LedgerError open_node(const char* dir, NodeSegment** out, int* fd_out, char* err, size_t err_len) {
+  const shm::Opened d = shm::open_dir_path(dir, geteuid(), false, err, err_len);
+  if (!d.ok()) return file_error(d);
+  Mapping node;
+  const LedgerError e = map_segment(d.fd, dir, kNodeFileName, true, true, kNodeMagic, sizeof(NodeSegment), 0644,
+                                    geteuid(), nullptr, &node, err, err_len);
+  ::close(d.fd);
+  if (e != LedgerError::kOk) return e;
+  *out = static_cast<NodeSegment*>(node.addr);
+  *fd_out = node.fd;
+  return LedgerError::kOk;
+}
+
+void close_node(NodeSegment* node, int fd) {
+  if (node != nullptr) munmap(node, sizeof(NodeSegment));
+  if (fd >= 0) ::close(fd);
 }
 
 uint64_t tenant_used(const UsageSegment& usage, uint32_t gpu) {
@@ -441,16 +609,23 @@ uint64_t tenant_used(const UsageSegment& usage, uint32_t gpu) {
   return sum;
 }
 
-bool try_charge(const PolicySegment& policy, UsageSegment& usage, uint32_t gpu, uint32_t slot, uint64_t bytes) {
+bool try_charge(const TenantLedger& ledger, uint32_t gpu, uint32_t slot, uint64_t bytes) {
   if (bytes == 0) return true;
-  const GpuPolicy& entry = policy.gpus[gpu];
-  if (entry.state.load(std::memory_order_acquire) != kGpuGranted) return false;
+  UsageSegment& usage = *ledger.usage;
   std::atomic<uint64_t>& mine = usage.charges[gpu][slot];
   // Retry only while the quota looks like it has room without us: a refusal
-  // then was a collision with a racing caller that has since undone its own.
+  // then was a collision with a racing caller that has since undone its own;
+  // or when the copy of the policy read was being rewritten (see below).
   constexpr int kAttempts = 8;
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    const uint64_t quota = entry.memory_quota.load(std::memory_order_acquire);
+    // State and quota from one copy, the one in force: a reload in progress
+    // is never half-seen. (A copy stamped otherwise than the committed
+    // generation grants nothing: after the retries, refused.)
+    const CommittedGpus table = committed_gpus(ledger);
+    const uint32_t state = table.gpus[gpu].state.load(std::memory_order_acquire);
+    const uint64_t quota = table.gpus[gpu].memory_quota.load(std::memory_order_acquire);
+    if (!still_committed(table)) continue;
+    if (state != kGpuGranted) return false;
     if (quota == kUnlimited) {
       mine.fetch_add(bytes, std::memory_order_seq_cst);
       return true;
@@ -615,10 +790,6 @@ int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot) {
   if (fcntl(ledger.usage_fd, F_GETLK, &fl) != 0) return 0;
   if (fl.l_type == F_UNLCK) return 0;
   return fl.l_pid > 0 ? fl.l_pid : -1;
-}
-
-void publish_policy_change(PolicySegment& policy) {
-  policy.generation.fetch_add(1, std::memory_order_seq_cst);
 }
 
 }  // namespace fracgpu::ledger

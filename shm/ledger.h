@@ -13,6 +13,7 @@
 // calls this from inside arbitrary user processes.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -50,19 +51,26 @@ enum class AccessMode {
 struct TenantLedger {
   PolicySegment* policy = nullptr;  // read-only mapping unless kDaemon
   UsageSegment* usage = nullptr;
+  NodeSegment* node = nullptr;      // <dir>/node; read-only mapping unless kDaemon
   int policy_fd = -1;
   int usage_fd = -1;  // record locks on slots are taken on this descriptor
+  int node_fd = -1;
   AccessMode mode = AccessMode::kReadOnly;
 
-  bool is_open() const { return policy != nullptr && usage != nullptr; }
+  bool is_open() const { return policy != nullptr && usage != nullptr && node != nullptr; }
 };
 
-// Maps <dir>/policy and <dir>/usage. With kDaemon, missing files are created
-// (complete before they get their name: safe_file.h) with modes 0644 (policy)
-// and 0666 (usage), `tenant_name` is stamped into a fresh policy, and the
-// blocks of existing files are reserved (files of older versions were
-// sparse). Existing files are validated, never rewritten. On failure *out is
-// untouched, and a one-line reason naming the file is written to err.
+// Maps <dir>/policy, <dir>/usage and <dir>/node. With kDaemon, missing files
+// are created (complete before they get their name: safe_file.h) with modes
+// 0644 (policy, node) and 0666 (usage), `tenant_name` is stamped into a fresh
+// policy, and the blocks of existing files are reserved (files of older
+// versions were sparse). (The daemon links <run_dir>/node into the directory
+// first: a node file created here is the directory's own, for tools and
+// tests.) Existing files are validated, never rewritten. A policy without a
+// valid node file is refused (kCorrupt): which copy of the policy is in force
+// cannot be told, and a tenant must then be denied, never let through. On
+// failure *out is untouched, and a one-line reason naming the file is written
+// to err.
 //
 // `dir` is opened as given (links in it followed: the operator named it);
 // the files in it are opened by name from that directory, refused if they
@@ -134,18 +142,146 @@ LedgerError map_shared_file_at(int dirfd, const char* name, const char* shown_di
                                size_t bytes, StampFn stamp, const void* stamp_arg, uid_t owner, void** map_out,
                                int* fd_out, char* err, size_t err_len);
 
-// ---- GPU entries (policy) ----
+// ---- The committed GPU table: every read of policy goes through here ----
+//
+// A tenant's GPU table in force is the copy of its policy stamped with the
+// generation its node file has committed (ledger_layout.h). Readers in the
+// hot path use committed_gpus() + still_committed() around the fields they
+// need (one acquire load before, one relaxed load after); every other reader
+// takes a whole consistent snapshot with read_gpu_table().
 
-// Index of the granted-or-revoked entry for this UUID, or -1.
-int find_gpu(const PolicySegment& policy, const uint8_t uuid[16]);
+struct CommittedGpus {
+  const GpuPolicy* gpus;  // kMaxGpus entries: the copy of `generation`, if stamped so
+  uint64_t generation;
+  const std::atomic<uint64_t>* stamp;
+};
+
+inline CommittedGpus committed_gpus(const TenantLedger& ledger) {
+  const uint64_t generation = ledger.node->committed.load(std::memory_order_acquire);
+  const PolicyCopy& copy = ledger.policy->copies[generation & 1];
+  return {copy.gpus, generation, &copy.stamp};
+}
+
+// After reading fields of `table.gpus` with acquire loads: true if they all
+// came from the copy of table.generation, whole. False if that copy is
+// stamped with another generation (it grants nothing) or was rewritten while
+// it was read (the reader fell a commit behind the daemon): read again from
+// committed_gpus(). Why acquire loads (free on x86): the daemon marks a copy
+// before it stores into it with release stores, so a reader whose acquire
+// load saw one of those stores sees the mark here; and no load can move
+// after this one (a seqlock without fences, which ThreadSanitizer follows).
+inline bool still_committed(const CommittedGpus& table) {
+  return table.stamp->load(std::memory_order_relaxed) == table.generation;
+}
+
+// How often a reader retries a copy the daemon rewrote under it. Once it has
+// re-read the committed generation, that copy cannot be rewritten before the
+// next commit: one retry is enough unless reloads follow each other within
+// a single read.
+inline constexpr int kPolicyReadAttempts = 4;
+
+// Calls read(entry) (acquire loads of the fields it needs) on entry `gpu` of
+// the committed table until one call's loads all came from one copy whole.
+// False when none did (no copy of the committed generation): then what read
+// saw must be dropped and the entry taken as not granted.
+template <typename Read>
+bool read_committed_entry(const TenantLedger& ledger, uint32_t gpu, Read&& read) {
+  for (int attempt = 0; attempt < kPolicyReadAttempts; ++attempt) {
+    const CommittedGpus table = committed_gpus(ledger);
+    read(table.gpus[gpu]);
+    if (still_committed(table)) return true;
+  }
+  return false;
+}
+
+// One GPU entry as read, whole, from one copy: plain values.
+struct GpuEntry {
+  uint32_t state = kGpuUnused;  // GpuGrantState
+  uint32_t flags = 0;           // GpuPolicyFlags
+  uint8_t uuid[16] = {};
+  uint64_t memory_quota = 0;
+  uint64_t context_memory = 0;
+  uint32_t share_ppm = 0;
+  uint32_t limit_ppm = 0;
+  uint32_t unavailable = kGpuAvailable;  // GpuUnavailableReason
+  uint32_t unavailable_detail = 0;
+
+  bool operator==(const GpuEntry&) const = default;
+};
+
+struct GpuTable {
+  uint64_t generation = 0;  // the committed generation it was read at
+  bool stamped = false;     // false: the policy has no copy of that generation, so nothing is granted
+  GpuEntry gpus[kMaxGpus];
+};
+
+// The committed table, whole (a seqlock read, retried a few times if the
+// daemon rewrites the copy meanwhile). Returns out->stamped; when false,
+// every entry is kGpuUnused: nothing is granted, never a mix of copies.
+bool read_gpu_table(const TenantLedger& ledger, GpuTable* out);
+// One entry of it (kGpuUnused when nothing is granted), read whole.
+GpuEntry read_gpu_entry(const TenantLedger& ledger, uint32_t gpu);
+
+// Index of the granted-or-revoked entry for this UUID in the committed
+// table (in `table`), or -1.
+int find_gpu(const TenantLedger& ledger, const uint8_t uuid[16]);
+int find_gpu(const GpuTable& table, const uint8_t uuid[16]);
 
 // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (hex digits of either case), as
 // nvidia-smi and NVML write GPU UUIDs, to the 16 bytes policies are keyed by.
 // False for anything else ("MIG-..." included), leaving `out` undefined.
 bool parse_gpu_uuid_text(std::string_view text, uint8_t out[16]);
 
-// Daemon only: the entry for this UUID, appending one if needed. -1 if full.
-int bind_gpu(PolicySegment& policy, const uint8_t uuid[16]);
+// ---- Policy writes (daemon only) ----
+//
+// A change of policy, across every tenant of the node:
+//   next = next_generation(committed, ledgers);
+//   for every tenant: gpus = begin_policy_copy(ledger, next); edit gpus;
+//                     end_policy_copy(ledger, next);
+//   commit_generation(node, next);        <- the commit point, one store
+//   for every tenant: retire_policy_copy(ledger, committed);
+// Until the commit, readers see generation `committed` on every tenant; after
+// it, `next` on every tenant. A tenant whose copy was not written for `next`
+// grants nothing after the commit, so every open ledger must be written.
+
+// The generation a change is written for: of the other parity than
+// `committed` (so its copy is never the one in force), and above every stamp
+// in `ledger`'s policy, so a tenant's most recent copy always has its
+// highest stamp, even after the node file was recreated. Start from
+// committed + 1 and pass every ledger.
+uint64_t next_generation(uint64_t candidate, const TenantLedger& ledger);
+
+// Marks copy next & 1 (never the one in force) as being rewritten, fills it
+// with the tenant's latest table (bindings, limits, unavailable marks) and
+// returns its entries for editing.
+GpuPolicy* begin_policy_copy(TenantLedger& ledger, uint64_t next);
+// Stamps that copy with `next` (release): complete, ready to be committed.
+void end_policy_copy(TenantLedger& ledger, uint64_t next);
+// The commit point: every tenant's policy is read at `next` from this store on.
+void commit_generation(NodeSegment& node, uint64_t next);
+// After the commit: the copy of `previous` (the generation in force before
+// it) is stamped kStampRetired, so that nothing can read it as complete any
+// more. A reader still in it finds the stamp changed and reads `next`.
+void retire_policy_copy(TenantLedger& ledger, uint64_t previous);
+
+// Writes every field of an entry of a copy being written (release stores, the
+// state last).
+void store_gpu_entry(GpuPolicy& entry, const GpuEntry& value);
+
+// The entry for this UUID in a table being written, appending one if
+// needed (bound, not granted yet: kGpuRevoked). -1 if full.
+int bind_gpu(GpuPolicy* table, const uint8_t uuid[16]);
+
+// Daemon: the table a change must start from. The committed one when
+// readable; otherwise (a new tenant, or the node file was recreated) the
+// complete copy with the highest stamp, whose bindings live charges may still
+// be indexed by. Never fails: a fresh policy is all unused.
+void latest_gpu_table(const TenantLedger& ledger, GpuTable* out);
+
+// Daemon: maps <dir>/node read-write, creating it (generation 0) if missing,
+// and checks its header. Caller unmaps with close_node().
+LedgerError open_node(const char* dir, NodeSegment** out, int* fd_out, char* err, size_t err_len);
+void close_node(NodeSegment* node, int fd);
 
 // ---- Charges (usage) ----
 
@@ -160,8 +296,9 @@ uint64_t tenant_used(const UsageSegment& usage, uint32_t gpu);
 // the quota. Callers racing at the very edge may both be refused, so a refusal
 // is retried a few times while the quota, as last seen, still has room.
 // A revoked or unused entry refuses everything but zero bytes.
-bool try_charge(const PolicySegment& policy, UsageSegment& usage, uint32_t gpu, uint32_t slot,
-                uint64_t bytes);
+// The entry's state and quota are read from the committed table
+// (committed_gpus), so a reload in progress is never half-seen.
+bool try_charge(const TenantLedger& ledger, uint32_t gpu, uint32_t slot, uint64_t bytes);
 
 // Adds without any check (settling a charge the driver already made, e.g. a
 // pool that grew past its reservation, when the caller has decided to keep it).
@@ -222,9 +359,5 @@ int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 // other parties (the audits) uses `verified` instead: if given (kMaxSlots
 // entries), each slot's PID as found here, 0 where none.
 void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr);
-
-// ---- Policy writes (daemon only) ----
-
-void publish_policy_change(PolicySegment& policy);
 
 }  // namespace fracgpu::ledger

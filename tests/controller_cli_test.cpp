@@ -16,13 +16,13 @@
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <spdlog/logger.h>
 
 #include "config.h"
 #include "controller_test_util.h"
 #include "daemon.h"
 #include "gputime.h"
 #include "ledger.h"
+#include "policy_util.h"
 #include "status.h"
 #include "uuid.h"
 
@@ -64,7 +64,6 @@ class CliTest : public ::testing::Test {
                                         "[[tenant]]\nname = \"bob\"\nmemory = { \"0\" = \"2GiB\" }\n",
                                         "test.toml", node);
     ASSERT_TRUE(r.ok());
-    spdlog::logger quiet("test");  // no sinks
     for (const Tenant& t : r.config->tenants) {
       ledger::TenantLedger l;
       char err[256];
@@ -73,8 +72,11 @@ class CliTest : public ::testing::Test {
                                     sizeof err),
                 ledger::LedgerError::kOk)
           << err;
+      ledger::GpuTable current, planned;
+      ledger::latest_gpu_table(l, &current);
       std::string error;
-      ASSERT_TRUE(write_policy(*l.policy, &t, *r.config, quiet, &error)) << error;
+      ASSERT_TRUE(plan_policy(current, &t, *r.config, &planned, &error)) << error;
+      publish_table(l, planned);
       l.policy->daemon_heartbeat_ns.store(monotonic_ns());
       l.policy->daemon_pid.store(getpid());
       ledger::close_ledger(&l);

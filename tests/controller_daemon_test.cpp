@@ -114,9 +114,12 @@ class DaemonTest : public ::testing::Test {
 
   bool log_contains(const std::string& text) const { return read_file(log_path_).find(text) != std::string::npos; }
 
-  static int entry_of(const ledger::PolicySegment& policy, const std::string& uuid) {
-    return ledger::find_gpu(policy, controller::parse_gpu_uuid(uuid)->data());
+  static int entry_of(const ledger::TenantLedger& l, const std::string& uuid) {
+    return ledger::find_gpu(l, controller::parse_gpu_uuid(uuid)->data());
   }
+
+  // Entry `gpu` of a tenant's table in force, read as the interposer reads it.
+  static ledger::GpuEntry entry(const ledger::TenantLedger& l, uint32_t gpu) { return ledger::read_gpu_entry(l, gpu); }
 
   TempDir tmp_;
   std::string run_dir_ = tmp_ / "run";
@@ -132,26 +135,26 @@ TEST_F(DaemonTest, CreatesLedgersWithTheConfiguredQuotas) {
   ledger::TenantLedger alice = map_tenant("alice");
   ASSERT_TRUE(alice.is_open());
   EXPECT_STREQ(alice.policy->tenant, "alice");
-  const int a = entry_of(*alice.policy, kUuid);
+  const int a = entry_of(alice, kUuid);
   ASSERT_EQ(a, 0);
-  const ledger::GpuPolicy& ga = alice.policy->gpus[a];
-  EXPECT_EQ(ga.state.load(), ledger::kGpuGranted);
-  EXPECT_EQ(ga.memory_quota.load(), 8 * kGiB);
-  EXPECT_EQ(ga.context_memory.load(), 128ull << 20);
-  EXPECT_EQ(ga.flags.load(), uint32_t{ledger::kCountManagedMemory});
-  EXPECT_EQ(ga.share_ppm.load(), 500'000u);
-  EXPECT_EQ(ga.limit_ppm.load(), 500'000u);
-  EXPECT_GE(alice.policy->generation.load(), 1u);
+  const ledger::GpuEntry ga = entry(alice, a);
+  EXPECT_EQ(ga.state, ledger::kGpuGranted);
+  EXPECT_EQ(ga.memory_quota, 8 * kGiB);
+  EXPECT_EQ(ga.context_memory, 128ull << 20);
+  EXPECT_EQ(ga.flags, uint32_t{ledger::kCountManagedMemory});
+  EXPECT_EQ(ga.share_ppm, 500'000u);
+  EXPECT_EQ(ga.limit_ppm, 500'000u);
+  EXPECT_GE(alice.node->committed.load(), 1u);
   EXPECT_NE(alice.policy->daemon_heartbeat_ns.load(), 0u);
   // No other GPU entry was touched.
-  EXPECT_EQ(alice.policy->gpus[1].state.load(), ledger::kGpuUnused);
+  EXPECT_EQ(entry(alice, 1).state, ledger::kGpuUnused);
 
   ledger::TenantLedger bob = map_tenant("bob");
-  const ledger::GpuPolicy& gb = bob.policy->gpus[entry_of(*bob.policy, kUuid)];
-  EXPECT_EQ(gb.state.load(), ledger::kGpuGranted);
-  EXPECT_EQ(gb.memory_quota.load(), 2 * kGiB);
-  EXPECT_EQ(gb.flags.load(), 0u);
-  EXPECT_EQ(gb.share_ppm.load(), 0u);
+  const ledger::GpuEntry gb = entry(bob, entry_of(bob, kUuid));
+  EXPECT_EQ(gb.state, ledger::kGpuGranted);
+  EXPECT_EQ(gb.memory_quota, 2 * kGiB);
+  EXPECT_EQ(gb.flags, 0u);
+  EXPECT_EQ(gb.share_ppm, 0u);
 
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
   ledger::close_ledger(&alice);
@@ -162,16 +165,16 @@ TEST_F(DaemonTest, SighupChangesAQuotaInPlaceInAnotherProcesssMapping) {
   write_config(config(run_dir_, "0.5"));
   daemon_ = start_daemon();
   ledger::TenantLedger alice = map_tenant("alice");  // mapped before the reload, kept across it
-  const ledger::GpuPolicy& g = alice.policy->gpus[0];
-  ASSERT_EQ(g.memory_quota.load(), 8 * kGiB);
-  const uint64_t generation = alice.policy->generation.load();
+  const auto g = [&] { return entry(alice, 0); };
+  ASSERT_EQ(g().memory_quota, 8 * kGiB);
+  const uint64_t generation = alice.node->committed.load();
 
   write_config(config(run_dir_, "0.25"));
   ASSERT_EQ(kill(daemon_, SIGHUP), 0);
-  EXPECT_TRUE(eventually([&] { return g.memory_quota.load() == 4 * kGiB; })) << read_file(log_path_);
-  EXPECT_EQ(g.share_ppm.load(), 250'000u);
-  EXPECT_EQ(g.state.load(), ledger::kGpuGranted);
-  EXPECT_GT(alice.policy->generation.load(), generation);
+  EXPECT_TRUE(eventually([&] { return g().memory_quota == 4 * kGiB; })) << read_file(log_path_);
+  EXPECT_EQ(g().share_ppm, 250'000u);
+  EXPECT_EQ(g().state, ledger::kGpuGranted);
+  EXPECT_GT(alice.node->committed.load(), generation);
   ledger::close_ledger(&alice);
 }
 
@@ -184,7 +187,7 @@ TEST_F(DaemonTest, LoweringAQuotaBelowUseFreesNothing) {
   ledger::TenantLedger alice = map_tenant("alice");
   write_config(config(run_dir_, "0.25"));
   kill(daemon_, SIGHUP);
-  ASSERT_TRUE(eventually([&] { return alice.policy->gpus[0].memory_quota.load() == 4 * kGiB; }));
+  ASSERT_TRUE(eventually([&] { return entry(alice, 0).memory_quota == 4 * kGiB; }));
   std::this_thread::sleep_for(200ms);  // several reap passes
   EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 6 * kGiB);
   EXPECT_EQ(waitpid(worker, nullptr, WNOHANG), 0) << "the tenant process must keep running";
@@ -195,22 +198,22 @@ TEST_F(DaemonTest, InvalidReloadKeepsTheOldPolicy) {
   write_config(config(run_dir_, "0.5"));
   daemon_ = start_daemon();
   ledger::TenantLedger alice = map_tenant("alice");
-  const uint64_t generation = alice.policy->generation.load();
+  const uint64_t generation = alice.node->committed.load();
 
   write_config(config(run_dir_, "0.25") + "[[tenant]]\nname = \"carol\"\ngpus = 0.8\nmemroy = 1\n");
   kill(daemon_, SIGHUP);
   ASSERT_TRUE(eventually([&] { return log_contains("reload rejected"); })) << read_file(log_path_);
   EXPECT_TRUE(log_contains("fracgpud.toml:19: tenant \"carol\": unknown key \"memroy\""));
   EXPECT_TRUE(log_contains("cannot place gpus = 0.8"));  // every error, not only the first
-  EXPECT_EQ(alice.policy->gpus[0].memory_quota.load(), 8 * kGiB);
-  EXPECT_EQ(alice.policy->generation.load(), generation);
+  EXPECT_EQ(entry(alice, 0).memory_quota, 8 * kGiB);
+  EXPECT_EQ(alice.node->committed.load(), generation);
   EXPECT_FALSE(fs::exists(tenant_dir("carol")));
   EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << "the daemon must keep running";
 
   // A good config afterwards is applied as usual.
   write_config(config(run_dir_, "0.25"));
   kill(daemon_, SIGHUP);
-  EXPECT_TRUE(eventually([&] { return alice.policy->gpus[0].memory_quota.load() == 4 * kGiB; }));
+  EXPECT_TRUE(eventually([&] { return entry(alice, 0).memory_quota == 4 * kGiB; }));
   ledger::close_ledger(&alice);
 }
 
@@ -220,13 +223,13 @@ TEST_F(DaemonTest, RemovedTenantIsRevokedAndItsDirectoryKept) {
   ledger::TenantLedger bob = map_tenant("bob");
   write_config(config(run_dir_, "0.5", /*with_bob=*/false));
   kill(daemon_, SIGHUP);
-  EXPECT_TRUE(eventually([&] { return bob.policy->gpus[0].state.load() == ledger::kGpuRevoked; }));
+  EXPECT_TRUE(eventually([&] { return entry(bob, 0).state == ledger::kGpuRevoked; }));
   EXPECT_TRUE(fs::exists(tenant_dir("bob") + "/policy"));
   EXPECT_TRUE(fs::exists(tenant_dir("bob") + "/usage"));
   // Back in the config: the same entry is granted again.
   write_config(config(run_dir_, "0.5"));
   kill(daemon_, SIGHUP);
-  EXPECT_TRUE(eventually([&] { return bob.policy->gpus[0].state.load() == ledger::kGpuGranted; }));
+  EXPECT_TRUE(eventually([&] { return entry(bob, 0).state == ledger::kGpuGranted; }));
   ledger::close_ledger(&bob);
 }
 
@@ -255,13 +258,13 @@ TEST_F(DaemonTest, RestartAfterSigkillReadoptsLedgersAndKeepsLiveCharges) {
   ASSERT_GT(worker, 0);
   children_.push_back(worker);
   ledger::TenantLedger alice = map_tenant("alice");
-  const uint64_t generation = alice.policy->generation.load();
+  const uint64_t generation = alice.node->committed.load();
 
   kill_and_reap(daemon_);
   daemon_ = start_daemon();
   EXPECT_EQ(alice.policy->daemon_pid.load(), daemon_);
-  EXPECT_EQ(alice.policy->gpus[0].memory_quota.load(), 8 * kGiB);
-  EXPECT_EQ(alice.policy->generation.load(), generation) << "re-adopting an unchanged policy must not rewrite it";
+  EXPECT_EQ(entry(alice, 0).memory_quota, 8 * kGiB);
+  EXPECT_EQ(alice.node->committed.load(), generation) << "re-adopting an unchanged policy must not rewrite it";
   std::this_thread::sleep_for(200ms);  // several reap passes of the new daemon
   EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 3 * kGiB);
   EXPECT_EQ(alice.usage->slots[0].state.load(), ledger::kSlotLive);
@@ -303,7 +306,7 @@ TEST_F(DaemonTest, SigtermExitsZeroAndLeavesTheLedgers) {
   EXPECT_EQ(wait_exit(daemon_), 0);
   daemon_ = -1;
   ledger::TenantLedger alice = map_tenant("alice");
-  EXPECT_EQ(alice.policy->gpus[0].state.load(), ledger::kGpuGranted);  // tenants keep running
+  EXPECT_EQ(entry(alice, 0).state, ledger::kGpuGranted);  // tenants keep running
   EXPECT_EQ(alice.policy->daemon_pid.load(), 0);                        // a clean stop says so
   ledger::close_ledger(&alice);
   EXPECT_EQ(read_file(run_dir_ + "/fracgpud.pid"), "");
@@ -357,6 +360,46 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameRunDirIsRefused) {
   EXPECT_NE(output.find("another fracgpud (pid " + std::to_string(daemon_) + ") already manages"), std::string::npos)
       << output;
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
+}
+
+TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
+  // With metrics on: its child process must not be what holds the lock.
+  write_config("[daemon]\nmetrics_address = \"127.0.0.1:0\"\n" + config(run_dir_, "0.5").substr(9));
+  daemon_ = start_daemon();
+  ASSERT_TRUE(eventually([&] { return logged_metrics_port(read_file(log_path_)) != 0; })) << read_file(log_path_);
+  // The metrics child keeps no descriptor of the run dir: a copy of the
+  // daemon's lock would outlive the daemon for as long as the child lives.
+  const std::string children = read_file("/proc/" + std::to_string(daemon_) + "/task/" + std::to_string(daemon_) + "/children");
+  ASSERT_FALSE(children.empty());
+  const std::string child_fds = "/proc/" + std::to_string(std::stoi(children)) + "/fd";
+  size_t child_fd_count = 0;
+  for (const auto& fd : fs::directory_iterator(child_fds)) {
+    std::error_code ec;
+    EXPECT_NE(fs::read_symlink(fd.path(), ec), fs::path(run_dir_)) << "the metrics child holds " << fd.path();
+    ++child_fd_count;
+  }
+  EXPECT_GT(child_fd_count, 0u);
+  ASSERT_TRUE(fs::remove(run_dir_ + "/fracgpud.pid"));
+  std::string output;
+  EXPECT_EQ(run_daemon({}, &output), 3) << output;
+  EXPECT_NE(output.find("another fracgpud (pid " + std::to_string(daemon_) + ") already manages " + run_dir_),
+            std::string::npos)
+      << output;
+  // Refused before writing anything: no new pid file, the first daemon's policies untouched.
+  EXPECT_FALSE(fs::exists(run_dir_ + "/fracgpud.pid"));
+  ledger::TenantLedger alice = map_tenant("alice");
+  EXPECT_EQ(alice.policy->daemon_pid.load(), daemon_);
+  ledger::close_ledger(&alice);
+
+  // Once the first daemon is gone (SIGKILL: nothing cleaned up), its metrics
+  // child goes with it and the run dir is free at once.
+  kill_and_reap(daemon_);
+  daemon_ = -1;
+  std::string second_log = tmp_ / "second.log";
+  const pid_t second = spawn({FRACGPUD_PATH, "--config", config_path_}, second_log);
+  EXPECT_TRUE(eventually([&] { return read_file(second_log).find("started") != std::string::npos; }))
+      << read_file(second_log);
+  daemon_ = second;
 }
 
 TEST_F(DaemonTest, NodeWithoutGpusGetsAClearMessage) {

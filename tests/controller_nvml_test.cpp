@@ -328,9 +328,11 @@ class NvmlDaemonTest : public ::testing::Test {
     if (ledger::open_ledger((run_dir_ + "/tenants/alice").c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
                             sizeof err) != ledger::LedgerError::kOk)
       return {UINT32_MAX, 0};
-    const int e = ledger::find_gpu(*l.policy, controller::parse_gpu_uuid(kUuid)->data());
+    ledger::GpuTable table;
+    ledger::read_gpu_table(l, &table);
+    const int e = ledger::find_gpu(table, controller::parse_gpu_uuid(kUuid)->data());
     std::pair<uint32_t, uint32_t> mark{UINT32_MAX, 0};
-    if (e >= 0) mark = {l.policy->gpus[e].unavailable.load(), l.policy->gpus[e].unavailable_detail.load()};
+    if (e >= 0) mark = {table.gpus[e].unavailable, table.gpus[e].unavailable_detail};
     ledger::close_ledger(&l);
     return mark;
   }
@@ -525,10 +527,12 @@ TEST_F(NvmlDaemonTest, AuditDenyNeverActsOnTheTenantABypassingProcessNames) {
                                 sizeof err),
             ledger::LedgerError::kOk)
       << err;
-  const int e = ledger::find_gpu(*l.policy, controller::parse_gpu_uuid(kUuid)->data());
-  ASSERT_GE(e, 0);
   std::this_thread::sleep_for(200ms);  // many audit passes
-  EXPECT_EQ(l.policy->gpus[e].unavailable.load(), uint32_t{ledger::kGpuAvailable});
+  ledger::GpuTable table;
+  ASSERT_TRUE(ledger::read_gpu_table(l, &table));
+  const int e = ledger::find_gpu(table, controller::parse_gpu_uuid(kUuid)->data());
+  ASSERT_GE(e, 0);
+  EXPECT_EQ(table.gpus[e].unavailable, uint32_t{ledger::kGpuAvailable});
   ledger::close_ledger(&l);
   kill_and_reap(liar);
 }

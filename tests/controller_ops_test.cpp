@@ -100,8 +100,10 @@ class OpsTest : public ::testing::Test {
     if (ledger::open_ledger((run_dir_ + "/tenants/" + tenant).c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err,
                             sizeof err) != ledger::LedgerError::kOk)
       return out;
-    for (const auto& g : l.policy->gpus)
-      if (g.state.load() == ledger::kGpuGranted) out[controller::format_gpu_uuid(g.uuid)] = g.share_ppm.load();
+    ledger::GpuTable table;
+    ledger::read_gpu_table(l, &table);
+    for (const ledger::GpuEntry& g : table.gpus)
+      if (g.state == ledger::kGpuGranted) out[controller::format_gpu_uuid(g.uuid)] = g.share_ppm;
     ledger::close_ledger(&l);
     return out;
   }

@@ -155,7 +155,7 @@ inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t
           return false;
         ledger::LedgerError e{};
         const int slot = ledger::claim_slot(l, self, &e);
-        return slot >= 0 && ledger::try_charge(*l.policy, *l.usage, gpu, static_cast<uint32_t>(slot), bytes);
+        return slot >= 0 && ledger::try_charge(l, gpu, static_cast<uint32_t>(slot), bytes);
       },
       comm);
 }

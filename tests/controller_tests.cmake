@@ -59,3 +59,51 @@ add_test(NAME install_layout_and_recipes
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install_test.sh ${CMAKE_BINARY_DIR} ${PROJECT_SOURCE_DIR}
                  $<TARGET_FILE_DIR:simcuda>)
 set_tests_properties(install_layout_and_recipes PROPERTIES TIMEOUT 120)
+
+# The config loader against hostile files and a few hundred seeded mutations
+# of the example configs, in-process and through fracgpud --check.
+add_executable(config_fuzz_test config_fuzz_test.cpp)
+target_link_libraries(config_fuzz_test PRIVATE fracgpu_controller GTest::gtest_main Threads::Threads)
+target_compile_definitions(config_fuzz_test PRIVATE
+  FRACGPU_EXAMPLES_DIR="${PROJECT_SOURCE_DIR}/examples"
+  FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+  SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
+add_dependencies(config_fuzz_test fracgpud simcuda)
+gtest_discover_tests(config_fuzz_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 240)
+
+# The same in-process cases with the config sources compiled under
+# AddressSanitizer and UBSan, as ledger_test_tsan does for the ledger: no
+# separate sanitizer build needed. toml++'s parser is compiled in too
+# (header-only mode), so the sanitizers watch it as well, not only our code;
+# the rest of the controller library links in uninstrumented. fracgpud --check
+# is not run from here (the plain build covers it).
+set(FRACGPU_CONFIG_SOURCES
+  ${PROJECT_SOURCE_DIR}/controller/config.cpp
+  ${PROJECT_SOURCE_DIR}/controller/config_file.cpp
+  ${PROJECT_SOURCE_DIR}/controller/placement.cpp
+  ${PROJECT_SOURCE_DIR}/controller/units.cpp
+  ${PROJECT_SOURCE_DIR}/controller/uuid.cpp)
+add_executable(config_fuzz_test_asan config_fuzz_test.cpp ${FRACGPU_CONFIG_SOURCES})
+target_include_directories(config_fuzz_test_asan PRIVATE
+  $<TARGET_PROPERTY:tomlplusplus::tomlplusplus,INTERFACE_INCLUDE_DIRECTORIES>)
+target_compile_definitions(config_fuzz_test_asan PRIVATE TOML_HEADER_ONLY=1
+  FRACGPU_EXAMPLES_DIR="${PROJECT_SOURCE_DIR}/examples")
+target_compile_options(config_fuzz_test_asan PRIVATE -fsanitize=address,undefined -fno-sanitize-recover=all
+                       -fno-omit-frame-pointer -O1 -g)
+target_link_options(config_fuzz_test_asan PRIVATE -fsanitize=address,undefined)
+target_link_libraries(config_fuzz_test_asan PRIVATE fracgpu_controller GTest::gtest_main Threads::Threads)
+# Leak checking is off: LeakSanitizer needs ptrace, which some CI containers
+# refuse, and what this test is after is crashes, overflows and UB.
+add_test(NAME config_fuzz_test_asan COMMAND config_fuzz_test_asan)
+set_tests_properties(config_fuzz_test_asan PROPERTIES TIMEOUT 300
+                     ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0;UBSAN_OPTIONS=print_stacktrace=1")
+
+# fracgpud SIGKILLed at random instants of 100 reloads and starts: every
+# tenant sees the whole old policy or the whole new one (about 20 s).
+add_executable(reload_kill_test reload_kill_test.cpp)
+target_link_libraries(reload_kill_test PRIVATE fracgpu_controller GTest::gtest_main)
+target_compile_definitions(reload_kill_test PRIVATE
+  FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+  SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
+add_dependencies(reload_kill_test fracgpud simcuda)
+gtest_discover_tests(reload_kill_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 180)

@@ -16,6 +16,7 @@
 
 #include "controller_test_util.h"
 #include "ledger.h"
+#include "policy_util.h"
 
 using namespace fracgpu::ledger;
 using fracgpu::testing::TempDir;
@@ -76,12 +77,7 @@ class NvmlInTenantTest : public ::testing::Test {
     for (const char* p = kUuids[device] + 4; *p; ++p)
       if (*p != '-') hex += *p;
     for (int i = 0; i < 16; ++i) uuid[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
-    const int g = bind_gpu(*l.policy, uuid);
-    ASSERT_GE(g, 0);
-    l.policy->gpus[g].memory_quota.store(quota);
-    l.policy->gpus[g].context_memory.store(kContext);
-    l.policy->gpus[g].state.store(kGpuGranted);
-    publish_policy_change(*l.policy);
+    ASSERT_GE(fracgpu::testing::grant_gpu(l, uuid, quota, kContext, 0), 0);
   }
 
   // tenant "" : no tenant state at all. preload false: no interposer.

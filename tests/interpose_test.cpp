@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "ledger.h"
+#include "policy_util.h"
 #include "reclaim_util.h"
 
 using namespace fracgpu::ledger;
@@ -104,14 +105,8 @@ class InterposeTest : public ::testing::Test {
     }
     uint8_t bytes[16];
     uuid_bytes(uuid, bytes);
-    int g = bind_gpu(*daemon_.policy, bytes);
-    GpuPolicy& p = daemon_.policy->gpus[g];
-    p.memory_quota.store(quota);
-    p.context_memory.store(kContextBytes);
-    p.flags.store(count_managed ? static_cast<uint32_t>(kCountManagedMemory) : 0u);
-    p.state.store(kGpuGranted);
-    publish_policy_change(*daemon_.policy);
-    return g;
+    return fracgpu::testing::grant_gpu(daemon_, bytes, quota, kContextBytes,
+                                       count_managed ? static_cast<uint32_t>(kCountManagedMemory) : 0u);
   }
 
   // What the tenant's live processes hold: exited and killed probes' slots
@@ -263,7 +258,7 @@ class InterposeTest : public ::testing::Test {
       if (view->is_open()) close_ledger(view);
       return open_ledger(tenant_dir_.c_str(), AccessMode::kReadOnly, nullptr, view, err, sizeof err) ==
                  LedgerError::kOk &&
-             view->policy->gpus[0].state.load() == kGpuGranted;
+             read_gpu_entry(*view, 0).state == kGpuGranted;
     }, 5000);
     if (granted) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << "alice was not granted GPU 0: " << err;
@@ -852,6 +847,46 @@ TEST_F(InterposeTest, AKilledProcessLeavesNoChargeOnceReclaimed) {
   // with no daemon running.
   ProbeResult r = probe({"init", "primary", "0", "alloc", "900MiB"});
   EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+}
+
+TEST_F(InterposeTest, WithoutAValidNodeFileAPolicyIsRefusedNeverPassedThrough) {
+  // Which copy of the policy is in force is the node file's to say: without
+  // it the process is denied (as for a corrupt ledger), not let through
+  // unlimited as a process without any tenant would be.
+  grant(kUuid0, 1 * kGiB);
+  close_ledger(&daemon_);
+  const std::string node = tenant_dir_ + "/node";
+  ASSERT_EQ(rename(node.c_str(), (node + ".away").c_str()), 0);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "1MiB"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find("GPU access denied"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("/node: missing"), std::string::npos) << r.err;
+  // Another program's file in its place.
+  std::ofstream(node, std::ios::binary) << std::string(sizeof(NodeSegment), 'x');
+  r = probe({"init", "primary", "0", "alloc", "1MiB"});
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find("not a fracgpu node segment"), std::string::npos) << r.err;
+  // Back in place: the grant holds again.
+  ASSERT_EQ(rename((node + ".away").c_str(), node.c_str()), 0);
+  r = probe({"init", "primary", "0", "alloc", "1MiB"});
+  EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+}
+
+TEST_F(InterposeTest, APolicyWithoutACopyOfTheCommittedGenerationGrantsNothing) {
+  // The node file says a generation this tenant's policy has no copy of (a
+  // daemon died creating the tenant, or another node file was linked in):
+  // nothing is granted, and the process says why.
+  grant(kUuid0, 1 * kGiB);
+  daemon_.node->committed.store(daemon_.node->committed.load() + 2);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "1MiB"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r["primary"], kOutOfMemory) << r.err;  // not even its context is granted
+  EXPECT_NE(r["alloc"], kSuccess) << r.err;
+  EXPECT_NE(r.err.find("holds no copy of generation"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("device 0 is not granted"), std::string::npos) << r.err;
 }
 
 TEST_F(InterposeTest, ACorruptOrForeignLedgerIsRefusedWithoutCrashing) {

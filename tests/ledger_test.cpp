@@ -21,11 +21,14 @@
 #include <gtest/gtest.h>
 
 #include "ledger.h"
+#include "policy_util.h"
 #include "safe_file.h"
 #include "reclaim_util.h"
 #include "sigbus_guard.h"
 
 using namespace fracgpu::ledger;
+using fracgpu::testing::grant_gpu;
+using fracgpu::testing::publish_policy;
 namespace fs = std::filesystem;
 
 namespace {
@@ -49,11 +52,7 @@ class LedgerTest : public ::testing::Test {
     char err[256] = {};
     EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &d, err, sizeof err), LedgerError::kOk)
         << err;
-    int g = bind_gpu(*d.policy, kUuidA);
-    EXPECT_EQ(g, 0);
-    d.policy->gpus[g].memory_quota.store(quota);
-    d.policy->gpus[g].state.store(kGpuGranted);
-    publish_policy_change(*d.policy);
+    EXPECT_EQ(grant_gpu(d, kUuidA, quota), 0);
     return d;
   }
 
@@ -77,7 +76,7 @@ class LedgerTest : public ::testing::Test {
       ProcessIdentity self{};
       read_self_identity(&self);
       const int slot = claim_slot(t, self, nullptr);
-      if (slot < 0 || !try_charge(*t.policy, *t.usage, 0, slot, bytes)) _exit(3);
+      if (slot < 0 || !try_charge(t, 0, slot, bytes)) _exit(3);
       char c = 1;
       if (write(ready[1], &c, 1) != 1) _exit(4);
       pause();
@@ -110,7 +109,8 @@ TEST(LedgerHeader, AllZeroSegmentIsValidAndEmpty) {
 
 TEST_F(LedgerTest, AllZeroFilesOpenAsAnEmptyLedger) {
   fs::create_directories(tenant_dir_);
-  for (auto [name, size] : {std::pair{kPolicyFileName, sizeof(PolicySegment)}, {kUsageFileName, sizeof(UsageSegment)}}) {
+  for (auto [name, size] : {std::pair{kPolicyFileName, sizeof(PolicySegment)}, {kUsageFileName, sizeof(UsageSegment)},
+                            {kNodeFileName, sizeof(NodeSegment)}}) {
     int fd = open((tenant_dir_ + "/" + name).c_str(), O_RDWR | O_CREAT, 0666);
     ASSERT_GE(fd, 0);
     ASSERT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
@@ -118,7 +118,10 @@ TEST_F(LedgerTest, AllZeroFilesOpenAsAnEmptyLedger) {
   }
   TenantLedger t = open_tenant();
   ASSERT_TRUE(t.is_open());
-  EXPECT_EQ(find_gpu(*t.policy, kUuidA), -1);
+  EXPECT_EQ(find_gpu(t, kUuidA), -1);
+  GpuTable table;
+  EXPECT_TRUE(read_gpu_table(t, &table));  // generation 0, stamped 0: nothing granted, consistently
+  EXPECT_EQ(table.gpus[0].state, kGpuUnused);
   EXPECT_EQ(tenant_used(*t.usage, 0), 0u);
   close_ledger(&t);
 }
@@ -133,11 +136,14 @@ TEST_F(LedgerTest, DaemonCreatesStampedSegmentsWithModes) {
   EXPECT_EQ(st.st_mode & 0777, 0644u);
   ASSERT_EQ(stat((tenant_dir_ + "/usage").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0666u);
+  ASSERT_EQ(stat((tenant_dir_ + "/node").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+  EXPECT_EQ(d.node->header.magic, kNodeMagic);
   // Re-adopting keeps what is there.
   TenantLedger again;
   char err[256];
   ASSERT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kDaemon, "alice", &again, err, sizeof err), LedgerError::kOk);
-  EXPECT_EQ(again.policy->gpus[0].memory_quota.load(), 1u << 20);
+  EXPECT_EQ(read_gpu_entry(again, 0).memory_quota, 1u << 20);
   close_ledger(&again);
   close_ledger(&d);
 }
@@ -159,7 +165,7 @@ TEST_F(LedgerTest, RefusesForeignWrongVersionWrongSizeAndCorruptSegments) {
   patch(offsetof(SegmentHeader, layout_version), &version, sizeof version);
   EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err),
             LedgerError::kWrongVersion);
-  EXPECT_NE(std::string(err).find("version 8"), std::string::npos) << err;
+  EXPECT_NE(std::string(err).find("version " + std::to_string(kLayoutVersion + 7)), std::string::npos) << err;
   EXPECT_FALSE(t.is_open());
   version = kLayoutVersion;
   patch(offsetof(SegmentHeader, layout_version), &version, sizeof version);
@@ -171,11 +177,37 @@ TEST_F(LedgerTest, RefusesForeignWrongVersionWrongSizeAndCorruptSegments) {
   magic = kPolicyMagic;
   patch(0, &magic, sizeof magic);
 
-  uint32_t bad_state = 77;
-  patch(offsetof(PolicySegment, gpus) + offsetof(GpuPolicy, state), &bad_state, sizeof bad_state);
+  // A bad entry in either copy, the one in force or not.
+  for (size_t copy = 0; copy < 2; ++copy) {
+    const off_t state = static_cast<off_t>(offsetof(PolicySegment, copies) + copy * sizeof(PolicyCopy) +
+                                           offsetof(PolicyCopy, gpus) + offsetof(GpuPolicy, state));
+    uint32_t bad_state = 77;
+    patch(state, &bad_state, sizeof bad_state);
+    EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err),
+              LedgerError::kCorrupt);
+    uint32_t good_state = kGpuGranted;
+    patch(state, &good_state, sizeof good_state);
+  }
+
+  // The node file: which copy is in force cannot be told without it. Refused
+  // as corrupt (a tenant is then denied), not as missing (let through).
+  const std::string node = tenant_dir_ + "/node";
+  ASSERT_EQ(rename(node.c_str(), (node + ".away").c_str()), 0);
   EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err), LedgerError::kCorrupt);
-  uint32_t good_state = kGpuGranted;
-  patch(offsetof(PolicySegment, gpus) + offsetof(GpuPolicy, state), &good_state, sizeof good_state);
+  EXPECT_NE(std::string(err).find("/node: missing"), std::string::npos) << err;
+  ASSERT_EQ(rename((node + ".away").c_str(), node.c_str()), 0);
+  {
+    const int fd = open(node.c_str(), O_RDWR);
+    const uint64_t not_node = kPolicyMagic;
+    ASSERT_EQ(pwrite(fd, &not_node, sizeof not_node, 0), 8);
+    close(fd);
+  }
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err), LedgerError::kForeign);
+  EXPECT_NE(std::string(err).find("not a fracgpu node segment"), std::string::npos) << err;
+  ASSERT_EQ(truncate(node.c_str(), 10), 0);
+  EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err),
+            LedgerError::kWrongSize);
+  EXPECT_FALSE(t.is_open());
 
   ASSERT_EQ(truncate(policy.c_str(), 100), 0);
   EXPECT_EQ(open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err),
@@ -189,9 +221,13 @@ TEST_F(LedgerTest, RefusesForeignWrongVersionWrongSizeAndCorruptSegments) {
 TEST_F(LedgerTest, TenantMapsPolicyReadOnly) {
   TenantLedger d = make_daemon(1 << 20);
   TenantLedger t = open_tenant();
-  // Writing the quota through the tenant's mapping faults instead of raising it.
-  EXPECT_DEATH(t.policy->gpus[0].memory_quota.store(kUnlimited), "");
-  EXPECT_EQ(d.policy->gpus[0].memory_quota.load(), 1u << 20);
+  // Writing the quota, or the generation in force, through the tenant's
+  // mappings faults instead of raising it.
+  const uint64_t in_force = t.node->committed.load();
+  EXPECT_DEATH(t.policy->copies[in_force & 1].gpus[0].memory_quota.store(kUnlimited), "");
+  EXPECT_DEATH(t.policy->copies[(in_force + 1) & 1].gpus[0].memory_quota.store(kUnlimited), "");
+  EXPECT_DEATH(t.node->committed.store(in_force + 1), "");
+  EXPECT_EQ(read_gpu_entry(d, 0).memory_quota, 1u << 20);
   close_ledger(&t);
   close_ledger(&d);
 }
@@ -227,42 +263,51 @@ TEST_F(LedgerTest, ChargesStopAtTheQuota) {
   EXPECT_GT(self.start_time, 0u);
   int slot = claim_slot(t, self, nullptr);
   ASSERT_GE(slot, 0);
-  EXPECT_TRUE(try_charge(*t.policy, *t.usage, 0, slot, 600));
-  EXPECT_FALSE(try_charge(*t.policy, *t.usage, 0, slot, 401));
-  EXPECT_TRUE(try_charge(*t.policy, *t.usage, 0, slot, 400));
+  EXPECT_TRUE(try_charge(t, 0, slot, 600));
+  EXPECT_FALSE(try_charge(t, 0, slot, 401));
+  EXPECT_TRUE(try_charge(t, 0, slot, 400));
   EXPECT_EQ(tenant_used(*t.usage, 0), 1000u);
-  EXPECT_FALSE(try_charge(*t.policy, *t.usage, 0, slot, 1));
+  EXPECT_FALSE(try_charge(t, 0, slot, 1));
   uncharge(*t.usage, 0, slot, 500);
   EXPECT_EQ(tenant_used(*t.usage, 0), 500u);
   // Lowering the quota below use refuses new charges and frees nothing.
-  d.policy->gpus[0].memory_quota.store(100);
-  EXPECT_FALSE(try_charge(*t.policy, *t.usage, 0, slot, 1));
+  publish_policy(d, [](GpuPolicy* gpus) { gpus[0].memory_quota.store(100); });
+  EXPECT_FALSE(try_charge(t, 0, slot, 1));
   EXPECT_EQ(tenant_used(*t.usage, 0), 500u);
-  d.policy->gpus[0].memory_quota.store(kUnlimited);
-  EXPECT_TRUE(try_charge(*t.policy, *t.usage, 0, slot, 1ull << 50));
+  publish_policy(d, [](GpuPolicy* gpus) { gpus[0].memory_quota.store(kUnlimited); });
+  EXPECT_TRUE(try_charge(t, 0, slot, 1ull << 50));
   // A revoked grant refuses everything.
-  d.policy->gpus[0].state.store(kGpuRevoked);
-  EXPECT_FALSE(try_charge(*t.policy, *t.usage, 0, slot, 1));
+  publish_policy(d, [](GpuPolicy* gpus) { gpus[0].state.store(kGpuRevoked); });
+  EXPECT_FALSE(try_charge(t, 0, slot, 1));
   // An entry that was never granted refuses too.
-  EXPECT_FALSE(try_charge(*t.policy, *t.usage, 1, slot, 1));
+  EXPECT_FALSE(try_charge(t, 1, slot, 1));
   close_ledger(&t);
   close_ledger(&d);
 }
 
 TEST_F(LedgerTest, GpuEntriesAreBoundByUuidAndAppendOnly) {
   TenantLedger d = make_daemon(1);
-  EXPECT_EQ(find_gpu(*d.policy, kUuidA), 0);
-  EXPECT_EQ(find_gpu(*d.policy, kUuidB), -1);
-  EXPECT_EQ(bind_gpu(*d.policy, kUuidB), 1);
-  EXPECT_EQ(bind_gpu(*d.policy, kUuidB), 1);
-  EXPECT_EQ(d.policy->gpus[1].state.load(), kGpuRevoked);  // bound, not granted yet
-  uint8_t uuid[16] = {};
-  for (uint32_t i = 2; i < kMaxGpus; ++i) {
-    uuid[0] = static_cast<uint8_t>(i);
-    EXPECT_EQ(bind_gpu(*d.policy, uuid), static_cast<int>(i));
-  }
-  uuid[0] = 0xff;
-  EXPECT_EQ(bind_gpu(*d.policy, uuid), -1);
+  EXPECT_EQ(find_gpu(d, kUuidA), 0);
+  EXPECT_EQ(find_gpu(d, kUuidB), -1);
+  publish_policy(d, [](GpuPolicy* gpus) {
+    EXPECT_EQ(bind_gpu(gpus, kUuidB), 1);
+    EXPECT_EQ(bind_gpu(gpus, kUuidB), 1);
+    EXPECT_EQ(gpus[1].state.load(), kGpuRevoked);  // bound, not granted yet
+  });
+  EXPECT_EQ(find_gpu(d, kUuidB), 1);
+  // Every later copy keeps the bindings: entries only ever append.
+  publish_policy(d, [](GpuPolicy* gpus) {
+    uint8_t uuid[16] = {};
+    for (uint32_t i = 2; i < kMaxGpus; ++i) {
+      uuid[0] = static_cast<uint8_t>(i);
+      EXPECT_EQ(bind_gpu(gpus, uuid), static_cast<int>(i));
+    }
+    uuid[0] = 0xff;
+    EXPECT_EQ(bind_gpu(gpus, uuid), -1);
+    EXPECT_EQ(bind_gpu(gpus, kUuidA), 0);
+  });
+  EXPECT_EQ(find_gpu(d, kUuidA), 0);
+  EXPECT_EQ(find_gpu(d, kUuidB), 1);
   close_ledger(&d);
 }
 
@@ -292,7 +337,7 @@ TEST_F(LedgerTest, ConcurrentChargesNeverPassTheQuota) {
           continue;
         }
         const uint64_t bytes = (rng() % 16 + 1) << 20;
-        if (try_charge(*t.policy, *t.usage, 0, slot, bytes)) {
+        if (try_charge(t, 0, slot, bytes)) {
           if (held.fetch_add(bytes) + bytes > kQuota) violated = true;
           mine.push_back(bytes);
           successes++;
@@ -351,7 +396,7 @@ TEST_F(LedgerTest, ConcurrentChargesFromProcessesNeverPassTheQuota) {
               continue;
             }
             const uint64_t bytes = (rng() % 8 + 1) << 20;
-            if (try_charge(*t.policy, *t.usage, 0, slot, bytes)) {
+            if (try_charge(t, 0, slot, bytes)) {
               if (held.fetch_add(bytes) + bytes > kQuota) violations++;
               mine.push_back(bytes);
             } else {
@@ -660,7 +705,7 @@ TEST_F(LedgerTest, WithoutTmpfileNewFilesAreMadeInThePrivateDirectory) {
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(tenant_dir_)) names.push_back(entry.path().filename());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"policy", "usage"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"node", "policy", "usage"}));
 }
 
 TEST_F(LedgerTest, AUsageFileGrownPastTheLayoutIsCutBackAndAShrunkOneReported) {
@@ -670,7 +715,7 @@ TEST_F(LedgerTest, AUsageFileGrownPastTheLayoutIsCutBackAndAShrunkOneReported) {
   read_self_identity(&self);
   const int slot = claim_slot(t, self, nullptr);
   ASSERT_GE(slot, 0);
-  ASSERT_TRUE(try_charge(*t.policy, *t.usage, 0, slot, 4096));
+  ASSERT_TRUE(try_charge(t, 0, slot, 4096));
   EXPECT_EQ(enforce_usage_size(d, nullptr), UsageSize::kOk);
   const char byte = 1;
   ASSERT_EQ(pwrite(t.usage_fd, &byte, 1, 100 << 20), 1);  // a tenant filling the disk

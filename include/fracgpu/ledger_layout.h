@@ -8,6 +8,9 @@
 //                         Quotas live here, so a tenant cannot raise its own.
 //   <tenant dir>/usage    read-write for the tenant's processes: process slots
 //                         and the bytes each slot has charged on each GPU.
+//   <tenant dir>/node     a hard link to <run_dir>/node, one file for the whole
+//                         node, written by the daemon only: the generation of
+//                         policy in force on every tenant (NodeSegment below).
 //
 // Rules for everything below:
 //  - integer atomics only: no pointers, no semaphores, no pthread mutexes,
@@ -30,18 +33,20 @@
 
 namespace fracgpu::ledger {
 
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;
 inline constexpr uint32_t kMaxGpus = 16;    // GPUs one tenant may ever be granted
 inline constexpr uint32_t kMaxSlots = 256;  // live processes per tenant
 inline constexpr uint32_t kTenantNameBytes = 64;
 inline constexpr uint64_t kUnlimited = UINT64_MAX;
 
-// "FRGPOLCY" and "FRGUSAGE" read as little-endian integers.
+// "FRGPOLCY", "FRGUSAGE" and "FRGPNODE" read as little-endian integers.
 inline constexpr uint64_t kPolicyMagic = 0x59434c4f50475246ULL;
 inline constexpr uint64_t kUsageMagic = 0x4547415355475246ULL;
+inline constexpr uint64_t kNodeMagic = 0x45444f4e50475246ULL;
 
 inline constexpr const char* kPolicyFileName = "policy";
 inline constexpr const char* kUsageFileName = "usage";
+inline constexpr const char* kNodeFileName = "node";
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -80,8 +85,8 @@ enum GpuPolicyFlags : uint32_t {
 };
 
 // One GPU granted to the tenant. An entry is bound to one GPU UUID for the
-// life of the segment (usage charges are indexed by entry), so the daemon only
-// ever appends entries; `uuid` is written before `state` leaves kGpuUnused.
+// life of the segment (usage charges are indexed by entry): each copy the
+// daemon writes keeps the committed copy's bindings and only ever appends.
 struct alignas(64) GpuPolicy {
   std::atomic<uint32_t> state;            // GpuGrantState, published with release
   std::atomic<uint32_t> flags;            // GpuPolicyFlags
@@ -91,8 +96,6 @@ struct alignas(64) GpuPolicy {
   std::atomic<uint32_t> share_ppm;        // guaranteed GPU-time share, parts per million
   std::atomic<uint32_t> limit_ppm;        // GPU-time cap, parts per million
   // GpuUnavailableReason; not kGpuAvailable: cuInit refuses new processes.
-  // Zero in files written before it existed (the bytes were reserved), so the
-  // layout version did not change.
   std::atomic<uint32_t> unavailable;
   std::atomic<uint32_t> unavailable_detail;  // Xid, ECC count or PID, for the message
   uint64_t reserved;
@@ -104,20 +107,60 @@ static_assert(offsetof(GpuPolicy, memory_quota) == 24);
 static_assert(offsetof(GpuPolicy, context_memory) == 32);
 static_assert(offsetof(GpuPolicy, share_ppm) == 40);
 
+// Policy changes are atomic across the whole node: every tenant's policy
+// holds two copies of its GPU table, each stamped with the generation it was
+// written for, and the node file says which generation is in force. A reload
+// (or a start that changes policies) writes every tenant's *other* copy for
+// generation G+1, and only then stores G+1 into the node file: one store,
+// the commit point. A daemon killed at any instant before it leaves every
+// tenant at G, after it every tenant at G+1; never a mix. Then the copies of
+// G are retired (kStampRetired): only the copy in force is ever complete
+// between changes, so no node file could point a tenant back at an older one.
+//
+// Readers (shm/ledger.h: committed_gpus, read_gpu_table) load the committed
+// generation G, read copies[G & 1], and accept what they read only if that
+// copy is still stamped G afterwards (a seqlock: the daemon sets the stamp to
+// kStampWriting before it rewrites a copy). A copy stamped otherwise than the
+// committed generation (the tenant is newer than it, or the node file was
+// recreated) grants nothing. Health and audit marks (`unavailable`), which
+// change outside reloads, are written into both copies.
+inline constexpr uint64_t kStampWriting = UINT64_MAX;
+inline constexpr uint64_t kStampRetired = UINT64_MAX - 1;
+
+struct alignas(64) PolicyCopy {
+  std::atomic<uint64_t> stamp;  // the generation it holds; kStampWriting while rewritten, kStampRetired after
+  uint64_t reserved[7];
+  GpuPolicy gpus[kMaxGpus];
+};
+static_assert(offsetof(PolicyCopy, gpus) == 64);
+static_assert(sizeof(PolicyCopy) == 64 + 64 * kMaxGpus);
+
 struct PolicySegment {
   SegmentHeader header;
   char tenant[kTenantNameBytes];              // NUL-terminated tenant name
-  std::atomic<uint64_t> generation;           // bumped after every daemon write
+  uint64_t reserved1;                         // was the per-tenant generation (layout 1)
   std::atomic<uint64_t> daemon_heartbeat_ns;  // CLOCK_MONOTONIC of the daemon's last pass
   std::atomic<int32_t> daemon_pid;            // in the daemon's PID namespace
   uint32_t reserved0;
   uint64_t reserved[5];
-  GpuPolicy gpus[kMaxGpus];
+  PolicyCopy copies[2];  // the GPU table of generation G is copies[G & 1], if stamped G
 };
 static_assert(offsetof(PolicySegment, tenant) == 32);
-static_assert(offsetof(PolicySegment, generation) == 96);
-static_assert(offsetof(PolicySegment, gpus) == 192);
-static_assert(sizeof(PolicySegment) == 192 + 64 * kMaxGpus);
+static_assert(offsetof(PolicySegment, daemon_heartbeat_ns) == 104);
+static_assert(offsetof(PolicySegment, copies) == 192);
+static_assert(sizeof(PolicySegment) == 192 + 2 * sizeof(PolicyCopy));
+
+// <run_dir>/node (0644), hard-linked into every tenant directory as `node`
+// (containers mount it read-only with the rest of the tenant directory).
+// Written by the daemon only. All zero: generation 0, whose copy of a fresh
+// policy (all zero, stamped 0) grants nothing.
+struct NodeSegment {
+  SegmentHeader header;
+  std::atomic<uint64_t> committed;  // the generation of policy in force on the node
+  uint64_t reserved[3];
+};
+static_assert(offsetof(NodeSegment, committed) == 32);
+static_assert(sizeof(NodeSegment) == 64);
 
 enum SlotState : uint32_t {
   kSlotFree = 0,
