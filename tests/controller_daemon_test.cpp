@@ -417,6 +417,11 @@ int status_within(const std::string& run_dir, const std::string& log, std::strin
   return rc;
 }
 
+// The config with a metrics endpoint on a free port (logged_metrics_port).
+std::string with_metrics(std::string config) {
+  return config.replace(config.find("[daemon]\n"), 9, "[daemon]\nmetrics_address = \"127.0.0.1:0\"\n");
+}
+
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -437,7 +442,7 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
     ASSERT_EQ(chown(canary.c_str(), 65534, 65534), 0);
   }
   const FileFacts before = facts_of(canary);
-  write_config(config(run_dir_, "0.5") + "[[tenant]]\nname = \"carol\"\nmemory = { \"0\" = \"1GiB\" }\n");
+  write_config(with_metrics(config(run_dir_, "0.5")) + "[[tenant]]\nname = \"carol\"\nmemory = { \"0\" = \"1GiB\" }\n");
   for (const char* tenant : {"alice", "bob", "carol"}) fs::create_directories(tenant_dir(tenant));
   int gate[2];
   ASSERT_EQ(pipe(gate), 0);
@@ -478,6 +483,11 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
             std::string::npos)
       << out;
   EXPECT_NE(out.find("alice"), std::string::npos) << out;
+  uint16_t port = 0;
+  ASSERT_TRUE(eventually([&] { return (port = logged_metrics_port(read_file(log_path_))) != 0; }));
+  const std::string metrics = http_get(port, "/metrics");
+  EXPECT_NE(metrics.find("fracgpu_tenant_ledger_readable{tenant=\"bob\"} 0"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 1"), std::string::npos) << metrics;
   EXPECT_EQ(facts_of(canary), before);
 }
 
@@ -485,9 +495,7 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
 // `fracgpu status` and the metrics endpoint survive it, report the ledger
 // corrupt, and recover when the file is restored.
 TEST_F(DaemonTest, ATruncatedUsageFileIsReportedCorruptAndKillsNoOneOutsideTheTenant) {
-  std::string text = config(run_dir_, "0.5");
-  text.replace(text.find("[daemon]\n"), 9, "[daemon]\nmetrics_address = \"127.0.0.1:0\"\n");
-  write_config(text);
+  write_config(with_metrics(config(run_dir_, "0.5")));
   daemon_ = start_daemon();
   uint16_t port = 0;
   ASSERT_TRUE(eventually([&] { return (port = logged_metrics_port(read_file(log_path_))) != 0; }));
