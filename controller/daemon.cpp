@@ -761,7 +761,8 @@ bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
     ledger::close_ledger(&open.ledger);
     open.ledger = fresh;
     open.corrupt.clear();
-    log_->info("tenant \"{}\": {} is valid again; reclaiming resumes", name, usage_path);
+    log_->log(open.corrupt_logged ? spdlog::level::info : spdlog::level::debug,
+              "tenant \"{}\": {} is valid again; reclaiming resumes", name, usage_path);
   }
   // Still the file we map? Removed or replaced: re-opened next pass (a
   // missing one is made afresh).
@@ -790,9 +791,14 @@ bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
 }
 
 void Daemon::mark_corrupt(const std::string& name, OpenLedger& open, const std::string& why) {
-  log_->error("tenant \"{}\": {}/{} {}: its ledger is corrupt; nothing is reclaimed there until it is valid again "
-              "(checked every pass)",
-              name, open.dir, ledger::kUsageFileName, why);
+  constexpr uint64_t kMinute = 60'000'000'000ull;
+  const uint64_t now = monotonic_ns();
+  open.corrupt_logged = open.corrupt_logged_ns == 0 || now - open.corrupt_logged_ns >= kMinute;
+  if (open.corrupt_logged) open.corrupt_logged_ns = now;
+  log_->log(open.corrupt_logged ? spdlog::level::err : spdlog::level::debug,
+            "tenant \"{}\": {}/{} {}: its ledger is corrupt; nothing is reclaimed there until it is valid again "
+            "(checked every pass)",
+            name, open.dir, ledger::kUsageFileName, why);
   ledger::close_usage(&open.ledger);
   open.corrupt = why;
 }

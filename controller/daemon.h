@@ -118,6 +118,10 @@ class Daemon {
     // It is unmapped (ledger.usage is null) and re-validated every pass;
     // nothing is reclaimed in it meanwhile.
     std::string corrupt;
+    // When a corruption was last logged as an error: a tenant flipping its
+    // file back and forth gets one error a minute, the rest at debug.
+    uint64_t corrupt_logged_ns = 0;
+    bool corrupt_logged = false;  // the current corruption was logged as an error
   };
 
   // The config at options_.config_path, placed keeping running tenants where

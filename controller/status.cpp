@@ -72,8 +72,16 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
   // file is opened by name from the tenant's directory, never through a
   // link, never a FIFO (shm/safe_file.h): status must not hang on what a
   // tenant may have planted there.
-  const ledger::LedgerError rc =
-      gputime::open_arbiter(path.c_str(), false, true, uuid, &mapped, err, sizeof err);
+  ledger::LedgerError rc = ledger::LedgerError::kOk;
+  // open_arbiter validates the header through the mapping: guarded too (a
+  // fault there leaves its descriptor and mapping behind, in a process that
+  // reads status once, or a metrics child under attack: a leak, not a death).
+  if (!shm::sigbus_guarded([&] {
+        rc = gputime::open_arbiter(path.c_str(), false, true, uuid, &mapped, err, sizeof err);
+      })) {
+    out->gpu_time_error = fmt::format("corrupt: {}: shrank while being opened", path);
+    return;
+  }
   if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
     out->gpu_time_error = describe(rc, err);

@@ -460,6 +460,11 @@ int status_within(const std::string& run_dir, const std::string& log, std::strin
   return rc;
 }
 
+// The config with a metrics endpoint on a free port (logged_metrics_port).
+std::string with_metrics(std::string config) {
+  return config.replace(config.find("[daemon]\n"), 9, "[daemon]\nmetrics_address = \"127.0.0.1:0\"\n");
+}
+
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -480,7 +485,7 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
     ASSERT_EQ(chown(canary.c_str(), 65534, 65534), 0);
   }
   const FileFacts before = facts_of(canary);
-  write_config(config(run_dir_, "0.5") + "[[tenant]]\nname = \"carol\"\nmemory = { \"0\" = \"1GiB\" }\n");
+  write_config(with_metrics(config(run_dir_, "0.5")) + "[[tenant]]\nname = \"carol\"\nmemory = { \"0\" = \"1GiB\" }\n");
   for (const char* tenant : {"alice", "bob", "carol"}) fs::create_directories(tenant_dir(tenant));
   int gate[2];
   ASSERT_EQ(pipe(gate), 0);
@@ -521,6 +526,11 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
             std::string::npos)
       << out;
   EXPECT_NE(out.find("alice"), std::string::npos) << out;
+  uint16_t port = 0;
+  ASSERT_TRUE(eventually([&] { return (port = logged_metrics_port(read_file(log_path_))) != 0; }));
+  const std::string metrics = http_get(port, "/metrics");
+  EXPECT_NE(metrics.find("fracgpu_tenant_ledger_readable{tenant=\"bob\"} 0"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 1"), std::string::npos) << metrics;
   EXPECT_EQ(facts_of(canary), before);
 }
 
@@ -528,9 +538,7 @@ TEST_F(DaemonTest, LinksAndFifosPlantedInTenantDirsChangeNothingOutsideTheRunDir
 // `fracgpu status` and the metrics endpoint survive it, report the ledger
 // corrupt, and recover when the file is restored.
 TEST_F(DaemonTest, ATruncatedUsageFileIsReportedCorruptAndKillsNoOneOutsideTheTenant) {
-  std::string text = config(run_dir_, "0.5");
-  text.replace(text.find("[daemon]\n"), 9, "[daemon]\nmetrics_address = \"127.0.0.1:0\"\n");
-  write_config(text);
+  write_config(with_metrics(config(run_dir_, "0.5")));
   daemon_ = start_daemon();
   uint16_t port = 0;
   ASSERT_TRUE(eventually([&] { return (port = logged_metrics_port(read_file(log_path_))) != 0; }));
@@ -547,15 +555,30 @@ TEST_F(DaemonTest, ATruncatedUsageFileIsReportedCorruptAndKillsNoOneOutsideTheTe
   EXPECT_NE(out.find("alice: wrong size: " + usage + ": size is 0 bytes"), std::string::npos) << out;
   EXPECT_NE(http_get(port, "/metrics").find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 0"), std::string::npos);
 
-  // Shrunk and restored over and over while everyone reads it.
+  // Shrunk and restored over and over while everyone reads it. Restored
+  // with every slot in use by a dead owner, so that each pass of the daemon
+  // works through all of them (record locks, /proc) and a shrink lands in
+  // the middle of its reading, past its size check.
+  std::string busy = saved;
+  const uint32_t all = ledger::kMaxSlots;
+  memcpy(busy.data() + offsetof(ledger::UsageSegment, slot_high_water), &all, sizeof all);
+  for (uint32_t slot = 1; slot < ledger::kMaxSlots; ++slot) {
+    const uint32_t live = ledger::kSlotLive;
+    const int32_t dead_pid = 0x7ffffff0;
+    const size_t at = offsetof(ledger::UsageSegment, slots) + slot * sizeof(ledger::ProcessSlot);
+    memcpy(busy.data() + at + offsetof(ledger::ProcessSlot, state), &live, sizeof live);
+    memcpy(busy.data() + at + offsetof(ledger::ProcessSlot, pid), &dead_pid, sizeof dead_pid);
+  }
   std::atomic<bool> stop{false};
   std::thread flipper([&] {
+    const int fd = open(usage.c_str(), O_WRONLY);
     while (!stop.load()) {
-      if (truncate(usage.c_str(), 0) != 0 || truncate(usage.c_str(), static_cast<off_t>(saved.size())) != 0) return;
-      std::this_thread::sleep_for(300us);
+      if (ftruncate(fd, 0) != 0 || pwrite(fd, busy.data(), busy.size(), 0) != static_cast<ssize_t>(busy.size())) break;
+      std::this_thread::sleep_for(200us);
     }
+    close(fd);
   });
-  for (int i = 0; i < 15; ++i) {
+  for (const auto until = std::chrono::steady_clock::now() + 2s; std::chrono::steady_clock::now() < until;) {
     const int rc = status_within(run_dir_, status_log, &out);
     EXPECT_TRUE(rc == controller::kStatusOk || rc == controller::kStatusBadLedger) << rc << "\n" << out;
     EXPECT_NE(http_get(port, "/metrics").find("fracgpu_daemon_up 1"), std::string::npos);
@@ -566,18 +589,23 @@ TEST_F(DaemonTest, ATruncatedUsageFileIsReportedCorruptAndKillsNoOneOutsideTheTe
   EXPECT_NE(http_get(port, "/healthz").find("200 OK"), std::string::npos);
   EXPECT_FALSE(log_contains("metrics: the endpoint's process")) << read_file(log_path_);
 
-  // Restored: valid again, and reclaiming resumes.
+  // Restored: valid again, and reclaiming resumes. (First let the daemon
+  // take the file back after the flipping: it logs each change once.)
+  ASSERT_TRUE(eventually([&] {
+    const std::string log = read_file(log_path_);
+    return count_of(log, "is valid again; reclaiming resumes") == count_of(log, "its ledger is corrupt");
+  })) << read_file(log_path_);
   ASSERT_EQ(truncate(usage.c_str(), 0), 0);
   const size_t corrupt_before = count_of(read_file(log_path_), "its ledger is corrupt");
   ASSERT_TRUE(eventually([&] { return count_of(read_file(log_path_), "its ledger is corrupt") > corrupt_before; }));
-  const size_t valid_before = count_of(read_file(log_path_), "is valid again");
+  const size_t valid_before = count_of(read_file(log_path_), "is valid again; reclaiming resumes");
   {
     const int fd = open(usage.c_str(), O_WRONLY);
     ASSERT_GE(fd, 0);
     ASSERT_EQ(pwrite(fd, saved.data(), saved.size(), 0), static_cast<ssize_t>(saved.size()));
     close(fd);
   }
-  EXPECT_TRUE(eventually([&] { return count_of(read_file(log_path_), "is valid again") > valid_before; }));
+  EXPECT_TRUE(eventually([&] { return count_of(read_file(log_path_), "is valid again; reclaiming resumes") > valid_before; }));
   EXPECT_EQ(status_within(run_dir_, status_log, &out), controller::kStatusOk) << out;
   EXPECT_NE(http_get(port, "/metrics").find("fracgpu_tenant_ledger_readable{tenant=\"alice\"} 1"), std::string::npos);
   ledger::TenantLedger alice = map_tenant("alice");
@@ -607,6 +635,7 @@ TEST_F(DaemonTest, AUsageFileGrownTo100MBIsCutBack) {
   EXPECT_TRUE(eventually([&] { return log_contains("tenant \"alice\": " + usage + " had grown to"); }))
       << read_file(log_path_);
   ledger::TenantLedger alice = map_tenant("alice");
+  ASSERT_TRUE(alice.is_open());
   EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 1 * kGiB);
   EXPECT_EQ(alice.usage->header.magic, ledger::kUsageMagic);
   ledger::close_ledger(&alice);

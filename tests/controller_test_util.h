@@ -160,9 +160,12 @@ inline pid_t spawn_tenant_process(const std::string& dir, uint32_t gpu, uint64_t
       comm);
 }
 
-// An HTTP GET over loopback; the whole response, or "" if unreachable.
+// An HTTP GET over loopback; the whole response, or "" if unreachable. A
+// server that does not answer within 10 s gets what it sent until then.
 inline std::string http_get(uint16_t port, const std::string& path) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const struct timeval timeout {10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
