@@ -28,8 +28,11 @@
 //     last_us=N         after the run, launch one N us kernel and exit without waiting
 //                       for it (the process exits while it holds the GPU)
 //
-// Prints launches_<device>=N when done (and, for path=capture,
-// capture_launch_max_us=N: the slowest launch into a capturing stream).
+// Prints launches_<device>=N when done, step_max_us=N (the longest time one
+// launch took with the wait for older work after it: how long the load was
+// stalled at worst, in the runs of `seconds` on a thread per device), and,
+// for path=capture, capture_launch_max_us=N: the slowest launch into a
+// capturing stream.
 // Exit 0, or 1 on a CUDA error (printed).
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -115,6 +118,7 @@ struct Launcher {
   PFN_cuLaunchKernel_v4000 launch_from_getproc = nullptr;  // path=getproc
   unsigned long long launches = 0;
   uint64_t capture_launch_max_ns = 0;
+  uint64_t step_max_ns = 0;  // the longest step: a launch, and the wait for older work that may follow
 
   // created: a context of its own, current through cuCtxCreate alone;
   // otherwise the primary context, made current with cuCtxSetCurrent.
@@ -260,8 +264,12 @@ struct Launcher {
   bool run_for(double seconds) {
     if (!begin()) return false;
     const uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
-    while (now_ns() < until)
+    for (uint64_t before = now_ns(); before < until;) {
       if (!step()) return false;
+      const uint64_t after = now_ns();
+      step_max_ns = std::max(step_max_ns, after - before);
+      before = after;
+    }
     return end();
   }
 };
@@ -377,8 +385,10 @@ int run_all(const Options& o, double seconds) {
     printf("launches_%d=%llu\n", o.devices[i], launchers[i].launches);
     if (!ok[i]) status = 1;
   }
-  uint64_t capture_max = 0;
+  uint64_t capture_max = 0, step_max = 0;
   for (const Launcher& l : launchers) capture_max = std::max(capture_max, l.capture_launch_max_ns);
+  for (const Launcher& l : launchers) step_max = std::max(step_max, l.step_max_ns);
+  printf("step_max_us=%llu\n", static_cast<unsigned long long>(step_max / 1000));
   if (o.path == "capture") printf("capture_launch_max_us=%llu\n", static_cast<unsigned long long>(capture_max / 1000));
   if (status == 0 && o.last_us != 0) {
     // One more kernel, then exit at once: the exit hands the GPU on.
