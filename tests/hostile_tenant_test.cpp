@@ -167,7 +167,16 @@ class HostileTenantTest : public ::testing::Test {
       kill_and_reap(pid);
       return "(status hung)";
     }
-    return rc == 0 ? read_file(log) : "(status failed: " + std::to_string(rc) + ")\n" + read_file(log);
+    // 2: some ledger is unreadable (the hostile tenant's, while it is cut
+    // short): status says so, and still shows the rest.
+    return rc == 0 || rc == 2 ? read_file(log) : "(status failed: " + std::to_string(rc) + ")\n" + read_file(log);
+  }
+  // Status answered, and showed the honest tenant.
+  bool status_answers() {
+    const std::string out = status_output();
+    const bool ok = out.find("(status") == std::string::npos && out.find("alice") != std::string::npos;
+    if (!ok) ADD_FAILURE() << "fracgpu status: " << out;
+    return ok;
   }
 
   std::string root_, run_dir_, container_, sim_state_, devices_, config_;
@@ -223,7 +232,7 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   // Meanwhile: a reload (with a change), a daemon SIGKILLed and restarted,
   // a reload back; status asked throughout.
   std::this_thread::sleep_for(1500ms);
-  EXPECT_EQ(status_output().find("(status"), std::string::npos);
+  EXPECT_TRUE(status_answers());
   write_config("0.5\nlimit = 0.9");
   kill(daemon_, SIGHUP);
   std::this_thread::sleep_for(1500ms);
@@ -233,7 +242,7 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   std::this_thread::sleep_for(1500ms);
   write_config("0.5");
   kill(daemon_, SIGHUP);
-  EXPECT_EQ(status_output().find("(status"), std::string::npos);
+  EXPECT_TRUE(status_answers());
 
   ASSERT_EQ(wait_exit(honest, 30s), 0) << read_file(honest_log);
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -275,7 +284,7 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
                             {preload, "FRACGPU_TENANT=alice"});
   EXPECT_EQ(wait_exit(quota, 10s), 0) << read_file(quota_log);
   EXPECT_NE(read_file(quota_log).find("alloc=0\n"), std::string::npos) << read_file(quota_log) << daemon_log();
-  EXPECT_EQ(status_output().find("(status"), std::string::npos);
+  EXPECT_TRUE(status_answers());
   dlclose(sim);
 }
 
