@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "text_escape.h"
+
 namespace fracgpu::controller {
 namespace fs = std::filesystem;
 namespace {
@@ -152,7 +154,7 @@ std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir) {
     if (end == std::string::npos) end = environ.size();
     const std::string_view var(environ.data() + start, end - start);
     if (var.starts_with("FRACGPU_TENANT=")) {
-      tenant = std::string(var.substr(15));
+      tenant = std::string(var.substr(15, 64));
     } else if (var.starts_with("FRACGPU_TENANT_DIR=") && tenant.empty()) {
       std::string_view dir = var.substr(19);
       while (dir.ends_with('/')) dir.remove_suffix(1);
@@ -218,7 +220,8 @@ bool Auditor::audit(const std::map<int32_t, std::string>& charged, AuditAction a
       f.first_seen_unix = static_cast<uint64_t>(time(nullptr));
       f.action = "reported";
       std::string who = f.tenant.empty() ? std::string("tenant unknown") : fmt::format("tenant \"{}\"", f.tenant);
-      if (f.tenant.empty() && !f.claimed.empty()) who += fmt::format(", claims \"{}\" (unverified)", f.claimed);
+      if (f.tenant.empty() && !f.claimed.empty())
+        who += fmt::format(", claims \"{}\" (unverified)", escape_terminal(f.claimed));
       if (action == AuditAction::kDeny)
         f.action = f.tenant.empty() ? "reported (deny: tenant unknown)" : "tenant denied";
       if (action == AuditAction::kTerminate) {
@@ -234,7 +237,7 @@ bool Auditor::audit(const std::map<int32_t, std::string>& charged, AuditAction a
       }
       log_.warn("audit: process {} ({}, {}) uses {} bytes on GPU {} ({}) without being charged to any tenant "
                 "(no interposer, or no tenant): {}",
-                pid, f.comm, who, f.bytes, gpu.index, gpu.uuid, f.action);
+                pid, escape_terminal(f.comm), who, f.bytes, gpu.index, gpu.uuid, f.action);
     }
   }
   // Forget processes no longer listed (gone, or now charged).
