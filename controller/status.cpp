@@ -16,6 +16,7 @@
 #include "daemon.h"
 #include "gputime.h"
 #include "ledger.h"
+#include "sigbus_guard.h"
 #include "units.h"
 #include "uuid.h"
 
@@ -29,29 +30,30 @@ using ledger::monotonic_ns;
 
 std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
 
-// A process entry of the tenant in a GPU's arbiter, to be matched with the
-// process's ledger slot by identity.
-struct ArbiterProcess {
-  int32_t pid = 0;
-  uint64_t start_time = 0;
-  ProcessGpuTime time;
+// What a GPU's arbiter says about the grant now, to read the tenant's
+// processes' requests (in its usage file) against.
+struct ArbiterView {
+  bool present = false;
+  std::string uuid;
+  uint64_t seq = 0;       // the current grant's number
+  bool tenant_holds = false;
 };
 
 // The tenant's standing in the GPU-time arbiter the daemon linked into its
-// dir as gputime-<entry>, and its process entries there (appended to
-// *processes). No link: gpu_time stays nullopt and there is no error.
-void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, GpuEntryStatus* out,
-                   std::vector<ArbiterProcess>* processes) {
+// dir as gputime-<entry>. No link: gpu_time stays nullopt and there is no error.
+ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry,
+                          GpuEntryStatus* out) {
+  ArbiterView view;
   const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
   gputime::Arbiter arbiter;
   char err[512] = {};
   // With the entry's UUID: a link to another GPU's arbiter is refused.
   const ledger::LedgerError rc =
       gputime::open_arbiter(path.c_str(), false, true, policy.gpus[entry].uuid, &arbiter, err, sizeof err);
-  if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
+  if (rc == ledger::LedgerError::kMissing) return view;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
     out->gpu_time_error = fmt::format("{}: {}", ledger::ledger_error_name(rc), err);
-    return;
+    return view;
   }
   const gputime::GpuTimeSegment& seg = *arbiter.seg;
   const int row = gputime::find_tenant(seg, policy.tenant);
@@ -59,8 +61,10 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
     out->gpu_time_error =
         fmt::format("{}: tenant \"{}\" not listed", path, bounded(policy.tenant, sizeof policy.tenant));
     gputime::close_arbiter(&arbiter);
-    return;
+    return view;
   }
+  // All of it is the daemon's (the file is 0644, the tenants' mappings
+  // read-only): shown as it stands.
   const gputime::TenantTime& t = seg.tenants[row];
   GpuTimeStatus g;
   g.achieved_1s_ppm = t.achieved_1s_ppm.load(std::memory_order_relaxed);
@@ -68,31 +72,20 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
   g.used_ns = t.used_ns.load(std::memory_order_relaxed);
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
-  g.tenants_sharing = seg.active_tenants.load(std::memory_order_relaxed);
-  const uint32_t holder = seg.arbiter.holder.load(std::memory_order_acquire);
-  const uint32_t high = std::min(seg.process_high_water.load(std::memory_order_acquire), gputime::kMaxProcesses);
-  for (uint32_t p = 0; p < high; ++p) {
-    const gputime::ProcessTime& process = seg.processes[p];
-    if (process.state.load(std::memory_order_acquire) != gputime::kProcessLive ||
-        process.tenant.load(std::memory_order_relaxed) != static_cast<uint32_t>(row))
-      continue;
-    // An entry whose owner died is not waiting or holding, though it may not
-    // be reclaimed yet (the daemon is down, say): ask its record lock.
-    const bool alive = gputime::process_alive(arbiter, p);
-    ArbiterProcess a;
-    a.pid = process.pid.load(std::memory_order_relaxed);
-    a.start_time = process.start_time.load(std::memory_order_relaxed);
-    a.time.uuid = out->uuid;
-    a.time.used_ns = process.used_ns.load(std::memory_order_relaxed);
-    a.time.waited_ns = process.waited_ns.load(std::memory_order_relaxed);
-    a.time.waiting = alive && process.want_since_ns.load(std::memory_order_relaxed) != 0;
-    a.time.holding = alive && holder == p + 1;
-    g.holding |= a.time.holding;
-    g.waiting_processes += a.time.waiting ? 1 : 0;
-    processes->push_back(std::move(a));
-  }
+  g.tenants_sharing = seg.daemon.active_tenants.load(std::memory_order_relaxed);
+  g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
+  g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
+  g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
+  const uint64_t word = seg.grant.word.load(std::memory_order_acquire);
+  g.holding = gputime::grant_valid(word) && gputime::grant_state(word) != gputime::kGrantIdle &&
+              gputime::grant_row(word) == static_cast<uint32_t>(row);
   out->gpu_time = g;
+  view.present = true;
+  view.uuid = out->uuid;
+  view.seq = gputime::grant_seq(word);
+  view.tenant_holds = g.holding;
   gputime::close_arbiter(&arbiter);
+  return view;
 }
 
 TenantStatus read_tenant(const std::string& name, const std::string& dir) {
@@ -112,7 +105,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
   t.heartbeat_ns = policy.daemon_heartbeat_ns.load(std::memory_order_acquire);
   t.daemon_pid = policy.daemon_pid.load(std::memory_order_acquire);
   std::string uuids[kMaxGpus];
-  std::vector<ArbiterProcess> arbiter_processes;
+  ArbiterView views[kMaxGpus];
   for (uint32_t g = 0; g < kMaxGpus; ++g) {
     const ledger::GpuPolicy& e = policy.gpus[g];
     const uint32_t state = e.state.load(std::memory_order_acquire);
@@ -129,7 +122,7 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     s.share_ppm = e.share_ppm.load(std::memory_order_relaxed);
     s.limit_ppm = e.limit_ppm.load(std::memory_order_relaxed);
     s.count_managed = (e.flags.load(std::memory_order_relaxed) & ledger::kCountManagedMemory) != 0;
-    read_gpu_time(dir, policy, g, &s, &arbiter_processes);
+    views[g] = read_gpu_time(dir, policy, g, &s);
     t.gpus.push_back(std::move(s));
   }
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
@@ -149,9 +142,27 @@ TenantStatus read_tenant(const std::string& name, const std::string& dir) {
     if (owner > 0) p.host_pid = owner;
     p.pid = slot.pid.load(std::memory_order_relaxed);
     p.comm = bounded(slot.comm, sizeof slot.comm);
-    const uint64_t start_time = slot.start_time.load(std::memory_order_relaxed);
-    for (const ArbiterProcess& a : arbiter_processes)
-      if (a.pid == p.pid && a.start_time == start_time) p.gpu_time.push_back(a.time);
+    // Its GPU-time requests: the process's own figures (display only; a
+    // tenant can write anything there, and only about itself). Read inside
+    // the SIGBUS guard: the tenant may truncate its usage file under us.
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      if (!views[g].present) continue;
+      ledger::GpuTimeRequest r{};
+      const bool read = shm::sigbus_guarded([&] {
+        const ledger::GpuTimeRequest& q = usage.gputime[g][s];
+        r.want_since_ns.store(q.want_since_ns.load(std::memory_order_relaxed));
+        r.entered_grant.store(q.entered_grant.load(std::memory_order_relaxed));
+        r.drained_grant.store(q.drained_grant.load(std::memory_order_relaxed));
+        r.used_ns.store(q.used_ns.load(std::memory_order_relaxed));
+        r.waited_ns.store(q.waited_ns.load(std::memory_order_relaxed));
+      });
+      if (!read) continue;
+      const uint64_t entered = r.entered_grant.load(), used = r.used_ns.load(), waited = r.waited_ns.load();
+      const bool waiting = p.running && r.want_since_ns.load() != 0;
+      const bool holding = p.running && views[g].tenant_holds && entered == views[g].seq && r.drained_grant.load() != entered;
+      if (used == 0 && waited == 0 && !waiting && !holding) continue;
+      p.gpu_time.push_back({views[g].uuid, used, waited, waiting, holding});
+    }
     t.processes.push_back(std::move(p));
   }
   ledger::close_ledger(&l);
@@ -311,7 +322,9 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
           {"slices", t.slices},
           {"holding", t.holding},
           {"waiting_processes", t.waiting_processes},
-          {"tenants_sharing", t.tenants_sharing}};
+          {"tenants_sharing", t.tenants_sharing},
+          {"missed_deadlines", t.missed_deadlines},
+          {"blocked", t.blocked}};
 }
 
 }  // namespace
@@ -412,7 +425,8 @@ std::string status_to_text(const StatusReport& report) {
     const auto procs = std::count_if(r.tenant->processes.begin(), r.tenant->processes.end(), on_gpu);
     const std::optional<GpuTimeStatus>& time = r.gpu->gpu_time;
     std::string now = "-";
-    if (time) now = time->holding ? "holding" : time->waiting_processes > 0 ? "waiting" : "idle";
+    if (time)
+      now = time->holding ? "holding" : time->blocked ? "blocked" : time->waiting_processes > 0 ? "waiting" : "idle";
     gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
                          format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
