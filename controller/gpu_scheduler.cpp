@@ -514,6 +514,7 @@ void GpuScheduler::publish(uint64_t now) {
 
 uint64_t GpuScheduler::pass(uint64_t now) {
   std::lock_guard lock(mutex_);
+  passes_.fetch_add(1, std::memory_order_relaxed);
   now = std::max(now, last_pass_ns_);
   anyone_wants_ = false;
   for (Row& r : rows_) {

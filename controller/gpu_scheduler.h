@@ -81,6 +81,8 @@ class GpuScheduler {
   // Achieved shares over 1 s and 10 s from the GPU time charged, into the file.
   void sample_achieved(uint64_t now);
   std::vector<SchedulerMessage> take_messages();
+  // Passes run so far (the thread's and pass()'s).
+  uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
 
  private:
   // What one slot of a tenant's usage file said at the last observation.
@@ -163,6 +165,7 @@ class GpuScheduler {
 
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> passes_{0};
 };
 
 }  // namespace fracgpu::controller

@@ -1137,6 +1137,7 @@ TEST_F(GpuTimeTest, GarbageInATenantsRequestsTakesNothingFromAnother) {
       for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
         ledger::GpuTimeRequest& r = l.usage->gputime[0][s];
         r.want_since_ns.store(times[rand_r(&seed) % 6] | 1);  // always set
+        r.poll_ns.store(times[rand_r(&seed) % 6]);
         r.last_active_ns.store(times[rand_r(&seed) % 6]);
         r.used_ns.store(UINT64_MAX - rand_r(&seed));
         r.waited_ns.store(UINT64_MAX - rand_r(&seed));
@@ -1172,22 +1173,36 @@ TEST_F(GpuTimeTest, GarbageInATenantsRequestsTakesNothingFromAnother) {
 
 // Issue requirement: SIGSTOP the holder. The other tenant waits once, for
 // the rest of the stopped holder's slice and the drain deadline, then runs
-// alone: the stopped tenant is not granted again until it shows progress.
-// After SIGCONT it drains, reports it, and is served again. (Before: a
-// waiter took a stuck holder over only after 1 s, and the stopped process
-// was handed the GPU back every ~2 s, stalling the other 1 s in 2.)
+// alone: the stopped process's tenant is not granted again until it shows
+// progress, though another process of that tenant keeps asking. After
+// SIGCONT the stopped process drains, reports it, and the tenant is served
+// again. (Before: a waiter took a stuck holder over only after 1 s, and the
+// stopped process was handed the GPU back every ~2 s, stalling the others
+// 1 s in 2.)
 TEST_F(GpuTimeTest, AStoppedHolderLosesTheGpuOnceAndGetsItBackWhenItRuns) {
   write_config({{"a", "0.5", "[0]", "1.0"}, {"b", "0.5", "[0]", "1.0"}});  // b may use what a leaves
   start_daemon();
   start_load("a", load_args("1000", 7));
+  start_load("a", load_args("1000", 7));  // a second process of a, never stopped
   start_load("b", load_args("1000", 7));
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
   gputime::Arbiter arbiter = open_tenant_arbiter("a", 0);
   ASSERT_TRUE(arbiter.is_open());
   ledger::TenantLedger a_ledger = open_tenant_ledger("a");
   ASSERT_TRUE(a_ledger.is_open());
-  const pid_t a = loads_[0].pid, b = loads_[1].pid;
-  ASSERT_TRUE(wait_for([&] { return holding_pid(arbiter, a_ledger, "a") == a; }, 2000));
+  const pid_t a = loads_[0].pid, a2 = loads_[1].pid, b = loads_[2].pid;
+  // a holds the GPU, and this process of it entered the grant.
+  auto entered = [&] {
+    const uint64_t word = arbiter.seg->grant.word.load();
+    if (holding_pid(arbiter, a_ledger, "a") == 0) return false;
+    for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
+      if (a_ledger.usage->slots[s].pid.load() == a &&
+          a_ledger.usage->gputime[0][s].entered_grant.load() == gputime::grant_seq(word) &&
+          a_ledger.usage->gputime[0][s].drained_grant.load() != gputime::grant_seq(word))
+        return true;
+    return false;
+  };
+  ASSERT_TRUE(wait_for(entered, 2000));
   std::this_thread::sleep_for(std::chrono::milliseconds(5));  // into its slice
   const int row = gputime::find_tenant(*arbiter.seg, "a");
   ASSERT_GE(row, 0);
@@ -1197,22 +1212,29 @@ TEST_F(GpuTimeTest, AStoppedHolderLosesTheGpuOnceAndGetsItBackWhenItRuns) {
   const uint64_t stopped_at = now_ns();
   std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   const uint64_t continued_at = now_ns();
+  const bool blocked = (arbiter.seg->tenants[row].flags.load() & gputime::kTenantBlocked) != 0;
   kill(a, SIGCONT);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const double a_after = measure("a", 0, 1000);
   const auto log = kernel_log(0, first);
   const uint64_t pause = longest_pause(log, b, stopped_at, continued_at);
-  // b alone from 300 ms into the stop: its time then, from the log.
-  uint64_t b_busy = 0;
-  for (const auto& r : log)
-    if (r.pid == b && r.end_ns > stopped_at + 300'000'000 && r.start_ns < continued_at)
-      b_busy += std::min(r.end_ns, continued_at) - std::max(r.start_ns, stopped_at + 300'000'000);
-  const double b_alone = static_cast<double>(b_busy) / static_cast<double>(continued_at - stopped_at - 300'000'000);
+  // From 300 ms into the stop: b's and a2's time, from the log.
+  auto busy_between = [&](pid_t pid, uint64_t from, uint64_t to) {
+    uint64_t busy = 0;
+    for (const auto& r : log)
+      if (r.pid == pid && r.end_ns > from && r.start_ns < to) busy += std::min(r.end_ns, to) - std::max(r.start_ns, from);
+    return static_cast<double>(busy) / static_cast<double>(to - from);
+  };
+  const double b_alone = busy_between(b, stopped_at + 300'000'000, continued_at);
+  const double a2_stopped = busy_between(a2, stopped_at + 300'000'000, continued_at);
   const uint32_t missed = arbiter.seg->tenants[row].missed_deadlines.load() - missed_before;
-  printf("stopped holder: b's longest pause %.1f ms, b alone %.3f, a's missed deadlines %u; a after SIGCONT %.3f\n",
-         pause / 1e6, b_alone, missed, a_after);
+  printf("stopped holder: b's longest pause %.1f ms, b alone %.3f (a's other process %.3f), a's missed deadlines "
+         "%u; a after SIGCONT %.3f\n",
+         pause / 1e6, b_alone, a2_stopped, missed, a_after);
   EXPECT_LT(pause, 200'000'000u) << "b waited more than the rest of a slice and the drain deadline";
   EXPECT_GT(b_alone, 0.95) << "b must have the GPU to itself while a is stopped";
+  EXPECT_LT(a2_stopped, 0.01) << "a is not granted again while its stopped process has not drained";
+  EXPECT_TRUE(blocked);
   EXPECT_EQ(missed, 1u) << "a stopped holder misses one deadline, then is not granted again";
   EXPECT_NEAR(a_after, 0.5, 0.1) << "a is served again once it runs";
   gputime::close_arbiter(&arbiter);
