@@ -83,6 +83,8 @@ class GpuScheduler {
   std::vector<SchedulerMessage> take_messages();
   // Passes run so far (the thread's and pass()'s).
   uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
+  // Record-lock probes (system calls) made so far.
+  uint64_t probes() const { return probes_.load(std::memory_order_relaxed); }
 
  private:
   // What one slot of a tenant's usage file said at the last observation.
@@ -117,9 +119,10 @@ class GpuScheduler {
     uint64_t want_since = 0;  // earliest of its live wanting slots, clamped to our clock
     uint32_t waiting = 0;
     uint64_t last_active = 0;
-    // Record-lock probes, cached.
+    // Record-lock probes, cached, and how many more this pass may make.
     std::array<uint64_t, ledger::kMaxSlots> probed_ns{};
     std::bitset<ledger::kMaxSlots> alive;
+    uint32_t probe_budget = 0;
   };
 
   void release_usage(Row& r);
@@ -166,6 +169,7 @@ class GpuScheduler {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> passes_{0};
+  std::atomic<uint64_t> probes_{0};
 };
 
 }  // namespace fracgpu::controller

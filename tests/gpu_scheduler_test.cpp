@@ -373,6 +373,36 @@ TEST_F(SchedulerTest, ATruncatedUsageFileMeansNotAskingAndHurtsNobody) {
   EXPECT_TRUE(row(1).flags.load() & gputime::kTenantWants);
 }
 
+// A tenant that marks all its slots live and asking (no process behind
+// them) costs the daemon a bounded number of liveness probes per pass, and
+// the other tenant is served as before.
+TEST_F(SchedulerTest, ATenantFakingAllItsSlotsCostsBoundedProbes) {
+  const int b = spawn(1);
+  ledger::UsageSegment& u = *tenants_[0].tenant.usage;
+  u.slot_high_water.store(ledger::kMaxSlots);
+  for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
+    u.slots[s].state.store(ledger::kSlotLive);
+    want(0, static_cast<int>(s));
+  }
+  want(1, b);
+  const uint64_t before = sched_->probes();
+  for (int i = 0; i < 200; ++i) {
+    pass(1 * kMs);
+    // b takes up its grants, and asks again once revoked.
+    if (granted_to(1) && request(1, b).entered_grant.load() != gputime::grant_seq(word())) enter(1, b);
+    if (state() == gputime::kGrantRevoking && gputime::grant_row(word()) == 1) {
+      gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word()));
+      want(1, b);
+    }
+  }
+  const uint64_t probes = sched_->probes() - before;
+  printf("200 passes with 256 faked slots: %llu probes; b held %.0f ms, a %.0f ms\n",
+         static_cast<unsigned long long>(probes), row(1).used_ns.load() / 1e6, row(0).used_ns.load() / 1e6);
+  EXPECT_LE(probes, 200u * 8 * 2) << "8 per tenant per pass (twice in a pass that starts a revocation)";
+  // The grants a wastes are its own (charged to it): b keeps its half.
+  EXPECT_GE(row(1).used_ns.load(), 90 * kMs);
+}
+
 // A restarted daemon keeps an earlier run's plausible figures, clamps the
 // rest, starts with no holder under a grant number above the old one, and
 // puts back a damaged header.
