@@ -594,6 +594,9 @@ Daemon::GpuArbiter* Daemon::open_arbiter(const ManagedGpu& gpu) {
     return nullptr;
   }
   log_->debug("GPU {}: GPU-time arbiter {} open", gpu.index, entry.path);
+  entry.scheduler = std::make_unique<GpuScheduler>(*entry.arbiter.seg, gpu.uuid_bytes.data(),
+                                                   fmt::format("GPU {}", gpu.index));
+  entry.scheduler->adopt(monotonic_ns());
   return &arbiters_.emplace(gpu.uuid, std::move(entry)).first->second;
 }
 
@@ -621,78 +624,34 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
   for (const ManagedGpu& gpu : config.gpus) {
     GpuArbiter* arbiter = open_arbiter(gpu);
     if (arbiter == nullptr) continue;
-    gputime::GpuTimeSegment& seg = *arbiter->arbiter.seg;
-    bool active[gputime::kMaxTenants] = {};
-    bool changed = store_if_changed(seg.slice_ns, slice_ns);
+    // Who shares this GPU, and where the scheduler reads what each asks:
+    // the tenant's usage file, at this GPU's entry of its policy.
+    std::vector<SchedulerTenant> tenants;
     for (const Tenant& tenant : config.tenants) {
       for (const Grant& grant : tenant.grants) {
         if (config.gpus[grant.gpu].uuid != gpu.uuid) continue;
-        const int row = gputime::bind_tenant(seg, tenant.name.c_str());
-        if (row < 0) {
-          log_->error("GPU {}: more than {} tenants: tenant \"{}\" gets no GPU-time arbitration there", gpu.index,
-                      gputime::kMaxTenants, tenant.name);
-          continue;
-        }
-        active[row] = true;
-        gputime::TenantTime& t = seg.tenants[row];
-        // Limits before the state (release): a reader that sees it active sees them.
-        changed |= store_if_changed(t.share_ppm, grant.share_ppm);
-        changed |= store_if_changed(t.limit_ppm, grant.limit_ppm);
-        changed |= store_if_changed(t.state, uint32_t{gputime::kTenantActive});
+        SchedulerTenant t{tenant.name, grant.share_ppm, grant.limit_ppm};
         if (auto it = ledgers_.find(tenant.name); it != ledgers_.end()) {
-          const int entry = ledger::find_gpu(it->second.ledger, gpu.uuid_bytes.data());
-          if (entry >= 0) link_arbiter(tenant.name, it->second, *arbiter, entry);
+          t.entry = ledger::find_gpu(it->second.ledger, gpu.uuid_bytes.data());
+          t.usage_fd = it->second.ledger.usage_fd;
+          if (t.entry >= 0) link_arbiter(tenant.name, it->second, *arbiter, t.entry);
         }
+        tenants.push_back(std::move(t));
       }
     }
-    uint32_t active_count = 0;
-    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row) {
-      gputime::TenantTime& t = seg.tenants[row];
-      if (active[row]) {
-        ++active_count;
-        continue;
-      }
-      if (t.state.load(std::memory_order_acquire) == gputime::kTenantActive) {
-        t.state.store(gputime::kTenantRetired, std::memory_order_release);
-        log_->info("GPU {}: tenant \"{}\" no longer has a share of its time", gpu.index,
-                   std::string(t.name, strnlen(t.name, sizeof t.name)));
-        changed = true;
-      }
-    }
-    changed |= store_if_changed(seg.active_tenants, active_count);
-    if (changed) seg.generation.fetch_add(1, std::memory_order_seq_cst);
+    arbiter->scheduler->configure(tenants, slice_ns);
+    arbiter->scheduler->start();
   }
 }
 
 void Daemon::tick_gpu_time(uint64_t now) {
-  constexpr uint64_t kSecond = 1'000'000'000ull;
   for (auto& [uuid, arbiter] : arbiters_) {
-    gputime::GpuTimeSegment& seg = *arbiter.arbiter.seg;
-    seg.daemon_heartbeat_ns.store(now, std::memory_order_release);
-    gputime::reclaim_dead_processes(arbiter.arbiter, -1);
-    std::array<uint64_t, gputime::kMaxTenants> used{};
-    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row)
-      used[row] = seg.tenants[row].used_ns.load(std::memory_order_acquire);
-    arbiter.samples.emplace_back(now, used);
-    // Keep just over 10 s: the oldest sample at least 10 s old stays.
-    while (arbiter.samples.size() > 2 && now - arbiter.samples[1].first >= 10 * kSecond)
-      arbiter.samples.erase(arbiter.samples.begin());
-    // The achieved share over a window: GPU time used since the newest
-    // sample at least that old, over the time since it.
-    auto achieved = [&](uint32_t row, uint64_t window) -> uint32_t {
-      const auto* base = &arbiter.samples.front();
-      for (const auto& sample : arbiter.samples)
-        if (now - sample.first >= window) base = &sample;
-      if (now <= base->first) return 0;
-      const uint64_t delta = used[row] >= base->second[row] ? used[row] - base->second[row] : 0;
-      const auto ppm = static_cast<unsigned __int128>(delta) * gputime::kPpm / (now - base->first);
-      return static_cast<uint32_t>(std::min<unsigned __int128>(ppm, gputime::kPpm));
-    };
-    for (uint32_t row = 0; row < gputime::kMaxTenants; ++row) {
-      gputime::TenantTime& t = seg.tenants[row];
-      if (t.state.load(std::memory_order_acquire) == gputime::kTenantUnused) continue;
-      t.achieved_1s_ppm.store(achieved(row, kSecond), std::memory_order_relaxed);
-      t.achieved_10s_ppm.store(achieved(row, 10 * kSecond), std::memory_order_relaxed);
+    arbiter.scheduler->sample_achieved(now);
+    for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
+      if (m.warning)
+        log_->warn("{}", m.text);
+      else
+        log_->info("{}", m.text);
     }
   }
 }
@@ -1010,7 +969,11 @@ void Daemon::close_all() {
     ledger::close_ledger(&open.ledger);
   }
   ledgers_.clear();
-  for (auto& [uuid, arbiter] : arbiters_) gputime::close_arbiter(&arbiter.arbiter);
+  for (auto& [uuid, arbiter] : arbiters_) {
+    arbiter.scheduler->stop();  // tells tenants at once that nobody schedules
+    arbiter.scheduler.reset();
+    gputime::close_arbiter(&arbiter.arbiter);
+  }
   arbiters_.clear();
 }
 

@@ -7,9 +7,10 @@
 //            if it is invalid), lock the run dir (run_dir_lock.h) and the
 //            pid file, create or re-adopt every tenant's ledger and commit
 //            every tenant's policy at once (commit_policies);
-//            and each GPU's time arbiter (tenant shares and limits);
-//   run()    every reap_interval: reclaim dead slots and arbiter entries,
-//            compute achieved GPU-time shares, heartbeat; SIGHUP
+//            and each GPU's time arbiter, whose scheduler thread then
+//            grants the GPU's time (gpu_scheduler.h);
+//   run()    every reap_interval: reclaim dead slots, compute achieved
+//            GPU-time shares, heartbeat; SIGHUP
 //            reloads, SIGTERM/SIGINT return 0. Signals arrive on a signalfd:
 //            no work ever runs in a signal handler.
 // Everything the daemon writes is a single atomic store into a mapped file,
@@ -29,6 +30,7 @@
 
 #include "config.h"
 #include "gpu_discovery.h"
+#include "gpu_scheduler.h"
 #include "gputime.h"
 #include "memory_audit.h"
 #include "health.h"
@@ -157,8 +159,8 @@ class Daemon {
   struct GpuArbiter {
     std::string path;
     gputime::Arbiter arbiter;
-    // (CLOCK_MONOTONIC, used_ns) per tenant row, for achieved shares.
-    std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples;
+    // The arbiter's only writer, on a thread of its own (gpu_scheduler.h).
+    std::unique_ptr<GpuScheduler> scheduler;
   };
   void apply_gpu_time(const NodeConfig& config);
   GpuArbiter* open_arbiter(const ManagedGpu& gpu);

@@ -128,9 +128,15 @@ std::string render_metrics(const StatusReport& report) {
   m.describe("fracgpu_gpu_time_share", "gauge", "Guaranteed share of the GPU's time, fraction of one GPU");
   m.describe("fracgpu_gpu_time_limit", "gauge", "Cap on the GPU's time when others leave it idle, fraction of one GPU");
   m.describe("fracgpu_gpu_time_achieved", "gauge", "GPU time used over the window, fraction of the window");
-  m.describe("fracgpu_gpu_time_used_seconds_total", "counter", "GPU time charged to the tenant");
-  m.describe("fracgpu_gpu_time_throttled_seconds_total", "counter", "Time the tenant's launches waited for the GPU");
-  m.describe("fracgpu_processes", "gauge", "The tenant's processes on the GPU (charged there or listed by its arbiter)");
+  m.describe("fracgpu_gpu_time_used_seconds_total", "counter", "GPU time charged to the tenant (time it held the GPU)");
+  m.describe("fracgpu_gpu_time_throttled_seconds_total", "counter",
+             "Time the tenant wanted the GPU and did not hold it (others held it, or its limit)");
+  m.describe("fracgpu_gpu_time_missed_drain_deadlines_total", "counter",
+             "Revocations the tenant's processes did not drain within the deadline");
+  m.describe("fracgpu_gpu_time_blocked", "gauge",
+             "1 while the tenant is not granted the GPU until a process that missed a drain deadline reports it");
+  m.describe("fracgpu_processes", "gauge",
+             "The tenant's processes on the GPU (charged there, or asking for or using its time)");
   m.sample("fracgpu_daemon_up", "", uint64_t{report.daemon.alive ? 1u : 0u});
   // Only from a real probe: without NVML the daemon cannot tell, and a
   // made-up 1 would hide that (health.h).
@@ -172,6 +178,8 @@ std::string render_metrics(const StatusReport& report) {
         m.sample("fracgpu_gpu_time_achieved", labels + ",window=\"10s\"", ppm_fraction(g.gpu_time->achieved_10s_ppm));
         m.sample("fracgpu_gpu_time_used_seconds_total", labels, ns_seconds(g.gpu_time->used_ns));
         m.sample("fracgpu_gpu_time_throttled_seconds_total", labels, ns_seconds(g.gpu_time->throttled_ns));
+        m.sample("fracgpu_gpu_time_missed_drain_deadlines_total", labels, uint64_t{g.gpu_time->missed_deadlines});
+        m.sample("fracgpu_gpu_time_blocked", labels, uint64_t{g.gpu_time->blocked ? 1u : 0u});
       }
       // As `fracgpu status` counts its PROCS column, but running ones only:
       // an exited process awaiting reclaim is not "on" the GPU any more.

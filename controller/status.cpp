@@ -33,12 +33,13 @@ using ledger::monotonic_ns;
 
 std::string bounded(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
 
-// A process entry of the tenant in a GPU's arbiter, to be matched with the
-// process's ledger slot by identity.
-struct ArbiterProcess {
-  int32_t pid = 0;
-  uint64_t start_time = 0;
-  ProcessGpuTime time;
+// What a GPU's arbiter says about the grant now, to read the tenant's
+// processes' requests (in its usage file) against.
+struct ArbiterView {
+  bool present = false;
+  std::string uuid;
+  uint64_t seq = 0;       // the current grant's number
+  bool tenant_holds = false;
 };
 
 // "wrong size: <path>: size is ..."; a refusal's message says what it is
@@ -61,10 +62,10 @@ std::unique_ptr<Segment> guarded_copy(const Segment* mapped) {
 }
 
 // The tenant's standing in the GPU-time arbiter the daemon linked into its
-// dir as gputime-<entry>, and its process entries there (appended to
-// *processes). No link: gpu_time stays nullopt and there is no error.
-void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry, const uint8_t uuid[16],
-                   GpuEntryStatus* out, std::vector<ArbiterProcess>* processes) {
+// dir as gputime-<entry>. No link: gpu_time stays nullopt and there is no error.
+ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, uint32_t entry,
+                          const uint8_t uuid[16], GpuEntryStatus* out) {
+  ArbiterView view;
   const std::string path = fmt::format("{}/{}{}", dir, kGpuTimeLinkPrefix, entry);
   gputime::Arbiter mapped;
   char err[512] = {};
@@ -80,23 +81,20 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
         rc = gputime::open_arbiter(path.c_str(), false, true, uuid, &mapped, err, sizeof err);
       })) {
     out->gpu_time_error = fmt::format("corrupt: {}: shrank while being opened", path);
-    return;
+    return view;
   }
-  if (rc == ledger::LedgerError::kMissing) return;  // memory only, or a daemon without GPU-time arbiters
+  if (rc == ledger::LedgerError::kMissing) return view;  // memory only, or a daemon without GPU-time arbiters
   if (rc != ledger::LedgerError::kOk) {
     out->gpu_time_error = describe(rc, err);
-    return;
+    return view;
   }
-  // Read from a copy; record-lock queries go to the real file.
+  // Read from a copy: what is read cannot change (or fault) half way through.
   const std::unique_ptr<gputime::GpuTimeSegment> copy = guarded_copy(mapped.seg);
-  gputime::Arbiter arbiter;
-  arbiter.seg = copy.get();
-  arbiter.fd = mapped.fd;
   const auto done = [&] { gputime::close_arbiter(&mapped); };
   if (copy == nullptr) {
     out->gpu_time_error = fmt::format("corrupt: {}: shrank while being read", path);
     done();
-    return;
+    return view;
   }
   const gputime::GpuTimeSegment& seg = *copy;
   const int row = gputime::find_tenant(seg, policy.tenant);
@@ -104,8 +102,10 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
     out->gpu_time_error =
         fmt::format("{}: tenant \"{}\" not listed", path, bounded(policy.tenant, sizeof policy.tenant));
     done();
-    return;
+    return view;
   }
+  // All of it is the daemon's (the file is 0644, the tenants' mappings
+  // read-only): shown as it stands.
   const gputime::TenantTime& t = seg.tenants[row];
   GpuTimeStatus g;
   g.achieved_1s_ppm = t.achieved_1s_ppm.load(std::memory_order_relaxed);
@@ -113,31 +113,20 @@ void read_gpu_time(const std::string& dir, const ledger::PolicySegment& policy, 
   g.used_ns = t.used_ns.load(std::memory_order_relaxed);
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
-  g.tenants_sharing = seg.active_tenants.load(std::memory_order_relaxed);
-  const uint32_t holder = seg.arbiter.holder.load(std::memory_order_acquire);
-  const uint32_t high = std::min(seg.process_high_water.load(std::memory_order_acquire), gputime::kMaxProcesses);
-  for (uint32_t p = 0; p < high; ++p) {
-    const gputime::ProcessTime& process = seg.processes[p];
-    if (process.state.load(std::memory_order_acquire) != gputime::kProcessLive ||
-        process.tenant.load(std::memory_order_relaxed) != static_cast<uint32_t>(row))
-      continue;
-    // An entry whose owner died is not waiting or holding, though it may not
-    // be reclaimed yet (the daemon is down, say): ask its record lock.
-    const bool alive = gputime::process_alive(arbiter, p);
-    ArbiterProcess a;
-    a.pid = process.pid.load(std::memory_order_relaxed);
-    a.start_time = process.start_time.load(std::memory_order_relaxed);
-    a.time.uuid = out->uuid;
-    a.time.used_ns = process.used_ns.load(std::memory_order_relaxed);
-    a.time.waited_ns = process.waited_ns.load(std::memory_order_relaxed);
-    a.time.waiting = alive && process.want_since_ns.load(std::memory_order_relaxed) != 0;
-    a.time.holding = alive && holder == p + 1;
-    g.holding |= a.time.holding;
-    g.waiting_processes += a.time.waiting ? 1 : 0;
-    processes->push_back(std::move(a));
-  }
+  g.tenants_sharing = seg.daemon.active_tenants.load(std::memory_order_relaxed);
+  g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
+  g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
+  g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
+  const uint64_t word = seg.grant.word.load(std::memory_order_acquire);
+  g.holding = gputime::grant_valid(word) && gputime::grant_state(word) != gputime::kGrantIdle &&
+              gputime::grant_row(word) == static_cast<uint32_t>(row);
   out->gpu_time = g;
+  view.present = true;
+  view.uuid = out->uuid;
+  view.seq = gputime::grant_seq(word);
+  view.tenant_holds = g.holding;
   done();
+  return view;
 }
 
 // One tenant's ledger, read from `tenants` (the run dir's tenants/, every
@@ -184,7 +173,7 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
   ledger::read_gpu_table(l, &table);
   t.generation = table.generation;
   std::string uuids[kMaxGpus];
-  std::vector<ArbiterProcess> arbiter_processes;
+  ArbiterView views[kMaxGpus];
   for (uint32_t g = 0; g < kMaxGpus; ++g) {
     const ledger::GpuEntry& e = table.gpus[g];
     if (e.state == ledger::kGpuUnused) continue;
@@ -199,7 +188,7 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
     s.share_ppm = e.share_ppm;
     s.limit_ppm = e.limit_ppm;
     s.count_managed = (e.flags & ledger::kCountManagedMemory) != 0;
-    read_gpu_time(dir, policy, g, e.uuid, &s, &arbiter_processes);
+    views[g] = read_gpu_time(dir, policy, g, e.uuid, &s);
     t.gpus.push_back(std::move(s));
   }
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
@@ -219,9 +208,19 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
     if (owner > 0) p.host_pid = owner;
     p.pid = slot.pid.load(std::memory_order_relaxed);
     p.comm = bounded(slot.comm, sizeof slot.comm);  // the tenant's bytes: escaped where shown (text_escape.h)
-    const uint64_t start_time = slot.start_time.load(std::memory_order_relaxed);
-    for (const ArbiterProcess& a : arbiter_processes)
-      if (a.pid == p.pid && a.start_time == start_time) p.gpu_time.push_back(a.time);
+    // Its GPU-time requests: the process's own figures (display only; a
+    // tenant can write anything there, and only about itself), from the copy.
+    for (uint32_t g = 0; g < kMaxGpus; ++g) {
+      if (!views[g].present) continue;
+      const ledger::GpuTimeRequest& r = usage.gputime[g][s];
+      const uint64_t entered = r.entered_grant.load(std::memory_order_relaxed);
+      const uint64_t used = r.used_ns.load(std::memory_order_relaxed), waited = r.waited_ns.load(std::memory_order_relaxed);
+      const bool waiting = p.running && r.want_since_ns.load(std::memory_order_relaxed) != 0;
+      const bool holding = p.running && views[g].tenant_holds && entered == views[g].seq &&
+                           r.drained_grant.load(std::memory_order_relaxed) != entered;
+      if (used == 0 && waited == 0 && !waiting && !holding) continue;
+      p.gpu_time.push_back({views[g].uuid, used, waited, waiting, holding});
+    }
     t.processes.push_back(std::move(p));
   }
   ledger::close_ledger(&l);
@@ -419,7 +418,9 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
           {"slices", t.slices},
           {"holding", t.holding},
           {"waiting_processes", t.waiting_processes},
-          {"tenants_sharing", t.tenants_sharing}};
+          {"tenants_sharing", t.tenants_sharing},
+          {"missed_deadlines", t.missed_deadlines},
+          {"blocked", t.blocked}};
 }
 
 }  // namespace
@@ -520,7 +521,8 @@ std::string status_to_text(const StatusReport& report) {
     const auto procs = std::count_if(r.tenant->processes.begin(), r.tenant->processes.end(), on_gpu);
     const std::optional<GpuTimeStatus>& time = r.gpu->gpu_time;
     std::string now = "-";
-    if (time) now = time->holding ? "holding" : time->waiting_processes > 0 ? "waiting" : "idle";
+    if (time)
+      now = time->holding ? "holding" : time->blocked ? "blocked" : time->waiting_processes > 0 ? "waiting" : "idle";
     gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
                          format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",

@@ -28,15 +28,19 @@ inline constexpr int kStatusSchemaVersion = 1;
 
 // A tenant's GPU time on one GPU, from the GPU's arbiter (docs/sm-time.md),
 // which the daemon links into the tenant dir as gputime-<entry>.
+// All of it is the daemon's scheduler's (the arbiter file is written by
+// the daemon alone).
 struct GpuTimeStatus {
-  uint32_t achieved_1s_ppm = 0;   // GPU time used over the last 1 s / 10 s, ppm of the window (daemon)
+  uint32_t achieved_1s_ppm = 0;   // GPU time held over the last 1 s / 10 s, ppm of the window
   uint32_t achieved_10s_ppm = 0;
-  uint64_t used_ns = 0;           // GPU time charged, total
-  uint64_t throttled_ns = 0;      // time its launches waited for the GPU, total (overlaps count once)
-  uint64_t slices = 0;            // times one of its processes was given the GPU
-  bool holding = false;           // one of its (live) processes holds the GPU now
-  uint32_t waiting_processes = 0; // its live processes waiting for the GPU now
+  uint64_t used_ns = 0;           // GPU time charged (held), total
+  uint64_t throttled_ns = 0;      // time it wanted the GPU and did not hold it, total
+  uint64_t slices = 0;            // times it was granted the GPU
+  bool holding = false;           // it holds the GPU now (or is giving it back)
+  uint32_t waiting_processes = 0; // its live processes asking for the GPU (the scheduler's last pass)
   uint32_t tenants_sharing = 0;   // tenants with a share of this GPU (the arbiter's active tenants)
+  uint32_t missed_deadlines = 0;  // revocations its processes did not drain in time, total
+  bool blocked = false;           // not granted again until a process that missed the deadline drains
 };
 
 struct GpuEntryStatus {
@@ -60,14 +64,14 @@ struct ProcessCharge {
   uint64_t bytes = 0;
 };
 
-// A process's GPU time on one GPU: its arbiter entry, matched to its ledger
-// slot by pid and start time.
+// A process's GPU time on one GPU, from its slot's GpuTimeRequest in the
+// tenant's usage file: figures the process writes itself (for display).
 struct ProcessGpuTime {
   std::string uuid;
-  uint64_t used_ns = 0;    // GPU time charged to it, total
+  uint64_t used_ns = 0;    // time its tenant held the GPU while its gate was open, total
   uint64_t waited_ns = 0;  // time it waited for the GPU, total
-  bool waiting = false;    // waits for the GPU now
-  bool holding = false;    // holds the GPU now
+  bool waiting = false;    // asks for the GPU now
+  bool holding = false;    // has entered its tenant's current grant
 };
 
 struct ProcessStatus {
@@ -78,7 +82,7 @@ struct ProcessStatus {
   bool running = false;  // it holds its slot lock; false: exited, awaiting reclaim
   std::vector<ProcessCharge> charges;
   uint64_t total_bytes = 0;
-  std::vector<ProcessGpuTime> gpu_time;  // per GPU whose arbiter lists it
+  std::vector<ProcessGpuTime> gpu_time;  // per GPU with an arbiter where it asked for or used time
 };
 
 struct TenantStatus {

@@ -1,13 +1,17 @@
 // The launch gate and the pacer (see launch_gate.h, shm/gputime.h, docs/sm-time.md).
 //
-// Per GPU entry of the tenant this process tracks whether the GPU is
-// metered (shared with another tenant, or capped below a whole GPU), whether
-// this process holds it, and whether its launches may go now ("open": held
-// and neither draining nor over the limit). Launching threads only read
-// that; the pacer thread does everything else: charging, handing the GPU on,
-// draining, heartbeats. Threads that may not launch sleep on the arbiter's
-// futex, which every change of holder bumps, with a timeout so that a dead
-// holder is noticed even if nobody wakes them.
+// The daemon schedules; this process only asks and reports. Per GPU entry
+// of the tenant it tracks whether the GPU is metered (shared with another
+// tenant, or capped below a whole GPU), which grant of the daemon's it
+// entered, and whether its launches may go now ("open": its tenant holds
+// the GPU and it entered that grant, or the daemon is down and the GPU runs
+// unshared). Launching threads only read `open`; a thread that may not
+// launch asks for the GPU in the process's GpuTimeRequest (its tenant's
+// usage file), rings the daemon's doorbell and sleeps on the arbiter's
+// `turn` futex, which the daemon bumps at every grant and revocation. The
+// pacer thread leaves grants that were revoked (close, drain, report),
+// tells the daemon when the process last launched, and watches the
+// daemon's heartbeat. The arbiter itself is mapped read-only.
 #include "launch_gate.h"
 
 #include <pthread.h>
@@ -35,29 +39,33 @@ using gputime::GpuTimeSegment;
 using gputime::kPpm;
 
 constexpr uint64_t kGateUnset = 1;
-constexpr uint64_t kTickNs = 1'000'000;              // pacer period while metered and busy
-constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads)
-constexpr uint64_t kWaitSliceNs = 10'000'000;        // longest futex sleep before re-checking the holder
-constexpr int kIdleTicks = 2;                        // ticks without a launch before the GPU goes back
+constexpr uint64_t kTickNs = 1'000'000;              // pacer period while asking for or holding a GPU
+constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
+constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
 constexpr int kMaxContexts = 8;                      // contexts per GPU the pacer drains
+// The daemon counts as down once its heartbeat has looked dead this long:
+// a heartbeat damaged for a moment (the daemon rewrites it every pass) is
+// not a daemon gone.
+constexpr uint64_t kDownConfirmNs = 10'000'000;
 
 enum GpuStatus : int { kUnknown = 0, kUnmetered = 1, kReady = 2 };
 
 struct GpuTime {
   std::atomic<int> status{kUnknown};
-  Arbiter arbiter;
-  int process = -1;   // our entry in the arbiter
-  uint32_t tenant = 0;
+  Arbiter arbiter;                             // mapped read-only: the daemon's
+  uint32_t row = 0;                            // our tenant's row in it
+  ledger::GpuTimeRequest* request = nullptr;   // our slot's requests, in our usage file
   std::atomic<bool> metered{false};
-  std::atomic<bool> holding{false};  // pacer's view: we hold the GPU
-  std::atomic<bool> open{false};     // launches may go
-  std::atomic<uint32_t> activity{0}; // slow-path passes since the pacer last looked
-  std::atomic<int> waiting{0};       // threads blocked in wait_for_gpu
-  int idle_ticks = 0;                // pacer only
-  // Since when other processes' slices kept us waiting (0: they did not);
-  // the hold that follows keeps the limit's allowance accrued since then.
-  std::atomic<uint64_t> kept_off_since{0};
-  uint64_t credit_from = 0;          // for the current hold (see gputime::charge)
+  std::atomic<bool> open{false};      // launches may go: a grant entered, or unshared
+  // The grant (sequence number) this process entered; 0: none. Changed
+  // under `transition` only.
+  std::atomic<uint64_t> entered{0};
+  std::atomic<bool> unshared{false};  // the daemon is down: the GPU runs unshared
+  std::atomic<uint64_t> dead_since{0};  // when its heartbeat first looked dead (0: it does not)
+  std::atomic<uint32_t> activity{0};  // slow-path passes since the pacer last looked
+  std::atomic<int> waiting{0};        // threads blocked in wait_for_gpu
+  pthread_mutex_t transition = PTHREAD_MUTEX_INITIALIZER;  // entering, leaving, going unshared
+  uint64_t accounted_ns = 0;          // request->used_ns counts the grant up to here (under transition)
   CUcontext contexts[kMaxContexts] = {};
   CUdevice context_device[kMaxContexts] = {};
   std::atomic<int> context_count{0};
@@ -93,7 +101,6 @@ void refresh_gate() {
   bump_gate();
 }
 
-uint32_t my_share(int gpu) { return gpu_policy(gpu).share_ppm; }
 uint32_t my_limit(int gpu) {
   const uint32_t limit = gpu_policy(gpu).limit_ppm;
   return limit == 0 ? kPpm : limit;
@@ -101,7 +108,25 @@ uint32_t my_limit(int gpu) {
 
 bool compute_metered(int gpu) {
   const GpuTimeSegment& seg = *g_gpus[gpu].arbiter.seg;
-  return seg.active_tenants.load(std::memory_order_acquire) > 1 || my_limit(gpu) < kPpm;
+  return seg.daemon.active_tenants.load(std::memory_order_acquire) > 1 || my_limit(gpu) < kPpm;
+}
+
+// True once the daemon's heartbeat has looked dead (gputime::daemon_alive)
+// for kDownConfirmNs.
+bool daemon_down(GpuTime& g, uint64_t now) {
+  if (gputime::daemon_alive(*g.arbiter.seg, now)) {
+    if (g.dead_since.load(std::memory_order_relaxed) != 0) g.dead_since.store(0, std::memory_order_relaxed);
+    return false;
+  }
+  uint64_t since = g.dead_since.load(std::memory_order_relaxed);
+  if (since == 0 && g.dead_since.compare_exchange_strong(since, now, std::memory_order_relaxed)) return false;
+  return since != 0 && now > since && now - since >= kDownConfirmNs;
+}
+
+// The grant in `word` is our tenant's, and its processes may launch.
+bool granted_to_us(const GpuTime& g, uint64_t word) {
+  return gputime::grant_valid(word) && gputime::grant_state(word) == gputime::kGranted &&
+         gputime::grant_row(word) == g.row;
 }
 
 // ---- contexts the pacer drains ----
@@ -145,9 +170,9 @@ void forget_contexts(Match match) {
 }
 
 // Waits until every context of this process on the GPU has finished its
-// work, so the next holder starts on an empty GPU and we are charged for
-// all our work. The pacer's capture mode is relaxed (see pacer_main), so a
-// user thread capturing a graph does not make this fail.
+// work, so the next holder starts on an empty GPU and our tenant is charged
+// for all our work. The pacer's capture mode is relaxed (see pacer_main), so
+// a user thread capturing a graph does not make this fail.
 void drain(GpuTime& g) {
   auto sync = real<HookId::cuCtxSynchronize>();
   if (sync == nullptr || g_driver.cuCtxPushCurrent_v2 == nullptr || g_driver.cuCtxPopCurrent_v2 == nullptr) return;
@@ -162,84 +187,78 @@ void drain(GpuTime& g) {
   pthread_mutex_unlock(&g_context_lock);
 }
 
-// ---- holding the GPU ----
+// ---- asking for, holding and giving back the GPU ----
+//
+// The daemon grants the GPU to our tenant; each of its processes enters the
+// grant on its own (gputime::enter_grant, the handshake's process half),
+// launches while it holds it, and on seeing the grant revoked or moved on
+// closes its gate, drains and reports the drain. Transitions take
+// `transition`; the launch path only reads `open`.
 
-// Charges the time held since the last charge to our tenant.
-void charge_held(int gpu, uint64_t now) {
-  GpuTime& g = g_gpus[gpu];
-  GpuTimeSegment& seg = *g.arbiter.seg;
-  // Only the holder charges: charged_ns is the current holder's (the exit
-  // path may have handed the GPU on while the pacer was about to charge).
-  if (seg.arbiter.holder.load(std::memory_order_acquire) != static_cast<uint32_t>(g.process) + 1) return;
-  const uint64_t charged = seg.arbiter.charged_ns.load(std::memory_order_relaxed);
-  if (now <= charged) return;
-  gputime::charge(seg, g.tenant, static_cast<uint32_t>(g.process), now - charged, my_share(gpu), my_limit(gpu),
-                  std::min(g.credit_from, now));
-  seg.arbiter.charged_ns.store(now, std::memory_order_release);
+// Credits our request's display figure with the grant time since the last call.
+void account_used(GpuTime& g, uint64_t now) {
+  if (g.accounted_ns != 0 && now > g.accounted_ns)
+    g.request->used_ns.fetch_add(now - g.accounted_ns, std::memory_order_relaxed);
+  g.accounted_ns = now;
 }
 
-// We just became the holder (claimed it, took it over, or were handed it).
-void begin_holding(int gpu) {
-  GpuTime& g = g_gpus[gpu];
-  bool expected = false;
-  if (!g.holding.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return;
-  g.idle_ticks = 0;
-  g.activity.store(1, std::memory_order_relaxed);  // count the grant itself as activity
-  const uint64_t kept_off = g.kept_off_since.exchange(0, std::memory_order_acq_rel);
-  g.credit_from = kept_off != 0 ? kept_off : gputime::monotonic_ns();
-  gputime::ProcessTime& me = g.arbiter.seg->processes[g.process];
-  const uint64_t since = me.want_since_ns.exchange(0, std::memory_order_acq_rel);
+// Enters the grant in `word` (our tenant's) if we have not: true if the
+// gate is open now. Caller holds `transition`.
+bool enter_locked(GpuTime& g, uint64_t word) {
+  if (g.entered.load(std::memory_order_relaxed) != 0) return g.open.load(std::memory_order_acquire);
+  if (!gputime::enter_grant(*g.arbiter.seg, *g.request, word)) return false;
   const uint64_t now = gputime::monotonic_ns();
-  if (since != 0 && now > since) me.waited_ns.fetch_add(now - since, std::memory_order_relaxed);
+  g.entered.store(gputime::grant_seq(word), std::memory_order_release);
+  g.accounted_ns = now;
+  g.request->last_active_ns.store(now, std::memory_order_relaxed);  // the grant counts as activity
+  g.activity.store(1, std::memory_order_relaxed);
+  // After entered_grant (enter_grant stored it): a reader that finds the
+  // want withdrawn finds us entered, so it never sees neither.
+  const uint64_t since = g.request->want_since_ns.exchange(0, std::memory_order_seq_cst);
+  if (since != 0 && now > since) g.request->waited_ns.fetch_add(now - since, std::memory_order_relaxed);
   g.open.store(true, std::memory_order_release);
   bump_gate();
+  return true;
 }
 
-// Hands the GPU on: stop our launches, let our work finish, pay for it, and
-// give it to `next` (or to nobody). Pacer (or exit) only.
-void end_holding(int gpu, int next, bool drain_first) {
-  GpuTime& g = g_gpus[gpu];
-  if (!g.holding.load(std::memory_order_acquire)) return;
+// Closes the gate on the grant we entered, drains (unless `drain_first` is
+// false: at exit, or when the GPU stopped being metered) and reports it.
+// Caller holds `transition`.
+void leave_locked(GpuTime& g, bool drain_first) {
+  const uint64_t seq = g.entered.load(std::memory_order_relaxed);
+  if (seq == 0) return;
   g.open.store(false, std::memory_order_release);
   bump_gate();
   if (drain_first) drain(g);
-  GpuTimeSegment& seg = *g.arbiter.seg;
-  const uint64_t now = gputime::monotonic_ns();
-  charge_held(gpu, now);
-  // Hand over before clearing `holding`: a thread of ours that finds the
-  // arbiter still naming us and `holding` clear takes the GPU up again
-  // (wait_for_turn), and would reopen our gate under the next holder.
-  gputime::hand_over(seg, static_cast<uint32_t>(g.process), next, now);
-  g.holding.store(false, std::memory_order_release);
-  // Threads that still want the GPU re-register when they wake.
+  account_used(g, gputime::monotonic_ns());
+  g.accounted_ns = 0;
+  g.entered.store(0, std::memory_order_release);
+  gputime::report_drained(*g.arbiter.seg, *g.request, seq);
 }
 
-// One pacer step for a GPU we hold.
-void pace_holder(int gpu, uint64_t now) {
+// The daemon is down (no heartbeat for a second, or it stopped): nobody
+// grants, so the GPU runs unshared until it is back. Caller holds `transition`.
+void go_unshared_locked(int gpu) {
   GpuTime& g = g_gpus[gpu];
-  GpuTimeSegment& seg = *g.arbiter.seg;
-  seg.arbiter.heartbeat_ns.store(now, std::memory_order_release);
-  charge_held(gpu, now);
-  const bool active = g.activity.exchange(0, std::memory_order_acq_rel) != 0 ||
-                      g.waiting.load(std::memory_order_acquire) > 0 ||
-                      g_threads_in_sync.load(std::memory_order_relaxed) > 0;
-  g.idle_ticks = active ? 0 : g.idle_ticks + 1;
-  const bool idle = g.idle_ticks >= kIdleTicks;
-  const bool over_limit = !gputime::within_limit(seg.tenants[g.tenant], my_limit(gpu), now, nullptr);
-  const uint64_t slice = seg.slice_ns.load(std::memory_order_relaxed);
-  const bool expired = now - seg.arbiter.grant_ns.load(std::memory_order_relaxed) >=
-                       (slice != 0 ? slice : gputime::kDefaultSliceNs);
-  if (!idle && !over_limit && !expired) return;
-  const gputime::Candidate next =
-      gputime::pick_next(g.arbiter, g.process, g.tenant, now);
-  if (over_limit || (idle && (next.process >= 0 || g.idle_ticks >= 10 * kIdleTicks))) {
-    end_holding(gpu, next.process, true);
-    return;
-  }
-  if (expired && next.process >= 0) {
-    const uint64_t mine = gputime::effective_vtime(seg, g.tenant);
-    if (next.vtime < mine || next.tenant == g.tenant) end_holding(gpu, next.process, true);
-  }
+  if (g.unshared.load(std::memory_order_relaxed)) return;
+  // What we entered is over (a new daemon starts with no holder); nobody
+  // waits for the report, which is harmless.
+  leave_locked(g, false);
+  g.request->want_since_ns.store(0, std::memory_order_release);
+  g.unshared.store(true, std::memory_order_release);
+  g.open.store(true, std::memory_order_release);
+  bump_gate();
+  // An error, shown by default: the tenant's share is not enforced meanwhile.
+  log_line(LogLevel::kError, "GPU entry %d: fracgpud is not scheduling GPU time: running unshared until it is back", gpu);
+}
+
+void back_to_shared_locked(int gpu) {
+  GpuTime& g = g_gpus[gpu];
+  if (!g.unshared.load(std::memory_order_relaxed)) return;
+  g.unshared.store(false, std::memory_order_release);
+  g.open.store(false, std::memory_order_release);
+  bump_gate();
+  log_line(LogLevel::kInfo, "GPU entry %d: fracgpud schedules GPU time again: asking for the GPU", gpu);
 }
 
 // ---- setting up a GPU entry ----
@@ -251,7 +270,8 @@ bool open_gpu(int gpu) {
   char err[512] = {};
   const ledger::GpuEntry policy = gpu_policy(gpu);
   Arbiter arbiter;
-  ledger::LedgerError e = gputime::open_arbiter(path, false, false, policy.uuid, &arbiter, err, sizeof err);
+  // Read-only: the daemon alone writes it (and the file is 0644).
+  ledger::LedgerError e = gputime::open_arbiter(path, false, true, policy.uuid, &arbiter, err, sizeof err);
   if (e == ledger::LedgerError::kMissing) {
     // An older daemon, or a GPU granted before the arbiter existed: memory
     // quotas still hold, GPU time is not shared.
@@ -263,32 +283,21 @@ bool open_gpu(int gpu) {
              ledger::ledger_error_name(e), err);
     return false;
   }
-  const int tenant = gputime::find_tenant(*arbiter.seg, g_tenant.ledger.policy->tenant);
-  if (tenant < 0) {
+  const int row = gputime::find_tenant(*arbiter.seg, g_tenant.ledger.policy->tenant);
+  if (row < 0) {
     log_line(LogLevel::kWarn, "%s does not list tenant \"%s\": its time is not shared", path,
              g_tenant.ledger.policy->tenant);
     gputime::close_arbiter(&arbiter);
     return false;
   }
-  // Our identity as attach read it (/proc/self/stat), from our ledger slot.
-  const ledger::ProcessSlot& self = g_tenant.ledger.usage->slots[g_tenant.slot];
-  auto claim = [&] {
-    return gputime::claim_process(arbiter, static_cast<uint32_t>(tenant), self.pid.load(), self.start_time.load());
-  };
-  int process = claim();
-  if (process < 0) {
-    // Full of entries, perhaps of dead processes not yet reclaimed.
-    gputime::reclaim_dead_processes(arbiter, -1);
-    process = claim();
-  }
-  if (process < 0) {
-    log_line(LogLevel::kError, "%s: no free process entry: this process's GPU time is not shared", path);
-    gputime::close_arbiter(&arbiter);
-    return false;
-  }
   g.arbiter = arbiter;
-  g.tenant = static_cast<uint32_t>(tenant);
-  g.process = process;
+  g.row = static_cast<uint32_t>(row);
+  g.request = &g_tenant.ledger.usage->gputime[gpu][g_tenant.slot];
+  // Nothing asked, nothing entered yet (claim_slot cleared the row; a
+  // process re-opening its GPU entries clears what it said before).
+  g.request->want_since_ns.store(0, std::memory_order_relaxed);
+  g.request->entered_grant.store(0, std::memory_order_relaxed);
+  g.request->drained_grant.store(0, std::memory_order_relaxed);
   return true;
 }
 
@@ -314,17 +323,21 @@ void start_pacer() {
 }
 
 void on_fork_child() {
-  // The parent's entries, holdership and pacer are the parent's; the child
-  // starts over on its first launch. Its inherited mappings are closed
-  // (closing drops none of the parent's record locks: those are the parent's).
+  // The parent's grants, requests and pacer are the parent's; the child
+  // starts over on its first launch, in a ledger slot of its own. Its
+  // inherited mappings are closed.
   for (GpuTime& g : g_gpus) {
     if (g.status.load(std::memory_order_relaxed) == kReady) gputime::close_arbiter(&g.arbiter);
     g.status.store(kUnknown, std::memory_order_relaxed);
-    g.process = -1;
+    g.request = nullptr;
     g.metered.store(false, std::memory_order_relaxed);
-    g.holding.store(false, std::memory_order_relaxed);
     g.open.store(false, std::memory_order_relaxed);
+    g.entered.store(0, std::memory_order_relaxed);
+    g.unshared.store(false, std::memory_order_relaxed);
+    g.dead_since.store(0, std::memory_order_relaxed);
     g.waiting.store(0, std::memory_order_relaxed);
+    g.accounted_ns = 0;
+    pthread_mutex_init(&g.transition, nullptr);
     g.context_count.store(0, std::memory_order_relaxed);
   }
   pthread_mutex_init(&g_setup_lock, nullptr);
@@ -362,54 +375,98 @@ bool stream_is_capturing(CUstream stream) {
   return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-// Blocks until this process holds the GPU and its launches are open.
+// Blocks until this process may launch on the GPU: its tenant holds it and
+// the process entered the grant, or the GPU runs unshared (the daemon is
+// down), or it is no longer metered.
 void wait_for_turn(int gpu) {
   GpuTime& g = g_gpus[gpu];
-  GpuTimeSegment& seg = *g.arbiter.seg;
-  gputime::ProcessTime& me = seg.processes[g.process];
+  const GpuTimeSegment& seg = *g.arbiter.seg;
   g.waiting.fetch_add(1, std::memory_order_acq_rel);
+  bool asked = false;
   for (;;) {
     if (g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
-    const uint32_t turn = seg.arbiter.turn.load(std::memory_order_acquire);
+    // Read before the grant: a change after this read ends the sleep below.
+    const uint32_t turn = seg.grant.turn.load(std::memory_order_acquire);
     const uint64_t now = gputime::monotonic_ns();
-    uint64_t zero = 0;
-    me.want_since_ns.compare_exchange_strong(zero, now, std::memory_order_acq_rel);
-    const uint32_t holder = seg.arbiter.holder.load(std::memory_order_acquire);
-    uint64_t eligible_at = 0;
-    const bool within = gputime::within_limit(seg.tenants[g.tenant], my_limit(gpu), now, &eligible_at);
-    if (holder == static_cast<uint32_t>(g.process) + 1) {
-      // Handed to us, or we still hold it while the pacer drains: in the
-      // first case take it up; in the second the pacer bumps turn when done.
-      if (!g.holding.load(std::memory_order_acquire)) {
-        begin_holding(gpu);
+    g.request->poll_ns.store(now, std::memory_order_relaxed);  // still asking
+    const bool alive = !daemon_down(g, now);
+    const uint64_t word = seg.grant.word.load(std::memory_order_seq_cst);
+    if (!alive || g.unshared.load(std::memory_order_acquire) ||
+        (granted_to_us(g, word) && g.entered.load(std::memory_order_acquire) == 0)) {
+      // A transition: the pacer may be at one (a drain); then look again soon.
+      if (pthread_mutex_trylock(&g.transition) == 0) {
+        if (!alive) {
+          go_unshared_locked(gpu);
+        } else {
+          back_to_shared_locked(gpu);
+          if (granted_to_us(g, word)) enter_locked(g, word);
+        }
+        pthread_mutex_unlock(&g.transition);
         continue;
       }
-    } else if (holder == 0 && within) {
-      if (gputime::try_claim(seg, static_cast<uint32_t>(g.process), now)) {
-        begin_holding(gpu);
-        continue;
-      }
-    } else if (holder != 0 && gputime::try_take_over(g.arbiter, static_cast<uint32_t>(g.process), now)) {
-      log_line(LogLevel::kInfo, "GPU entry %d: took the GPU over from a dead or stuck process", gpu);
-      begin_holding(gpu);
-      continue;
+    } else if (g.request->want_since_ns.load(std::memory_order_relaxed) == 0) {
+      // Ask: the first waiter of the process says since when, and wakes the
+      // daemon (the doorbell's value never changes: only the wake matters).
+      g.request->want_since_ns.store(now, std::memory_order_seq_cst);
+      gputime::ring_doorbell(seg);
+      asked = true;
+    } else if (asked) {
+      // Still waiting a slice later: ring again, in case the daemon was
+      // between a pass and its sleep when we first rang.
+      gputime::ring_doorbell(seg);
     }
-    uint64_t timeout = kWaitSliceNs;
-    if (holder == static_cast<uint32_t>(g.process) + 1) timeout = kTickNs;  // our own pacer is at work
-    if (holder != 0 && holder != static_cast<uint32_t>(g.process) + 1 && within) {
-      uint64_t none = 0;
-      g.kept_off_since.compare_exchange_strong(none, now, std::memory_order_acq_rel);
+    gputime::wait_for_turn(seg, turn, kWaitSliceNs);
+  }
+  // The last waiter out withdraws the process's request unless the gate is
+  // open (metering was switched off meanwhile).
+  if (g.waiting.fetch_sub(1, std::memory_order_acq_rel) == 1 && !g.open.load(std::memory_order_acquire))
+    g.request->want_since_ns.store(0, std::memory_order_release);
+}
+
+// One pacer step for a metered GPU: follows the daemon (down: unshared;
+// back: ask again), leaves a grant that was revoked or moved on, and while
+// it holds one, reports when the process last launched. True if the GPU
+// needs the pacer's short tick.
+bool pace_gpu(int gpu, uint64_t now) {
+  GpuTime& g = g_gpus[gpu];
+  const GpuTimeSegment& seg = *g.arbiter.seg;
+  const bool alive = !daemon_down(g, now);
+  if (alive == g.unshared.load(std::memory_order_acquire)) {
+    pthread_mutex_lock(&g.transition);
+    if (alive)
+      back_to_shared_locked(gpu);
+    else
+      go_unshared_locked(gpu);
+    pthread_mutex_unlock(&g.transition);
+  }
+  if (!alive) return false;
+  const uint64_t entered = g.entered.load(std::memory_order_acquire);
+  const uint64_t word = seg.grant.word.load(std::memory_order_seq_cst);
+  if (entered != 0 && !(granted_to_us(g, word) && gputime::grant_seq(word) == entered)) {
+    // Revoked, or over (a deadline passed, a new daemon): close, drain, say so.
+    pthread_mutex_lock(&g.transition);
+    leave_locked(g, true);
+    pthread_mutex_unlock(&g.transition);
+  } else if (entered != 0) {
+    const bool active = g.activity.exchange(0, std::memory_order_acq_rel) != 0 ||
+                        g.waiting.load(std::memory_order_acquire) > 0 ||
+                        g_threads_in_sync.load(std::memory_order_relaxed) > 0;
+    if (active) g.request->last_active_ns.store(now, std::memory_order_release);
+    if (pthread_mutex_trylock(&g.transition) == 0) {
+      account_used(g, now);
+      pthread_mutex_unlock(&g.transition);
     }
-    if (!within && eligible_at > now) timeout = std::min(timeout, eligible_at - now);
-    gputime::wait_for_turn(seg, turn, timeout);
-    gputime::add_throttled(seg.tenants[g.tenant], now, gputime::monotonic_ns());
+    return true;
+  } else if (g.waiting.load(std::memory_order_acquire) > 0) {
+    g.request->poll_ns.store(now, std::memory_order_relaxed);  // still asking
+    if (granted_to_us(g, word)) {
+      // Granted while no waiting thread was awake to enter: enter for them.
+      pthread_mutex_lock(&g.transition);
+      enter_locked(g, word);
+      pthread_mutex_unlock(&g.transition);
+    }
   }
-  // The last waiter out withdraws the process's request unless it holds
-  // the GPU (metering was switched off meanwhile).
-  if (g.waiting.fetch_sub(1, std::memory_order_acq_rel) == 1 && !g.holding.load(std::memory_order_acquire)) {
-    me.want_since_ns.store(0, std::memory_order_release);
-    g.kept_off_since.store(0, std::memory_order_release);
-  }
+  return g.waiting.load(std::memory_order_acquire) > 0;
 }
 
 void* pacer_main(void*) {
@@ -426,6 +483,10 @@ void* pacer_main(void*) {
     const bool refresh = now >= next_refresh;
     if (refresh) next_refresh = now + kQuietTickNs;
     bool metering_changed = false;
+    // The futex to sleep on: the first busy GPU's turn, read before its
+    // grant, so that a revocation wakes us at once rather than at the tick.
+    const GpuTimeSegment* sleep_on = nullptr;
+    uint32_t sleep_turn = 0;
     for (int gpu = 0; gpu < static_cast<int>(ledger::kMaxGpus); ++gpu) {
       GpuTime& g = g_gpus[gpu];
       if (g.status.load(std::memory_order_acquire) != kReady) continue;
@@ -435,38 +496,46 @@ void* pacer_main(void*) {
         if (metered != g.metered.load(std::memory_order_relaxed)) {
           g.metered.store(metered, std::memory_order_release);
           metering_changed = true;
-          if (!metered) end_holding(gpu, -1, false);
-          gputime::wake_waiters(*g.arbiter.seg);
+          if (!metered) {
+            pthread_mutex_lock(&g.transition);
+            leave_locked(g, false);
+            g.unshared.store(false, std::memory_order_release);
+            pthread_mutex_unlock(&g.transition);
+          }
         }
       }
       if (!g.metered.load(std::memory_order_relaxed)) continue;
-      const uint32_t holder = g.arbiter.seg->arbiter.holder.load(std::memory_order_acquire);
-      // Handed to us while no thread was awake to take it up: take it (the
-      // idle check gives it back if nobody here wants it any more).
-      if (holder == static_cast<uint32_t>(g.process) + 1 && !g.holding.load(std::memory_order_acquire))
-        begin_holding(gpu);
-      if (g.holding.load(std::memory_order_acquire)) {
-        pace_holder(gpu, gputime::monotonic_ns());
+      const uint32_t turn = g.arbiter.seg->grant.turn.load(std::memory_order_acquire);
+      if (pace_gpu(gpu, gputime::monotonic_ns())) {
         busy = true;
+        if (sleep_on == nullptr) {
+          sleep_on = g.arbiter.seg;
+          sleep_turn = turn;
+        }
       }
-      busy |= g.waiting.load(std::memory_order_acquire) > 0;
     }
     if (metering_changed) refresh_gate();
     // Each tick ends every thread's pass: the next launch shows it is active.
     if (busy) bump_gate();
-    struct timespec ts {0, static_cast<long>(busy ? kTickNs : kQuietTickNs)};
-    nanosleep(&ts, nullptr);
+    if (sleep_on != nullptr) {
+      gputime::wait_for_turn(*sleep_on, sleep_turn, kTickNs);
+    } else {
+      struct timespec ts {0, static_cast<long>(busy ? kTickNs : kQuietTickNs)};
+      nanosleep(&ts, nullptr);
+    }
   }
   return nullptr;
 }
 
-// At exit the driver abandons our work: give the GPU back at once.
+// At exit the driver abandons our work: report every grant entered as
+// drained (no drain needed), so the daemon can hand the GPU on at once.
 __attribute__((destructor)) void release_on_exit() {
-  for (int gpu = 0; gpu < static_cast<int>(ledger::kMaxGpus); ++gpu) {
-    GpuTime& g = g_gpus[gpu];
-    if (g.status.load(std::memory_order_acquire) != kReady || !g.holding.load(std::memory_order_acquire)) continue;
-    const gputime::Candidate next = gputime::pick_next(g.arbiter, g.process, g.tenant, gputime::monotonic_ns());
-    end_holding(gpu, next.process, false);
+  for (GpuTime& g : g_gpus) {
+    if (g.status.load(std::memory_order_acquire) != kReady) continue;
+    if (pthread_mutex_trylock(&g.transition) != 0) continue;  // the pacer is draining: the daemon sees us die
+    g.request->want_since_ns.store(0, std::memory_order_seq_cst);
+    leave_locked(g, false);
+    pthread_mutex_unlock(&g.transition);
   }
 }
 

@@ -4,9 +4,10 @@
 // compare against this thread's pass. The pass is valid until the process
 // gate word changes, and the gate word is 0 (always pass) in a process with
 // no GPU whose time is shared. Where time is shared, the pacer thread bumps
-// the gate at every tick and at every change of holder, so each launching
-// thread takes the slow path (wait_for_gpu) about once per millisecond, and
-// a thread that must not launch finds out on its next launch.
+// the gate at every tick while the process holds or asks for a GPU, and at
+// every change of grant, so each launching thread takes the slow path
+// (wait_for_gpu) about once per millisecond, and a thread that must not
+// launch finds out on its next launch.
 // The policy and the protocol: docs/sm-time.md, shm/gputime.h; the pacer is
 // in launch_gate.cpp.
 #pragma once

@@ -1,10 +1,10 @@
 // Operations on a GPU's time arbiter (layout and rules in
 // include/fracgpu/gputime_layout.h; the policy in docs/sm-time.md).
 //
-// Callers: the interposer (claims a process entry, takes and hands on the GPU,
-// charges its own tenant), the daemon (creates the file, writes the tenant
-// table, reaps dead entries, computes achieved shares) and the CLI (reads).
-// Like the ledger: nothing here allocates, throws or logs.
+// Callers: the daemon's scheduler (controller/gpu_scheduler.*: creates the
+// file, the only writer), the interposer (maps it read-only, reads the
+// grant, asks and reports through its own usage file's GpuTimeRequest) and
+// the CLI (reads). Like the ledger: nothing here allocates, throws or logs.
 #pragma once
 
 #include <cstddef>
@@ -15,104 +15,117 @@
 
 namespace fracgpu::gputime {
 
+using ledger::GpuTimeRequest;
 using ledger::LedgerError;
 
 struct Arbiter {
-  GpuTimeSegment* seg = nullptr;
-  int fd = -1;  // record locks on process entries are taken on this descriptor
+  GpuTimeSegment* seg = nullptr;  // read-only mapping unless opened for writing
+  int fd = -1;
 
   bool is_open() const { return seg != nullptr; }
 };
 
-// Maps an arbiter file read-write (read-only if `read_only`). With `create`,
-// a missing file is created complete (temporary name, then link) with mode
-// 0666 and stamped with `uuid`. An existing file is validated: magic,
-// version, size, and, when `uuid` is given, that it governs that GPU.
+// Maps an arbiter file, read-write (the daemon) or read-only (everyone else).
+// With `create`, a missing file is created complete (temporary name, then
+// link) with mode 0644 and stamped with `uuid`. An existing file's header is
+// validated: magic, version, size, and, when `uuid` is given, that it
+// governs that GPU. The rest is validated by readers as they read it.
 LedgerError open_arbiter(const char* path, bool create, bool read_only, const uint8_t* uuid, Arbiter* out, char* err,
                          size_t err_len);
 void close_arbiter(Arbiter* arbiter);
+
+// True if the header is what open_arbiter accepted (the daemon re-checks its
+// own file, which root may have overwritten).
+bool header_valid(const GpuTimeHeader& header, const uint8_t* uuid);
+// Writes a valid header (daemon).
+void stamp_header(GpuTimeHeader& header, const uint8_t* uuid);
 
 using ledger::monotonic_ns;
 
 // ---- Tenants ----
 
-// Index of the entry named `name` (any state but unused), or -1.
+// Index of the row named `name` (any state but unused), or -1.
 int find_tenant(const GpuTimeSegment& seg, const char* name);
-// Daemon: the entry for `name`, appending one if needed; -1 if full.
+// Daemon: the row for `name`, appending one if needed; -1 if full.
 int bind_tenant(GpuTimeSegment& seg, const char* name);
 
-// ---- Process entries ----
+// ---- Policy arithmetic (the daemon's scheduler; here so tests and docs share it) ----
 
-// Claims a free entry for the calling process (record lock held until exit
-// or release_process) on behalf of tenant entry `tenant`. -1 if none is free.
-int claim_process(Arbiter& arbiter, uint32_t tenant, int32_t pid, uint64_t start_time);
-void release_process(Arbiter& arbiter, uint32_t process);
-// True while some process holds the entry's record lock. A process cannot
-// see its own locks: never ask about your own entry.
-bool process_alive(const Arbiter& arbiter, uint32_t process);
-// Frees entries whose owner is gone (not `own`). Returns how many.
-int reclaim_dead_processes(Arbiter& arbiter, int own);
-
-// ---- Scheduling (see the rules in gputime_layout.h) ----
-
-// The limit: a tenant may run when its GCRA arrival time is at most this far
-// ahead of now, i.e. it may burst this long above its limit after idling.
+// The limit: a tenant may be granted the GPU while its GCRA arrival time is
+// at most this far ahead of now, i.e. it may burst this long above its
+// limit after idling.
 inline constexpr uint64_t kLimitBurstNs = 50'000'000;
-
-// True if a tenant with this limit may use the GPU at `now`; a limit of a
-// whole GPU never stops it. *eligible_at (if given) is when it may, else 0.
-bool within_limit(const TenantTime& tenant, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at);
-
-// Charges `ns` of GPU time used by `process` to its tenant `tenant`: virtual
-// time (weighted by `share_ppm`), totals, and the limit's arrival time.
-// The limit's allowance accrues from `credit_from - kLimitBurstNs` at the
-// earliest: pass `now`, or when the tenant started waiting for other
-// tenants' slices (time it was kept off the GPU is not time it chose to
-// leave idle, so it does not forfeit its allowance). Holder only.
-void charge(GpuTimeSegment& seg, uint32_t tenant, uint32_t process, uint64_t ns, uint32_t share_ppm,
-            uint32_t limit_ppm, uint64_t credit_from);
-
-// A tenant's virtual time as the scheduler compares it: never more than
-// kReturnCreditNs (of real time, at the tenant's share) below the floor, so a
-// tenant that was idle cannot bank the time it did not use and then lock the
-// others out, yet a newcomer is served first. A tenant's stored virtual time
-// is raised to this when it is given the GPU.
+// A tenant returning from idle is lifted to the others' virtual time minus
+// this much real time at its share: it cannot bank idle time, yet a
+// newcomer is served first.
 inline constexpr uint64_t kReturnCreditNs = 20'000'000;
-uint64_t effective_vtime(const GpuTimeSegment& seg, uint32_t tenant);
 
-// The waiting process that should get the GPU next, or -1: among live
-// entries other than `self` with want_since_ns != 0 whose tenant is within
-// its limit, the tenant with the smallest effective virtual time, then the
-// longest-waiting process. Also raises the floor to the smallest virtual
-// time among those tenants and `self_tenant`. Probes liveness with a record
-// lock query per candidate (a system call): the holder's pacer calls it.
-struct Candidate {
-  int process = -1;
-  uint32_t tenant = 0;
-  uint64_t vtime = 0;
-};
-Candidate pick_next(Arbiter& arbiter, int self, uint32_t self_tenant, uint64_t now);
+// ns * kPpm / ppm, saturating; ppm 0 (no share: best effort) weighs like the
+// smallest share there is.
+uint64_t scale(uint64_t ns, uint32_t ppm);
+uint64_t saturating_add(uint64_t a, uint64_t b);
 
-// Takes a free GPU (holder 0) for `process`. True on success.
-bool try_claim(GpuTimeSegment& seg, uint32_t process, uint64_t now);
-// Holder `from` gives the GPU to `to` (-1: to nobody) and wakes waiters.
-// False if `from` no longer held it.
-bool hand_over(GpuTimeSegment& seg, uint32_t from, int to, uint64_t now);
-// Takes the GPU from a holder that is dead (its record lock is free) or whose
-// heartbeat is older than kStaleHolderNs. Charges the time since the holder's
-// last charge to its tenant, at the share and limit the daemon recorded in
-// the tenant table. True if `process` now holds the GPU.
-inline constexpr uint64_t kStaleHolderNs = 1'000'000'000;
-bool try_take_over(Arbiter& arbiter, uint32_t process, uint64_t now);
+// True if a tenant whose GCRA arrival time is `tat` may use the GPU at `now`
+// under `limit_ppm`; a limit of a whole GPU never stops it. *eligible_at
+// (if given) is when it may, else 0.
+bool within_limit(uint64_t tat, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at);
+// The arrival time after using `ns` of GPU time at `limit_ppm`: time left
+// unused is credited only up to the burst (it never falls behind
+// credit_from - kLimitBurstNs).
+uint64_t advance_limit(uint64_t tat, uint64_t ns, uint32_t limit_ppm, uint64_t credit_from);
 
-// Futex on arbiter.turn: sleeps until it differs from `seen` or `timeout_ns`
-// passes. wake_waiters wakes every sleeper.
-void wait_for_turn(GpuTimeSegment& seg, uint32_t seen, uint64_t timeout_ns);
-void wake_waiters(GpuTimeSegment& seg);
+// ---- Timing constants of the protocol ----
 
-// Adds [from, to) to the tenant's throttled time, counting only what lies
-// past its mark, so that overlapping waits of several threads or processes
-// count once.
-void add_throttled(TenantTime& tenant, uint64_t from, uint64_t to);
+// A revocation waits this long for the holder's processes to drain; past it
+// the GPU goes on (their work's tail then shares the GPU through the
+// driver's own time-slicing) and the tenant is not granted again until one
+// of those processes reports its drain (or all of them die).
+inline constexpr uint64_t kDrainDeadlineNs = 100'000'000;
+// A holder that has not launched for this long while another tenant wants
+// the GPU is revoked; with nobody else wanting, after kLoneIdleNs.
+inline constexpr uint64_t kIdleNs = 2'000'000;
+inline constexpr uint64_t kLoneIdleNs = 20'000'000;
+// A process's want counts only while it renews it (GpuTimeRequest::poll_ns)
+// at least this often; its waiting threads and pacer do every few ms.
+inline constexpr uint64_t kWantFreshNs = 50'000'000;
+// Tenant processes run unshared while the daemon's heartbeat is older than
+// this (or absent, or in the future): "the daemon is down".
+inline constexpr uint64_t kDaemonDownNs = 1'000'000'000;
+
+// True while the daemon's scheduler heartbeats (see kDaemonDownNs).
+bool daemon_alive(const GpuTimeSegment& seg, uint64_t now);
+
+// ---- Futexes ----
+
+// On grant.turn: sleeps until it differs from `seen` or `timeout_ns` passes.
+void wait_for_turn(const GpuTimeSegment& seg, uint32_t seen, uint64_t timeout_ns);
+// Wakes every sleeper on grant.turn (daemon, after changing the grant).
+void wake_turn(GpuTimeSegment& seg);
+// Tenant processes: wakes the daemon's scheduler (a FUTEX_WAKE through a
+// read-only mapping: the word's value never changes).
+void ring_doorbell(const GpuTimeSegment& seg);
+// Daemon: sleeps on the doorbell until rung or `timeout_ns` passes.
+void wait_for_doorbell(GpuTimeSegment& seg, uint64_t timeout_ns);
+
+// ---- The drain handshake, process side ----
+//
+// Entering grant G (a process may launch under it only after this returns
+// true): the process stores entered_grant = G, then re-reads the grant word;
+// the daemon, to revoke, stores the word "revoking G", then reads every
+// slot's entered_grant. All four accesses are seq_cst, so they fall in one
+// total order: if the process's re-read comes before the daemon's store, its
+// own store came earlier still, and the daemon's read (after its store)
+// sees entered_grant = G: the daemon waits for this process's drain. If the
+// re-read comes after the store, the process sees "revoking" and does not
+// open; it reports G drained at once (it launched nothing under G), in case
+// the daemon saw its entered_grant. Either way no process launches under a
+// grant whose revocation did not wait for it.
+//
+// True: the process may open its gate under the grant in `word` (granted,
+// to `row`). False: the grant moved on meanwhile; drained_grant was set.
+bool enter_grant(const GpuTimeSegment& seg, GpuTimeRequest& request, uint64_t word);
+// After closing the gate and draining: reports grant `seq` drained and
+// rings the doorbell.
+void report_drained(const GpuTimeSegment& seg, GpuTimeRequest& request, uint64_t seq);
 
 }  // namespace fracgpu::gputime

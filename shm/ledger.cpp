@@ -158,6 +158,21 @@ void clear_slot_charges(UsageSegment& usage, uint32_t slot) {
   for (uint32_t g = 0; g < kMaxGpus; ++g) usage.charges[g][slot].store(0, std::memory_order_seq_cst);
 }
 
+// A new owner must not inherit a dead one's GPU-time requests: the daemon
+// would take its `entered_grant` for a process that has yet to drain.
+void clear_slot_requests(UsageSegment& usage, uint32_t slot) {
+  for (uint32_t g = 0; g < kMaxGpus; ++g) {
+    GpuTimeRequest& r = usage.gputime[g][slot];
+    r.want_since_ns.store(0, std::memory_order_relaxed);
+    r.last_active_ns.store(0, std::memory_order_relaxed);
+    r.entered_grant.store(0, std::memory_order_relaxed);
+    r.drained_grant.store(0, std::memory_order_relaxed);
+    r.used_ns.store(0, std::memory_order_relaxed);
+    r.waited_ns.store(0, std::memory_order_relaxed);
+    r.poll_ns.store(0, std::memory_order_relaxed);
+  }
+}
+
 uint64_t slot_total(const UsageSegment& usage, uint32_t slot) {
   uint64_t sum = 0;
   for (uint32_t g = 0; g < kMaxGpus; ++g) sum += usage.charges[g][slot].load(std::memory_order_relaxed);
@@ -734,6 +749,7 @@ int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* e
       continue;
     }
     clear_slot_charges(usage, s);
+    clear_slot_requests(usage, s);
     slot.orphaned_ns.store(0, std::memory_order_relaxed);
     slot.host_pid.store(0, std::memory_order_relaxed);  // the daemon fills it in
     slot.pid.store(self.pid, std::memory_order_relaxed);

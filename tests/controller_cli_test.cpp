@@ -89,6 +89,7 @@ class CliTest : public ::testing::Test {
     kill_and_reap(worker_);
     for (const pid_t pid : holders_) kill_and_reap(pid);
     gputime::close_arbiter(&arbiter_);
+    ledger::close_ledger(&usage_);
   }
 
   static bool fs_mkdirs(const std::string& dir) {
@@ -145,7 +146,7 @@ class CliTest : public ::testing::Test {
       t.state.store(gputime::kTenantActive);
       ASSERT_EQ(link(path.c_str(), gpu_time_link(name).c_str()), 0);
     }
-    arbiter_.seg->active_tenants.store(2);
+    arbiter_.seg->daemon.active_tenants.store(2);
   }
 
   std::string gpu_time_link(const std::string& tenant) const { return tenant_dir(tenant) + "/gputime-0"; }
@@ -154,47 +155,31 @@ class CliTest : public ::testing::Test {
     return arbiter_.seg->tenants[gputime::find_tenant(*arbiter_.seg, name)];
   }
 
-  // A process of `tenant` in the arbiter (through the tenant's link), and
-  // attached to its ledger (a slot, no charge) if `in_ledger`. Returns its
-  // arbiter entry, or -1.
-  int spawn_gpu_process(const std::string& tenant, bool in_ledger, const char* comm, pid_t* pid_out = nullptr) {
-    const std::string dir = tenant_dir(tenant);
-    const pid_t pid = spawn_holder(
-        [&] {
-          ledger::ProcessIdentity self{};
-          if (!ledger::read_self_identity(&self)) return false;
-          char err[256];
-          if (in_ledger) {
-            ledger::TenantLedger l;
-            ledger::LedgerError e{};
-            if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kTenant, nullptr, &l, err, sizeof err) !=
-                    ledger::LedgerError::kOk ||
-                ledger::claim_slot(l, self, &e) < 0)
-              return false;
-          }
-          gputime::Arbiter a;
-          if (gputime::open_arbiter((dir + "/gputime-0").c_str(), false, false, nullptr, &a, err, sizeof err) !=
-              ledger::LedgerError::kOk)
-            return false;
-          const int row = gputime::find_tenant(*a.seg, tenant.c_str());
-          return row >= 0 && gputime::claim_process(a, static_cast<uint32_t>(row), self.pid, self.start_time) >= 0;
-        },
-        comm);
-    if (pid <= 0) return -1;
+  // A process of `tenant` attached to its ledger (a slot, no charge), and
+  // the GPU-time requests of its slot on GPU entry 0, which the test writes
+  // as the process would. Null if it could not start.
+  ledger::GpuTimeRequest* spawn_gpu_process(const std::string& tenant, const char* comm, pid_t* pid_out = nullptr) {
+    const pid_t pid = spawn_tenant_process(tenant_dir(tenant), 0, 0, comm);
+    if (pid <= 0) return nullptr;
     holders_.push_back(pid);
     if (pid_out != nullptr) *pid_out = pid;
-    for (uint32_t p = 0; p < gputime::kMaxProcesses; ++p) {
-      const gputime::ProcessTime& e = arbiter_.seg->processes[p];
-      if (e.state.load() == gputime::kProcessLive && e.pid.load() == pid) return static_cast<int>(p);
+    if (!usage_.is_open()) {
+      char err[256];
+      if (ledger::open_ledger(tenant_dir(tenant).c_str(), ledger::AccessMode::kTenant, nullptr, &usage_, err,
+                              sizeof err) != ledger::LedgerError::kOk)
+        return nullptr;
     }
-    return -1;
+    for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
+      if (usage_.usage->slots[s].state.load() == ledger::kSlotLive && usage_.usage->slots[s].pid.load() == pid)
+        return &usage_.usage->gputime[0][s];
+    return nullptr;
   }
 
-  // Figures as processes and the daemon would have written them: one of
-  // alice's processes ("sampler", also in her ledger, with no memory
-  // charged) holds the GPU, another
-  // (arbiter only) waits, and a third died while waiting (its entry not yet
-  // reclaimed: neither waiting nor counted). bob is idle.
+  // Figures as processes and the daemon would have written them: alice
+  // holds the GPU (grant 77); of her processes, "sampler" (no memory
+  // charged) entered that grant, "waiter" asks for the GPU, and "dead" died
+  // asking (its slot not yet reclaimed: neither waiting nor counted). bob is
+  // idle.
   void fill_gpu_time() {
     create_gpu_arbiter();
     if (::testing::Test::HasFatalFailure()) return;
@@ -204,31 +189,35 @@ class CliTest : public ::testing::Test {
     alice.used_ns.store(754'000'000'000);   // 12.6 min
     alice.throttled_ns.store(2'500'000'000);  // 2.5 s
     alice.slices.store(42);
+    alice.waiting_processes.store(1);
     gputime::TenantTime& bob = tenant_row("bob");
     bob.achieved_1s_ppm.store(700'000);
     bob.achieved_10s_ppm.store(713'000);
     bob.used_ns.store(7'560'000'000'000);  // 2.1 h
     bob.throttled_ns.store(1'234'000'000);  // 1.2 s
     bob.slices.store(7);
+    bob.missed_deadlines.store(3);
+    bob.flags.store(gputime::kTenantBlocked);
+    arbiter_.seg->grant.word.store(
+        gputime::grant_word(77, static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice")), gputime::kGranted));
 
-    holder_entry_ = spawn_gpu_process("alice", true, "sampler", &holder_pid_);
-    ASSERT_GE(holder_entry_, 0);
-    gputime::ProcessTime& holder = arbiter_.seg->processes[holder_entry_];
-    holder.used_ns.store(600'000'000'000);  // 10.0 min
-    holder.waited_ns.store(1'500'000'000);  // 1.5 s
-    arbiter_.seg->arbiter.holder.store(static_cast<uint32_t>(holder_entry_) + 1);
+    ledger::GpuTimeRequest* holder = spawn_gpu_process("alice", "sampler", &holder_pid_);
+    ASSERT_NE(holder, nullptr);
+    holder->entered_grant.store(77);
+    holder->used_ns.store(600'000'000'000);  // 10.0 min
+    holder->waited_ns.store(1'500'000'000);  // 1.5 s
 
-    const int waiter = spawn_gpu_process("alice", false, "waiter");
-    ASSERT_GE(waiter, 0);
-    arbiter_.seg->processes[waiter].want_since_ns.store(monotonic_ns());
+    ledger::GpuTimeRequest* waiter = spawn_gpu_process("alice", "waiter");
+    ASSERT_NE(waiter, nullptr);
+    waiter->want_since_ns.store(monotonic_ns());
+    waiter->drained_grant.store(76);
 
     pid_t dead_pid = -1;
-    const int dead = spawn_gpu_process("alice", false, "dead", &dead_pid);
-    ASSERT_GE(dead, 0);
-    arbiter_.seg->processes[dead].want_since_ns.store(monotonic_ns());
+    ledger::GpuTimeRequest* dead = spawn_gpu_process("alice", "dead", &dead_pid);
+    ASSERT_NE(dead, nullptr);
+    dead->want_since_ns.store(monotonic_ns());
     kill_and_reap(dead_pid);
     holders_.pop_back();
-    ASSERT_EQ(arbiter_.seg->processes[dead].state.load(), gputime::kProcessLive);
   }
 
   TempDir tmp_;
@@ -236,7 +225,7 @@ class CliTest : public ::testing::Test {
   pid_t worker_ = -1;
   std::vector<pid_t> holders_;  // children of spawn_gpu_process, killed at the end
   gputime::Arbiter arbiter_;
-  int holder_entry_ = -1;
+  ledger::TenantLedger usage_;  // alice's, as her processes map it
   pid_t holder_pid_ = -1;
 };
 
@@ -304,7 +293,8 @@ TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
   EXPECT_EQ(header.find("GPU TIME"), alice.find("12.6 min")) << text;
   EXPECT_EQ(header.find("THROTTLED"), alice.find("2.5 s")) << text;
   EXPECT_EQ(header.find("NOW"), alice.find("holding")) << text;
-  EXPECT_EQ(header.find("PROCS"), alice.rfind("2")) << text;  // trainer (charged) and sampler (in the arbiter)
+  // trainer (charged), sampler and waiter (GPU-time requests); not dead
+  EXPECT_EQ(header.find("PROCS"), alice.rfind("3")) << text;
   // bob shares alice's GPU: its row leaves the GPU column blank.
   EXPECT_EQ(bob.find("bob"), header.find("TENANT")) << text;
   EXPECT_EQ(bob.find_first_not_of(' '), header.find("TENANT"));
@@ -315,12 +305,12 @@ TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
   EXPECT_EQ(header.find("10S"), bob.find("71.3%")) << text;
   EXPECT_EQ(header.find("GPU TIME"), bob.find("2.1 h")) << text;
   EXPECT_EQ(header.find("THROTTLED"), bob.find("1.2 s")) << text;
-  EXPECT_EQ(header.find("NOW"), bob.find("idle")) << text;
+  EXPECT_EQ(header.find("NOW"), bob.find("blocked")) << text;  // it missed a drain deadline
   ASSERT_FALSE(proc.empty()) << text;
   EXPECT_EQ(procs_header.find("HOST PID"), proc.find(std::to_string(worker_))) << text;
   EXPECT_NE(proc.find("trainer"), std::string::npos);
   EXPECT_NE(proc.find("running"), std::string::npos);
-  EXPECT_EQ(proc.substr(procs_header.find("GPU TIME"), 3), "-  ") << text;  // not in the arbiter
+  EXPECT_EQ(proc.substr(procs_header.find("GPU TIME"), 3), "-  ") << text;  // never asked for GPU time
   EXPECT_EQ(proc.substr(procs_header.find("WAITED")), "-") << text;
   // sampler: no memory charged, a row for its GPU time.
   ASSERT_FALSE(sampler.empty()) << text;
@@ -398,8 +388,10 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_EQ(alice.gpu_time->throttled_ns, 2'500'000'000u);
   EXPECT_EQ(alice.gpu_time->slices, 42u);
   EXPECT_TRUE(alice.gpu_time->holding);
-  EXPECT_EQ(alice.gpu_time->waiting_processes, 1u);  // not the dead one
+  EXPECT_EQ(alice.gpu_time->waiting_processes, 1u);  // the daemon's count
   EXPECT_EQ(alice.gpu_time->tenants_sharing, 2u);
+  EXPECT_EQ(alice.gpu_time->missed_deadlines, 0u);
+  EXPECT_FALSE(alice.gpu_time->blocked);
   const GpuEntryStatus& bob = report.tenants[1].gpus.at(0);
   ASSERT_TRUE(bob.gpu_time);
   EXPECT_EQ(bob.gpu_time->achieved_1s_ppm, 700'000u);
@@ -410,11 +402,13 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_FALSE(bob.gpu_time->holding);
   EXPECT_EQ(bob.gpu_time->waiting_processes, 0u);
   EXPECT_EQ(bob.gpu_time->tenants_sharing, 2u);
-  // Per process: matched to its ledger slot by pid and start time.
+  EXPECT_EQ(bob.gpu_time->missed_deadlines, 3u);
+  EXPECT_TRUE(bob.gpu_time->blocked);
+  // Per process: its slot's requests in the tenant's usage file.
   const std::vector<ProcessStatus>& procs = report.tenants[0].processes;
-  ASSERT_EQ(procs.size(), 2u);
+  ASSERT_EQ(procs.size(), 4u);
   EXPECT_EQ(procs[0].comm, "trainer");
-  EXPECT_TRUE(procs[0].gpu_time.empty());  // not in the arbiter
+  EXPECT_TRUE(procs[0].gpu_time.empty());  // never asked for GPU time
   EXPECT_EQ(procs[1].comm, "sampler");
   EXPECT_EQ(procs[1].host_pid, holder_pid_);
   EXPECT_TRUE(procs[1].charges.empty());
@@ -424,6 +418,13 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_EQ(procs[1].gpu_time[0].waited_ns, 1'500'000'000u);
   EXPECT_TRUE(procs[1].gpu_time[0].holding);
   EXPECT_FALSE(procs[1].gpu_time[0].waiting);
+  EXPECT_EQ(procs[2].comm, "waiter");
+  ASSERT_EQ(procs[2].gpu_time.size(), 1u);
+  EXPECT_TRUE(procs[2].gpu_time[0].waiting);
+  EXPECT_FALSE(procs[2].gpu_time[0].holding);
+  EXPECT_EQ(procs[3].comm, "dead");
+  EXPECT_FALSE(procs[3].running);
+  EXPECT_TRUE(procs[3].gpu_time.empty()) << "a dead process neither waits nor holds";
 
   // JSON, in the documented key order.
   const nlohmann::ordered_json ordered = status_to_json(report);
@@ -431,10 +432,11 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   std::vector<std::string> keys;
   for (const auto& [key, value] : time.items()) keys.push_back(key);
   EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "throttled_ns", "slices",
-                                            "holding", "waiting_processes", "tenants_sharing"}));
+                                            "holding", "waiting_processes", "tenants_sharing", "missed_deadlines",
+                                            "blocked"}));
   EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
       "used_ns": 754000000000, "throttled_ns": 2500000000, "slices": 42, "holding": true,
-      "waiting_processes": 1, "tenants_sharing": 2})"));
+      "waiting_processes": 1, "tenants_sharing": 2, "missed_deadlines": 0, "blocked": false})"));
   EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["holding"], false);
@@ -453,29 +455,27 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   ASSERT_EQ(run_cli("status --run-dir " + run_dir_, &out), kStatusOk) << out;
   EXPECT_NE(out.find("12.6 min"), std::string::npos) << out;
   EXPECT_NE(out.find("holding"), std::string::npos) << out;
+  EXPECT_NE(out.find("blocked"), std::string::npos) << out;
 }
 
-// The holder of the GPU died (not yet taken over): its tenant does not hold
-// the GPU, and its dead entry is not waiting.
+// A process that died holding the GPU: its tenant holds the grant until the
+// daemon sees the death (the grant is the daemon's to end), but the dead
+// process is shown exited, neither holding nor waiting, with its totals.
 TEST_F(CliTest, DeadHolderIsNotHolding) {
   fill_gpu_time();
   kill_and_reap(holder_pid_);
   holders_.erase(std::find(holders_.begin(), holders_.end(), holder_pid_));
   const StatusReport report = collect();
   ASSERT_TRUE(report.tenants[0].gpus.at(0).gpu_time);
-  EXPECT_FALSE(report.tenants[0].gpus[0].gpu_time->holding);
-  EXPECT_EQ(report.tenants[0].gpus[0].gpu_time->waiting_processes, 1u);
-  // Its totals still show, on its exited slot.
+  EXPECT_TRUE(report.tenants[0].gpus[0].gpu_time->holding);
   const ProcessStatus& sampler = report.tenants[0].processes.at(1);
   EXPECT_FALSE(sampler.running);
   ASSERT_EQ(sampler.gpu_time.size(), 1u);
   EXPECT_FALSE(sampler.gpu_time[0].holding);
+  EXPECT_FALSE(sampler.gpu_time[0].waiting);
   EXPECT_EQ(sampler.gpu_time[0].used_ns, 600'000'000'000u);
-  EXPECT_NE(status_to_text(report).find(" waiting "), std::string::npos) << status_to_text(report);
 }
 
-// No gputime-<entry> link (memory only, or a daemon without GPU-time
-// arbiters): no GPU time, and no error either.
 TEST_F(CliTest, NoArbiterLinkMeansNoGpuTime) {
   const StatusReport report = collect();
   for (const TenantStatus& t : report.tenants) {

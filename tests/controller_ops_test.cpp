@@ -223,6 +223,8 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
   EXPECT_EQ(value("fracgpu_gpu_time_achieved" + a10), t.achieved_10s_ppm / 1e6);
   EXPECT_EQ(value("fracgpu_gpu_time_throttled_seconds_total" + a), t.throttled_ns / 1e9);
   EXPECT_EQ(value("fracgpu_gpu_time_used_seconds_total" + a), t.used_ns / 1e9);
+  EXPECT_EQ(value("fracgpu_gpu_time_missed_drain_deadlines_total" + a), 0.0);
+  EXPECT_EQ(value("fracgpu_gpu_time_blocked" + a), 0.0);
   // bob: a memory quota on GPU 1, no share, nothing used.
   const std::string b = "{gpu=\"" + kUuid1 + "\",tenant=\"bob\"}";
   EXPECT_EQ(value("fracgpu_memory_quota_bytes" + b), 2.0 * (1ull << 30));

@@ -1,33 +1,37 @@
 // The GPU-time arbiter's shared-memory layout: one file per managed GPU,
-// shared by every process of every tenant granted a share of that GPU.
+// written by the daemon only, read by every process of every tenant granted
+// a share of that GPU.
 //
-//   <run dir>/gpus/<GPU UUID>/gputime    created by the daemon, mode 0666
+//   <run dir>/gpus/<GPU UUID>/gputime    created by the daemon, mode 0644
 //   <tenant dir>/gputime-<entry>         a hard link to it, for each GPU
 //                                        entry of the tenant's policy
 //
 // The hard links make the one file reachable through each tenant's directory,
-// which is all a container mounts; record locks and futexes are keyed by the
+// which is all a container mounts (read-only); futexes are keyed by the
 // inode, so they work across links, mounts and PID namespaces.
 //
-// How time is shared (see docs/sm-time.md): exclusive time slices. At most one
-// process holds a GPU at a time; only the holder's launches reach the driver.
-// Each tenant has a virtual time that advances by (GPU time used) / share, and
-// the next holder is a waiting process of the tenant with the smallest virtual
-// time that is within its limit. The holder hands the GPU on when its slice is
-// used up and someone waits, when it stops launching, or when its tenant
-// reaches its limit; it first drains its own work, so GPU time is charged to
-// whoever occupied the GPU.
+// How time is shared (see docs/sm-time.md): exclusive time slices, granted
+// by the daemon to one *tenant* at a time; every process of the holding
+// tenant may launch, the others wait. The daemon's scheduler decides alone:
+// tenants only ask, through the GPU-time request section of their own usage
+// file (ledger_layout.h, GpuTimeRequest), and the daemon treats everything
+// it reads there as a claim (clamped, checked against the current grant,
+// its effect bounded to the tenant that wrote it).
 //
-// Rules for everything below (as for the ledger):
-//  - integer atomics only; any process may be SIGKILLed at any instant;
+// A grant ends with a drain handshake: the daemon marks the grant
+// "revoking"; each process of the holder that entered the grant closes its
+// gate, waits for its work to finish and says so (drained_grant); the
+// revocation completes when all have, have died, or a deadline passes.
+//
+// Rules for everything below:
+//  - integer atomics only; the daemon may be SIGKILLed at any instant;
 //  - an all-zero file is a valid, empty arbiter (no tenant, no holder);
-//  - a process entry's liveness is a POSIX record lock on one byte of this
-//    file, held by its owner, dropped by the kernel when it dies;
-//  - scheduling state (holder, virtual times, charges) is written only by the
-//    process that holds the GPU (it won `holder` by compare-and-swap), or by
-//    whoever takes the GPU over from a dead holder: one writer at a time;
-//  - the daemon writes only the tenant table's configuration and statistics;
-//  - waiting processes add to their tenant's throttled time (an atomic sum).
+//  - the daemon is the only writer. Tenant processes map the file
+//    read-only; the two futex words are the only thing they touch, by
+//    waiting on `turn` and waking `doorbell` (neither changes a value);
+//  - readers validate what they read (a file may be from an older run, or
+//    damaged): an out-of-range value means "the daemon is not scheduling",
+//    and a process then runs unshared, as it does while the daemon is down.
 //
 // Any change to this file that moves a byte must bump kGpuTimeLayoutVersion.
 #pragma once
@@ -36,13 +40,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <sys/types.h>
-
 namespace fracgpu::gputime {
 
-inline constexpr uint32_t kGpuTimeLayoutVersion = 1;
-inline constexpr uint32_t kMaxTenants = 64;     // tenants with a share of one GPU
-inline constexpr uint32_t kMaxProcesses = 256;  // processes of all tenants on one GPU
+inline constexpr uint32_t kGpuTimeLayoutVersion = 2;
+inline constexpr uint32_t kMaxTenants = 64;  // tenants with a share of one GPU
 inline constexpr uint32_t kTenantNameBytes = 64;
 
 // "FRGTIME1" read as a little-endian integer.
@@ -62,92 +63,109 @@ struct GpuTimeHeader {
 };
 static_assert(sizeof(GpuTimeHeader) == 56);
 
+// The grant, one 64-bit word so that readers see its parts together:
+//   bits 63..16  sequence number of the grant (a new one for every grant)
+//   bits 15..8   tenant row of the holder
+//   bits  7..0   GrantState
+// Sequence numbers only grow, across daemon restarts too (a restarted
+// daemon starts above both the file's last one and the monotonic clock in
+// microseconds), so a grant a process entered is never mistaken for a later one.
+enum GrantState : uint32_t {
+  kGrantIdle = 0,      // nobody holds the GPU
+  kGranted = 1,        // the tenant in `row` holds it: its processes may launch
+  kGrantRevoking = 2,  // it is being taken back: its processes close and drain
+};
+inline constexpr uint64_t kMaxGrantSeq = (1ull << 48) - 1;
+
+constexpr uint64_t grant_word(uint64_t seq, uint32_t row, uint32_t state) {
+  return (seq & kMaxGrantSeq) << 16 | static_cast<uint64_t>(row & 0xff) << 8 | (state & 0xff);
+}
+constexpr uint64_t grant_seq(uint64_t word) { return word >> 16; }
+constexpr uint32_t grant_row(uint64_t word) { return static_cast<uint32_t>(word >> 8) & 0xff; }
+constexpr uint32_t grant_state(uint64_t word) { return static_cast<uint32_t>(word) & 0xff; }
+// A word a reader may act on: a known state, and a row in range when held.
+constexpr bool grant_valid(uint64_t word) {
+  return grant_state(word) == kGrantIdle ||
+         ((grant_state(word) == kGranted || grant_state(word) == kGrantRevoking) && grant_row(word) < kMaxTenants &&
+          grant_seq(word) != 0);
+}
+
+// Who holds the GPU, and the futex its waiters sleep on.
+struct alignas(64) GrantSection {
+  std::atomic<uint64_t> word;       // grant_word(...), stored seq_cst (see the drain handshake)
+  std::atomic<uint32_t> turn;       // futex word, bumped after every change of `word`
+  uint32_t reserved0;
+  std::atomic<uint64_t> grant_ns;   // CLOCK_MONOTONIC when the current grant began
+  std::atomic<uint64_t> revoke_ns;  // when its revocation began; 0 while not revoking
+  std::atomic<uint64_t> handovers;  // grants made, total
+  uint64_t reserved[3];
+};
+static_assert(sizeof(GrantSection) == 64);
+
+// The daemon's side: liveness, configuration of the whole GPU, and the
+// futex it sleeps on between scheduling passes.
+struct alignas(64) DaemonSection {
+  // Tenant processes FUTEX_WAKE it (through their read-only mapping) when
+  // they start wanting the GPU or finish a drain; nobody ever changes it.
+  std::atomic<uint32_t> doorbell;
+  std::atomic<uint32_t> active_tenants;        // tenants configured with a share of this GPU
+  std::atomic<uint64_t> daemon_heartbeat_ns;   // CLOCK_MONOTONIC of the scheduler's last pass; 0: stopped
+  std::atomic<uint64_t> slice_ns;              // length of a time slice; 0: kDefaultSliceNs
+  std::atomic<uint64_t> drain_deadline_ns;     // how long a revocation waits for drains (informational)
+  uint64_t reserved[4];
+};
+static_assert(sizeof(DaemonSection) == 64);
+
 enum TenantTimeState : uint32_t {
   kTenantUnused = 0,
   kTenantActive = 1,   // configured with a share of this GPU
   kTenantRetired = 2,  // no longer configured here; keeps its statistics
 };
 
-// One tenant's standing on this GPU. An entry is bound to a tenant name for
-// the life of the file (the daemon only appends), so processes can cache it.
-struct alignas(64) TenantTime {
-  // Written by the daemon.
-  std::atomic<uint32_t> state;      // TenantTimeState, published with release
-  std::atomic<uint32_t> share_ppm;  // guaranteed share (informational: processes read their own policy)
-  std::atomic<uint32_t> limit_ppm;  // cap
-  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time used over the last second / 1 s
-  std::atomic<uint32_t> achieved_10s_ppm;  // ... over the last 10 s
-  uint32_t reserved0;
-  char name[kTenantNameBytes];  // NUL-terminated; written before state leaves kTenantUnused
+// TenantTime::flags, the scheduler's view of the tenant for `fracgpu status`.
+enum TenantTimeFlags : uint32_t {
+  kTenantWants = 1u << 0,    // a live process of the tenant asks for the GPU
+  kTenantBlocked = 1u << 1,  // missed a drain deadline: not granted again until it shows progress
+};
 
-  // Written by the holder (see the rules above).
-  std::atomic<uint64_t> vtime;         // virtual time: sum of (GPU ns used) * kPpm / share_ppm
-  std::atomic<uint64_t> used_ns;       // GPU time charged to the tenant, total
-  std::atomic<uint64_t> throttled_ns;  // time its launches waited for the GPU (other holders or its limit)
-  std::atomic<uint64_t> cap_tat_ns;    // limit: GCRA theoretical arrival time (CLOCK_MONOTONIC)
-  std::atomic<uint64_t> slices;        // times a process of the tenant was given the GPU
-  // Written by its waiting processes.
-  std::atomic<uint64_t> throttled_mark_ns;  // throttled_ns counts waits up to here (overlaps count once)
+// One tenant's standing on this GPU. A row is bound to a tenant name for
+// the life of the file (the daemon only appends), so processes can cache it.
+// All of it is the daemon's.
+struct alignas(64) TenantTime {
+  std::atomic<uint32_t> state;             // TenantTimeState, published with release
+  std::atomic<uint32_t> share_ppm;         // guaranteed share (processes read their own policy)
+  std::atomic<uint32_t> limit_ppm;         // cap
+  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time held over the last second / 1 s
+  std::atomic<uint32_t> achieved_10s_ppm;  // ... over the last 10 s
+  std::atomic<uint32_t> flags;             // TenantTimeFlags
+  char name[kTenantNameBytes];             // NUL-terminated; written before state leaves kTenantUnused
+
+  std::atomic<uint64_t> vtime;          // virtual time: sum of (GPU ns held) * kPpm / share_ppm
+  std::atomic<uint64_t> used_ns;        // GPU time charged (held), total
+  std::atomic<uint64_t> throttled_ns;   // time it wanted the GPU and did not hold it, total
+  std::atomic<uint64_t> cap_tat_ns;     // limit: GCRA theoretical arrival time (CLOCK_MONOTONIC)
+  std::atomic<uint64_t> slices;         // grants it was given
+  std::atomic<uint32_t> waiting_processes;  // its live processes asking for the GPU (last pass)
+  std::atomic<uint32_t> missed_deadlines;   // revocations that hit the drain deadline, total
   uint64_t reserved[2];
 };
 static_assert(sizeof(TenantTime) == 192);
 static_assert(offsetof(TenantTime, name) == 24);
 static_assert(offsetof(TenantTime, vtime) == 88);
 
-enum ProcessTimeState : uint32_t {
-  kProcessFree = 0,
-  kProcessLive = 1,  // its owner holds the entry's record lock
-};
-
-// One process using this GPU. Written by its owner; cleared by whoever
-// reclaims it after taking its record lock (which proves the owner is gone).
-struct alignas(64) ProcessTime {
-  std::atomic<uint32_t> state;          // ProcessTimeState
-  std::atomic<uint32_t> tenant;         // index into GpuTimeSegment::tenants
-  std::atomic<int32_t> pid;             // as the owner sees itself
-  std::atomic<uint32_t> reserved0;
-  std::atomic<uint64_t> want_since_ns;  // CLOCK_MONOTONIC since it waits for the GPU; 0: not waiting
-  std::atomic<uint64_t> start_time;     // owner's start time (clock ticks since boot), identity
-  std::atomic<uint64_t> used_ns;        // GPU time charged to this process, total
-  std::atomic<uint64_t> waited_ns;      // time it spent waiting for the GPU, total
-  uint64_t reserved[2];
-};
-static_assert(sizeof(ProcessTime) == 64);
-
-// The holder: who may launch now, and the futex waiters sleep on.
-struct alignas(64) HolderState {
-  std::atomic<uint32_t> holder;        // process index + 1; 0: nobody holds the GPU
-  std::atomic<uint32_t> turn;          // futex word, bumped after every change of holder
-  std::atomic<uint64_t> grant_ns;      // when the holder got the GPU
-  std::atomic<uint64_t> charged_ns;    // up to when the holder's time has been charged
-  std::atomic<uint64_t> heartbeat_ns;  // the holder's last sign of life
-  std::atomic<uint64_t> min_vtime;     // floor for tenants that come back from idle (monotonic)
-  std::atomic<uint64_t> handovers;     // changes of holder, total
-  std::atomic<uint64_t> idle_since_ns; // when the GPU was last released to nobody; 0 while held
-};
-static_assert(sizeof(HolderState) == 64);
-
 struct GpuTimeSegment {
   GpuTimeHeader header;
-  std::atomic<uint64_t> generation;           // bumped by the daemon after each configuration write
-  HolderState arbiter;                        // at offset 64
-  std::atomic<uint32_t> active_tenants;       // tenants in kTenantActive (daemon)
-  std::atomic<uint32_t> process_high_water;   // entries [0, high water) may be live
-  std::atomic<uint64_t> daemon_heartbeat_ns;  // CLOCK_MONOTONIC of the daemon's last pass
-  std::atomic<uint64_t> slice_ns;             // length of a time slice (daemon); 0: kDefaultSliceNs
-  uint64_t reserved[5];
+  std::atomic<uint64_t> generation;  // bumped by the daemon after each configuration change
+  GrantSection grant;                // at offset 64
+  DaemonSection daemon;              // at offset 128
+  std::atomic<uint64_t> min_vtime;   // floor for tenants that come back from idle (monotonic)
+  uint64_t reserved[7];
   TenantTime tenants[kMaxTenants];
-  ProcessTime processes[kMaxProcesses];
 };
-static_assert(offsetof(GpuTimeSegment, arbiter) == 64);
-static_assert(offsetof(GpuTimeSegment, active_tenants) == 128);
-static_assert(offsetof(GpuTimeSegment, tenants) == 192);
-static_assert(offsetof(GpuTimeSegment, processes) == 192 + 192 * kMaxTenants);
-static_assert(sizeof(GpuTimeSegment) == 192 + 192 * kMaxTenants + 64 * kMaxProcesses);
-
-// The byte of the file whose record lock means "process entry p is owned".
-constexpr off_t process_lock_offset(uint32_t p) {
-  return static_cast<off_t>(offsetof(GpuTimeSegment, processes) + p * sizeof(ProcessTime));
-}
+static_assert(offsetof(GpuTimeSegment, grant) == 64);
+static_assert(offsetof(GpuTimeSegment, daemon) == 128);
+static_assert(offsetof(GpuTimeSegment, min_vtime) == 192);
+static_assert(offsetof(GpuTimeSegment, tenants) == 256);
+static_assert(sizeof(GpuTimeSegment) == 256 + 192 * kMaxTenants);
 
 }  // namespace fracgpu::gputime

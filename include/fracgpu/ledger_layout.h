@@ -6,8 +6,9 @@
 //
 //   <tenant dir>/policy   written by the daemon only; tenants map it read-only.
 //                         Quotas live here, so a tenant cannot raise its own.
-//   <tenant dir>/usage    read-write for the tenant's processes: process slots
-//                         and the bytes each slot has charged on each GPU.
+//   <tenant dir>/usage    read-write for the tenant's processes: process slots,
+//                         the bytes each slot has charged on each GPU, and
+//                         each slot's requests to the GPU-time arbiters.
 //   <tenant dir>/node     a hard link to <run_dir>/node, one file for the whole
 //                         node, written by the daemon only: the generation of
 //                         policy in force on every tenant (NodeSegment below).
@@ -192,6 +193,35 @@ static_assert(sizeof(ProcessSlot) == 64);
 static_assert(offsetof(ProcessSlot, orphaned_ns) == 40);
 static_assert(offsetof(ProcessSlot, host_pid) == 48);
 
+// What one process asks of a GPU's time arbiter (gputime_layout.h), and
+// what it says it did: the only channel from a tenant process to the
+// daemon's scheduler. Written by the process owning the slot; cleared when
+// a new owner claims the slot. The daemon reads all of it as a claim: times
+// are clamped to its own clock, grant numbers count only when they equal
+// the current grant's, and whatever is written here can only change how
+// the daemon treats this tenant (docs/sm-time.md).
+struct alignas(64) GpuTimeRequest {
+  // CLOCK_MONOTONIC since when a thread of the process waits for the GPU; 0: none waits.
+  std::atomic<uint64_t> want_since_ns;
+  // CLOCK_MONOTONIC of its last launch (as its pacer saw it) while its tenant holds the GPU.
+  std::atomic<uint64_t> last_active_ns;
+  // Grant sequence number (gputime::grant_seq) under which it opened its launch gate.
+  std::atomic<uint64_t> entered_grant;
+  // Grant sequence number for which it closed its gate and drained its work.
+  std::atomic<uint64_t> drained_grant;
+  // For display only (fracgpu status): GPU time its tenant held while this
+  // process had its gate open, and time it waited for the GPU, totals.
+  std::atomic<uint64_t> used_ns;
+  std::atomic<uint64_t> waited_ns;
+  // CLOCK_MONOTONIC when the process last looked at the grant while asking
+  // (its waiting threads and its pacer, every few milliseconds): a want
+  // nobody renews (a stopped process) stops counting.
+  std::atomic<uint64_t> poll_ns;
+  uint64_t reserved;
+};
+static_assert(sizeof(GpuTimeRequest) == 64);
+static_assert(offsetof(GpuTimeRequest, poll_ns) == 48);
+
 struct UsageSegment {
   SegmentHeader header;
   std::atomic<uint32_t> slot_high_water;  // slots [0, high water) may hold charges
@@ -201,11 +231,15 @@ struct UsageSegment {
   // Bytes charged by slot s on GPU entry g. A row per GPU, so summing one
   // GPU's usage reads consecutive words of only the slots ever used.
   std::atomic<uint64_t> charges[kMaxGpus][kMaxSlots];
+  // Slot s's requests to the time arbiter of GPU entry g (layout version 2).
+  GpuTimeRequest gputime[kMaxGpus][kMaxSlots];
 };
 static_assert(offsetof(UsageSegment, slot_high_water) == 32);
 static_assert(offsetof(UsageSegment, slots) == 128);
 static_assert(offsetof(UsageSegment, charges) == 128 + 64 * kMaxSlots);
-static_assert(sizeof(UsageSegment) == 128 + 64 * kMaxSlots + 8 * kMaxGpus * kMaxSlots);
+static_assert(offsetof(UsageSegment, gputime) == 128 + 64 * kMaxSlots + 8 * kMaxGpus * kMaxSlots);
+static_assert(sizeof(UsageSegment) ==
+              128 + 64 * kMaxSlots + 8 * kMaxGpus * kMaxSlots + sizeof(GpuTimeRequest) * kMaxGpus * kMaxSlots);
 
 // The byte of the usage file whose record lock means "slot s is owned".
 constexpr off_t slot_lock_offset(uint32_t slot) {

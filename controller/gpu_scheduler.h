@@ -1,0 +1,175 @@
+// fracgpud's GPU-time scheduler: one per managed GPU, the only writer of that
+// GPU's arbiter file (include/fracgpu/gputime_layout.h; policy and protocol
+// in docs/sm-time.md).
+//
+// Each pass it reads what the tenants sharing the GPU ask for (the
+// GpuTimeRequest rows of their usage files, which their processes write and
+// which are therefore claims: clamped, checked against the current grant,
+// and bounded in effect to the tenant that wrote them), then grants the GPU
+// to one tenant at a time, charges the holder the time it holds it, and
+// takes it back with a drain handshake that has a deadline. It runs on a
+// thread of its own, asleep on the arbiter's doorbell futex between passes
+// (1 ms while someone holds or waits, kIdlePassNs otherwise); tenant
+// processes ring the doorbell, which can only make it run a pass sooner,
+// never more than once per kMinPassIntervalNs.
+//
+// The daemon's main thread talks to it through configure() (after every
+// config apply), sample_achieved() (every tick) and take_messages(): the
+// scheduler thread never logs itself, so nothing it holds can be held in
+// the metrics child the main thread forks.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <bitset>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <sys/types.h>
+
+#include "gputime.h"
+#include "ledger.h"
+
+namespace fracgpu::controller {
+
+// A tenant with a share of this GPU, as the config and the daemon's open
+// ledgers say.
+struct SchedulerTenant {
+  std::string name;
+  uint32_t share_ppm = 0;
+  uint32_t limit_ppm = 0;
+  int usage_fd = -1;  // the tenant ledger's usage file; borrowed (the scheduler keeps a dup); -1: none
+  int entry = -1;     // this GPU's entry in the tenant's policy; -1: none
+};
+
+struct SchedulerMessage {
+  bool warning = false;  // else info
+  std::string text;
+};
+
+class GpuScheduler {
+ public:
+  static constexpr uint64_t kBusyPassNs = 1'000'000;         // between passes while someone holds or waits
+  static constexpr uint64_t kIdlePassNs = 20'000'000;        // ... otherwise
+  static constexpr uint64_t kMinPassIntervalNs = 100'000;    // doorbells cannot make passes more frequent
+
+  // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
+  GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
+  ~GpuScheduler();
+  GpuScheduler(const GpuScheduler&) = delete;
+  GpuScheduler& operator=(const GpuScheduler&) = delete;
+
+  // Takes over what the file holds from an earlier daemon (virtual times
+  // and statistics, each validated: the file may be from an older run or
+  // damaged), and starts with no holder under a grant number above every
+  // earlier one. Call once, before anything else.
+  void adopt(uint64_t now);
+  // The tenants with a share of this GPU now; rows of others are retired.
+  void configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns);
+  // The thread; stop() ends it and tells tenants the scheduler is gone
+  // (heartbeat 0: their processes run unshared at once, not a second later).
+  void start();
+  void stop();
+
+  // One scheduling pass at `now` (CLOCK_MONOTONIC). Returns how long the
+  // thread may sleep before the next. Tests call it directly.
+  uint64_t pass(uint64_t now);
+  // Achieved shares over 1 s and 10 s from the GPU time charged, into the file.
+  void sample_achieved(uint64_t now);
+  std::vector<SchedulerMessage> take_messages();
+  // Passes run so far (the thread's and pass()'s).
+  uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
+  // Record-lock probes (system calls) made so far.
+  uint64_t probes() const { return probes_.load(std::memory_order_relaxed); }
+
+ private:
+  // What one slot of a tenant's usage file said at the last observation.
+  struct SlotView {
+    bool live = false;  // its state word says so (a claim; liveness is the record lock)
+    uint64_t want = 0, poll = 0, active = 0, entered = 0, drained = 0;
+  };
+  struct Row {
+    bool bound = false;   // the file has this row (by name)
+    bool active = false;  // configured with a share now
+    std::string name;
+    uint32_t share = 0, limit = gputime::kPpm;
+    // The tenant's usage file: our own descriptor and read-only mapping.
+    int fd = -1;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    const ledger::UsageSegment* usage = nullptr;
+    int entry = -1;
+    // Scheduling state (authoritative here; published to the file).
+    uint64_t vtime = 0, used = 0, throttled = 0, cap_tat = 0, slices = 0;
+    uint32_t missed_deadlines = 0;
+    uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
+    bool blocked = false;         // missed a drain deadline; waits for progress
+    uint64_t blocked_seq = 0;
+    std::bitset<ledger::kMaxSlots> missed;  // slots that had not drained blocked_seq
+    // The last observation.
+    bool readable = false;
+    bool unreadable_reported = false;
+    uint32_t high = 0;
+    std::array<SlotView, ledger::kMaxSlots> slots{};
+    bool wants = false;
+    uint64_t want_since = 0;  // earliest of its live wanting slots, clamped to our clock
+    uint32_t waiting = 0;
+    uint64_t last_active = 0;
+    // Record-lock probes, cached, and how many more this pass may make.
+    std::array<uint64_t, ledger::kMaxSlots> probed_ns{};
+    std::bitset<ledger::kMaxSlots> alive;
+    uint32_t probe_budget = 0;
+  };
+
+  void release_usage(Row& r);
+  bool slot_alive(Row& r, uint32_t s, uint64_t now);
+  void observe(Row& r, uint64_t now);
+  // Slots of the holder that entered the current grant and have neither
+  // drained it nor died.
+  std::bitset<ledger::kMaxSlots> pending_drains(Row& r, uint64_t now);
+  uint64_t effective_vtime(const Row& r) const;
+  int best_candidate(uint64_t now, int exclude);
+  void charge_holder(uint64_t now);
+  void account_waits(uint64_t now);
+  void check_blocked(Row& r, uint64_t now);
+  void step(uint64_t now);
+  void grant_next(uint64_t now);
+  void start_revoke(uint64_t now, const char* why);
+  void complete_revoke(uint64_t now, bool missed, const std::bitset<ledger::kMaxSlots>& pending);
+  void end_grant(uint64_t now);
+  void publish_grant();
+  void publish(uint64_t now);
+  void note(bool warning, std::string text);
+  void run();
+
+  gputime::GpuTimeSegment& seg_;
+  uint8_t uuid_[16];
+  std::string label_;
+
+  std::mutex mutex_;  // everything below; passes and the main thread's calls
+  std::array<Row, gputime::kMaxTenants> rows_;
+  uint64_t slice_ns_ = gputime::kDefaultSliceNs;
+  uint32_t active_count_ = 0;
+  uint64_t generation_ = 0;
+  uint64_t seq_ = 0;
+  uint32_t state_ = gputime::kGrantIdle;
+  uint32_t holder_ = 0;
+  uint64_t grant_ns_ = 0, revoke_ns_ = 0, charged_ns_ = 0, credit_from_ = 0;
+  uint64_t handovers_ = 0;
+  uint64_t min_vtime_ = 0;
+  uint64_t last_pass_ns_ = 0;
+  bool anyone_wants_ = false;
+  std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples_;
+  std::vector<SchedulerMessage> messages_;
+
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> passes_{0};
+  std::atomic<uint64_t> probes_{0};
+};
+
+}  // namespace fracgpu::controller

@@ -1,0 +1,520 @@
+// The daemon's GPU-time scheduler (controller/gpu_scheduler.h) on its own:
+// a real arbiter file and real tenant ledgers in a scratch directory, tenant
+// processes that hold their slots' record locks, requests written the way
+// the interposer writes them (or the way a hostile tenant could), and
+// scheduling passes driven with a made-up clock, so every decision is
+// checked exactly. The end-to-end behaviour is in gputime_test.cpp.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "controller_test_util.h"
+#include "gpu_scheduler.h"
+#include "policy_util.h"
+#include "gputime.h"
+#include "ledger.h"
+#include "sigbus_guard.h"
+
+using namespace fracgpu;
+using namespace fracgpu::controller;
+using namespace fracgpu::testing;
+
+namespace {
+
+constexpr uint64_t kMs = 1'000'000;
+constexpr uint8_t kUuid[16] = {0x5a, 0x1c, 0x0d, 0xe0, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 1};
+
+struct TenantFixture {
+  std::string name;
+  std::string dir;
+  ledger::TenantLedger daemon;  // as fracgpud maps it (its usage fd is what the scheduler borrows)
+  ledger::TenantLedger tenant;  // as the tenant's processes map it: requests are written through this
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = tmp_ / "gputime";
+    char err[256] = {};
+    ASSERT_EQ(gputime::open_arbiter(path_.c_str(), true, false, kUuid, &arbiter_, err, sizeof err),
+              ledger::LedgerError::kOk)
+        << err;
+    for (const char* name : {"a", "b"}) {
+      TenantFixture& t = tenants_.emplace_back();
+      t.name = name;
+      t.dir = tmp_ / name;
+      ASSERT_EQ(ledger::open_ledger(t.dir.c_str(), ledger::AccessMode::kDaemon, name, &t.daemon, err, sizeof err),
+                ledger::LedgerError::kOk)
+          << err;
+      ASSERT_EQ(fracgpu::testing::grant_gpu(t.daemon, kUuid, ledger::kUnlimited), 0);
+      ASSERT_EQ(ledger::open_ledger(t.dir.c_str(), ledger::AccessMode::kTenant, nullptr, &t.tenant, err, sizeof err),
+                ledger::LedgerError::kOk)
+          << err;
+    }
+    now_ = gputime::monotonic_ns();
+    sched_ = std::make_unique<GpuScheduler>(*arbiter_.seg, kUuid, "GPU 0");
+    sched_->adopt(now_);
+    configure(500'000, 500'000);
+  }
+
+  void TearDown() override {
+    sched_.reset();
+    for (const pid_t pid : processes_) kill_and_reap(pid);
+    for (TenantFixture& t : tenants_) {
+      ledger::close_ledger(&t.daemon);
+      ledger::close_ledger(&t.tenant);
+    }
+    gputime::close_arbiter(&arbiter_);
+  }
+
+  void configure(uint32_t a_limit, uint32_t b_limit) {
+    sched_->configure({{"a", 500'000, a_limit, tenants_[0].daemon.usage_fd, 0},
+                       {"b", 500'000, b_limit, tenants_[1].daemon.usage_fd, 0}},
+                      20 * kMs);
+  }
+
+  // A live process of tenant t (index): it holds its slot's record lock.
+  // Returns its slot.
+  int spawn(int t) {
+    const pid_t pid = spawn_tenant_process(tenants_[t].dir, 0, 0, "proc");
+    EXPECT_GT(pid, 0);
+    processes_.push_back(pid);
+    for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
+      if (tenants_[t].tenant.usage->slots[s].state.load() == ledger::kSlotLive &&
+          tenants_[t].tenant.usage->slots[s].pid.load() == pid)
+        return static_cast<int>(s);
+    ADD_FAILURE() << "no slot";
+    return 0;
+  }
+
+  ledger::GpuTimeRequest& request(int t, int slot) { return tenants_[t].tenant.usage->gputime[0][slot]; }
+
+  // The process asks, as a waiting thread of it does.
+  void want(int t, int slot) {
+    request(t, slot).want_since_ns.store(now_);
+    request(t, slot).poll_ns.store(now_);
+  }
+
+  // The process enters the grant its tenant holds (enter_grant, as the interposer does).
+  bool enter(int t, int slot) {
+    const uint64_t word = arbiter_.seg->grant.word.load();
+    if (!gputime::enter_grant(*arbiter_.seg, request(t, slot), word)) return false;
+    request(t, slot).want_since_ns.store(0);
+    request(t, slot).last_active_ns.store(now_);
+    return true;
+  }
+
+  // A pass `advance_ns` from the last. Processes that entered a grant and
+  // have not drained it report, as their pacers do, that they launched just
+  // now; those that ask renew their want (all but `silent_` ones).
+  // a's process holds the GPU (it entered the grant), b's asks, and a's
+  // slice is over: the grant is being revoked. Returns its number.
+  uint64_t hold_then_revoke(int a, int b) {
+    want(0, a);
+    pass();
+    EXPECT_TRUE(enter(0, a));
+    const uint64_t seq = gputime::grant_seq(word());
+    want(1, b);
+    pass(20 * kMs);
+    EXPECT_EQ(state(), gputime::kGrantRevoking);
+    return seq;
+  }
+
+  void pass(uint64_t advance_ns = 0) {
+    now_ += advance_ns;
+    for (size_t t = 0; t < tenants_.size(); ++t) {
+      // Guarded: a test may have truncated the file under us.
+      shm::sigbus_guarded([&] {
+        for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
+          if (silent_.count({static_cast<int>(t), static_cast<int>(s)}) != 0) continue;
+          ledger::GpuTimeRequest& r = tenants_[t].tenant.usage->gputime[0][s];
+          if (r.entered_grant.load() != 0 && r.entered_grant.load() != r.drained_grant.load())
+            r.last_active_ns.store(now_);
+          if (r.want_since_ns.load() != 0) r.poll_ns.store(now_);
+        }
+      });
+    }
+    sched_->pass(now_);
+  }
+
+  uint64_t word() const { return arbiter_.seg->grant.word.load(); }
+  bool granted_to(int row) const {
+    return gputime::grant_state(word()) == gputime::kGranted && gputime::grant_row(word()) == static_cast<uint32_t>(row);
+  }
+  uint32_t state() const { return gputime::grant_state(word()); }
+  const gputime::TenantTime& row(int t) const { return arbiter_.seg->tenants[t]; }
+
+  TempDir tmp_;
+  std::string path_;
+  gputime::Arbiter arbiter_;
+  std::vector<TenantFixture> tenants_;
+  std::vector<pid_t> processes_;
+  std::unique_ptr<GpuScheduler> sched_;
+  uint64_t now_ = 0;
+  std::set<std::pair<int, int>> silent_;  // (tenant, slot): a stopped process, renewing nothing
+};
+
+// The configured rows, in the order configured.
+TEST_F(SchedulerTest, ConfigurationIsPublished) {
+  EXPECT_EQ(gputime::find_tenant(*arbiter_.seg, "a"), 0);
+  EXPECT_EQ(gputime::find_tenant(*arbiter_.seg, "b"), 1);
+  EXPECT_EQ(row(0).state.load(), gputime::kTenantActive);
+  EXPECT_EQ(row(0).share_ppm.load(), 500'000u);
+  EXPECT_EQ(arbiter_.seg->daemon.active_tenants.load(), 2u);
+  EXPECT_EQ(arbiter_.seg->daemon.slice_ns.load(), 20 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle);
+  pass();
+  EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), now_);
+}
+
+// A tenant that asks is granted; it is charged the time it holds the GPU,
+// its virtual time advancing by that over its share.
+TEST_F(SchedulerTest, GrantsTheTenantThatAsksAndChargesTheTimeItHolds) {
+  const int a = spawn(0);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(granted_to(0));
+  EXPECT_EQ(row(0).slices.load(), 1u);
+  ASSERT_TRUE(enter(0, a));
+  pass(10 * kMs);
+  EXPECT_TRUE(granted_to(0)) << "alone, it keeps the GPU";
+  EXPECT_EQ(row(0).used_ns.load(), 10 * kMs);
+  EXPECT_EQ(row(0).vtime.load(), 20 * kMs);
+  EXPECT_EQ(row(1).used_ns.load(), 0u);
+}
+
+// At the end of its slice, with another tenant asking, the holder is
+// revoked; the GPU goes on only once the process that entered the grant
+// reports its drain. The holder pays until then; the other's wait counts
+// as throttled.
+TEST_F(SchedulerTest, ASliceEndsWithADrainHandshake) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  const uint64_t seq = gputime::grant_seq(word());
+  want(1, b);
+  pass(19 * kMs);
+  EXPECT_TRUE(granted_to(0)) << "the slice is not over";
+  pass(1 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantRevoking);
+  EXPECT_EQ(gputime::grant_seq(word()), seq);
+  pass(5 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantRevoking) << "a has not drained";
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(1));
+  EXPECT_GT(gputime::grant_seq(word()), seq);
+  EXPECT_EQ(row(0).used_ns.load(), 26 * kMs) << "charged from grant to the end of its revocation";
+  EXPECT_EQ(row(1).throttled_ns.load(), 26 * kMs);
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
+// A process that entered the grant and died (its record lock gone) is not
+// waited for.
+TEST_F(SchedulerTest, ADeadProcessDoesNotHoldUpARevocation) {
+  const int a = spawn(0), b = spawn(1);
+  const pid_t a_pid = processes_[0];
+  hold_then_revoke(a, b);
+  kill_and_reap(a_pid);
+  processes_.erase(processes_.begin());
+  pass(2 * kMs);  // past the liveness probe's cache
+  EXPECT_TRUE(granted_to(1));
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
+// Drains and entries of other grants than the current one count for
+// nothing; a revocation not drained in time completes at the deadline, the
+// holder pays through it, and is not granted again, though it asks, until
+// the late process reports the drain.
+TEST_F(SchedulerTest, AMissedDeadlineBlocksTheTenantUntilItShowsProgress) {
+  const int a = spawn(0), b = spawn(1);
+  const uint64_t seq = hold_then_revoke(a, b);
+  // Claims about other grants: ignored.
+  request(0, a).drained_grant.store(seq + 1);
+  pass(50 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantRevoking);
+  request(0, a).drained_grant.store(seq - 1);
+  pass(49 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantRevoking);
+  pass(1 * kMs);  // 100 ms: the deadline
+  EXPECT_TRUE(granted_to(1));
+  EXPECT_EQ(row(0).missed_deadlines.load(), 1u);
+  EXPECT_EQ(row(0).used_ns.load(), 120 * kMs) << "charged through the deadline";
+  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantBlocked);
+  // b leaves the GPU; a asks again (another of its processes, say): blocked.
+  const int a2 = spawn(0);
+  want(0, a2);
+  ASSERT_TRUE(enter(1, b));
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word()));
+  request(1, b).want_since_ns.store(0);
+  pass(1 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle) << "a is blocked";
+  pass(30 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle);
+  // Progress: the late process reports its drain.
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  want(0, a2);
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(0));
+  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantBlocked);
+}
+
+// A grant nobody needs any more ends at once: the process that entered it
+// reported its drain (as at exit) and nobody of the tenant asks.
+TEST_F(SchedulerTest, AGrantEndsAtOnceWhenItsProcessesAreDone) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  want(1, b);
+  pass(1 * kMs);
+  ASSERT_TRUE(granted_to(0));
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word()));
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(1));
+}
+
+// Times are clamped to the daemon's clock: a want or activity stamped in
+// the future neither throttles nor makes a holder look busy past now; a
+// want nobody renews stops counting; a tenant over its limit is revoked
+// and not granted until its allowance is back.
+TEST_F(SchedulerTest, ClaimsAreClampedAndStaleWantsStopCounting) {
+  const int a = spawn(0), b = spawn(1);
+  want(1, b);
+  request(0, a).want_since_ns.store(UINT64_MAX);
+  request(0, a).poll_ns.store(UINT64_MAX);
+  pass();
+  EXPECT_TRUE(granted_to(0)) << "equal virtual times: the earliest want (clamped to now) wins the tie";
+  EXPECT_EQ(row(0).throttled_ns.load(), 0u) << "a want from the future throttles nothing";
+  // Nobody of a enters; b waits: throttled the time since the last pass,
+  // however early its want claims to be.
+  request(1, b).want_since_ns.store(1);
+  pass(3 * kMs);
+  EXPECT_EQ(row(1).throttled_ns.load(), 3 * kMs);
+  // Its slice over, a is revoked (nothing to drain) and b is served.
+  pass(17 * kMs);
+  EXPECT_TRUE(granted_to(1));
+  ASSERT_TRUE(enter(1, b));
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word()));
+  request(1, b).want_since_ns.store(0);
+  // a (stopped, say) no longer renews its want: 50 ms after its last
+  // renewal it stops counting, and does not hold a grant it cannot take up.
+  silent_.insert({0, a});
+  request(0, a).poll_ns.store(now_);
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(0));
+  pass(48 * kMs);
+  EXPECT_TRUE(granted_to(0)) << "alone, its want still fresh";
+  pass(1 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle) << "a's stale want no longer holds the GPU";
+  EXPECT_EQ(row(0).flags.load() & gputime::kTenantWants, 0u);
+}
+
+TEST_F(SchedulerTest, ALimitRevokesTheHolderAndHoldsItBackUntilItsAllowanceReturns) {
+  configure(300'000, 500'000);
+  const int a = spawn(0);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  // 30% of a GPU with a 50 ms burst (GCRA): t of GPU time costs t / 0.3 of
+  // wall time from 50 ms before the grant, and the tenant may hold the GPU
+  // while that is at most 50 ms ahead of now: -50 + t / 0.3 <= t + 50, so
+  // up to 42.9 ms held from a fresh start.
+  pass(42 * kMs);
+  EXPECT_TRUE(granted_to(0));
+  pass(1 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantRevoking) << "past its limit, alone";
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word()));
+  want(0, a);
+  // 44 ms held: its allowance is back at 146.7 - 50 - 50 ms = 46.7 ms.
+  pass(1 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle) << "over its limit: the GPU idles";
+  pass(2 * kMs);
+  EXPECT_EQ(state(), gputime::kGrantIdle);
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(0)) << "its allowance is back";
+  EXPECT_EQ(row(0).used_ns.load(), 44 * kMs);
+}
+
+// A tenant that truncates its usage file cannot hurt the scheduler: reading
+// it fails inside the SIGBUS guard and the tenant counts as not asking
+// until the file is whole again.
+TEST_F(SchedulerTest, ATruncatedUsageFileMeansNotAskingAndHurtsNobody) {
+  const int a = spawn(0), b = spawn(1);
+  want(1, b);
+  const std::string usage = tenants_[1].dir + "/" + ledger::kUsageFileName;
+  ASSERT_EQ(truncate(usage.c_str(), 0), 0);
+  want(0, a);
+  pass();
+  EXPECT_TRUE(granted_to(0));
+  ASSERT_TRUE(enter(0, a));
+  pass(30 * kMs);
+  EXPECT_TRUE(granted_to(0)) << "b does not ask: a keeps the GPU";
+  EXPECT_EQ(row(1).flags.load() & gputime::kTenantWants, 0u);
+  auto messages = sched_->take_messages();
+  ASSERT_FALSE(messages.empty());
+  EXPECT_NE(messages[0].text.find("usage file cannot be read"), std::string::npos) << messages[0].text;
+  // Whole again (zeroed: its requests are gone); b asks again.
+  ASSERT_EQ(truncate(usage.c_str(), sizeof(ledger::UsageSegment)), 0);
+  tenants_[1].tenant.usage->slot_high_water.store(b + 1);
+  tenants_[1].tenant.usage->slots[b].state.store(ledger::kSlotLive);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_TRUE(row(1).flags.load() & gputime::kTenantWants);
+}
+
+// A tenant that marks all its slots live and asking (no process behind
+// them) costs the daemon a bounded number of liveness probes per pass, and
+// the other tenant is served as before.
+TEST_F(SchedulerTest, ATenantFakingAllItsSlotsCostsBoundedProbes) {
+  const int b = spawn(1);
+  ledger::UsageSegment& u = *tenants_[0].tenant.usage;
+  u.slot_high_water.store(ledger::kMaxSlots);
+  for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
+    u.slots[s].state.store(ledger::kSlotLive);
+    want(0, static_cast<int>(s));
+  }
+  want(1, b);
+  const uint64_t before = sched_->probes();
+  for (int i = 0; i < 200; ++i) {
+    pass(1 * kMs);
+    // b takes up its grants, and asks again once revoked.
+    if (granted_to(1) && request(1, b).entered_grant.load() != gputime::grant_seq(word())) enter(1, b);
+    if (state() == gputime::kGrantRevoking && gputime::grant_row(word()) == 1) {
+      gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word()));
+      want(1, b);
+    }
+  }
+  const uint64_t probes = sched_->probes() - before;
+  printf("200 passes with 256 faked slots: %llu probes; b held %.0f ms, a %.0f ms\n",
+         static_cast<unsigned long long>(probes), row(1).used_ns.load() / 1e6, row(0).used_ns.load() / 1e6);
+  EXPECT_LE(probes, 200u * 8 * 2) << "8 per tenant per pass (twice in a pass that starts a revocation)";
+  // The grants a wastes are its own (charged to it): b keeps its half.
+  EXPECT_GE(row(1).used_ns.load(), 90 * kMs);
+}
+
+// A restarted daemon keeps an earlier run's plausible figures, clamps the
+// rest, starts with no holder under a grant number above the old one, and
+// puts back a damaged header.
+TEST_F(SchedulerTest, AdoptingAFileKeepsWhatIsPlausible) {
+  const int a = spawn(0);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  pass(10 * kMs);
+  sched_.reset();
+  const uint64_t old_seq = gputime::grant_seq(word());
+  gputime::GpuTimeSegment& seg = *arbiter_.seg;
+  seg.tenants[0].vtime.store(1'000 * kMs);
+  seg.tenants[1].vtime.store(UINT64_MAX / 2);  // damaged: would starve b
+  seg.tenants[1].used_ns.store(UINT64_MAX);    // more than the time since boot
+  seg.header.magic = 0;
+  sched_ = std::make_unique<GpuScheduler>(seg, kUuid, "GPU 0");
+  sched_->adopt(now_);
+  configure(500'000, 500'000);
+  EXPECT_TRUE(gputime::header_valid(seg.header, kUuid));
+  EXPECT_EQ(state(), gputime::kGrantIdle) << "no holder after a restart";
+  EXPECT_GT(gputime::grant_seq(word()), old_seq);
+  EXPECT_EQ(seg.tenants[0].used_ns.load(), 10 * kMs) << "kept";
+  EXPECT_EQ(seg.tenants[1].used_ns.load(), 0u) << "implausible: reset";
+  EXPECT_EQ(seg.tenants[0].vtime.load(), 1'000 * kMs);
+  EXPECT_LE(seg.tenants[1].vtime.load(), 1'000 * kMs + 20'000 * kMs) << "at most 10 s (at its share) ahead";
+}
+
+// Root overwrites a live arbiter: the next pass puts everything back.
+TEST_F(SchedulerTest, APassRepairsAnOverwrittenArbiter) {
+  const int a = spawn(0);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  const uint64_t before = word();
+  memset(static_cast<void*>(arbiter_.seg), 0xa5, sizeof(gputime::GpuTimeSegment));
+  pass(1 * kMs);
+  EXPECT_TRUE(gputime::header_valid(arbiter_.seg->header, kUuid));
+  EXPECT_EQ(word(), before);
+  EXPECT_EQ(gputime::find_tenant(*arbiter_.seg, "a"), 0);
+  EXPECT_EQ(row(0).state.load(), gputime::kTenantActive);
+  EXPECT_EQ(arbiter_.seg->daemon.active_tenants.load(), 2u);
+  EXPECT_EQ(arbiter_.seg->daemon.doorbell.load(), 0u);
+  EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), now_);
+}
+
+// Issue requirement: a FUTEX_WAKE through a read-only mapping of the
+// arbiter, by another user's process, wakes the daemon asleep on the
+// doorbell (the kernel keys shared futexes by inode and offset, and a wake
+// only reads the word). Without the wake the same sleep lasts its timeout.
+TEST(GpuTimeDoorbell, AWakeThroughAReadOnlyMappingWakesTheDaemon) {
+  TempDir tmp;
+  const std::string path = tmp / "gputime";
+  gputime::Arbiter rw;
+  char err[256] = {};
+  ASSERT_EQ(gputime::open_arbiter(path.c_str(), true, false, kUuid, &rw, err, sizeof err), ledger::LedgerError::kOk)
+      << err;
+  ASSERT_EQ(chmod(tmp.path().c_str(), 0755), 0);
+  // Control: nobody rings, the sleep lasts its timeout.
+  auto t0 = std::chrono::steady_clock::now();
+  gputime::wait_for_doorbell(*rw.seg, 200 * kMs);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(190));
+
+  const pid_t child = fork();
+  if (child == 0) {
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(10);
+    gputime::Arbiter ro;
+    if (gputime::open_arbiter(path.c_str(), false, true, kUuid, &ro, nullptr, 0) != ledger::LedgerError::kOk) _exit(11);
+    usleep(300'000);
+    gputime::ring_doorbell(*ro.seg);
+    _exit(0);
+  }
+  t0 = std::chrono::steady_clock::now();
+  gputime::wait_for_doorbell(*rw.seg, 10'000 * kMs);
+  const auto slept = std::chrono::steady_clock::now() - t0;
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(slept, std::chrono::seconds(3)) << "the wake did not reach the daemon's wait";
+  EXPECT_GE(slept, std::chrono::milliseconds(250));
+  EXPECT_EQ(rw.seg->daemon.doorbell.load(), 0u) << "a wake changes nothing";
+  gputime::close_arbiter(&rw);
+}
+
+// Tenants ringing the doorbell as fast as they can make the scheduler run
+// more passes, never more than one per 100 us.
+TEST_F(SchedulerTest, RingingTheDoorbellCannotMakePassesMoreFrequentThanTheBound) {
+  sched_->start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const uint64_t idle_before = sched_->passes();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const uint64_t idle = sched_->passes() - idle_before;  // nobody asks: a pass per 20 ms
+  std::atomic<bool> stop{false};
+  std::thread ringer([&] {
+    while (!stop.load()) gputime::ring_doorbell(*arbiter_.seg);
+  });
+  const uint64_t before = sched_->passes();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const uint64_t passes = sched_->passes() - before;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stop.store(true);
+  ringer.join();
+  printf("passes in 0.5 s: %llu idle, %llu while a tenant rings without pause (bound %.0f)\n",
+         static_cast<unsigned long long>(idle), static_cast<unsigned long long>(passes),
+         seconds / (GpuScheduler::kMinPassIntervalNs / 1e9));
+  EXPECT_LE(idle, 30u);
+  EXPECT_GT(passes, 5 * idle) << "the rings do wake the scheduler";
+  EXPECT_LE(passes, seconds / (GpuScheduler::kMinPassIntervalNs / 1e9) + 10);
+  sched_->stop();
+  EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), 0u) << "a clean stop says so";
+}
+
+}  // namespace
