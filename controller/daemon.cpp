@@ -217,7 +217,7 @@ int Daemon::start() {
   else if (discovery_.nvml)
     log_->info("NVML: GPUs listed by NVML{}", discovery_.nvml_problem.empty() ? "" : "; " + discovery_.nvml_problem);
   else
-    log_->warn("{}; GPUs found through the CUDA driver alone, GPU health and bypass audit are off",
+    log_->warn("{}; GPUs found through the CUDA driver alone, GPU health, the bypass audit and the memory audit are off",
                discovery_.nvml_problem);
   if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
@@ -784,7 +784,7 @@ void Daemon::start_gpu_checks() {
   if (discovery_.nvml) {
     std::string problem;
     nvml_ = Nvml::open(options_.nvml_library.c_str(), &problem);
-    if (nvml_ == nullptr) log_->warn("{}; GPU health and bypass audit are off", problem);
+    if (nvml_ == nullptr) log_->warn("{}; GPU health, the bypass audit and the memory audit are off", problem);
   }
   health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_, config_->daemon.run_dir);
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);

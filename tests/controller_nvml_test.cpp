@@ -358,7 +358,7 @@ class NvmlDaemonTest : public ::testing::Test {
 TEST_F(NvmlDaemonTest, StartsWithoutNvmlAndSaysHealthAndAuditAreOff) {
   write_config();
   start_daemon(/*with_nvml=*/false);
-  EXPECT_TRUE(eventually([&] { return log_contains("GPU health and bypass audit are off"); })) << daemon_log();
+  EXPECT_TRUE(eventually([&] { return log_contains("GPU health, the bypass audit and the memory audit are off"); })) << daemon_log();
   EXPECT_TRUE(log_contains("NVML is not available (libnvidia-ml.so.1)")) << daemon_log();
   EXPECT_TRUE(log_contains("found GPU 0 " + kUuid + " (Sim A, 16 GiB, 100 SMs)")) << daemon_log();
   // Processes still start: nothing is marked.
