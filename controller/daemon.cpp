@@ -818,14 +818,15 @@ void Daemon::check_gpus(uint64_t now) {
     next_health_ns_ = now + ns(config_->daemon.health_interval);
     ran = true;
   }
-  if (now >= next_audit_ns_) {
-    auditor_->audit(tenant_processes(), config_->daemon.audit_action, config_->daemon.run_dir);
+  const bool audit = now >= next_audit_ns_, memory_audit = now >= next_memory_audit_ns_;
+  const std::map<int32_t, std::string> owners = audit || memory_audit ? tenant_processes() : std::map<int32_t, std::string>{};
+  if (audit) {
+    auditor_->audit(owners, config_->daemon.audit_action, config_->daemon.run_dir);
     next_audit_ns_ = now + ns(config_->daemon.audit_interval);
     ran = true;
   }
-  if (now >= next_memory_audit_ns_) {
-    ran |= memory_auditor_->check(tenant_processes(), memory_quotas(), config_->daemon.memory_audit,
-                                  config_->daemon.run_dir);
+  if (memory_audit) {
+    ran |= memory_auditor_->check(owners, memory_quotas(), config_->daemon.memory_audit, config_->daemon.run_dir);
     next_memory_audit_ns_ = now + ns(config_->daemon.memory_audit.interval);
   }
   if (ran) {

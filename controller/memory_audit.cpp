@@ -44,22 +44,30 @@ bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const st
     std::vector<Nvml::Process> processes;
     if (nvml_->compute_processes(handle, &processes) != NVML_SUCCESS) continue;
     // Each process on this GPU, by tenant: verified owners first, then
-    // uncharged processes in a tenant's container.
-    std::map<std::string, std::vector<Nvml::Process>> by_tenant;
+    // uncharged processes in a tenant's container. Its start time is read
+    // first: the process found to be the tenant's is the one (PID, start
+    // time) names, and only that one is ever signalled.
+    struct Held {
+      Nvml::Process p;
+      uint64_t start_time;
+    };
+    std::map<std::string, std::vector<Held>> by_tenant;
     for (const Nvml::Process& p : processes) {
       const auto pid = static_cast<int32_t>(p.pid);
+      const uint64_t start_time = pid > 1 ? process_start_time(pid) : 0;
+      if (start_time == 0) continue;  // gone, or not visible here (the bypass audit says so)
       std::string tenant;
       if (auto it = owners.find(pid); it != owners.end())
         tenant = it->second;
-      else if (pid > 1)
+      else
         tenant = attribute_process(pid, owners, run_dir);
-      if (!tenant.empty()) by_tenant[tenant].push_back(p);
+      if (!tenant.empty()) by_tenant[tenant].push_back({p, start_time});
     }
     for (const TenantQuota& q : quotas) {
       if (q.gpu_uuid != gpu.uuid) continue;
-      std::vector<Nvml::Process>& mine = by_tenant[q.tenant];
+      std::vector<Held>& mine = by_tenant[q.tenant];
       uint64_t used = 0;
-      for (const Nvml::Process& p : mine) used += p.used_bytes;
+      for (const Held& h : mine) used += h.p.used_bytes;
       const uint64_t allowed = q.quota + settings.tolerance_per_process * mine.size();
       const auto key = std::make_pair(q.tenant, gpu.uuid);
       if (used <= allowed) continue;
@@ -91,28 +99,28 @@ bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const st
         r.action = "reported";
         continue;
       }
-      // Largest first, until what is left fits. The PID is checked to name
-      // the same process just before the signal (a reused PID is never hit).
-      std::sort(mine.begin(), mine.end(),
-                [](const Nvml::Process& a, const Nvml::Process& b) { return a.used_bytes > b.used_bytes; });
+      // Largest first, until what is left fits. The PID must still name the
+      // process attributed above (same start time) when it is signalled.
+      std::sort(mine.begin(), mine.end(), [](const Held& a, const Held& b) { return a.p.used_bytes > b.p.used_bytes; });
       std::string killed;
       uint64_t left = used, allowed_left = allowed;
-      for (const Nvml::Process& p : mine) {
+      for (const Held& h : mine) {
         if (left <= allowed_left) break;
-        const auto pid = static_cast<int32_t>(p.pid);
-        const uint64_t started = process_start_time(pid);
-        if (started == 0 || pid <= 1) continue;
-        if (process_start_time(pid) != started || kill(pid, SIGKILL) != 0) {
-          log_.warn("memory audit: cannot terminate process {} of tenant \"{}\": {}", pid, q.tenant,
-                    started == 0 ? "gone" : strerror(errno));
+        const auto pid = static_cast<int32_t>(h.p.pid);
+        if (process_start_time(pid) != h.start_time) {
+          log_.warn("memory audit: process {} of tenant \"{}\" exited before it could be terminated", pid, q.tenant);
+          continue;
+        }
+        if (kill(pid, SIGKILL) != 0) {
+          log_.warn("memory audit: cannot terminate process {} of tenant \"{}\": {}", pid, q.tenant, strerror(errno));
           continue;
         }
         killed += fmt::format(" {}", pid);
-        left -= std::min(left, p.used_bytes);
+        left -= std::min(left, h.p.used_bytes);
         allowed_left -= std::min(allowed_left, settings.tolerance_per_process);
         log_.warn("memory audit: tenant \"{}\" over its quota on GPU {} ({} held, {} allowed): terminated process {} "
                   "(SIGKILL, {} by the driver's count)",
-                  q.tenant, gpu.uuid, format_size(used), format_size(allowed), pid, format_size(p.used_bytes));
+                  q.tenant, gpu.uuid, format_size(used), format_size(allowed), pid, format_size(h.p.used_bytes));
       }
       if (!killed.empty()) r.action = "terminated" + killed;
     }
