@@ -537,6 +537,19 @@ TEST_F(NvmlDaemonTest, AuditDenyNeverActsOnTheTenantABypassingProcessNames) {
   kill_and_reap(liar);
 }
 
+// A process's name and environment are its own to write: the audit's log
+// lines show them escaped, never as control characters for a terminal.
+TEST_F(NvmlDaemonTest, AuditLogLinesEscapeWhatTheProcessWrote) {
+  start_with("report");
+  std::vector<std::string> env = environment(true);
+  env.push_back("FRACGPU_TENANT=bob\x1b[2J");
+  const pid_t liar = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "32MiB", "hold"}, env, tmp_ / "esc.log");
+  ASSERT_TRUE(eventually([&] { return finding_for(liar); }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("claims \"bob\\x1b[2J\" (unverified)")) << daemon_log();
+  EXPECT_EQ(daemon_log().find('\x1b'), std::string::npos);
+  kill_and_reap(liar);
+}
+
 // The driver is the authority on memory: a tenant that wipes its own charges
 // in its usage file and allocates past its quota is caught by NVML's count
 // of what its processes hold, and (default action) its processes are killed
