@@ -612,18 +612,32 @@ TEST_F(GpuTimeTest, ALimitAboveTheShareCapsThereAndMovesOnReload) {
 
 // A corrupt arbiter is refused by the tenant's process with a message; the
 // process neither crashes nor blocks (its GPU time is simply not shared),
-// and the daemon keeps running.
+// and the daemon keeps running and writes the arbiter whole again. The
+// daemon is held stopped while the load opens the file: its next pass would
+// repair the header, and the refusal is what is tested here.
 TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
   write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[0]", ""}});
   start_daemon();
   const std::string arbiter = root_ + "/tenants/a/gputime-0";
+  ASSERT_EQ(kill(daemon_, SIGSTOP), 0);
   const int fd = open(arbiter.c_str(), O_WRONLY);
   ASSERT_GE(fd, 0) << arbiter;
   const char junk[64] = "not an arbiter";
   ASSERT_EQ(pwrite(fd, junk, sizeof junk, 0), static_cast<ssize_t>(sizeof junk));
   close(fd);
   start_load("a", load_args("1000", 1.5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  ASSERT_EQ(kill(daemon_, SIGCONT), 0);
   finish_loads();
+  EXPECT_TRUE(wait_for([&] {
+    gputime::Arbiter repaired;
+    char err[256] = {};
+    if (gputime::open_arbiter(arbiter.c_str(), false, true, nullptr, &repaired, err, sizeof err) !=
+        ledger::LedgerError::kOk)
+      return false;
+    gputime::close_arbiter(&repaired);
+    return true;
+  }, 2000)) << "the daemon did not write the arbiter whole again";
   ASSERT_EQ(loads_.size(), 1u);
   EXPECT_NE(loads_[0].err.find("GPU-time arbiter refused"), std::string::npos) << loads_[0].err;
   EXPECT_NE(loads_[0].out.find("launches_0="), std::string::npos) << loads_[0].out;
