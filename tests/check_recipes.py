@@ -45,7 +45,7 @@ LIBRARY = "/usr/lib/fracgpu/libfracgpu.so"
 # may write (docs/containers.md).
 TENANT_MOUNT = "/run/fracgpu/tenant"
 USAGE_MOUNT = TENANT_MOUNT + "/usage"
-# The daemon's pid file, in its run dir (kPidFileName in controller/daemon.h).
+# The daemon's pid file, in its run dir (kPidFileName in controller/state/run_dir.h).
 PID_FILE_NAME = "fracgpud.pid"
 # kill -HUP PID, kill -s HUP PID, kill -SIGHUP PID, kill -1 PID: the target.
 RELOAD = re.compile(r"\bkill\s+(?:-s\s*(?:SIG)?HUP|-(?:SIG)?HUP|-1)\s+(\S*\$\([^)]*\)\S*|\S+)")

@@ -35,8 +35,8 @@
 
 #include <gtest/gtest.h>
 
-#include "config.h"
-#include "config_file.h"
+#include "config/config.h"
+#include "config/config_file.h"
 #include "controller_test_util.h"
 
 using namespace fracgpu::controller;

@@ -17,14 +17,14 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "config.h"
+#include "config/config.h"
 #include "controller_test_util.h"
-#include "daemon.h"
+#include "daemon/daemon.h"
 #include "gputime.h"
 #include "ledger.h"
 #include "policy_util.h"
-#include "status.h"
-#include "uuid.h"
+#include "state/status.h"
+#include "common/uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::controller;

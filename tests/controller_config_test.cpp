@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "config.h"
+#include "config/config.h"
 #include "controller_test_util.h"
-#include "units.h"
-#include "uuid.h"
+#include "common/units.h"
+#include "common/uuid.h"
 
 using namespace fracgpu::controller;
 

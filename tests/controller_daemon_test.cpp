@@ -18,10 +18,10 @@
 #include <gtest/gtest.h>
 
 #include "controller_test_util.h"
-#include "gpu_discovery.h"
-#include "status.h"
+#include "common/gpu_discovery.h"
+#include "state/status.h"
 #include "ledger.h"
-#include "uuid.h"
+#include "common/uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::testing;

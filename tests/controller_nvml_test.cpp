@@ -21,11 +21,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "config.h"
+#include "config/config.h"
 #include "controller_test_util.h"
-#include "gpu_discovery.h"
+#include "common/gpu_discovery.h"
 #include "ledger.h"
-#include "uuid.h"
+#include "common/uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::testing;

@@ -21,10 +21,10 @@
 
 #include "controller_test_util.h"
 #include "ledger.h"
-#include "metrics.h"
-#include "placement.h"
-#include "status.h"
-#include "uuid.h"
+#include "daemon/metrics.h"
+#include "config/placement.h"
+#include "state/status.h"
+#include "common/uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::testing;

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "config.h"
-#include "metrics.h"
-#include "placement.h"
-#include "uuid.h"
+#include "config/config.h"
+#include "daemon/metrics.h"
+#include "config/placement.h"
+#include "common/uuid.h"
 
 using namespace fracgpu::controller;
 

@@ -78,11 +78,11 @@ gtest_discover_tests(config_fuzz_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 24
 # the rest of the controller library links in uninstrumented. fracgpud --check
 # is not run from here (the plain build covers it).
 set(FRACGPU_CONFIG_SOURCES
-  ${PROJECT_SOURCE_DIR}/controller/config.cpp
-  ${PROJECT_SOURCE_DIR}/controller/config_file.cpp
-  ${PROJECT_SOURCE_DIR}/controller/placement.cpp
-  ${PROJECT_SOURCE_DIR}/controller/units.cpp
-  ${PROJECT_SOURCE_DIR}/controller/uuid.cpp)
+  ${PROJECT_SOURCE_DIR}/controller/config/config.cpp
+  ${PROJECT_SOURCE_DIR}/controller/config/config_file.cpp
+  ${PROJECT_SOURCE_DIR}/controller/config/placement.cpp
+  ${PROJECT_SOURCE_DIR}/controller/common/units.cpp
+  ${PROJECT_SOURCE_DIR}/controller/common/uuid.cpp)
 add_executable(config_fuzz_test_asan config_fuzz_test.cpp ${FRACGPU_CONFIG_SOURCES})
 target_include_directories(config_fuzz_test_asan PRIVATE
   $<TARGET_PROPERTY:tomlplusplus::tomlplusplus,INTERFACE_INCLUDE_DIRECTORIES>)

@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "controller_test_util.h"
-#include "gpu_scheduler.h"
+#include "daemon/gpu_scheduler.h"
 #include "policy_util.h"
 #include "gputime.h"
 #include "ledger.h"

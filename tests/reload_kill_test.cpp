@@ -30,10 +30,10 @@
 
 #include <gtest/gtest.h>
 
-#include "config.h"
+#include "config/config.h"
 #include "controller_test_util.h"
 #include "ledger.h"
-#include "uuid.h"
+#include "common/uuid.h"
 
 using namespace fracgpu;
 using namespace fracgpu::testing;

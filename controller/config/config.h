@@ -13,12 +13,12 @@
 #include <string_view>
 #include <vector>
 
-#include "audit.h"
-#include "memory_audit.h"
-#include "gpu_discovery.h"
-#include "placement.h"
-#include "units.h"
-#include "uuid.h"
+#include "daemon/audit.h"
+#include "daemon/memory_audit.h"
+#include "common/gpu_discovery.h"
+#include "config/placement.h"
+#include "common/units.h"
+#include "common/uuid.h"
 
 namespace fracgpu::controller {
 

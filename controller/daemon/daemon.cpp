@@ -1,4 +1,4 @@
-#include "daemon.h"
+#include "daemon/daemon.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -16,12 +16,12 @@
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 
-#include "placement.h"
+#include "config/placement.h"
 #include "safe_file.h"
 #include "sigbus_guard.h"
-#include "status.h"
-#include "text_escape.h"
-#include "units.h"
+#include "state/status.h"
+#include "common/text_escape.h"
+#include "common/units.h"
 
 namespace fracgpu::controller {
 namespace {

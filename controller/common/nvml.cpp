@@ -1,4 +1,4 @@
-#include "nvml.h"
+#include "common/nvml.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "audit.h"
+#include "daemon/audit.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 
 #include <fmt/format.h>
 
-#include "text_escape.h"
+#include "common/text_escape.h"
 
 namespace fracgpu::controller {
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "run_dir.h"
+#include "state/run_dir.h"
 
 #include <cerrno>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "health.h"
+#include "daemon/health.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,8 +13,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "placement.h"
-#include "run_dir.h"
+#include "config/placement.h"
+#include "state/run_dir.h"
 #include "safe_file.h"
 
 namespace fracgpu::controller {

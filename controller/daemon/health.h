@@ -15,11 +15,11 @@
 
 #include <spdlog/logger.h>
 
-#include "audit.h"
-#include "memory_audit.h"
+#include "daemon/audit.h"
+#include "daemon/memory_audit.h"
 #include "fracgpu/ledger_layout.h"
-#include "gpu_discovery.h"
-#include "nvml.h"
+#include "common/gpu_discovery.h"
+#include "common/nvml.h"
 
 namespace fracgpu::controller {
 
@@ -99,11 +99,8 @@ class HealthMonitor {
   std::vector<bool> fenced_on_disk_;     // parallel to gpus_: its fence file exists (so removing it clears)
 };
 
-// What fracgpud last found, written to <run_dir>/health.json after every probe
-// and audit (whole or not at all: write_run_file in run_dir.h) for
-// `fracgpu status` and anything else that wants it. Schema: docs/configuration.md.
-inline constexpr const char* kHealthFileName = "health.json";
-
+// What fracgpud last found is written to <run_dir>/health.json
+// (kHealthFileName, state/run_dir.h) after every probe and audit.
 struct NodeChecks {
   bool nvml = false;
   std::string nvml_problem;

@@ -27,7 +27,7 @@
 #include <string_view>
 #include <vector>
 
-#include "uuid.h"
+#include "common/uuid.h"
 
 namespace fracgpu::controller {
 

@@ -1,4 +1,4 @@
-#include "gpu_discovery.h"
+#include "common/gpu_discovery.h"
 
 #include <dlfcn.h>
 
@@ -8,7 +8,7 @@
 #include <cuda.h>
 #include <fmt/format.h>
 
-#include "nvml.h"
+#include "common/nvml.h"
 
 namespace fracgpu::controller {
 namespace {

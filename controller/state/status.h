@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "placement.h"
+#include "config/placement.h"
 
 namespace fracgpu::controller {
 

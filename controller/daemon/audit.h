@@ -20,8 +20,8 @@
 
 #include <spdlog/logger.h>
 
-#include "gpu_discovery.h"
-#include "nvml.h"
+#include "common/gpu_discovery.h"
+#include "common/nvml.h"
 
 namespace fracgpu::controller {
 

@@ -1,4 +1,4 @@
-#include "units.h"
+#include "common/units.h"
 
 #include <array>
 #include <cctype>

@@ -1,4 +1,4 @@
-#include "config.h"
+#include "config/config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,9 +8,9 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
-#include "config_file.h"
+#include "config/config_file.h"
 #include "fracgpu/ledger_layout.h"
-#include "metrics.h"
+#include "daemon/metrics.h"
 
 namespace fracgpu::controller {
 namespace {

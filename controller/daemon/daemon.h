@@ -28,16 +28,16 @@
 
 #include <spdlog/logger.h>
 
-#include "config.h"
-#include "gpu_discovery.h"
-#include "gpu_scheduler.h"
+#include "config/config.h"
+#include "common/gpu_discovery.h"
+#include "daemon/gpu_scheduler.h"
 #include "gputime.h"
-#include "memory_audit.h"
-#include "health.h"
+#include "daemon/memory_audit.h"
+#include "daemon/health.h"
 #include "ledger.h"
-#include "metrics.h"
-#include "run_dir.h"
-#include "run_dir_lock.h"
+#include "daemon/metrics.h"
+#include "state/run_dir.h"
+#include "daemon/run_dir_lock.h"
 
 namespace fracgpu::controller {
 
@@ -48,12 +48,6 @@ inline constexpr int kExitBadConfig = 2;    // start refused: invalid config, no
 inline constexpr int kExitCannotStart = 3;  // run dir (another fracgpud?), pid file or signals failed
 inline constexpr int kExitUsage = 64;       // bad command line
 inline constexpr int kExitInternal = 70;    // a bug: an unexpected exception
-
-inline constexpr const char* kPidFileName = "fracgpud.pid";
-inline constexpr const char* kTenantsDirName = "tenants";
-// <tenant dir>/gputime-<entry>: the hard link to the arbiter of the GPU in
-// that entry of the tenant's policy.
-inline constexpr const char* kGpuTimeLinkPrefix = "gputime-";
 
 struct DaemonOptions {
   std::string config_path;

@@ -16,12 +16,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "health.h"
-#include "run_dir.h"
+#include "daemon/health.h"
+#include "state/run_dir.h"
 #include "safe_file.h"
-#include "status.h"
-#include "text_escape.h"
-#include "uuid.h"
+#include "state/status.h"
+#include "common/text_escape.h"
+#include "common/uuid.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "text_escape.h"
+#include "common/text_escape.h"
 
 #include <cstdint>
 

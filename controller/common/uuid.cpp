@@ -1,4 +1,4 @@
-#include "uuid.h"
+#include "common/uuid.h"
 
 #include "ledger.h"
 

@@ -21,6 +21,16 @@
 
 namespace fracgpu::controller {
 
+// The run dir's names (docs/architecture.md, "The run dir").
+inline constexpr const char* kPidFileName = "fracgpud.pid";
+inline constexpr const char* kTenantsDirName = "tenants";
+// <tenant dir>/gputime-<entry>: the hard link to the arbiter of the GPU in
+// that entry of the tenant's policy.
+inline constexpr const char* kGpuTimeLinkPrefix = "gputime-";
+// What fracgpud last found, written after every health probe and audit
+// (whole or not at all: write_run_file) for `fracgpu status` and anything
+// else that wants it. Schema: docs/configuration.md.
+inline constexpr const char* kHealthFileName = "health.json";
 inline constexpr const char* kPrivateDirName = ".tmp";
 // The most the node side reads of a JSON file of the run dir.
 inline constexpr size_t kMaxRunFileBytes = 16u << 20;

@@ -1,4 +1,4 @@
-#include "run_dir_lock.h"
+#include "daemon/run_dir_lock.h"
 
 #include <cerrno>
 #include <cinttypes>

@@ -1,4 +1,4 @@
-#include "status.h"
+#include "state/status.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -14,15 +14,15 @@
 
 #include <fmt/format.h>
 
-#include "daemon.h"
+
 #include "gputime.h"
 #include "ledger.h"
-#include "run_dir.h"
+#include "state/run_dir.h"
 #include "safe_file.h"
 #include "sigbus_guard.h"
-#include "text_escape.h"
-#include "units.h"
-#include "uuid.h"
+#include "common/text_escape.h"
+#include "common/units.h"
+#include "common/uuid.h"
 
 namespace fracgpu::controller {
 namespace {

@@ -1,4 +1,4 @@
-#include "memory_audit.h"
+#include "daemon/memory_audit.h"
 
 #include <signal.h>
 
@@ -9,9 +9,9 @@
 
 #include <fmt/format.h>
 
-#include "audit.h"
+#include "daemon/audit.h"
 #include "ledger.h"  // shm/: monotonic_ns
-#include "units.h"
+#include "common/units.h"
 
 namespace fracgpu::controller {
 

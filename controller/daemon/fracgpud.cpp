@@ -9,7 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "daemon.h"
+#include "daemon/daemon.h"
 
 namespace {
 

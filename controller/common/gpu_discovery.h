@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "uuid.h"
+#include "common/uuid.h"
 
 namespace fracgpu::controller {
 

@@ -1,4 +1,4 @@
-#include "gpu_scheduler.h"
+#include "daemon/gpu_scheduler.h"
 
 #include <algorithm>
 #include <cerrno>

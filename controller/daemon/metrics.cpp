@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "daemon/metrics.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -20,8 +20,8 @@
 #include <fmt/format.h>
 
 #include "ledger.h"
-#include "status.h"
-#include "text_escape.h"
+#include "state/status.h"
+#include "common/text_escape.h"
 
 namespace fracgpu::controller {
 namespace {

@@ -1,4 +1,4 @@
-#include "placement.h"
+#include "config/placement.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "run_dir.h"
-#include "status.h"
-#include "units.h"
+#include "state/run_dir.h"
+#include "state/status.h"
+#include "common/units.h"
 
 namespace fracgpu::controller {
 namespace {
