@@ -144,12 +144,26 @@ TenantMode attach() {
     g_tenant.pointers.reset();
     g_tenant.handles.reset();
   }
+  // The slot is claimed before the policy is read: the daemon marks a
+  // tenant draining and only then counts its live slots, so a process it
+  // did not count has claimed its slot after the mark and sees it here.
+  ledger::GpuTable table;
+  const bool committed = ledger::read_gpu_table(ledger, &table);
+  for (const ledger::GpuEntry& e : table.gpus) {
+    if (e.state != ledger::kGpuGranted || (e.flags & ledger::kTenantDraining) == 0) continue;
+    log_line(LogLevel::kError,
+             "tenant \"%s\" (%s) is being deleted: it accepts no new process (those already running keep their "
+             "quotas until they exit); GPU access denied",
+             ledger.policy->tenant, dir);
+    ledger::release_slot(ledger, static_cast<uint32_t>(slot));
+    ledger::close_ledger(&ledger);
+    return TenantMode::kDenied;
+  }
   g_tenant.ledger = ledger;
   g_tenant.slot = slot;
   snprintf(g_tenant.dir, sizeof g_tenant.dir, "%s", dir);
   log_line(LogLevel::kInfo, "attached to tenant \"%s\" (%s), slot %d", ledger.policy->tenant, dir, slot);
-  ledger::GpuTable table;
-  if (!ledger::read_gpu_table(ledger, &table))
+  if (!committed)
     log_line(LogLevel::kError,
              "%s: the policy holds no copy of generation %llu, which %s/node says is in force: no GPU is granted "
              "until fracgpud commits a policy for this tenant",

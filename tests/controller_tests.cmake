@@ -81,6 +81,8 @@ set(FRACGPU_CONFIG_SOURCES
   ${PROJECT_SOURCE_DIR}/controller/config/config.cpp
   ${PROJECT_SOURCE_DIR}/controller/config/config_file.cpp
   ${PROJECT_SOURCE_DIR}/controller/config/placement.cpp
+  ${PROJECT_SOURCE_DIR}/controller/config/tenant_rules.cpp
+  ${PROJECT_SOURCE_DIR}/controller/config/api_tenant.cpp
   ${PROJECT_SOURCE_DIR}/controller/common/units.cpp
   ${PROJECT_SOURCE_DIR}/controller/common/uuid.cpp)
 add_executable(config_fuzz_test_asan config_fuzz_test.cpp ${FRACGPU_CONFIG_SOURCES})

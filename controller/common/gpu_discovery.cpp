@@ -23,6 +23,7 @@ struct DriverApi {
   decltype(&cuDeviceGetUuid_v2) get_uuid = nullptr;
   decltype(&cuDeviceTotalMem_v2) total_mem = nullptr;
   decltype(&cuDeviceGetAttribute) get_attribute = nullptr;
+  decltype(&cuDriverGetVersion) driver_version = nullptr;
   decltype(&cuGetErrorName) error_name = nullptr;  // optional: only for messages
 };
 
@@ -51,6 +52,7 @@ Discovery discover_cuda(const char* library) {
   load_symbol(handle, "cuDeviceGetUuid_v2", &api.get_uuid, &missing);
   load_symbol(handle, "cuDeviceTotalMem_v2", &api.total_mem, &missing);
   load_symbol(handle, "cuDeviceGetAttribute", &api.get_attribute, &missing);
+  load_symbol(handle, "cuDriverGetVersion", &api.driver_version, &missing);
   std::string optional_missing;
   load_symbol(handle, "cuGetErrorName", &api.error_name, &optional_missing);
   if (!missing.empty()) {
@@ -64,6 +66,9 @@ Discovery discover_cuda(const char* library) {
     out.problem = fmt::format("cuInit failed: {}", describe(api, rc));
     return out;
   }
+  // What the node reports to clients of the control API, nothing more: not
+  // knowing it is no reason to manage no GPU.
+  if (api.driver_version(&out.cuda_driver_version) != CUDA_SUCCESS) out.cuda_driver_version = 0;
   int count = 0;
   rc = api.get_count(&count);
   if (rc != CUDA_SUCCESS) {
@@ -75,7 +80,7 @@ Discovery discover_cuda(const char* library) {
     char name[256] = {};
     CUuuid uuid{};
     size_t bytes = 0;
-    int sms = 0;
+    int sms = 0, cc_major = 0, cc_minor = 0;
     const char* step = "cuDeviceGet";
     rc = api.get(&dev, i);
     if (rc == CUDA_SUCCESS) {
@@ -94,6 +99,14 @@ Discovery discover_cuda(const char* library) {
       step = "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)";
       rc = api.get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
     }
+    if (rc == CUDA_SUCCESS) {
+      step = "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)";
+      rc = api.get_attribute(&cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+    }
+    if (rc == CUDA_SUCCESS) {
+      step = "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)";
+      rc = api.get_attribute(&cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+    }
     if (rc != CUDA_SUCCESS) {
       // One unreadable GPU must not hide the others: list what we can.
       out.problem = fmt::format("GPU {}: {} failed: {}", i, step, describe(api, rc));
@@ -105,16 +118,24 @@ Discovery discover_cuda(const char* library) {
     gpu.name = name;
     gpu.memory_bytes = bytes;
     gpu.sm_count = sms;
+    gpu.cc_major = cc_major;
+    gpu.cc_minor = cc_minor;
     out.gpus.push_back(std::move(gpu));
   }
   return out;
 }
 
-// NVML's list (uuid, name, memory, nvml_index), or false with *problem.
-bool discover_nvml(const char* library, std::vector<DiscoveredGpu>* gpus, std::string* problem) {
+// NVML's list (uuid, name, memory, nvml_index) and driver version, or false
+// with *problem.
+bool discover_nvml(const char* library, std::vector<DiscoveredGpu>* gpus, std::string* driver_version,
+                   std::string* problem) {
   std::unique_ptr<Nvml> nvml = Nvml::open(library, problem);
   if (nvml == nullptr) return false;
   const Nvml::Api& api = nvml->api();
+  if (api.driver_version != nullptr) {
+    char version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE] = {};
+    if (api.driver_version(version, sizeof version) == NVML_SUCCESS) *driver_version = version;
+  }
   unsigned count = 0;
   if (nvmlReturn_t rc = api.get_count(&count); rc != NVML_SUCCESS) {
     *problem = fmt::format("nvmlDeviceGetCount_v2 failed: {}", nvml->describe(rc));
@@ -168,13 +189,15 @@ void append_problem(std::string* problem, const std::string& more) {
 Discovery discover_gpus(const char* cuda_library, const char* nvml_library) {
   Discovery cuda = discover_cuda(cuda_library);
   std::vector<DiscoveredGpu> listed;
-  std::string nvml_problem;
-  if (!discover_nvml(nvml_library, &listed, &nvml_problem)) {
+  std::string nvml_problem, driver_version;
+  if (!discover_nvml(nvml_library, &listed, &driver_version, &nvml_problem)) {
     cuda.nvml_problem = nvml_problem;
     return cuda;  // CUDA alone, as on a node without NVML
   }
   Discovery out;
   out.nvml = true;
+  out.driver_version = driver_version;
+  out.cuda_driver_version = cuda.cuda_driver_version;
   append_problem(&out.nvml_problem, nvml_problem);  // a GPU NVML could not read
   const bool cuda_answered = cuda.problem.empty() || !cuda.gpus.empty();
   if (!cuda.problem.empty()) append_problem(&out.problem, cuda.problem + " (SM counts unknown)");
@@ -185,6 +208,8 @@ Discovery discover_gpus(const char* cuda_library, const char* nvml_library) {
       // numbering use; NVML's index follows PCI order and may differ.
       gpu.index = match->index;
       gpu.sm_count = match->sm_count;
+      gpu.cc_major = match->cc_major;
+      gpu.cc_minor = match->cc_minor;
       if (gpu.memory_bytes == 0) gpu.memory_bytes = match->memory_bytes;
       out.gpus.push_back(std::move(gpu));
     } else if (!cuda_answered) {

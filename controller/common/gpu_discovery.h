@@ -19,6 +19,8 @@ struct DiscoveredGpu {
   uint64_t memory_bytes = 0;  // NVML's total memory, else cuDeviceTotalMem
   int sm_count = 0;           // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT; 0 when CUDA did not answer
   int nvml_index = -1;        // NVML's (nvidia-smi's) index; -1 when NVML did not list it
+  int cc_major = 0;           // compute capability (CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*); 0 when CUDA did not answer
+  int cc_minor = 0;
 };
 
 struct Discovery {
@@ -31,11 +33,14 @@ struct Discovery {
   // discovery then relies on CUDA alone and health and audit are off.
   bool nvml = false;
   std::string nvml_problem;
+  std::string driver_version;   // nvmlSystemGetDriverVersion ("550.54.15"); empty without NVML
+  int cuda_driver_version = 0;  // cuDriverGetVersion (12040 = CUDA 12.4); 0 when CUDA did not answer
 };
 
-// NVML: nvmlInit_v2, count, and per device its UUID, name and memory. CUDA:
-// cuInit, cuDeviceGetCount and per device cuDeviceGet, cuDeviceGetName,
-// cuDeviceGetUuid_v2, cuDeviceTotalMem_v2 and the SM count. Merged by UUID:
+// NVML: nvmlInit_v2, the driver version, count, and per device its UUID,
+// name and memory. CUDA: cuInit, cuDriverGetVersion, cuDeviceGetCount and per
+// device cuDeviceGet, cuDeviceGetName, cuDeviceGetUuid_v2,
+// cuDeviceTotalMem_v2, the SM count and the compute capability. Merged by UUID:
 // NVML's list is the node's GPUs, each given its CUDA ordinal and SM count.
 // Creates no context. Never throws; a node with no driver or no GPU yields an
 // empty list and a problem (no GPU is not a problem when the driver says so).

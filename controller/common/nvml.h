@@ -51,6 +51,7 @@ class Nvml {
     decltype(&nvmlDeviceRegisterEvents) register_events = nullptr;
     decltype(&nvmlEventSetWait_v2) event_wait = nullptr;
     decltype(&nvmlEventSetFree) event_set_free = nullptr;
+    decltype(&nvmlSystemGetDriverVersion) driver_version = nullptr;  // for the control API's node view
   };
 
   // dlopen()s `library` and calls nvmlInit_v2. nullptr (with *problem set to

@@ -1,14 +1,21 @@
 #include "config/config.h"
 
+#include <grp.h>
+#include <pwd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <set>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include "config/api_tenant.h"
 #include "config/config_file.h"
+#include "config/tenant_rules.h"
 #include "fracgpu/ledger_layout.h"
 #include "daemon/metrics.h"
 
@@ -116,16 +123,6 @@ int line_with_too_many_dots(std::string_view text) {
   return 0;
 }
 
-bool valid_tenant_name(std::string_view name) {
-  auto ok = [](char c, bool first) {
-    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || (!first && (c == '_' || c == '.' || c == '-'));
-  };
-  if (name.empty() || name.size() > 63) return false;  // 63 + NUL fills PolicySegment::tenant
-  for (size_t i = 0; i < name.size(); ++i)
-    if (!ok(name[i], i == 0)) return false;
-  return true;
-}
-
 // The units a duration may carry, for error messages.
 constexpr std::string_view kDurationUnitList = "us, ms, s";
 
@@ -186,11 +183,6 @@ std::string format_duration(std::chrono::microseconds d) {
   return fmt::format("{}us", us);
 }
 
-uint64_t fraction_quota(uint32_t share_ppm, uint64_t memory) {
-  const auto bytes = static_cast<unsigned __int128>(memory) * share_ppm / kPpmPerGpu;
-  return static_cast<uint64_t>(bytes) / kQuotaGranularity * kQuotaGranularity;
-}
-
 // A reference to a GPU from a tenant (`devices` entry or `memory` key), as written.
 struct GpuRef {
   std::optional<int64_t> index;
@@ -228,8 +220,9 @@ struct TenantDraft {
 
 class Parser {
  public:
-  Parser(std::string_view source, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior)
-      : source_(source), node_(node), prior_(prior) {}
+  Parser(std::string_view source, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior,
+         const ApiTenants* api)
+      : source_(source), node_(node), prior_(prior), api_(api) {}
 
   ConfigResult run(std::string_view text) {
     if (const int line = line_with_too_many_dots(text); line != 0) {
@@ -254,6 +247,7 @@ class Parser {
     if (gpus.empty() && (!root.contains("gpu") || (gpu_array != nullptr && gpu_array->empty())))
       error(1, "no [[gpu]] table: list the GPUs fracgpu manages (see docs/configuration.md)");
     for (const toml::table* t : gpus) parse_gpu(*t);
+    reserve_api_tenants();
     for (const toml::table* t : tenants) parse_tenant(*t);
     place_fractions();
     apply_limits();
@@ -264,6 +258,8 @@ class Parser {
     for (const GpuDraft& d : gpus_) config_.gpus.push_back(d.gpu);
     for (const TenantDraft& draft : tenants_)
       if (draft.valid) config_.tenants.push_back(draft.tenant);
+    if (api_ != nullptr && errors_.empty())
+      for (const auto& [name, tenant] : *api_) config_.tenants.push_back(tenant_of(tenant, config_));
     return finish();
   }
 
@@ -462,7 +458,8 @@ class Parser {
     constexpr std::string_view where = "[daemon]";
     check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
                     "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout",
-                    "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action"},
+                    "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action",
+                    "control_group"},
                where);
     DaemonSettings& d = config_.daemon;
     if (auto dir = get_string(*t, "run_dir", where)) {
@@ -519,6 +516,11 @@ class Parser {
                  fmt::format("audit_action \"{}\" is not an audit action (use {})", *action, kAuditActionList));
     }
     parse_memory_audit(*t, where, d.memory_audit);
+    if (auto group = get_string(*t, "control_group", where)) {
+      std::string why;
+      if (!group->empty() && !resolve_control_group(*group, &d, &why))
+        error_in(where, line_of(*t->get("control_group")), fmt::format("control_group \"{}\" {}", *group, why));
+    }
     if (auto address = get_string(*t, "metrics_address", where)) {
       std::string why;
       if (*address == "" || *address == "off")
@@ -670,14 +672,18 @@ class Parser {
     std::string where = "[[tenant]]";
     if (auto name = get_string(t, "name", where)) {
       if (!valid_tenant_name(*name)) {
-        error_in(where, line_of(*t.get("name")),
-                 fmt::format("name \"{}\" is invalid (1 to 63 of a-z, 0-9, '_', '.', '-', starting with a letter "
-                             "or digit)",
-                             *name));
+        error_in(where, line_of(*t.get("name")), fmt::format("name \"{}\" {}", *name, kTenantNameRule));
         draft.valid = false;
       } else {
         tenant.name = *name;
         where = fmt::format("tenant \"{}\"", *name);
+        if (api_ != nullptr && api_->contains(*name)) {
+          error_in(where, line_of(*t.get("name")),
+                   fmt::format("the name belongs to a tenant created through the control API: choose another, or "
+                               "delete that tenant first (fracgpu tenant delete {})",
+                               *name));
+          draft.valid = false;
+        }
         for (const TenantDraft& other : tenants_) {
           if (other.tenant.name == *name) {
             error_in(where, line_of(*t.get("name")),
@@ -719,11 +725,8 @@ class Parser {
       if (!value) {
         wrong_type(where, "limit", *n, "a fraction of one GPU such as 0.5 or 1.0");
         draft.valid = false;
-      } else if (!std::isfinite(*value) || *value <= 0 || *value > 1.0) {
-        error_in(where, draft.limit_line, fmt::format("limit = {} must be above 0 and at most 1.0 (one GPU)", *value));
-        draft.valid = false;
-      } else if (std::llround(*value * kPpmPerGpu) == 0) {
-        error_in(where, draft.limit_line, fmt::format("limit = {} is below the smallest share (0.000001)", *value));
+      } else if (const auto problem = fraction_problem(*value)) {
+        error_in(where, draft.limit_line, fmt::format("limit = {} {}", *value, *problem));
         draft.valid = false;
       } else if (!t.contains("gpus")) {
         error_in(where, draft.limit_line,
@@ -731,7 +734,7 @@ class Parser {
                  "whatever time nobody with a share wants)");
         draft.valid = false;
       } else {
-        draft.limit_ppm = static_cast<uint32_t>(std::llround(*value * kPpmPerGpu));
+        draft.limit_ppm = fraction_ppm(*value);
       }
     }
     if (auto managed = get_bool(t, "count_managed", where)) tenant.count_managed = *managed;
@@ -797,7 +800,65 @@ class Parser {
     for (size_t i = 0; i < gpus_.size(); ++i)
       if (gpus_[i].valid)
         list += fmt::format("{}GPU {}: {}", list.empty() ? "" : ", ", gpus_[i].gpu.index, format_gpus(free_[i]));
-    return list;
+    std::string held;
+    for (size_t i = 0; i < gpus_.size(); ++i) held += api_share_note(i);
+    return list + held;
+  }
+
+  // "; API tenants hold 0.5 of GPU 0 (\"dra-1\" 0.5)", or "" when they hold none of it.
+  std::string api_share_note(size_t gpu) const {
+    if (api_ppm_.empty() || api_ppm_[gpu] == 0) return "";
+    return fmt::format("; API tenants hold {} of GPU {} ({})", format_gpus(api_ppm_[gpu]), gpus_[gpu].gpu.index,
+                       api_share_holders_[gpu]);
+  }
+
+  // ---- Tenants of the control API ----
+
+  // Their GPUs, shares and quotas are taken before any [[tenant]] is placed:
+  // a running API tenant is never moved or shrunk by the config. What no
+  // longer fits them is an error naming them (line 0: no line of the file
+  // is at fault, the config as a whole is).
+  void reserve_api_tenants() {
+    api_ppm_.assign(gpus_.size(), 0);
+    api_memory_.assign(gpus_.size(), 0);
+    api_share_holders_.assign(gpus_.size(), "");
+    api_memory_holders_.assign(gpus_.size(), "");
+    if (api_ == nullptr) return;
+    for (const auto& [name, tenant] : *api_) {
+      const std::string where = fmt::format("API tenant \"{}\"", name);
+      for (const ApiGrant& grant : tenant.gpus) {
+        const std::string uuid = format_gpu_uuid(grant.uuid);
+        size_t g = 0;
+        while (g < gpus_.size() && !(gpus_[g].gpu.uuid_bytes == grant.uuid || gpus_[g].uuid == grant.uuid)) ++g;
+        if (g == gpus_.size()) {
+          error_in(where, 0,
+                   fmt::format("holds {}, which is not a configured [[gpu]] any more: configure it again, or delete "
+                               "the tenant first (fracgpu tenant delete {})",
+                               uuid, name));
+          continue;
+        }
+        if (!gpus_[g].valid) continue;  // that [[gpu]] has its own error
+        const ManagedGpu& gpu = gpus_[g].gpu;
+        if (const auto problem = memory_quota_problem(grant.memory, gpu)) error_in(where, 0, *problem);
+        api_ppm_[g] += grant.share_ppm;
+        api_memory_[g] += grant.memory;
+        api_share_holders_[g] += fmt::format("{}\"{}\" {}", api_share_holders_[g].empty() ? "" : ", ", name,
+                                             format_gpus(grant.share_ppm));
+        api_memory_holders_[g] += fmt::format("{}API tenant \"{}\" {}", api_memory_holders_[g].empty() ? "" : ", ",
+                                              name, format_size(grant.memory));
+      }
+    }
+    for (size_t g = 0; g < gpus_.size(); ++g) {
+      const ManagedGpu& gpu = gpus_[g].gpu;
+      if (api_ppm_[g] > kPpmPerGpu)
+        error(0, fmt::format("API tenants hold {} of GPU {} ({}), more than the whole GPU", format_gpus(api_ppm_[g]),
+                             gpu.index, api_share_holders_[g]));
+      if (!config_.daemon.allow_overcommit && api_memory_[g] > gpu.memory_bytes)
+        error(0, fmt::format("memory quotas of API tenants on GPU {} add up to {}, above its {} ({}); set "
+                             "allow_overcommit = true in [daemon] or delete some of them",
+                             gpu.index, format_size(api_memory_[g]), format_size(gpu.memory_bytes),
+                             api_memory_holders_[g]));
+    }
   }
 
   // The cap defaults to the share (a hard cap); whole GPUs are never capped.
@@ -815,6 +876,7 @@ class Parser {
   // another tenant explicitly asked for. The rest: placement.h.
   void place_fractions() {
     free_.assign(gpus_.size(), kPpmPerGpu);
+    for (size_t g = 0; g < gpus_.size(); ++g) free_[g] -= std::min(api_ppm_[g], kPpmPerGpu);
     size_t configured = 0;
     for (const GpuDraft& d : gpus_) configured += d.valid ? 1 : 0;
     for (TenantDraft& draft : tenants_) {
@@ -888,8 +950,9 @@ class Parser {
       if (free_[targets[i]] < pieces[i]) {
         error_in(where, draft.devices_line,
                  fmt::format("cannot place {} of GPU {}: only {} of it is unallocated (sum of fractions on a GPU "
-                             "cannot exceed 1.0)",
-                             format_gpus(pieces[i]), gpus_[targets[i]].gpu.index, format_gpus(free_[targets[i]])));
+                             "cannot exceed 1.0){}",
+                             format_gpus(pieces[i]), gpus_[targets[i]].gpu.index, format_gpus(free_[targets[i]]),
+                             api_share_note(targets[i])));
         return false;
       }
       grant(tenant, targets[i], pieces[i]);
@@ -908,11 +971,10 @@ class Parser {
       if (!draft.valid || !draft.limit_ppm) continue;
       for (Grant& g : draft.tenant.grants) {
         if (g.share_ppm >= kPpmPerGpu) continue;
-        if (*draft.limit_ppm < g.share_ppm) {
+        if (const auto problem =
+                limit_problem(*draft.limit_ppm, g.share_ppm, fmt::format("GPU {}", gpus_[g.gpu].gpu.index))) {
           error_in(fmt::format("tenant \"{}\"", draft.tenant.name), draft.limit_line,
-                   fmt::format("limit = {} is below the tenant's share {} of GPU {}: a limit caps what the share "
-                               "guarantees, it cannot be lower",
-                               format_gpus(*draft.limit_ppm), format_gpus(g.share_ppm), gpus_[g.gpu].gpu.index));
+                   fmt::format("limit = {} {}", format_gpus(*draft.limit_ppm), *problem));
           draft.valid = false;
           break;
         }
@@ -942,10 +1004,8 @@ class Parser {
           draft.valid = false;
           continue;
         }
-        if (entry.bytes > managed.memory_bytes) {
-          error_in(where, entry.line,
-                   fmt::format("memory quota {} on GPU {} is above the GPU's memory ({})", format_size(entry.bytes),
-                               managed.index, format_size(managed.memory_bytes)));
+        if (const auto problem = memory_quota_problem(entry.bytes, managed)) {
+          error_in(where, entry.line, *problem);
           draft.valid = false;
           continue;
         }
@@ -980,8 +1040,9 @@ class Parser {
   // error goes to the tenant that tips a GPU over: that is where to edit.
   // Each quota must also hold at least one context.
   void check_memory_totals() {
-    std::vector<uint64_t> total(gpus_.size(), 0);
-    std::vector<std::string> holders(gpus_.size());
+    // API tenants' quotas are there first (reserve_api_tenants).
+    std::vector<uint64_t> total = api_memory_;
+    std::vector<std::string> holders = api_memory_holders_;
     std::vector<bool> reported(gpus_.size(), false);
     for (TenantDraft& draft : tenants_) {
       if (!draft.valid) continue;
@@ -992,12 +1053,9 @@ class Parser {
         const ManagedGpu& gpu = gpus_[g.gpu].gpu;
         const auto explicit_line = draft.memory_line.find(g.gpu);
         const int line = explicit_line != draft.memory_line.end() ? explicit_line->second : line_of_gpus(draft);
-        // The interposer charges every CUDA context to the quota: a smaller
-        // quota could never even open one.
-        if (g.memory_quota < gpu.context_memory)
-          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line,
-                   fmt::format("memory quota {} on GPU {} is below its context_memory ({}): no CUDA context would fit",
-                               format_size(g.memory_quota), gpu.index, format_size(gpu.context_memory)));
+        // Fits the GPU and holds a context (tenant_rules.h).
+        if (const auto problem = memory_quota_problem(g.memory_quota, gpu))
+          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line, *problem);
         if (config_.daemon.allow_overcommit || reported[g.gpu] || total[g.gpu] <= gpu.memory_bytes) continue;
         reported[g.gpu] = true;
         error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line,
@@ -1016,9 +1074,45 @@ class Parser {
   std::vector<TenantDraft> tenants_;
   std::vector<uint32_t> free_;
   const PriorPlacement* prior_ = nullptr;
+  const ApiTenants* api_ = nullptr;
+  // Per [[gpu]]: what API tenants hold, and who ("\"dra-1\" 0.5, ...").
+  std::vector<uint32_t> api_ppm_;
+  std::vector<uint64_t> api_memory_;
+  std::vector<std::string> api_share_holders_;
+  std::vector<std::string> api_memory_holders_;
 };
 
 }  // namespace
+
+bool resolve_control_group(const std::string& group, DaemonSettings* settings, std::string* why) {
+  // getgrnam_r and getpwnam_r: the buffer grows while they say ERANGE.
+  std::vector<char> buffer(4096);
+  struct group entry {};
+  struct group* found = nullptr;
+  int rc;
+  while ((rc = getgrnam_r(group.c_str(), &entry, buffer.data(), buffer.size(), &found)) == ERANGE &&
+         buffer.size() < (1u << 24))
+    buffer.resize(buffer.size() * 2);
+  if (rc != 0 || found == nullptr) {
+    *why = rc != 0 ? fmt::format("cannot be looked up: {}", strerror(rc))
+                   : std::string("is not a group on this node (see getent group)");
+    return false;
+  }
+  settings->control_group = group;
+  settings->control_gid = entry.gr_gid;
+  settings->control_members.clear();
+  for (char** member = entry.gr_mem; member != nullptr && *member != nullptr; ++member) {
+    std::vector<char> user_buffer(4096);
+    struct passwd user {};
+    struct passwd* user_found = nullptr;
+    while (getpwnam_r(*member, &user, user_buffer.data(), user_buffer.size(), &user_found) == ERANGE &&
+           user_buffer.size() < (1u << 24))
+      user_buffer.resize(user_buffer.size() * 2);
+    // A member the user database does not know can never connect as anyone.
+    if (user_found != nullptr) settings->control_members.push_back(user.pw_uid);
+  }
+  return true;
+}
 
 std::optional<LogLevel> parse_log_level(std::string_view text) {
   if (text == "trace") return LogLevel::kTrace;
@@ -1027,6 +1121,12 @@ std::optional<LogLevel> parse_log_level(std::string_view text) {
   if (text == "warn") return LogLevel::kWarn;
   if (text == "error") return LogLevel::kError;
   return std::nullopt;
+}
+
+const ManagedGpu* NodeConfig::find_gpu(const GpuUuid& uuid) const {
+  for (const ManagedGpu& g : gpus)
+    if (g.uuid_bytes == uuid) return &g;
+  return nullptr;
 }
 
 const Tenant* NodeConfig::find_tenant(std::string_view name) const {
@@ -1042,11 +1142,12 @@ std::string ConfigError::to_string() const {
 }
 
 ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
-                          const PriorPlacement* prior) {
-  return Parser(source, node, prior).run(text);
+                          const PriorPlacement* prior, const ApiTenants* api) {
+  return Parser(source, node, prior, api).run(text);
 }
 
-ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior) {
+ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node, const PriorPlacement* prior,
+                         const ApiTenants* api) {
   std::string why;
   std::optional<std::string> text = read_config_file(path, &why);
   if (!text) {
@@ -1054,7 +1155,7 @@ ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGp
     result.errors.push_back({path, 0, "cannot read the config file: " + why});
     return result;
   }
-  return parse_config(*text, path, node, prior);
+  return parse_config(*text, path, node, prior, api);
 }
 
 }  // namespace fracgpu::controller

@@ -6,8 +6,11 @@
 // Every key is described in docs/configuration.md.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -62,7 +65,17 @@ struct DaemonSettings {
   AuditAction audit_action = AuditAction::kReport;       // `audit_action`: report, deny, terminate
   std::chrono::microseconds liveness_timeout{30'000'000};  // `liveness_timeout`: /healthz fails past this
   MemoryAuditSettings memory_audit;  // `memory_*`: the driver's count against quotas (memory_audit.h)
+  // `control_group`: a group whose members may use the control API (docs/security.md);
+  // empty: root and the daemon's user only. Resolved when the config is read.
+  std::string control_group;
+  gid_t control_gid = 0;
+  std::vector<uid_t> control_members;  // users the group file lists as members (their uids)
 };
+
+// Looks up `group` in the node's group database: sets control_group, its
+// gid and the uids of the users it lists as members. False and *why (a
+// phrase completing `control_group "x" ...`) if there is no such group.
+bool resolve_control_group(const std::string& group, DaemonSettings* settings, std::string* why);
 
 // A [[gpu]] that fracgpu manages, resolved against the discovery.
 struct ManagedGpu {
@@ -86,14 +99,49 @@ struct Grant {
   uint64_t memory_quota = 0;
 };
 
+// Where a tenant was defined.
+enum class TenantSource {
+  kConfig,  // a [[tenant]] of the node config
+  kApi,     // created through the control API (api_tenant.h); persisted in the run dir
+};
+
+using Annotations = std::map<std::string, std::string, std::less<>>;
+
 struct Tenant {
   std::string name;
   bool count_managed = true;
   uint64_t gpus_ppm = 0;      // `gpus` in parts per million; 0 when not given
   std::vector<Grant> grants;  // placement order; at most one per GPU
   PlacementReason placement = PlacementReason::kMemoryOnly;  // why the grants are where they are
-  int line = 0;
+  int line = 0;               // 0 for API tenants
+  TenantSource source = TenantSource::kConfig;
+  // API tenants only: deleted while processes were alive. New processes are
+  // refused; its capacity stays booked until the last one is gone.
+  bool draining = false;
+  Annotations annotations;  // API tenants only: the client's, shown as they were given
 };
+
+// One GPU of a tenant created through the control API, as requested and
+// resolved: every value explicit.
+struct ApiGrant {
+  GpuUuid uuid{};
+  uint32_t share_ppm = 0;  // (0, 1000000]
+  uint32_t limit_ppm = 0;  // [share, 1000000]; 1000000 when the share is
+  uint64_t memory = 0;     // bytes
+
+  bool operator==(const ApiGrant&) const = default;
+};
+
+// A tenant of the control API, independent of the config's GPU order (GPUs
+// by UUID), so it can be set beside any config that still manages its GPUs.
+struct ApiTenant {
+  std::string name;
+  std::vector<ApiGrant> gpus;  // request order; at most one per GPU
+  bool count_managed = true;
+  Annotations annotations;
+  bool draining = false;
+};
+using ApiTenants = std::map<std::string, ApiTenant, std::less<>>;
 
 struct NodeConfig {
   std::string source;  // the file it was read from
@@ -102,6 +150,7 @@ struct NodeConfig {
   std::vector<Tenant> tenants;   // config order
 
   const Tenant* find_tenant(std::string_view name) const;
+  const ManagedGpu* find_gpu(const GpuUuid& uuid) const;
 };
 
 struct ConfigError {
@@ -124,13 +173,18 @@ struct ConfigResult {
 // `prior` (may be null): tenants' current placement (running ones from their
 // ledgers, idle ones from placement.json), kept where the
 // config still allows (placement.h).
+// `api` (may be null): the tenants of the control API. Their capacity is
+// taken before any [[tenant]] is placed; a config that no longer fits beside
+// them (a GPU they hold no longer configured, shares or memory past a GPU's,
+// a [[tenant]] taking one's name) is invalid, the error naming the API
+// tenant. They follow the config's tenants in NodeConfig::tenants, by name.
 ConfigResult parse_config(std::string_view text, std::string_view source, const std::vector<DiscoveredGpu>& node,
-                          const PriorPlacement* prior = nullptr);
+                          const PriorPlacement* prior = nullptr, const ApiTenants* api = nullptr);
 
 // Reads and parses a file. A file that cannot be read, is not a regular file
 // (a FIFO, a device, a directory, a symlink to one) or is larger than
 // kMaxConfigBytes is one error at line 0 naming the reason (config_file.h).
 ConfigResult load_config(const std::string& path, const std::vector<DiscoveredGpu>& node,
-                         const PriorPlacement* prior = nullptr);
+                         const PriorPlacement* prior = nullptr, const ApiTenants* api = nullptr);
 
 }  // namespace fracgpu::controller

@@ -89,6 +89,7 @@ std::string_view placement_reason_name(PlacementReason reason) {
     case PlacementReason::kKept: return "kept";
     case PlacementReason::kPolicy: return "policy";
     case PlacementReason::kUnchanged: return "unchanged";
+    case PlacementReason::kApi: return "api";
   }
   return "policy";
 }

@@ -53,6 +53,7 @@ enum class PlacementReason {
   kKept,        // kept from before: it has live processes there (see above)
   kPolicy,      // chosen by the placement policy
   kUnchanged,   // kept from the last placement: idle, same shares (see above)
+  kApi,         // a tenant of the control API: its request names the GPUs
 };
 std::string_view placement_reason_name(PlacementReason reason);
 

@@ -137,6 +137,9 @@ Reply call(const std::string& socket_path, const nlohmann::json& request, std::c
       if (!wait_for(sock.get(), POLLOUT, deadline, &why)) return unreachable(socket_path, why);
       continue;
     }
+    // The daemon may have answered and closed before reading (a peer it
+    // refuses): its reply is still there to read.
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) break;
     return unreachable(socket_path, "send: " + errno_text(errno));
   }
 

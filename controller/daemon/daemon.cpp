@@ -17,6 +17,7 @@
 #include <spdlog/sinks/stdout_sinks.h>
 
 #include "config/placement.h"
+#include "control/protocol.h"
 #include "safe_file.h"
 #include "sigbus_guard.h"
 #include "state/status.h"
@@ -112,7 +113,8 @@ bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const No
     memcpy(e.uuid, gpu.uuid_bytes.data(), sizeof e.uuid);
     e.memory_quota = grant.memory_quota;
     e.context_memory = gpu.context_memory;
-    e.flags = tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u;
+    e.flags = (tenant->count_managed ? uint32_t{ledger::kCountManagedMemory} : 0u) |
+              (tenant->draining ? uint32_t{ledger::kTenantDraining} : 0u);
     e.share_ppm = grant.share_ppm;
     e.limit_ppm = grant.limit_ppm;
     e.state = ledger::kGpuGranted;
@@ -122,30 +124,71 @@ bool plan_policy(const ledger::GpuTable& current, const Tenant* tenant, const No
   return ok;
 }
 
+// The API tenants <run_dir>/api-tenants.json holds: none if it is absent
+// (no tenant was ever created there); false and *error if it is there but
+// cannot be read or is not such a file.
+bool read_api_tenants(const std::string& run_dir, ApiTenants* out, std::string* error) {
+  out->clear();
+  std::string why;
+  const std::optional<RunDirView> view = open_run_dir_view(run_dir, &why);
+  if (!view) return true;  // no run dir yet: nothing was ever created
+  bool missing = false;
+  const std::optional<std::string> text =
+      read_file_at(view->root.get(), run_dir, kApiTenantsFileName, view->owner, kMaxRunFileBytes, &why, &missing);
+  if (!text) {
+    if (missing) return true;
+    *error = why;
+    return false;
+  }
+  std::optional<ApiTenants> parsed = parse_api_tenants_file(*text, &why);
+  if (!parsed) {
+    *error = fmt::format("{}/{}: {}", run_dir, kApiTenantsFileName, why);
+    return false;
+  }
+  *out = std::move(*parsed);
+  return true;
+}
+
 // Loads the config placing running tenants where they run: `running` if
 // given; else read from the run dir as `fracgpu status` reads it, which
 // opens and closes every ledger and the pid file. Closing them drops every
 // record lock this process holds on them, so that is only for a process that
 // holds none yet (--check, start before the pid-file lock); see metrics.h.
 // Idle tenants are kept where <run_dir>/placement.json says they were.
-// Parses twice when there is a prior placement: the first pass only finds
-// run_dir. *moved: a warning per running tenant that the result moves.
+// API tenants: `api` if given, else read from the run dir (into *api_loaded).
+// Parses twice when there is a prior placement or an API tenant: the first
+// pass only finds run_dir. *moved: a warning per running tenant that the
+// result moves.
 ConfigResult load_placed(const std::string& path, const Discovery& discovery, const PriorPlacement* running,
-                         std::vector<std::string>* moved) {
+                         const ApiTenants* api, ApiTenants* api_loaded, std::vector<std::string>* moved) {
   ConfigResult result = load_config(path, discovery.gpus);
   if (!result.ok()) return result;
+  const std::string run_dir = result.config->daemon.run_dir;
+  ApiTenants from_disk;
+  if (api == nullptr) {
+    std::string error;
+    if (!read_api_tenants(run_dir, &from_disk, &error)) {
+      result.config.reset();
+      result.errors.push_back({fmt::format("{}/{}", run_dir, kApiTenantsFileName), 0,
+                               fmt::format("the control API's tenants cannot be read back: {} (move the file away "
+                                           "to start without them)",
+                                           error)});
+      return result;
+    }
+    api = &from_disk;
+    if (api_loaded != nullptr) *api_loaded = from_disk;
+  }
   PriorPlacement prior;
   if (running != nullptr) {
     prior = *running;
   } else {
     std::string error;
-    const auto report = collect_status(result.config->daemon.run_dir, &error);
-    if (!report) return result;  // no run dir yet: nothing runs
-    prior = prior_placement_from(*report);
+    // No run dir yet: nothing runs.
+    if (const auto report = collect_status(run_dir, &error)) prior = prior_placement_from(*report);
   }
-  add_recorded_placement(result.config->daemon.run_dir, &prior);
-  if (prior.empty()) return result;
-  result = load_config(path, discovery.gpus, &prior);
+  add_recorded_placement(run_dir, &prior);
+  if (prior.empty() && api->empty()) return result;
+  result = load_config(path, discovery.gpus, prior.empty() ? nullptr : &prior, api);
   if (result.ok()) {
     std::map<std::string, std::vector<std::string>> now;
     for (const Tenant& tenant : result.config->tenants)
@@ -164,7 +207,7 @@ void block_daemon_signals() {
 int check_config(const DaemonOptions& options) {
   const Discovery discovery = discover_gpus(options.cuda_library.c_str(), options.nvml_library.c_str());
   std::vector<std::string> moved;
-  const ConfigResult result = load_placed(options.config_path, discovery, nullptr, &moved);
+  const ConfigResult result = load_placed(options.config_path, discovery, nullptr, nullptr, nullptr, &moved);
   if (!result.ok()) {
     print_errors(result, discovery);
     return kExitCheckFailed;
@@ -186,6 +229,7 @@ Daemon::Daemon(DaemonOptions options, std::shared_ptr<spdlog::logger> log)
     : options_(std::move(options)), log_(std::move(log)) {}
 
 Daemon::~Daemon() {
+  control_.stop();
   metrics_.stop();
   close_all();
   if (pid_fd_ >= 0) {
@@ -201,7 +245,7 @@ Daemon::~Daemon() {
 int Daemon::start() {
   if (options_.log_level) set_log_level(*log_, *options_.log_level);
   discovery_ = discover_gpus(options_.cuda_library.c_str(), options_.nvml_library.c_str());
-  ConfigResult result = load_placed_config();
+  ConfigResult result = load_placed_config(&api_tenants_);
   if (!result.ok()) {
     print_errors(result, discovery_);
     return kExitBadConfig;
@@ -222,20 +266,32 @@ int Daemon::start() {
   if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   apply(*config_);
+  if (!api_tenants_.empty()) log_->info("{} tenant(s) of the control API re-created", api_tenants_.size());
   apply_metrics();
   start_gpu_checks();
+  std::string error;
+  if (!control_.start(run_, control_access(), &error)) {
+    log_->error("{}", error);
+    return kExitCannotStart;
+  }
+  log_->info("control API: listening on {}/{} ({})", config_->daemon.run_dir, control::kSocketName,
+             config_->daemon.control_group.empty() ? std::string("root and uid ") + std::to_string(geteuid())
+                                                   : "root, uid " + std::to_string(geteuid()) + " and group " +
+                                                         config_->daemon.control_group);
   tick();  // heartbeat at once: `fracgpu status` should not report a fresh daemon as dead
   return kExitOk;
 }
 
-ConfigResult Daemon::load_placed_config() const {
+ConfigResult Daemon::load_placed_config(ApiTenants* api_loaded) const {
   std::vector<std::string> moved;
   ConfigResult result;
+  const ApiTenants* api = api_loaded != nullptr ? nullptr : &api_tenants_;
   if (pid_fd_ < 0) {
-    result = load_placed(options_.config_path, discovery_, nullptr, &moved);  // start: no lock held yet
+    // start: no lock held yet
+    result = load_placed(options_.config_path, discovery_, nullptr, api, api_loaded, &moved);
   } else {
     const PriorPlacement running = running_placement();
-    result = load_placed(options_.config_path, discovery_, &running, &moved);
+    result = load_placed(options_.config_path, discovery_, &running, api, api_loaded, &moved);
   }
   for (const std::string& warning : moved) log_->warn("{}", warning);
   return result;
@@ -245,17 +301,7 @@ ConfigResult Daemon::load_placed_config() const {
 PriorPlacement Daemon::running_placement() const {
   PriorPlacement prior;
   for (const auto& [name, open] : ledgers_) {
-    if (open.ledger.usage == nullptr) continue;  // corrupt: see usage_usable
-    const ledger::UsageSegment& usage = *open.ledger.usage;
-    bool running = false;
-    // A fault (the file shrank) counts as not running; the next pass marks it corrupt.
-    shm::sigbus_guarded([&] {
-      const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
-      for (uint32_t s = 0; s < high && !running; ++s)
-        running = usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree &&
-                  ledger::slot_owner_pid(open.ledger, s) != 0;
-    });
-    if (!running) continue;
+    if (live_processes(name) <= 0) continue;  // none, or corrupt (see usage_usable)
     std::vector<PriorGrant> grants;
     ledger::GpuTable table;
     ledger::read_gpu_table(open.ledger, &table);
@@ -776,6 +822,7 @@ void Daemon::tick() {
   }
   tick_gpu_time(now);
   check_gpus(now);
+  remove_drained();
   if (std::string why; metrics_.died(&why))
     log_->error("metrics: the endpoint's process {}; metrics are off until the next reload", why);
 }
@@ -900,7 +947,7 @@ void Daemon::apply_unavailable() {
 
 bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
-  ConfigResult result = load_placed_config();
+  ConfigResult result = load_placed_config(nullptr);
   if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
     result.errors.push_back({options_.config_path, result.config->daemon.run_dir_line,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
@@ -910,7 +957,13 @@ bool Daemon::reload() {
     log_->error("reload rejected ({} error(s)): the previous policy stays in force", result.errors.size());
     return false;
   }
+  const std::string old_group = config_->daemon.control_group;
   config_ = std::move(result.config);
+  if (std::string error; !control_.set_access(control_access(), &error))
+    log_->error("control API: {}; the socket keeps its previous group and mode", error);
+  else if (old_group != config_->daemon.control_group)
+    log_->info("control API: group {}", config_->daemon.control_group.empty() ? "none (root and the daemon's user only)"
+                                                                                : config_->daemon.control_group);
   if (!options_.log_level) set_log_level(*log_, config_->daemon.log_level);
   // A shorter health or audit interval takes effect now, not after the old one.
   const uint64_t now = monotonic_ns();
@@ -932,6 +985,10 @@ int Daemon::run() {
     return kExitCannotStart;
   }
   uint64_t next_tick = monotonic_ns();
+  const ControlServer::Handler handler = [this](const std::string& line, const ControlPeer& peer) {
+    return handle_control(line, peer);
+  };
+  std::vector<struct pollfd> fds;
   for (;;) {
     const uint64_t now = monotonic_ns();
     if (now >= next_tick) {
@@ -942,9 +999,12 @@ int Daemon::run() {
       if (next_tick <= now) next_tick = now + interval;  // fell behind (suspend, slow disk): do not burst
       continue;
     }
-    const int timeout_ms = static_cast<int>((next_tick - now + 999'999) / 1'000'000);
-    struct pollfd pfd {sfd, POLLIN, 0};
-    if (poll(&pfd, 1, timeout_ms) < 0 && errno != EINTR) {
+    // Woken by a signal, a control client, a client's deadline or the next tick.
+    const uint64_t wake = std::min(next_tick, control_.next_deadline());
+    const int timeout_ms = wake <= now ? 0 : static_cast<int>((wake - now + 999'999) / 1'000'000);
+    fds.assign(1, {sfd, POLLIN, 0});
+    control_.add_poll_fds(&fds);
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
       log_->error("poll: {}", strerror(errno));
       ::close(sfd);
       return kExitCannotStart;
@@ -957,9 +1017,11 @@ int Daemon::run() {
       }
       log_->info("{}: stopping; ledgers stay in place for the next start", strsignal(static_cast<int>(info.ssi_signo)));
       ::close(sfd);
+      control_.stop();
       close_all();
       return kExitOk;
     }
+    control_.serve(monotonic_ns(), handler);
   }
 }
 

@@ -10,9 +10,13 @@
 //            and each GPU's time arbiter, whose scheduler thread then
 //            grants the GPU's time (gpu_scheduler.h);
 //   run()    every reap_interval: reclaim dead slots, compute achieved
-//            GPU-time shares, heartbeat; SIGHUP
+//            GPU-time shares, heartbeat, remove drained API tenants; SIGHUP
 //            reloads, SIGTERM/SIGINT return 0. Signals arrive on a signalfd:
-//            no work ever runs in a signal handler.
+//            no work ever runs in a signal handler. Between ticks it serves
+//            the control API (control_server.h), one request at a time.
+// Tenants come from the config and from the control API (api_tenant.h); both
+// are one NodeConfig, applied the same way. API tenants are kept in
+// <run_dir>/api-tenants.json, read back at start, never changed by a reload.
 // Everything the daemon writes is a single atomic store into a mapped file,
 // so a SIGKILL at any point leaves valid ledgers; the next start re-adopts them.
 // Policy changes, across all tenants, take effect at one store (the node
@@ -28,6 +32,7 @@
 
 #include <spdlog/logger.h>
 
+#include "config/api_tenant.h"
 #include "config/config.h"
 #include "common/gpu_discovery.h"
 #include "daemon/gpu_scheduler.h"
@@ -35,6 +40,7 @@
 #include "daemon/memory_audit.h"
 #include "daemon/health.h"
 #include "ledger.h"
+#include "daemon/control_server.h"
 #include "daemon/metrics.h"
 #include "state/run_dir.h"
 #include "daemon/run_dir_lock.h"
@@ -99,6 +105,9 @@ class Daemon {
   // What the health probe and the bypass audit last found (also in
   // <run_dir>/health.json).
   NodeChecks node_checks() const;
+  // One control API request (a JSON object's text) -> the reply's text.
+  // Runs on the main loop's thread (control_server.h). Never throws.
+  std::string handle_control(const std::string& line, const ControlPeer& peer);
 
  private:
   struct OpenLedger {
@@ -122,7 +131,9 @@ class Daemon {
 
   // The config at options_.config_path, placed keeping running tenants where
   // they are (placement.h): their current placement is read from the run dir.
-  ConfigResult load_placed_config() const;
+  // With the API tenants (api_tenants_, or at start <run_dir>/api-tenants.json
+  // into *api_loaded) beside the config's.
+  ConfigResult load_placed_config(ApiTenants* api_loaded) const;
   PriorPlacement running_placement() const;
   void record_placement(const NodeConfig& config);
   // Starts, restarts or stops the metrics endpoint to match the config.
@@ -147,6 +158,25 @@ class Daemon {
   bool usage_usable(const std::string& name, OpenLedger& open);
   void mark_corrupt(const std::string& name, OpenLedger& open, const std::string& why);
   void close_all();
+
+  // ---- The control API (control_ops.cpp) ----
+  ControlAccess control_access() const;
+  // The config's tenants and api_tenants_ as one book, in config_.
+  void merge_api_tenants();
+  // Writes api_tenants_ as `next` would make them, whole; only then are they
+  // taken. False (nothing changed) when the file cannot be written.
+  bool save_api_tenants(const ApiTenants& next, std::string* error);
+  // Processes alive in a tenant's ledger; -1 when that cannot be told (its
+  // usage file is unreadable); 0 when it has no open ledger.
+  int live_processes(const std::string& name) const;
+  // A draining API tenant with no process left: dropped from the book, its
+  // ledger directory removed. False if it stays (for now).
+  bool finish_delete(const std::string& name);
+  void remove_drained();
+  nlohmann::json tenant_state(const Tenant& tenant) const;
+  nlohmann::json node_state();
+  nlohmann::json create_tenant(const nlohmann::json& request, bool resize, const ControlPeer& peer);
+  nlohmann::json delete_tenant(const nlohmann::json& request, const ControlPeer& peer);
 
   // GPU time (docs/sm-time.md): one arbiter per managed GPU, its tenant
   // table kept in step with the config, linked into each tenant directory.
@@ -188,6 +218,11 @@ class Daemon {
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<Auditor> auditor_;
   std::unique_ptr<MemoryAuditor> memory_auditor_;
+  ApiTenants api_tenants_;  // the control API's tenants, as persisted
+  ControlServer control_;
+  // `node` replies: its generation moves whenever the reply would differ.
+  uint64_t node_generation_ = 0;
+  std::string node_last_;
   uint64_t next_health_ns_ = 0;
   uint64_t next_audit_ns_ = 0;
   uint64_t next_memory_audit_ns_ = 0;

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -193,6 +194,42 @@ bool link_replacing(int src_dir, const char* src_name, int dst_dir, const char* 
   }
   *error = "no free temporary name";
   return false;
+}
+
+bool remove_tenant_dir(int tenants_dir, const std::string& shown_parent, const std::string& name, std::string* error) {
+  char err[kErrBytes] = {};
+  const shm::Opened opened = shm::open_dir_at(tenants_dir, name.c_str(), geteuid(), false, shown_parent.c_str(), err,
+                                              sizeof err);
+  if (!opened.ok()) {
+    *error = err;
+    return false;
+  }
+  UniqueFd dir(opened.fd);
+  const std::string shown = shown_parent + "/" + name;
+  const int listing_fd = dup(dir.get());
+  DIR* listing = listing_fd >= 0 ? fdopendir(listing_fd) : nullptr;
+  if (listing == nullptr) {
+    if (listing_fd >= 0) ::close(listing_fd);
+    *error = fmt::format("cannot list {}: {}", shown, strerror(errno));
+    return false;
+  }
+  bool ok = true;
+  while (const struct dirent* entry = readdir(listing)) {
+    const std::string entry_name = entry->d_name;
+    if (entry_name == "." || entry_name == "..") continue;
+    // Without AT_REMOVEDIR, unlinkat removes a name, never what a link names.
+    if (unlinkat(dir.get(), entry_name.c_str(), 0) != 0) {
+      *error = fmt::format("cannot remove {}/{}: {}", shown, entry_name, strerror(errno));
+      ok = false;
+      break;
+    }
+  }
+  closedir(listing);
+  if (ok && unlinkat(tenants_dir, name.c_str(), AT_REMOVEDIR) != 0) {
+    *error = fmt::format("cannot remove {}: {}", shown, strerror(errno));
+    ok = false;
+  }
+  return ok;
 }
 
 }  // namespace fracgpu::controller

@@ -101,6 +101,12 @@ std::optional<std::string> read_file_at(int dirfd, const std::string& shown_dir,
 bool write_run_file(const std::string& run_dir, std::string_view subdir, const std::string& name,
                     std::string_view text, std::string* error);
 
+// Removes the tenant directory `name` in `tenants_dir` (shown as
+// `shown_parent`) and what it holds: the daemon's own files and links, never
+// followed. Refused (*error says why, nothing more removed) if the directory
+// is not the daemon's, or holds a directory.
+bool remove_tenant_dir(int tenants_dir, const std::string& shown_parent, const std::string& name, std::string* error);
+
 // Publishes a hard link to `src_name` in `src_dir` as `dst_name` in
 // `dst_dir`, replacing whatever has that name (a link planted there is
 // replaced, never followed): linked first under a random name in the private

@@ -582,6 +582,7 @@ std::string status_to_text(const StatusReport& report) {
                                : why == "kept"  ? "kept from before (it has running processes there)"
                                : why == "unchanged" ? "kept from before (unchanged since the last placement)"
                                : why == "memory" ? "named by its memory table"
+                               : why == "api" ? "named by its control API request"
                                                  : "chosen by " + policy;
       why_table.push_back({"  " + name, text});
     }

@@ -83,6 +83,11 @@ enum GpuUnavailableReason : uint32_t {
 
 enum GpuPolicyFlags : uint32_t {
   kCountManagedMemory = 1u << 0,  // cuMemAllocManaged is charged to the quota
+  // The tenant is being deleted (draining): a process that attaches now is
+  // denied; processes already attached keep running within their quotas.
+  // Set on every granted entry of the tenant. Was always 0, so the layout
+  // version did not change.
+  kTenantDraining = 1u << 1,
 };
 
 // One GPU granted to the tenant. An entry is bound to one GPU UUID for the
