@@ -1,7 +1,8 @@
 // fracgpu: the operator's view of a node. `fracgpu status` reads every tenant
 // ledger read-only; it never changes anything. `fracgpu gpu clear` removes a
 // GPU's Xid fence (health.h), the one thing an operator must undo by hand.
-// Exit codes are in status.h.
+// `fracgpu tenant` speaks to fracgpud's control API (tenant_command.h).
+// Exit codes are in status.h and tenant_command.h.
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/tenant_command.h"
 #include "daemon/health.h"
 #include "state/run_dir.h"
 #include "safe_file.h"
@@ -113,6 +115,9 @@ int run(int argc, char** argv) {
   std::string which;
   clear->add_option("gpu", which, "GPU index (driver ordinal) or UUID")->required();
   clear->add_option("--run-dir", run_dir, "fracgpud's run directory (default: $FRACGPU_RUN_DIR or /run/fracgpu)");
+  TenantOptions tenant_options;
+  tenant_options.run_dir = run_dir;
+  CLI::App* tenant = add_tenant_commands(app, tenant_options);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -122,6 +127,7 @@ int run(int argc, char** argv) {
     return kStatusUsage;
   }
   if (clear->parsed()) return clear_command(run_dir, which);
+  if (tenant->parsed()) return run_tenant_command(*tenant, tenant_options);
   return status_command(run_dir, json);
 }
 

@@ -1,5 +1,7 @@
 #include "state/status.h"
 
+#include "config/api_tenant.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -261,30 +263,6 @@ DaemonStatus daemon_status(const StatusReport& report, const std::optional<int32
   return d;
 }
 
-// Every cell escaped (text_escape.h): process names, tenant and GPU names,
-// error texts may all carry a tenant's bytes.
-std::string render_table(std::vector<std::vector<std::string>> rows) {
-  for (auto& row : rows)
-    for (std::string& cell : row) cell = escape_terminal(cell);
-  std::vector<size_t> width;
-  for (const auto& row : rows)
-    for (size_t c = 0; c < row.size(); ++c) {
-      if (width.size() <= c) width.push_back(0);
-      width[c] = std::max(width[c], row[c].size());
-    }
-  std::string out;
-  for (const auto& row : rows) {
-    std::string line;
-    for (size_t c = 0; c < row.size(); ++c) {
-      line += row[c];
-      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
-    }
-    while (!line.empty() && line.back() == ' ') line.pop_back();
-    out += line + "\n";
-  }
-  return out;
-}
-
 std::string format_share(uint32_t ppm) { return ppm == 0 ? "-" : format_gpus(ppm); }
 
 // "0.4 s", "59.9 s", "12.5 min", "3.2 h": heartbeat ages and GPU times.
@@ -346,6 +324,30 @@ std::string gpu_health_text(const nlohmann::json& h) {
 
 }  // namespace
 
+// Every cell escaped (text_escape.h): process names, tenant and GPU names,
+// error texts may all carry a tenant's bytes.
+std::string render_table(std::vector<std::vector<std::string>> rows) {
+  for (auto& row : rows)
+    for (std::string& cell : row) cell = escape_terminal(cell);
+  std::vector<size_t> width;
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (width.size() <= c) width.push_back(0);
+      width[c] = std::max(width[c], row[c].size());
+    }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
 bool StatusReport::all_ledgers_read() const {
   return std::all_of(tenants.begin(), tenants.end(), [](const TenantStatus& t) { return t.error.empty(); });
 }
@@ -398,6 +400,20 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
   report.daemon = daemon_status(report, pid_file_holder(*view));
   report.placement = read_placement_record(run_dir);
   std::string ignored;
+  // Which tenants the control API made, and their state: the daemon's
+  // record of them (api_tenant.h). Annotations are the API client's text.
+  if (const std::optional<std::string> text =
+          read_file_at(view->root.get(), run_dir, kApiTenantsFileName, view->owner, kMaxRunFileBytes, &ignored)) {
+    if (const std::optional<ApiTenants> api = parse_api_tenants_file(*text, &ignored)) {
+      for (TenantStatus& t : report.tenants) {
+        const auto it = api->find(t.name);
+        if (it == api->end()) continue;
+        t.source = "api";
+        t.state = it->second.draining ? "draining" : "active";
+        t.annotations.insert(it->second.annotations.begin(), it->second.annotations.end());
+      }
+    }
+  }
   if (const std::optional<std::string> text =
           read_file_at(view->root.get(), run_dir, kHealthFileName, view->owner, kMaxRunFileBytes, &ignored)) {
     nlohmann::json health = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
@@ -463,7 +479,12 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
                            {"total_bytes", p.total_bytes},
                            {"gpu_time", gpu_time}});
     }
+    json annotations = json::object();
+    for (const auto& [k, v] : t.annotations) annotations[k] = v;
     tenants.push_back({{"name", t.name},
+                       {"source", t.source},
+                       {"state", t.state},
+                       {"annotations", std::move(annotations)},
                        {"dir", t.dir},
                        {"error", t.error.empty() ? json(nullptr) : json(t.error)},
                        {"policy_generation", t.generation},
@@ -588,6 +609,16 @@ std::string status_to_text(const StatusReport& report) {
     }
     out += render_table(why_table);
   }
+
+  // Tenants of the control API: whence, in what state, and the client's notes.
+  std::vector<std::vector<std::string>> api_table{{"  TENANT", "STATE", "ANNOTATIONS"}};
+  for (const TenantStatus& t : report.tenants) {
+    if (t.source != "api") continue;
+    std::string notes;
+    for (const auto& [k, v] : t.annotations) notes += fmt::format("{}{}={}", notes.empty() ? "" : " ", k, v);
+    api_table.push_back({"  " + t.name, t.state, notes.empty() ? "-" : notes});
+  }
+  if (api_table.size() > 1) out += "\ntenants of the control API (fracgpu tenant):\n" + render_table(api_table);
 
   if (report.gpu_health) out += gpu_health_text(*report.gpu_health);
 

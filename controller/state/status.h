@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -87,6 +88,9 @@ struct ProcessStatus {
 
 struct TenantStatus {
   std::string name;
+  std::string source = "config";  // "api": made through the control API (<run_dir>/api-tenants.json)
+  std::string state = "active";   // "draining": deleted, waiting for its processes to end
+  std::map<std::string, std::string, std::less<>> annotations;  // API tenants: the client's
   std::string dir;
   std::string error;  // non-empty: the ledger could not be read; nothing else is set
   uint64_t generation = 0;  // the node's committed generation of policy, as read
@@ -121,6 +125,11 @@ std::string default_run_dir();
 // Reads every <run_dir>/tenants/* ledger. nullopt (and *error) only when the
 // run dir itself cannot be read; a bad ledger is reported in its TenantStatus.
 std::optional<StatusReport> collect_status(const std::string& run_dir, std::string* error);
+
+// `rows` as aligned columns (two spaces apart), every cell escaped
+// (text_escape.h): process names, tenant names, annotations, error texts
+// may all carry bytes someone else chose.
+std::string render_table(std::vector<std::vector<std::string>> rows);
 
 // Keys keep the documented order (ordered_json), so diffs and eyes can follow.
 nlohmann::ordered_json status_to_json(const StatusReport& report);
