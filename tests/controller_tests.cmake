@@ -8,6 +8,12 @@ target_link_libraries(controller_config_test PRIVATE fracgpu_controller GTest::g
 target_compile_definitions(controller_config_test PRIVATE FRACGPU_EXAMPLES_DIR="${PROJECT_SOURCE_DIR}/examples")
 gtest_discover_tests(controller_config_test DISCOVERY_TIMEOUT 30)
 
+# The control API without a daemon: SPEC checks, the one book, the API
+# tenants' file, a config read beside API tenants, socket access rules.
+add_executable(control_api_test control_api_test.cpp)
+target_link_libraries(control_api_test PRIVATE fracgpu_controller GTest::gtest_main)
+gtest_discover_tests(control_api_test DISCOVERY_TIMEOUT 30)
+
 # The daemon and CLI tests run the real binaries against temporary run dirs;
 # fracgpud finds GPUs through simcuda's libcuda.so.1 (LD_LIBRARY_PATH).
 foreach(name controller_daemon_test controller_cli_test)

@@ -95,11 +95,12 @@ bool parse_gpu(const json& entry, size_t i, ApiGrant* out, bool* memory_given, S
     if (const auto problem = fraction_problem(*limit_value))
       return fail(error, at + ".limit", fmt::format("{} {}", shown(*limit), *problem));
     const uint32_t limit_ppm = fraction_ppm(*limit_value);
-    if (const auto problem = limit_problem(limit_ppm, out->share_ppm, format_gpu_uuid(out->uuid)))
-      return fail(error, at + ".limit", fmt::format("{} {}", shown(*limit), *problem));
+    // The whole GPU is never capped (as a whole GPU of a [[tenant]]): its limit is ignored.
+    if (out->share_ppm < kPpmPerGpu)
+      if (const auto problem = limit_problem(limit_ppm, out->share_ppm, format_gpu_uuid(out->uuid)))
+        return fail(error, at + ".limit", fmt::format("{} {}", shown(*limit), *problem));
     out->limit_ppm = limit_ppm;
   }
-  // The whole GPU is never capped (as a whole GPU of a [[tenant]]).
   if (out->share_ppm == kPpmPerGpu) out->limit_ppm = kPpmPerGpu;
 
   *memory_given = false;

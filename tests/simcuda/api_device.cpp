@@ -492,8 +492,8 @@ CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice de
     case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 3; break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: v = 512; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = 9; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = static_cast<int>(d.cc_major); break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = static_cast<int>(d.cc_minor); break;
     case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: v = 1; break;

@@ -71,7 +71,7 @@ static_assert(std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
 
 inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
-inline constexpr uint32_t kLayoutVersion = 4;
+inline constexpr uint32_t kLayoutVersion = 5;
 // Kernel log entries kept per device (a ring: older ones are overwritten).
 inline constexpr uint64_t kKernelLogEntries = 16384;
 
@@ -82,6 +82,8 @@ struct SharedDevice {
   uint64_t ctx_bytes;      // footprint of one context
   uint32_t sms;
   uint32_t pci_bus;
+  uint32_t cc_major;       // compute capability
+  uint32_t cc_minor;
   U64 peak;                // high-water mark of the device's use (under StateLock)
   U64 busy_until;          // end of the last kernel enqueued (timeline, CAS)
   U64 busy_ns;             // device time of every kernel ever launched

@@ -51,6 +51,8 @@ struct DevSpec {
   uint64_t mem = 16 * kGiB;
   uint64_t ctx = 64 * kMiB;
   uint32_t sms = 132;
+  uint32_t cc_major = 9;  // compute capability
+  uint32_t cc_minor = 0;
 };
 
 // Logs configuration problems once per message kind: a test double must say
@@ -183,6 +185,18 @@ bool parse_devices(const char* env, std::vector<DevSpec>& out, std::string& err)
           uint64_t n = 0;
           ok = parse_size(v, n) && n > 0 && n < 100000 && v.find_first_not_of("0123456789 ") == std::string_view::npos;
           d.sms = static_cast<uint32_t>(n);
+        } else if (k == "cc") {
+          // "<major>.<minor>", one or two digits each.
+          const size_t dot = v.find('.');
+          const auto digits = [](std::string_view t) {
+            return !t.empty() && t.size() <= 2 && t.find_first_not_of("0123456789") == std::string_view::npos;
+          };
+          ok = dot != std::string_view::npos && digits(v.substr(0, dot)) && digits(v.substr(dot + 1));
+          if (ok) {
+            d.cc_major = static_cast<uint32_t>(std::stoul(std::string(v.substr(0, dot))));
+            d.cc_minor = static_cast<uint32_t>(std::stoul(std::string(v.substr(dot + 1))));
+            ok = d.cc_major > 0;
+          }
         } else {
           err = "SIMCUDA_DEVICES: unknown field '" + std::string(k) + "'";
           return false;
@@ -205,7 +219,8 @@ std::string canonical(const std::vector<DevSpec>& devs) {
   std::string s;
   for (const auto& d : devs) {
     s += "uuid=" + format_uuid(d.uuid) + ",name=" + d.name + ",mem=" + std::to_string(d.mem) +
-         ",ctx=" + std::to_string(d.ctx) + ",sms=" + std::to_string(d.sms) + ";";
+         ",ctx=" + std::to_string(d.ctx) + ",sms=" + std::to_string(d.sms) +
+         ",cc=" + std::to_string(d.cc_major) + "." + std::to_string(d.cc_minor) + ";";
   }
   return s;
 }
@@ -226,6 +241,8 @@ void init_state(SharedState* s, const std::vector<DevSpec>& devs, const std::str
     d.capacity = devs[i].mem;
     d.ctx_bytes = devs[i].ctx;
     d.sms = devs[i].sms;
+    d.cc_major = devs[i].cc_major;
+    d.cc_minor = devs[i].cc_minor;
     d.pci_bus = static_cast<uint32_t>(0x10 + i);
   }
   s->magic.store(kMagic, std::memory_order_release);
