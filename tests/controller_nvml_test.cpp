@@ -46,11 +46,7 @@ constexpr int kDeviceUnavailable = 46;  // CUDA_ERROR_DEVICE_UNAVAILABLE
 // its result as text lines: "nvml=<0|1>", "problem=...", "nvml_problem=...",
 // then "gpu=<index> <uuid> <name>|<bytes> <sms> <nvml_index>" per GPU.
 std::string discover_in_child(const std::string& devices, const std::string& nvml_library) {
-  int fds[2];
-  if (pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
+  return output_of_child([&] {
     setenv("SIMCUDA_DEVICES", devices.c_str(), 1);
     unsetenv("SIMCUDA_STATE");
     unsetenv("SIMNVML_FAULTS");
@@ -60,18 +56,8 @@ std::string discover_in_child(const std::string& devices, const std::string& nvm
     for (const auto& g : d.gpus)
       out << "gpu=" << g.index << " " << g.uuid << " " << g.name << "|" << g.memory_bytes << " " << g.sm_count << " "
           << g.nvml_index << "\n";
-    const std::string text = out.str();
-    if (write(fds[1], text.data(), text.size()) < 0) _exit(1);
-    _exit(0);
-  }
-  close(fds[1]);
-  std::string text;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  waitpid(pid, nullptr, 0);
-  return text;
+    return out.str();
+  });
 }
 
 TEST(NvmlDiscovery, ListsGpusThroughNvmlWithCudaOrdinalsAndSmCounts) {

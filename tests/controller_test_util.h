@@ -113,6 +113,29 @@ inline void kill_and_reap(pid_t pid) {
   waitpid(pid, nullptr, 0);
 }
 
+// Runs `body` in a forked child (a fresh process: another user, another
+// driver attachment) and returns the text it returned; "" if the child died
+// before writing it.
+inline std::string output_of_child(const std::function<std::string()>& body) {
+  int fds[2];
+  if (pipe(fds) != 0) return "";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    const std::string text = body();
+    if (write(fds[1], text.data(), text.size()) < 0) _exit(1);
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  return text;
+}
+
 // Forks a process named `comm` that runs `setup` (attach to a ledger, claim
 // an arbiter entry: whatever the test needs it to hold) and then sleeps
 // until killed, keeping its record locks. Returns its pid once `setup`

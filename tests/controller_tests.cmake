@@ -28,18 +28,23 @@ foreach(name controller_daemon_test controller_cli_test)
 endforeach()
 
 # NVML discovery, GPU health and the bypass audit, against the stand-in NVML
-# (tests/simnvml) sharing one simulated driver state with fracgpud and the probes.
-add_executable(controller_nvml_test controller_nvml_test.cpp)
-target_link_libraries(controller_nvml_test PRIVATE fracgpu_controller GTest::gtest_main)
-target_compile_definitions(controller_nvml_test PRIVATE
-  FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
-  FRACGPU_CLI_PATH="$<TARGET_FILE:fracgpu_cli>"
-  FRACGPU_LIB="$<TARGET_FILE:fracgpu>"
-  PROBE_PATH="$<TARGET_FILE:fracgpu_probe>"
-  SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>"
-  SIMNVML_DIR="$<TARGET_FILE_DIR:simnvml>")
-add_dependencies(controller_nvml_test fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda simnvml)
-gtest_discover_tests(controller_nvml_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 60)
+# (tests/simnvml) sharing one simulated driver state with fracgpud and the
+# probes. And the control API end to end: fracgpud on the simulated driver
+# and NVML, spoken to by root and unprivileged peers, tenant processes
+# through the interposer, `fracgpu tenant`.
+foreach(name controller_nvml_test controller_control_test)
+  add_executable(${name} ${name}.cpp)
+  target_link_libraries(${name} PRIVATE fracgpu_controller GTest::gtest_main Threads::Threads)
+  target_compile_definitions(${name} PRIVATE
+    FRACGPUD_PATH="$<TARGET_FILE:fracgpud>"
+    FRACGPU_CLI_PATH="$<TARGET_FILE:fracgpu_cli>"
+    FRACGPU_LIB="$<TARGET_FILE:fracgpu>"
+    PROBE_PATH="$<TARGET_FILE:fracgpu_probe>"
+    SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>"
+    SIMNVML_DIR="$<TARGET_FILE_DIR:simnvml>")
+  add_dependencies(${name} fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda simnvml)
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
+endforeach()
 
 # Placement policies and the [daemon] keys of node operations (no daemon).
 add_executable(controller_placement_test controller_placement_test.cpp)

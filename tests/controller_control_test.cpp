@@ -1,0 +1,719 @@
+// fracgpud's control API end to end: the real daemon on the simulated driver
+// (and stand-in NVML), spoken to over its socket with the client library and
+// raw bytes, by root and by unprivileged peers; tenant processes through the
+// interposer; and `fracgpu tenant`.
+#include <grp.h>
+#include <pwd.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/uuid.h"
+#include "control/client.h"
+#include "control/protocol.h"
+#include "controller_test_util.h"
+#include "ledger.h"
+
+using namespace fracgpu;
+using namespace fracgpu::testing;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr uint64_t kMiB = 1ull << 20;
+const std::string kUuid0 = "GPU-c0a7801a-0000-4000-8000-000000000001";
+const std::string kUuid1 = "GPU-c0a7801a-0000-4000-8000-000000000002";
+// Two simulated 16 GiB GPUs of different compute capabilities.
+const std::string kDevices = "uuid=" + kUuid0 + ",name=Sim A,mem=16GiB,ctx=64MiB,cc=8.6;uuid=" + kUuid1 +
+                             ",name=Sim B,mem=16GiB,ctx=64MiB,cc=9.0";
+const std::string kAlice = "[[tenant]]\nname = \"alice\"\ngpus = 0.5\ndevices = [0]\n";
+
+class ControlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Unprivileged peers must reach the run dir (mkdtemp makes it 0700).
+    chmod(tmp_.path().c_str(), 0755);
+    write_file(faults_path_, "");
+    write_config();
+  }
+
+  void TearDown() override {
+    for (pid_t pid : children_) kill_and_reap(pid);
+    kill_and_reap(daemon_);
+  }
+
+  void write_config(const std::string& daemon_extra = "", const std::string& tenants = kAlice) {
+    write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir_ +
+                                 "\"\nreap_interval_ms = 50\nlog_level = \"debug\"\nmetrics_address = \"off\"\n"
+                                 "health_interval = \"50ms\"\n" +
+                                 daemon_extra +
+                                 "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n[[gpu]]\nindex = 1\n"
+                                 "context_memory = \"64MiB\"\n" +
+                                 tenants);
+  }
+
+  // The daemon keeps a private simulated state; tenant processes share one.
+  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
+    std::vector<std::string> all = {std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
+                                    "SIMCUDA_DEVICES=" + kDevices, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_};
+    all.insert(all.end(), env.begin(), env.end());
+    return spawn_logged(args, log, all);
+  }
+
+  void start_daemon() {
+    const size_t before = read_file(log_path_).size();
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_);
+    ASSERT_TRUE(eventually(
+        [&] { return read_file(log_path_).find("control API: listening on", before) != std::string::npos; }, 10s))
+        << read_file(log_path_);
+  }
+
+  void stop_daemon(int signal = SIGTERM) {
+    kill(daemon_, signal);
+    const int rc = wait_exit(daemon_, 10s);
+    if (signal == SIGTERM) {
+      EXPECT_EQ(rc, 0) << read_file(log_path_);
+    }
+    daemon_ = -1;
+  }
+
+  std::string socket_path() const { return run_dir_ + "/" + control::kSocketName; }
+
+  control::Reply call(const json& request, std::chrono::milliseconds timeout = 10s) const {
+    return control::call(socket_path(), request, timeout);
+  }
+
+  static json gpu(const std::string& uuid, double share, uint64_t memory = 0) {
+    json g = {{"uuid", uuid}, {"share", share}};
+    if (memory != 0) g["memory"] = memory;
+    return g;
+  }
+  control::Reply create(const std::string& name, json gpus, const char* op = "create") const {
+    return call({{"op", op}, {"tenant", {{"name", name}, {"gpus", std::move(gpus)}}}});
+  }
+
+  std::string tenant_dir(const std::string& name) const { return run_dir_ + "/tenants/" + name; }
+
+  // Entry of `uuid` in a tenant's table in force, read as the interposer does.
+  ledger::GpuEntry policy_of(const std::string& tenant, const std::string& uuid) const {
+    ledger::TenantLedger l;
+    char err[256];
+    ledger::GpuEntry e;
+    if (ledger::open_ledger(tenant_dir(tenant).c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err, sizeof err) !=
+        ledger::LedgerError::kOk)
+      return e;
+    const int entry = ledger::find_gpu(l, controller::parse_gpu_uuid(uuid)->data());
+    if (entry >= 0) e = ledger::read_gpu_entry(l, static_cast<uint32_t>(entry));
+    ledger::close_ledger(&l);
+    return e;
+  }
+
+  uint64_t heartbeat_ns(const std::string& tenant) const {
+    ledger::TenantLedger l;
+    char err[256];
+    if (ledger::open_ledger(tenant_dir(tenant).c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err, sizeof err) !=
+        ledger::LedgerError::kOk)
+      return 0;
+    const uint64_t ns = l.policy->daemon_heartbeat_ns.load();
+    ledger::close_ledger(&l);
+    return ns;
+  }
+
+  bool log_contains(const std::string& text) const { return read_file(log_path_).find(text) != std::string::npos; }
+
+  // A probe (tests/probe) in tenant `name` under the interposer, sharing the
+  // tenant processes' simulated state; its output goes to `log`.
+  pid_t spawn_probe(const std::string& name, const std::vector<std::string>& commands, const std::string& log) {
+    std::vector<std::string> args{PROBE_PATH};
+    args.insert(args.end(), commands.begin(), commands.end());
+    const pid_t pid = spawn(args, log,
+                            {"FRACGPU_TENANT_DIR=" + tenant_dir(name), std::string("LD_PRELOAD=") + FRACGPU_LIB,
+                             "SIMCUDA_STATE=" + (tmp_ / "sim-state")});
+    children_.push_back(pid);
+    return pid;
+  }
+
+  // `fracgpu ARGS --run-dir <run dir>`: its exit code, its output in *out.
+  int cli(std::vector<std::string> args, std::string* out) {
+    const std::string log = tmp_ / "cli.out";
+    fs::remove(log);
+    std::vector<std::string> argv{FRACGPU_CLI_PATH};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--run-dir", run_dir_});
+    const int rc = wait_exit(spawn(argv, log), 20s);
+    *out = read_file(log);
+    return rc;
+  }
+
+  TempDir tmp_;
+  std::string run_dir_ = tmp_ / "run";
+  std::string config_path_ = tmp_ / "fracgpud.toml";
+  std::string log_path_ = tmp_ / "fracgpud.log";
+  std::string faults_path_ = tmp_ / "nvml-faults";
+  std::vector<pid_t> children_;
+  pid_t daemon_ = -1;
+};
+
+// A failure at `field` whose message starts with it.
+void expect_failure(const control::Reply& r, const std::string& code, const std::string& field,
+                    const std::string& part) {
+  EXPECT_FALSE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.code, code) << r.body.dump();
+  EXPECT_EQ(r.field, field) << r.body.dump();
+  if (!field.empty()) {
+    EXPECT_EQ(r.error.rfind(field + ": ", 0), 0u) << r.error;
+  }
+  EXPECT_NE(r.error.find(part), std::string::npos) << "expected \"" << part << "\" in: " << r.error;
+}
+
+TEST_F(ControlTest, CreateGetListResizeDeleteAndTheLedger) {
+  start_daemon();
+  json g = gpu(kUuid1, 0.25, 2 * kGiB);
+  g["limit"] = 0.5;
+  json request = {{"op", "create"},
+                  {"tenant", {{"name", "dra-1"}, {"gpus", {g}}, {"annotations", {{"pod", "default/train"}}}}}};
+  control::Reply r = call(request);
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["created"], true);
+  const json& t = r.body["tenant"];
+  EXPECT_EQ(t["name"], "dra-1");
+  EXPECT_EQ(t["source"], "api");
+  EXPECT_EQ(t["state"], "active");
+  EXPECT_EQ(t["processes"], 0);
+  EXPECT_EQ(t["annotations"]["pod"], "default/train");
+  ASSERT_EQ(t["gpus"].size(), 1u);
+  EXPECT_EQ(t["gpus"][0]["uuid"], kUuid1);
+  EXPECT_EQ(t["gpus"][0]["index"], 1);
+  EXPECT_EQ(t["gpus"][0]["share"], 0.25);
+  EXPECT_EQ(t["gpus"][0]["limit"], 0.5);
+  EXPECT_EQ(t["gpus"][0]["memory"], 2 * kGiB);
+
+  // The ledger holds exactly that, as a config tenant's would.
+  ledger::GpuEntry e = policy_of("dra-1", kUuid1);
+  EXPECT_EQ(e.state, ledger::kGpuGranted);
+  EXPECT_EQ(e.share_ppm, 250'000u);
+  EXPECT_EQ(e.limit_ppm, 500'000u);
+  EXPECT_EQ(e.memory_quota, 2 * kGiB);
+  EXPECT_EQ(e.context_memory, 64 * kMiB);
+  EXPECT_EQ(e.flags, uint32_t{ledger::kCountManagedMemory});
+  // Placement and GPU time see it too.
+  EXPECT_NE(read_file(run_dir_ + "/placement.json").find("\"dra-1\""), std::string::npos);
+  EXPECT_TRUE(fs::exists(tenant_dir("dra-1") + "/gputime-0"));
+
+  // The same spec again: nothing changes. Another spec: refused, saying what differs.
+  r = call(request);
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["created"], false);
+  expect_failure(create("dra-1", {gpu(kUuid1, 0.3)}), "exists", "name",
+                 kUuid1 + ": share 0.3 asked (0.25 held), limit 0.3 asked (0.5 held)");
+
+  r = call({{"op", "list"}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  ASSERT_EQ(r.body["tenants"].size(), 2u);
+  EXPECT_EQ(r.body["tenants"][0]["name"], "alice");
+  EXPECT_EQ(r.body["tenants"][0]["source"], "config");
+  EXPECT_EQ(r.body["tenants"][1]["name"], "dra-1");
+
+  r = create("dra-1", {gpu(kUuid1, 0.5), gpu(kUuid0, 0.25)}, "resize");
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["tenant"]["gpus"].size(), 2u);
+  EXPECT_EQ(policy_of("dra-1", kUuid1).share_ppm, 500'000u);
+  EXPECT_EQ(policy_of("dra-1", kUuid1).memory_quota, 8 * kGiB);  // default: share x 16 GiB
+  EXPECT_EQ(policy_of("dra-1", kUuid0).state, ledger::kGpuGranted);
+  r = call({{"op", "get"}, {"name", "dra-1"}});
+  ASSERT_TRUE(r.ok);
+  EXPECT_TRUE(r.body["tenant"]["annotations"].empty());  // a resize replaces the spec
+
+  expect_failure(call({{"op", "get"}, {"name", "nobody"}}), "not_found", "name", "no tenant \"nobody\"");
+  expect_failure(create("nobody", {gpu(kUuid1, 0.1)}, "resize"), "not_found", "name", "no tenant \"nobody\" to resize");
+  // Config tenants are the config's.
+  expect_failure(create("alice", {gpu(kUuid1, 0.1)}), "conflict", "name", "is a tenant of the config file");
+  expect_failure(call({{"op", "delete"}, {"name", "alice"}}), "conflict", "name", "is a tenant of the config file");
+
+  r = call({{"op", "delete"}, {"name", "dra-1"}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["state"], "deleted");
+  EXPECT_FALSE(fs::exists(tenant_dir("dra-1")));
+  r = call({{"op", "delete"}, {"name", "dra-1"}});
+  ASSERT_TRUE(r.ok);
+  EXPECT_EQ(r.body["state"], "absent");
+  EXPECT_EQ(read_file(run_dir_ + "/api-tenants.json").find("dra-1"), std::string::npos);
+}
+
+TEST_F(ControlTest, RequestsAreValidatedFieldByField) {
+  start_daemon();
+  expect_failure(create("a", {gpu(kUuid1, 1.5)}), "invalid", "gpus[0].share", "1.5 must be above 0 and at most 1.0");
+  expect_failure(create("a", {gpu("GPU-c0a7801a-0000-4000-8000-0000000000ff", 0.5)}), "invalid", "gpus[0].uuid",
+                 "is not a GPU this fracgpud manages (managed: " + kUuid0 + ", " + kUuid1 + ")");
+  expect_failure(create("A", {gpu(kUuid1, 0.5)}), "invalid", "name", "is invalid");
+  expect_failure(create("a", {gpu(kUuid1, 0.5, 17 * kGiB)}), "invalid", "gpus[0].memory",
+                 "memory quota 17 GiB on GPU 1 is above the GPU's memory (16 GiB)");
+  expect_failure(call({{"op", "frobnicate"}}), "invalid", "op", "\"frobnicate\" is not an operation");
+  expect_failure(call({{"name", "a"}}), "invalid", "op", "missing");
+  expect_failure(call({{"op", "create"}}), "invalid", "tenant", "missing");
+  expect_failure(call({{"op", "get"}, {"name", "../../etc"}}), "invalid", "name", "is invalid");
+  // Nothing was made by any of them.
+  EXPECT_FALSE(fs::exists(tenant_dir("a")));
+  EXPECT_FALSE(fs::exists(run_dir_ + "/api-tenants.json"));
+}
+
+TEST_F(ControlTest, OneBookForConfigAndApiTenantsAndTheNodeView) {
+  start_daemon();
+  control::Reply r = call({{"op", "node"}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  json node = r.body["node"];
+  EXPECT_EQ(node["driver_version"], "simnvml");  // nvmlSystemGetDriverVersion
+  EXPECT_EQ(node["cuda_driver_version"], 13000);  // cuDriverGetVersion
+  EXPECT_EQ(node["allow_overcommit"], false);
+  ASSERT_EQ(node["gpus"].size(), 2u);
+  EXPECT_EQ(node["gpus"][0]["uuid"], kUuid0);
+  EXPECT_EQ(node["gpus"][0]["name"], "Sim A");
+  EXPECT_EQ(node["gpus"][0]["compute_capability"], "8.6");
+  EXPECT_EQ(node["gpus"][1]["compute_capability"], "9.0");
+  EXPECT_EQ(node["gpus"][0]["memory"], 16 * kGiB);
+  EXPECT_EQ(node["gpus"][0]["config_share"], 0.5);
+  EXPECT_EQ(node["gpus"][0]["config_memory"], 8 * kGiB);
+  EXPECT_EQ(node["gpus"][0]["free_share"], 0.5);
+  EXPECT_EQ(node["gpus"][0]["free_memory"], 8 * kGiB);
+  EXPECT_EQ(node["gpus"][0]["fenced"], false);
+  const uint64_t generation = node["generation"];
+
+  // More than alice left of GPU 0.
+  const control::Reply full = create("greedy", {gpu(kUuid0, 0.75)});
+  expect_failure(full, "no_capacity", "", kUuid0 + ": share 0.75 asked, 0.5 free (config tenants 0.5, API tenants 0)");
+  ASSERT_TRUE(create("half", {gpu(kUuid0, 0.5)}).ok);
+  expect_failure(create("more", {gpu(kUuid0, 0.000001, 1 * kGiB)}), "no_capacity", "",
+                 "share 0.000001 asked, 0 free (config tenants 0.5, API tenants 0.5)");
+  // Memory: a small share with a quota past what is left.
+  ASSERT_TRUE(create("mem", {gpu(kUuid1, 0.1, 12 * kGiB)}).ok);
+  expect_failure(create("mem2", {gpu(kUuid1, 0.1, 5 * kGiB)}), "no_capacity", "",
+                 kUuid1 + ": memory 5 GiB asked, 4 GiB free of its 16 GiB (config tenants 0 B, API tenants 12 GiB)");
+
+  r = call({{"op", "node"}});
+  node = r.body["node"];
+  EXPECT_EQ(node["gpus"][0]["api_share"], 0.5);
+  EXPECT_EQ(node["gpus"][0]["free_share"], 0.0);
+  EXPECT_EQ(node["gpus"][1]["api_memory"], 12 * kGiB);
+  EXPECT_GT(node["generation"].get<uint64_t>(), generation);
+  const uint64_t after = node["generation"];
+  EXPECT_EQ(call({{"op", "node"}}).body["node"]["generation"], after);  // nothing changed since
+}
+
+TEST_F(ControlTest, AFencedGpuTakesNoNewTenant) {
+  start_daemon();
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(eventually([&] { return call({{"op", "node"}}).body["node"]["gpus"][1]["fenced"] == true; }, 10s))
+      << read_file(log_path_);
+  const json node = call({{"op", "node"}}).body["node"];
+  EXPECT_FALSE(node["gpus"][1]["fence_reason"].get<std::string>().empty());
+  expect_failure(create("late", {gpu(kUuid0, 0.1), gpu(kUuid1, 0.1)}), "unavailable", "gpus[1].uuid",
+                 kUuid1 + " is fenced by the health probe");
+  EXPECT_TRUE(create("ok", {gpu(kUuid0, 0.1)}).ok);
+}
+
+// Eight clients at once for a GPU with room for one: the daemon serves
+// requests one at a time, so exactly one wins.
+TEST_F(ControlTest, ConcurrentCreatesForTheLastCapacityOneWins) {
+  start_daemon();
+  constexpr int kClients = 8;
+  std::vector<control::Reply> replies(kClients);
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i)
+    threads.emplace_back([&, i] {
+      while (!go.load()) std::this_thread::yield();
+      replies[i] = create("race-" + std::to_string(i), {gpu(kUuid1, 0.6)});
+    });
+  go.store(true);
+  for (std::thread& t : threads) t.join();
+  int won = 0;
+  for (const control::Reply& r : replies) {
+    if (r.ok) {
+      ++won;
+      continue;
+    }
+    EXPECT_EQ(r.code, "no_capacity") << r.body.dump();
+    EXPECT_NE(r.error.find("share 0.6 asked, 0.4 free (config tenants 0, API tenants 0.6)"), std::string::npos)
+        << r.error;
+  }
+  EXPECT_EQ(won, 1);
+  EXPECT_EQ(call({{"op", "node"}}).body["node"]["gpus"][1]["api_share"], 0.6);
+  EXPECT_EQ(call({{"op", "list"}}).body["tenants"].size(), 2u);  // alice and the winner
+}
+
+TEST_F(ControlTest, ApiTenantsSurviveRestartsAndKills) {
+  start_daemon();
+  ASSERT_TRUE(create("keep", {gpu(kUuid1, 0.25, 3 * kGiB)}).ok);
+  // A SIGKILL right after the reply: the tenant was on disk before it.
+  stop_daemon(SIGKILL);
+  start_daemon();
+  control::Reply r = call({{"op", "get"}, {"name", "keep"}});
+  ASSERT_TRUE(r.ok) << r.body.dump() << read_file(log_path_);
+  EXPECT_EQ(r.body["tenant"]["gpus"][0]["memory"], 3 * kGiB);
+  EXPECT_TRUE(log_contains("1 tenant(s) of the control API re-created"));
+  EXPECT_EQ(policy_of("keep", kUuid1).memory_quota, 3 * kGiB);
+  // Its capacity is booked from the start: nothing else gets it.
+  expect_failure(create("other", {gpu(kUuid1, 0.8)}), "no_capacity", "", "API tenants 0.25");
+  stop_daemon();
+  EXPECT_FALSE(fs::exists(socket_path()));  // a clean stop removes the socket
+  start_daemon();
+  EXPECT_TRUE(call({{"op", "get"}, {"name", "keep"}}).ok);
+}
+
+TEST_F(ControlTest, ReloadLeavesApiTenantsAndIsRefusedWhenItCollides) {
+  start_daemon();
+  ASSERT_TRUE(create("api1", {gpu(kUuid0, 0.5)}).ok);
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload applied"); })) << read_file(log_path_);
+  EXPECT_TRUE(call({{"op", "get"}, {"name", "api1"}}).ok);
+  EXPECT_EQ(policy_of("api1", kUuid0).share_ppm, 500'000u);
+
+  // alice wants 0.75 of GPU 0, which api1 holds half of.
+  write_config("", "[[tenant]]\nname = \"alice\"\ngpus = 0.75\ndevices = [0]\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload rejected"); })) << read_file(log_path_);
+  EXPECT_TRUE(log_contains("API tenants hold 0.5 of GPU 0 (\"api1\" 0.5)")) << read_file(log_path_);
+  EXPECT_EQ(policy_of("alice", kUuid0).share_ppm, 500'000u);  // the old policy stays
+  EXPECT_EQ(policy_of("api1", kUuid0).share_ppm, 500'000u);
+
+  // A config tenant may not take an API tenant's name.
+  write_config("", kAlice + "[[tenant]]\nname = \"api1\"\ngpus = 0.1\ndevices = [1]\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] {
+    return log_contains("the name belongs to a tenant created through the control API");
+  })) << read_file(log_path_);
+  EXPECT_TRUE(call({{"op", "get"}, {"name", "api1"}}).body["tenant"]["source"] == "api");
+}
+
+TEST_F(ControlTest, AnApiTenantsProcessSeesItsQuotaThroughTheInterposer) {
+  start_daemon();
+  ASSERT_TRUE(create("q", {gpu(kUuid1, 0.25, 1 * kGiB)}).ok);
+  const std::string log = tmp_ / "probe.log";
+  const pid_t probe = spawn_probe("q", {"init", "primary", "1", "info", "alloc", "2GiB", "alloc", "512MiB"}, log);
+  ASSERT_EQ(wait_exit(probe, 20s), 0) << read_file(log);
+  const std::string out = read_file(log);
+  EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("total=" + std::to_string(1 * kGiB) + "\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 2 GiB refused (out of memory), 512 MiB fits
+}
+
+// Deleted while a process runs: it keeps running within its quota, a new
+// process is refused, the capacity stays booked, and the ledger goes once the
+// process is gone.
+TEST_F(ControlTest, DeletingATenantWithAProcessDrainsIt) {
+  start_daemon();
+  ASSERT_TRUE(create("drain", {gpu(kUuid1, 0.5, 1 * kGiB)}).ok);
+  const std::string barrier = tmp_ / "barrier";
+  fs::create_directories(barrier);
+  const std::string log = tmp_ / "running.log";
+  const pid_t running = spawn_probe(
+      "drain", {"init", "primary", "1", "alloc", "100MiB", "barrier", barrier, "alloc", "100MiB", "alloc", "2GiB", "hold"},
+      log);
+  ASSERT_TRUE(eventually([&] { return fs::exists(barrier + "/ready-" + std::to_string(running)); }, 20s))
+      << read_file(log);
+
+  control::Reply r = call({{"op", "delete"}, {"name", "drain"}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["state"], "draining");
+  r = call({{"op", "get"}, {"name", "drain"}});
+  EXPECT_EQ(r.body["tenant"]["state"], "draining");
+  EXPECT_EQ(r.body["tenant"]["processes"], 1);
+  EXPECT_TRUE(policy_of("drain", kUuid1).flags & ledger::kTenantDraining);
+  EXPECT_EQ(call({{"op", "node"}}).body["node"]["gpus"][1]["api_share"], 0.5);  // still booked
+  expect_failure(create("drain", {gpu(kUuid1, 0.5, 1 * kGiB)}), "conflict", "name", "is draining");
+  EXPECT_EQ(call({{"op", "delete"}, {"name", "drain"}}).body["state"], "draining");  // idempotent
+
+  // A new process is refused at cuInit, as a denied tenant is.
+  const std::string late_log = tmp_ / "late.log";
+  const pid_t late = spawn_probe("drain", {"init", "primary", "1", "alloc", "10MiB"}, late_log);
+  ASSERT_EQ(wait_exit(late, 20s), 0) << read_file(late_log);
+  EXPECT_NE(read_file(late_log).find("init=800\n"), std::string::npos) << read_file(late_log);  // NOT_PERMITTED
+  EXPECT_NE(read_file(late_log).find("is being deleted"), std::string::npos) << read_file(late_log);
+
+  // The running one goes on, its quota enforced.
+  write_file(barrier + "/go", "");
+  ASSERT_TRUE(eventually([&] { return read_file(log).find("holding=") != std::string::npos; }, 20s)) << read_file(log);
+  EXPECT_NE(read_file(log).find("alloc=0\nalloc=0\nalloc=2\n"), std::string::npos) << read_file(log);
+  EXPECT_TRUE(fs::exists(tenant_dir("drain")));
+
+  kill_and_reap(running);
+  ASSERT_TRUE(eventually([&] { return !fs::exists(tenant_dir("drain")); }, 10s)) << read_file(log_path_);
+  expect_failure(call({{"op", "get"}, {"name", "drain"}}), "not_found", "name", "no tenant");
+  EXPECT_EQ(call({{"op", "node"}}).body["node"]["gpus"][1]["api_share"], 0.0);
+  EXPECT_EQ(read_file(run_dir_ + "/api-tenants.json").find("drain"), std::string::npos);
+  EXPECT_TRUE(create("drain", {gpu(kUuid1, 0.5)}).ok);  // the name is free again
+}
+
+TEST_F(ControlTest, DrainingSurvivesADaemonRestart) {
+  start_daemon();
+  ASSERT_TRUE(create("drain", {gpu(kUuid1, 0.5, 1 * kGiB)}).ok);
+  const pid_t holder = spawn_tenant_process(tenant_dir("drain"), 0, 10 * kMiB);
+  ASSERT_GT(holder, 0);
+  children_.push_back(holder);
+  ASSERT_EQ(call({{"op", "delete"}, {"name", "drain"}}).body["state"], "draining");
+  stop_daemon();
+  start_daemon();
+  control::Reply r = call({{"op", "get"}, {"name", "drain"}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["tenant"]["state"], "draining");
+  EXPECT_TRUE(policy_of("drain", kUuid1).flags & ledger::kTenantDraining);
+  kill_and_reap(holder);
+  ASSERT_TRUE(eventually([&] { return !fs::exists(tenant_dir("drain")); }, 10s)) << read_file(log_path_);
+  EXPECT_TRUE(eventually([&] { return log_contains("tenant \"drain\" deleted: no process left, ledger directory removed"); }))
+      << read_file(log_path_);
+}
+
+// The result of `request` sent by a child running as `uid`, with primary
+// group `gid` and supplementary groups `groups`.
+control::Reply call_as(const std::string& socket, uid_t uid, gid_t gid, const std::vector<gid_t>& groups,
+                       const json& request) {
+  const std::string text = output_of_child([&] {
+    if (setgroups(groups.size(), groups.data()) != 0 || setgid(gid) != 0 || setuid(uid) != 0) return std::string();
+    const control::Reply r = control::call(socket, request, 5s);
+    return json{{"code", r.code}, {"error", r.error}, {"body", r.body}}.dump();
+  });
+  control::Reply r;
+  const json j = json::parse(text, nullptr, false);
+  if (!j.is_object()) return r;
+  r.body = j["body"];
+  r.ok = r.body.value("ok", false);
+  r.code = j["code"];
+  r.error = j["error"];
+  return r;
+}
+
+TEST_F(ControlTest, OnlyRootTheDaemonsUserAndTheControlGroupGetIn) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to become another user";
+  const struct passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user \"nobody\"";
+  const uid_t uid = nobody->pw_uid;
+  const gid_t group_gid = nobody->pw_gid;
+  const struct group* group = getgrgid(group_gid);
+  if (group == nullptr) GTEST_SKIP() << "nobody's group has no name";
+  for (char** m = group->gr_mem; *m != nullptr; ++m)
+    if (std::string(*m) == "nobody") GTEST_SKIP() << "nobody is listed in its own group";
+  const std::string group_name = group->gr_name;
+  const gid_t other_gid = 54321;  // no group of the control API's
+
+  // No control_group: the socket is 0600, an unprivileged user cannot even connect.
+  start_daemon();
+  struct stat st {};
+  ASSERT_EQ(stat(socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  control::Reply r = call_as(socket_path(), uid, group_gid, {}, {{"op", "list"}});
+  EXPECT_EQ(r.code, "unreachable") << r.error;
+  EXPECT_NE(r.error.find("Permission denied"), std::string::npos) << r.error;
+  EXPECT_TRUE(call({{"op", "list"}}).ok);  // root
+
+  // With the group (a reload is enough): its members get in.
+  write_config("control_group = \"" + group_name + "\"\n");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("control API: group " + group_name); })) << read_file(log_path_);
+  ASSERT_EQ(stat(socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_EQ(st.st_gid, group_gid);
+  r = call_as(socket_path(), uid, group_gid, {}, {{"op", "create"},
+                                                 {"tenant", {{"name", "by-group"}, {"gpus", {gpu(kUuid1, 0.1)}}}}});
+  EXPECT_TRUE(r.ok) << r.code << ": " << r.error;
+
+  // A process in the group only as a supplementary group can open the
+  // socket file, but the daemon checks the peer itself (SO_PEERCRED: its
+  // primary group, and the group file's members) and refuses it.
+  r = call_as(socket_path(), uid, other_gid, {group_gid}, {{"op", "delete"}, {"name", "by-group"}});
+  EXPECT_EQ(r.code, "denied") << r.error;
+  EXPECT_NE(r.error.find("may not use fracgpud's control API"), std::string::npos) << r.error;
+  EXPECT_TRUE(call({{"op", "get"}, {"name", "by-group"}}).ok);  // not deleted
+}
+
+TEST_F(ControlTest, ControlGroupThatDoesNotExistStopsTheStart) {
+  write_config("control_group = \"no-such-group-fracgpu\"\n");
+  std::string out;
+  const pid_t pid = spawn({FRACGPUD_PATH, "--config", config_path_}, log_path_);
+  EXPECT_EQ(wait_exit(pid, 10s), 2);
+  EXPECT_TRUE(log_contains("control_group \"no-such-group-fracgpu\" is not a group on this node")) << read_file(log_path_);
+}
+
+// A raw connection to the socket, for what the client library never sends.
+class RawClient {
+ public:
+  explicit RawClient(const std::string& path) {
+    fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un addr {};
+    addr.sun_family = AF_UNIX;
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+    connected_ = connect(fd_, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0;
+    const struct timeval timeout {10, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  }
+  ~RawClient() { close(fd_); }
+  bool connected() const { return connected_; }
+  bool send_text(const std::string& text) {
+    return ::send(fd_, text.data(), text.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
+  }
+  // One reply line; "" when the connection ends first (or 10 s pass).
+  std::string read_line() {
+    for (;;) {
+      if (const size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+        const std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      char buf[4096];
+      const ssize_t n = recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return "";
+      buffer_.append(buf, static_cast<size_t>(n));
+    }
+  }
+  // True when the daemon closed the connection: end of file, or a reset
+  // (a Unix socket closed with bytes it did not read resets its peer).
+  bool closed() {
+    char c;
+    const ssize_t n = recv(fd_, &c, 1, 0);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+  std::string buffer_;
+};
+
+TEST_F(ControlTest, HostileClientsAreBoundedAndNeverStallTheDaemon) {
+  start_daemon();
+  {  // More than 64 KiB without a newline: refused, connection closed.
+    RawClient c(socket_path());
+    ASSERT_TRUE(c.connected());
+    c.send_text(std::string(70 << 10, 'a'));
+    const json reply = json::parse(c.read_line(), nullptr, false);
+    EXPECT_EQ(reply["code"], "invalid") << reply.dump();
+    EXPECT_NE(reply["error"].get<std::string>().find("request longer than 65536 bytes"), std::string::npos);
+    EXPECT_TRUE(c.closed());
+  }
+  {  // Garbage, deep nesting, bytes that are not UTF-8: each refused, the connection goes on.
+    RawClient c(socket_path());
+    c.send_text("hello\n");
+    EXPECT_EQ(json::parse(c.read_line(), nullptr, false)["code"], "invalid");
+    c.send_text(std::string(60000, '[') + "\n");
+    EXPECT_EQ(json::parse(c.read_line(), nullptr, false)["code"], "invalid");
+    c.send_text("{\"op\":\"get\",\"name\":\"\xff\xfe\"}\n");
+    EXPECT_EQ(json::parse(c.read_line(), nullptr, false)["code"], "invalid");
+    c.send_text("{\"op\":\"list\"}\n{\"op\":\"list\"}\n");  // two in one write
+    EXPECT_EQ(json::parse(c.read_line(), nullptr, false)["ok"], true);
+    EXPECT_EQ(json::parse(c.read_line(), nullptr, false)["ok"], true);
+  }
+  {  // A client that stops halfway: the daemon ticks and serves others meanwhile, then drops it.
+    RawClient slow(socket_path());
+    ASSERT_TRUE(slow.connected());
+    slow.send_text("{\"op\":\"li");
+    const auto started = std::chrono::steady_clock::now();
+    const uint64_t before = heartbeat_ns("alice");
+    ASSERT_TRUE(eventually([&] { return heartbeat_ns("alice") > before + 200'000'000; }, 3s));
+    EXPECT_TRUE(call({{"op", "list"}}, 2s).ok);
+    EXPECT_TRUE(slow.closed());  // after the 5 s idle limit
+    const auto waited = std::chrono::steady_clock::now() - started;
+    EXPECT_GE(waited, 4s);
+    EXPECT_LE(waited, 8s);
+  }
+  {  // More connections than the daemon keeps: the extra one is told, the rest still served.
+    std::vector<std::unique_ptr<RawClient>> idle;
+    for (size_t i = 0; i < 64; ++i) idle.push_back(std::make_unique<RawClient>(socket_path()));
+    ASSERT_TRUE(eventually([&] { return call({{"op", "list"}}, 1s).code == "internal"; }, 3s));
+    EXPECT_NE(call({{"op", "list"}}, 1s).error.find("too many connections"), std::string::npos);
+    idle.clear();
+    ASSERT_TRUE(eventually([&] { return call({{"op", "list"}}, 1s).ok; }, 3s));
+  }
+  EXPECT_EQ(kill(daemon_, 0), 0);  // alive through all of it
+}
+
+TEST_F(ControlTest, FracgpuTenantCommands) {
+  start_daemon();
+  std::string out;
+  EXPECT_EQ(cli({"tenant", "create", "cli-1", "--gpu", kUuid1 + ":share=0.25:memory=2GiB:limit=0.5", "--annotation",
+                 "pod=default/train"},
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("tenant \"cli-1\" created"), std::string::npos) << out;
+  EXPECT_NE(out.find("0.25   0.5    2 GiB   pod=default/train"), std::string::npos) << out;
+  EXPECT_EQ(policy_of("cli-1", kUuid1).memory_quota, 2 * kGiB);
+  // The same again: unchanged, exit 0.
+  EXPECT_EQ(cli({"tenant", "create", "cli-1", "--gpu", kUuid1 + ":share=0.25:memory=2GiB:limit=0.5", "--annotation",
+                 "pod=default/train"},
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("already exists with this spec"), std::string::npos) << out;
+  // Refused (4), with the field as the command line names it.
+  EXPECT_EQ(cli({"tenant", "create", "cli-2", "--gpu", kUuid1 + ":share=1.5"}, &out), 4) << out;
+  EXPECT_NE(out.find("gpus[0].share: 1.5 must be above 0 and at most 1.0 (one GPU) (gpus[0] is --gpu number 1) "
+                     "[invalid]"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(cli({"tenant", "create", "cli-2", "--gpu", kUuid0}, &out), 4) << out;  // whole GPU 0: alice holds half
+  EXPECT_NE(out.find("[no_capacity]"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "create", "cli-2", "--gpu", kUuid1 + ":shares=1"}, &out), 64) << out;
+  EXPECT_EQ(cli({"tenant", "create", "cli-2", "--gpu", kUuid1 + ":memory=lots"}, &out), 64) << out;
+  EXPECT_EQ(cli({"tenant", "get", "nope"}, &out), 5) << out;
+  EXPECT_EQ(cli({"tenant", "resize", "nope", "--gpu", kUuid1}, &out), 5) << out;
+
+  EXPECT_EQ(cli({"tenant", "resize", "cli-1", "--gpu", kUuid1 + ":share=0.5"}, &out), 0) << out;
+  EXPECT_EQ(policy_of("cli-1", kUuid1).share_ppm, 500'000u);
+
+  EXPECT_EQ(cli({"tenant", "list"}, &out), 0) << out;
+  EXPECT_NE(out.find("alice   config"), std::string::npos) << out;
+  EXPECT_NE(out.find("cli-1   api"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "get", "cli-1", "--json"}, &out), 0) << out;
+  const json got = json::parse(out, nullptr, false);
+  EXPECT_EQ(got["ok"], true) << out;
+  EXPECT_EQ(got["tenant"]["gpus"][0]["share"], 0.5) << out;
+  EXPECT_EQ(cli({"tenant", "get", "nope", "--json"}, &out), 5) << out;
+  EXPECT_EQ(json::parse(out, nullptr, false)["code"], "not_found") << out;
+
+  // fracgpu status shows where tenants come from.
+  ASSERT_EQ(cli({"tenant", "resize", "cli-1", "--gpu", kUuid1 + ":share=0.5", "--annotation", "claim=abc"}, &out), 0);
+  EXPECT_EQ(cli({"status"}, &out), 0) << out;
+  EXPECT_NE(out.find("tenants of the control API (fracgpu tenant):"), std::string::npos) << out;
+  EXPECT_NE(out.find("cli-1   active  claim=abc"), std::string::npos) << out;
+  EXPECT_NE(out.find("named by its control API request"), std::string::npos) << out;
+  EXPECT_EQ(cli({"status", "--json"}, &out), 0) << out;
+  const json status = json::parse(out, nullptr, false);
+  bool seen = false;
+  for (const json& t : status["tenants"]) {
+    if (t["name"] == "alice") {
+      EXPECT_EQ(t["source"], "config");
+    }
+    if (t["name"] != "cli-1") continue;
+    seen = true;
+    EXPECT_EQ(t["source"], "api");
+    EXPECT_EQ(t["state"], "active");
+    EXPECT_EQ(t["annotations"]["claim"], "abc");
+  }
+  EXPECT_TRUE(seen) << out;
+
+  EXPECT_EQ(cli({"tenant", "delete", "cli-1"}, &out), 0) << out;
+  EXPECT_NE(out.find("tenant \"cli-1\" deleted"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "delete", "cli-1"}, &out), 0) << out;
+  EXPECT_NE(out.find("nothing to delete"), std::string::npos) << out;
+
+  stop_daemon();
+  EXPECT_EQ(cli({"tenant", "list"}, &out), 1) << out;
+  EXPECT_NE(out.find("cannot reach fracgpud"), std::string::npos) << out;
+}
+
+}  // namespace
