@@ -215,7 +215,7 @@ int check_config(const DaemonOptions& options) {
   for (const std::string& warning : moved) fmt::print(stderr, "warning: {}\n", warning);
   const NodeConfig& config = *result.config;
   fmt::print("{}: valid ({} GPU(s), {} tenant(s))\nplacement policy: {} (each grant says why: devices, kept, "
-             "unchanged, policy or memory)\n",
+             "unchanged, policy, memory, or api: a tenant of the control API)\n",
              options.config_path, config.gpus.size(), config.tenants.size(),
              placement_policy_name(config.daemon.placement));
   for (const Tenant& tenant : config.tenants)
