@@ -180,9 +180,16 @@ if ! run_in_podman "$spec_dir" >"$tmp/out.log" 2>"$tmp/err.log"; then
   # 4.3 reads up to 0.5.0). The mounts and environment are the same in 0.5.0
   # as long as the spec uses nothing newer (annotations came in 0.6.0): then
   # run that, and say so.
+  newer_than_podman_reads=false
   if grep -q "unresolvable CDI devices" "$tmp/err.log" &&
-     [[ $(printf '%s\n' 0.5.0 "$spec_version" | sort -V | tail -1) != 0.5.0 ]] &&
-     ! grep -q '"annotations"' "$spec_file"; then
+     [[ $(printf '%s\n' 0.5.0 "$spec_version" | sort -V | tail -1) != 0.5.0 ]]; then
+    newer_than_podman_reads=true
+  fi
+  if $newer_than_podman_reads && grep -q '"annotations"' "$spec_file"; then
+    skip "podman $(podman --version | awk '{print $3}') cannot read CDI spec version $spec_version, and the spec" \
+         "uses annotations (0.6.0), so it cannot be checked as 0.5.0"
+  fi
+  if $newer_than_podman_reads; then
     echo "note: podman $(podman --version | awk '{print $3}') cannot read CDI spec version $spec_version" \
          "(\"$(tail -1 "$tmp/err.log")\"); checking the same spec as version 0.5.0, which has the same container edits"
     mkdir -p "$tmp/cdi-0.5.0"
