@@ -3,7 +3,8 @@
 # is expected at /usr/local/cuda). Does nothing when all are present.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libfmt-dev libspdlog-dev libtomlplusplus-dev libcli11-dev
-          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev strace python3-yaml)
+          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev strace python3-yaml
+          podman runc busybox-static)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,4 +18,15 @@ fi
 if [ ! -f /usr/local/cuda/include/cuda.h ]; then
   echo "the CUDA toolkit is expected at /usr/local/cuda (cuda.h not found)" >&2
   exit 1
+fi
+# The Kubernetes manifests are validated against the 1.36 schemas that this
+# release of kubernetes-validate carries (tests/k8s_manifests/). Without it
+# that test is skipped, not failed: warn, do not stop the build.
+kubernetes_validate_version=1.37.0
+kubernetes_validate=kubernetes-validate==$kubernetes_validate_version
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" \
+     != "$kubernetes_validate_version" ]; then
+  echo "installing: $kubernetes_validate (PyPI)"
+  python3 -m pip install --quiet "$kubernetes_validate" ||
+    echo "warning: could not install $kubernetes_validate: the manifest schema test will be skipped" >&2
 fi

@@ -214,9 +214,9 @@ def simple_commands(argv):
     return [list(argv)], []
 
 
-def check_library_writes(where, pod, container, library_installs):
-    """Rejects an in-place write of the host's interposer; counts each
-    rename onto it from a file in the same directory."""
+def check_library_writes(where, pod, container, library_installs, library=LIBRARY):
+    """Rejects an in-place write of the host's interposer (at `library` on
+    the host); counts each rename onto it from a file in the same directory."""
     mounts = host_mounts(pod, container)
     commands, redirects = simple_commands(list(container.get("command", [])) + list(container.get("args", [])))
     in_place = "writes the host's interposer with {} instead of renaming a copy over it: a tenant process " \
@@ -225,33 +225,33 @@ def check_library_writes(where, pod, container, library_installs):
 
     def target(src, dest):
         host = to_host(dest.rstrip("/") or "/", mounts)
-        if host is not None and (dest.endswith("/") or host == posixpath.dirname(LIBRARY)):
+        if host is not None and (dest.endswith("/") or host == posixpath.dirname(library)):
             host = posixpath.join(host, posixpath.basename(src))  # into a directory
         return host
 
     for dest in redirects:
-        if to_host(dest, mounts) == LIBRARY:
+        if to_host(dest, mounts) == library:
             fail(where, in_place.format("a redirect"))
     for words in commands:
         name = posixpath.basename(words[0])
         operands = [w for w in words[1:] if not w.startswith("-")]
         if name == "dd":
             for w in words[1:]:
-                if w.startswith("of=") and to_host(w[3:], mounts) == LIBRARY:
+                if w.startswith("of=") and to_host(w[3:], mounts) == library:
                     fail(where, in_place.format("dd"))
             continue
         if name in ("cp", "install", "tee"):  # (rsync renames unless --inplace)
             dests = operands if name == "tee" else operands[-1:]
             srcs = operands[:-1] or [""]
             for dest in dests:
-                if target(srcs[-1], dest) == LIBRARY:
+                if target(srcs[-1], dest) == library:
                     fail(where, in_place.format(name))
         if name == "mv" and len(operands) >= 2:
             src, dest = operands[-2], operands[-1]
-            if target(src, dest) != LIBRARY:
+            if target(src, dest) != library:
                 continue
             src_host = to_host(src, mounts)
-            if src_host is None or posixpath.dirname(src_host) != posixpath.dirname(LIBRARY):
+            if src_host is None or posixpath.dirname(src_host) != posixpath.dirname(library):
                 fail(where, f"mv onto the host's interposer from {src}, not from the same directory: "
                             "not an atomic rename")
             else:
