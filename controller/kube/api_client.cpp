@@ -319,8 +319,7 @@ struct ApiClient::Impl {
 ApiClient::ApiClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ApiClient::~ApiClient() = default;
 
-std::unique_ptr<ApiClient> ApiClient::in_cluster(std::string* error, const std::string& secrets_dir) {
-  auto creds = in_cluster_credentials(secrets_dir, error);
+std::unique_ptr<ApiClient> ApiClient::with_credentials(std::optional<Credentials> creds) {
   if (!creds) return nullptr;
   global_init_once();
   auto impl = std::make_unique<Impl>();
@@ -328,13 +327,12 @@ std::unique_ptr<ApiClient> ApiClient::in_cluster(std::string* error, const std::
   return std::unique_ptr<ApiClient>(new ApiClient(std::move(impl)));
 }
 
+std::unique_ptr<ApiClient> ApiClient::in_cluster(std::string* error, const std::string& secrets_dir) {
+  return with_credentials(in_cluster_credentials(secrets_dir, error));
+}
+
 std::unique_ptr<ApiClient> ApiClient::from_kubeconfig(const std::string& path, std::string* error) {
-  auto creds = kubeconfig_credentials(path, error);
-  if (!creds) return nullptr;
-  global_init_once();
-  auto impl = std::make_unique<Impl>();
-  impl->creds = std::move(*creds);
-  return std::unique_ptr<ApiClient>(new ApiClient(std::move(impl)));
+  return with_credentials(kubeconfig_credentials(path, error));
 }
 
 void ApiClient::set_logger(std::shared_ptr<spdlog::logger> log) {

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -20,6 +21,8 @@
 #include <spdlog/logger.h>
 
 namespace fracgpu::kube {
+
+struct Credentials;  // kube/kubeconfig.h
 
 // Where a pod's service-account credentials are mounted.
 inline constexpr const char* kDefaultSecretsDir = "/var/run/secrets/kubernetes.io/serviceaccount";
@@ -80,6 +83,7 @@ class ApiClient {
 
  private:
   explicit ApiClient(std::unique_ptr<Impl> impl);
+  static std::unique_ptr<ApiClient> with_credentials(std::optional<Credentials> creds);
   HttpResult call(const char* method, const std::string& path, const nlohmann::json* body);
   std::unique_ptr<Impl> impl_;
 };

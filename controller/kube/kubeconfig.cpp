@@ -79,6 +79,13 @@ class KubeconfigReader {
     return fail(section, fmt::format("no entry named \"{}\"", escape_terminal(name)));
   }
 
+  // `entry[key]` as a mapping (a context's "context", a cluster's "cluster").
+  bool mapping_field(const YAML::Node& entry, const char* key, const std::string& where, YAML::Node* out) {
+    *out = entry[key];
+    if (!*out || !out->IsMap()) return fail(where, "expected a mapping");
+    return true;
+  }
+
   // base64 text (*-data) into *pem.
   bool data_field(const YAML::Node& node, const char* key, const std::string& where, std::string* pem) {
     std::string text;
@@ -129,11 +136,8 @@ std::optional<Credentials> KubeconfigReader::read() {
   size_t context_index = 0;
   if (!named_entry(root, "contexts", context_name, &context_entry, &context_index)) return std::nullopt;
   const std::string context_where = fmt::format("contexts[{}].context", context_index);
-  YAML::Node context = context_entry["context"];
-  if (!context || !context.IsMap()) {
-    fail(context_where, "expected a mapping");
-    return std::nullopt;
-  }
+  YAML::Node context;
+  if (!mapping_field(context_entry, "context", context_where, &context)) return std::nullopt;
   std::string cluster_name, user_name;
   if (!string_field(context, "cluster", context_where, &cluster_name) ||
       !string_field(context, "user", context_where, &user_name))
@@ -150,11 +154,8 @@ std::optional<Credentials> KubeconfigReader::read() {
   size_t cluster_index = 0;
   if (!named_entry(root, "clusters", cluster_name, &cluster_entry, &cluster_index)) return std::nullopt;
   const std::string cluster_where = fmt::format("clusters[{}].cluster", cluster_index);
-  YAML::Node cluster = cluster_entry["cluster"];
-  if (!cluster || !cluster.IsMap()) {
-    fail(cluster_where, "expected a mapping");
-    return std::nullopt;
-  }
+  YAML::Node cluster;
+  if (!mapping_field(cluster_entry, "cluster", cluster_where, &cluster)) return std::nullopt;
   std::string ca_file, tls_server_name, proxy_url;
   if (!string_field(cluster, "server", cluster_where, &creds.server) ||
       !string_field(cluster, "certificate-authority", cluster_where, &ca_file) ||

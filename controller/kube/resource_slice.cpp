@@ -480,7 +480,9 @@ bool SlicePublisher::publish(const json& node) {
     };
     if (std::find(stale.begin(), stale.end(), slice_name_) != stale.end()) delete_stale(), stale.clear();
 
-    bool unchanged = ours.present &&
+    // Unchanged, and no other slice of the pool newer: consumers use only the
+    // slices of a pool's highest generation.
+    bool unchanged = ours.present && ours.generation >= highest_generation &&
                      ((ours.resource_version == last_resource_version_ && last_devices_ == devices) ||
                       normalized_devices(ours.devices) == normalized_devices(devices));
     if (unchanged) {

@@ -554,6 +554,24 @@ TEST_F(KubeSlicePublisher, StaleSlicesOfThisNodeAreDeletedOthersKept) {
   EXPECT_EQ(names, (std::set<std::string>{"node-b-gpu.fracgpu.io"}));
 }
 
+TEST_F(KubeSlicePublisher, ANewerSliceOfThePoolMakesOursNewerStill) {
+  SlicePublisher publisher(*client, kNode, log.logger);
+  ASSERT_TRUE(publisher.publish(node_object(1)));
+  // Left by an older plugin in the same pool, at a higher generation:
+  // consumers would take it over ours, unchanged though ours is.
+  json other = build_resource_slice(kNode, node_object(1), 9);
+  other["metadata"]["name"] = "node-a-leftover";
+  ASSERT_TRUE(client->post("/apis/resource.k8s.io/v1/resourceslices", other).ok());
+  new_writes();
+  ASSERT_TRUE(publisher.publish(node_object(1)));
+  auto writes = new_writes();
+  ASSERT_EQ(writes.size(), 2u);
+  EXPECT_EQ(writes[0]["verb"], "update");
+  EXPECT_EQ(writes[0]["body"]["spec"]["pool"]["generation"], 10);
+  EXPECT_EQ(writes[1]["verb"], "delete");
+  EXPECT_EQ(writes[1]["name"], "node-a-leftover");
+}
+
 TEST_F(KubeSlicePublisher, DeletedBehindOurBackIsCreatedAgain) {
   SlicePublisher publisher(*client, kNode, log.logger);
   ASSERT_TRUE(publisher.publish(node_object(1)));
