@@ -428,9 +428,12 @@ HttpResult ApiClient::call(const char* method, const std::string& path, const nl
       if (attempt.retry_after) wait = std::max(wait, *attempt.retry_after);
       backoff = std::min(backoff * 2, policy.max_backoff);
       auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      if (attempt_number >= policy.max_attempts || wait >= left) {
+      // An attempt needs time to connect and be answered: one begun at the
+      // deadline's edge would end as a timeout and hide the answer we have.
+      milliseconds reserve = policy.connect_timeout / 4;
+      if (attempt_number >= policy.max_attempts || wait + reserve >= left) {
         result.error += fmt::format(" (gave up after {} attempts{})", attempt_number,
-                                    attempt.retry_after && *attempt.retry_after >= left
+                                    attempt.retry_after && *attempt.retry_after + reserve >= left
                                         ? fmt::format(": the server asked to wait {} ms", attempt.retry_after->count())
                                         : "");
         break;

@@ -41,7 +41,8 @@ struct HttpResult {
 struct RetryPolicy {
   std::chrono::milliseconds connect_timeout{5'000};   // per attempt, TCP + TLS
   std::chrono::milliseconds attempt_timeout{20'000};  // per attempt, whole exchange
-  std::chrono::milliseconds total_timeout{60'000};    // all attempts and waits of one call
+  std::chrono::milliseconds total_timeout{60'000};    // all attempts and waits of one call; no attempt
+                                                      // begins with less than connect_timeout / 4 left
   std::chrono::milliseconds initial_backoff{250};     // doubled after each failure ...
   std::chrono::milliseconds max_backoff{8'000};       // ... up to this; a random part is added
   int max_attempts = 10;

@@ -46,7 +46,8 @@ Control, at run time (loopback, no authentication):
                        "count": 1, "retry_after": 1, "message": "..."}
   POST /fake/reset    forget pending failures and the request record
   POST /fake/tokens   {"tokens": [...]}: the accepted --token list from now on
-  GET  /fake/requests every request so far: [{"method", "path", "status",
+  GET  /fake/requests every request so far, recorded before its answer is sent:
+                      [{"method", "path", "status",
                        "authorized"}], for counting attempts
   GET  /fake/slices   every stored ResourceSlice
 
@@ -427,7 +428,7 @@ def status_body(code, reason, message, details=None):
 
 class State:
     def __init__(self, args):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # held while answering; send_json records under it too
         self.args = args
         self.slices = {}
         self.resource_version = 1000
@@ -473,6 +474,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     # -- plumbing
     def send_json(self, code, body, headers=None):
         data = json.dumps(body).encode()
+        # Recorded before the answer leaves: a client that asks for the
+        # record right after its answer must find its request in it.
+        with self.state.lock:
+            self.state.requests.append({"method": self.command, "path": self.path, "status": code,
+                                        "authorized": self.auth_result})
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -480,7 +486,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
-        self.last_status = code
 
     def send_status(self, code, reason, message, headers=None):
         self.send_json(code, status_body(code, reason, message), headers)
@@ -547,39 +552,33 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.handle_any("DELETE")
 
     def handle_any(self, method):
-        self.last_status = 0
         path = self.path
         body, body_error = self.read_body()
-        authorized = None
-        try:
-            if path.startswith("/fake/"):
-                self.handle_control(method, path, body)
-                return
-            authorized = self.authorized()
-            if not authorized:
-                self.send_status(401, "Unauthorized", "Unauthorized")
-                return
-            failure = self.injected_failure(method, path)
-            if failure:
-                headers = {}
-                if failure.get("retry_after") is not None:
-                    headers["Retry-After"] = str(failure["retry_after"])
-                reason = {409: "Conflict", 429: "TooManyRequests", 403: "Forbidden", 404: "NotFound",
-                          500: "InternalError", 503: "ServiceUnavailable"}.get(failure["status"], "Unknown")
-                self.send_status(failure["status"], reason, failure.get("message") or "injected failure", headers)
-                if method in ("POST", "PUT", "DELETE") and "/resourceslices" in path:
-                    with self.state.lock:
-                        self.state.log_write({"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
-                                             path.rsplit("/", 1)[-1], failure["status"], body, None)
-                return
-            if body_error:
-                self.send_status(400, "BadRequest", "the body is not JSON: " + body_error)
-                return
-            self.route(method, path, body)
-        finally:
-            with self.state.lock:
-                self.state.requests.append({"method": method, "path": path, "status": self.last_status,
-                                            "authorized": authorized})
+        self.auth_result = None
+        if path.startswith("/fake/"):
+            self.handle_control(method, path, body)
+            return
+        self.auth_result = authorized = self.authorized()
+        if not authorized:
+            self.send_status(401, "Unauthorized", "Unauthorized")
+            return
+        failure = self.injected_failure(method, path)
+        if failure:
+            headers = {}
+            if failure.get("retry_after") is not None:
+                headers["Retry-After"] = str(failure["retry_after"])
+            reason = {409: "Conflict", 429: "TooManyRequests", 403: "Forbidden", 404: "NotFound",
+                      500: "InternalError", 503: "ServiceUnavailable"}.get(failure["status"], "Unknown")
+            if method in ("POST", "PUT", "DELETE") and "/resourceslices" in path:
+                with self.state.lock:
+                    self.state.log_write({"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
+                                         path.rsplit("/", 1)[-1], failure["status"], body, None)
+            self.send_status(failure["status"], reason, failure.get("message") or "injected failure", headers)
+            return
+        if body_error:
+            self.send_status(400, "BadRequest", "the body is not JSON: " + body_error)
+            return
+        self.route(method, path, body)
 
     def handle_control(self, method, path, body):
         st = self.state

@@ -594,6 +594,7 @@ TEST_F(KubeSlicePublisher, ServerFailuresReturnFalseAndTheNextCallRecovers) {
   EXPECT_FALSE(publisher.publish(node_object(1)));
   EXPECT_NE(log.text().find("cannot list them: HTTP 503"), std::string::npos) << log.text();
   ASSERT_TRUE(control->post("/fake/reset", json::object()).ok());
+  client->set_retry_policy(fast_retries());
 
   fail_next("POST", "resourceslices", 403, 1);
   EXPECT_FALSE(publisher.publish(node_object(1)));
