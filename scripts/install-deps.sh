@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(cmake g++ make pkg-config libfmt-dev libspdlog-dev libtomlplusplus-dev libcli11-dev
           nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev strace python3-yaml
-          podman runc busybox-static)
+          podman runc busybox-static libcurl4-openssl-dev libyaml-cpp-dev openssl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

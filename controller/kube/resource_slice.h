@@ -1,0 +1,111 @@
+// This node's ResourceSlice (resource.k8s.io/v1) for the DRA driver
+// gpu.fracgpu.io: what it holds, and publishing it through the API server.
+//
+// One pool per node (named after the node), one slice in it, one device per
+// managed, unfenced GPU. Each device allows multiple allocations and carries
+// two consumable capacities the kube-scheduler books claims against:
+//   memory  bytes the GPU has less what config tenants hold, with a
+//           requestPolicy {default, validRange {min 256Mi, step 256Mi}}
+//           (the API requires a default wherever a validRange is set; the
+//           default, the largest reachable amount, is what a claim that names
+//           no memory gets: the whole free GPU memory, as for a device
+//           without a policy);
+//   share   the GPU's time less what config tenants hold, in thousandths
+//           ("1", "750m"); no requestPolicy by default: see SliceOptions.
+// The rules these follow are resource/v1's validation (names are DNS labels,
+// at most 32 attributes and capacities a device, 128 devices a slice,
+// attribute strings <= 64 bytes, versions semver, validRange min + step <=
+// value, default reachable from min in steps); tests check them.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/logger.h>
+
+#include "kube/api_client.h"
+
+namespace fracgpu::kube {
+
+inline constexpr const char* kDriverName = "gpu.fracgpu.io";
+inline constexpr const char* kResourceApi = "/apis/resource.k8s.io/v1";
+// resource/v1: ResourceSliceMaxDevices, ResourceSliceMaxAttributesAndCapacitiesPerDevice.
+inline constexpr size_t kMaxDevicesPerSlice = 128;
+inline constexpr size_t kMaxAttributesAndCapacities = 32;
+inline constexpr size_t kMaxAttributeStringBytes = 64;
+
+struct SliceOptions {
+  // memory's requestPolicy: validRange min and step, in bytes.
+  uint64_t memory_step = 256ull << 20;
+  // share's requestPolicy. Without DRAFractionalCapacityRange (absent before
+  // Kubernetes 1.36, beta from 1.37) the scheduler rounds a validRange's
+  // quantities up to whole units, so a step of 1m would make every request
+  // for "500m" consume "1", the whole GPU. So by default share has no policy:
+  // the scheduler books exactly what is asked (a claim naming no share gets
+  // the whole free share). true: validRange {min 1m, max <value>, step 1m}
+  // and default <value>, for clusters where that gate is on.
+  bool share_valid_range = false;
+};
+
+// "<node>-gpu.fracgpu.io", lower case; a node name too long for a DNS-1123
+// subdomain (253) is cut and a hash of the whole name added, so two long
+// names never share a slice.
+std::string slice_name(const std::string& node_name);
+// "gpu-<index>": a DNS label.
+std::string device_name(int64_t gpu_index);
+
+// The ResourceSlice JSON for this node from the control API's NODE object
+// (the control API's "node" reply); fenced GPUs left out, and so are
+// GPUs with too little free (memory below min + step, no share left) or a
+// malformed entry: each reason is appended to *left_out when given.
+nlohmann::json build_resource_slice(const std::string& node_name, const nlohmann::json& node,
+                                    int64_t pool_generation, const SliceOptions& options = {},
+                                    std::vector<std::string>* left_out = nullptr);
+
+// Keeps the node's slice in the API server equal to what the NODE object says.
+// Thread-safe (one mutex).
+class SlicePublisher {
+ public:
+  SlicePublisher(ApiClient& api, std::string node_name, std::shared_ptr<spdlog::logger> log,
+                 SliceOptions options = {});
+
+  // Reads the node's slices, then creates or updates ours when its devices
+  // differ (pool generation bumped, a 409 conflict re-read and retried) and
+  // deletes other slices of this node and driver. Unchanged: no write.
+  // false on failure (logged); the next call starts over from the server.
+  bool publish(const nlohmann::json& node);
+  // Deletes this node's slices of this driver (uninstall); absent is success.
+  bool remove();
+
+  // The pool generation last written or found current (0 before any).
+  int64_t generation() const;
+  // Device name -> GPU UUID of the slice last published (empty before).
+  std::map<std::string, std::string> device_uuids() const;
+
+ private:
+  struct Existing;
+  bool list_node_slices(std::vector<nlohmann::json>* slices);
+  bool write_slice(const nlohmann::json& devices, Existing* current);
+
+  ApiClient& api_;
+  std::string node_name_;
+  std::string slice_name_;
+  std::shared_ptr<spdlog::logger> log_;
+  SliceOptions options_;
+  mutable std::mutex mutex_;
+  // What we last wrote and the resourceVersion the server gave it: while the
+  // server still shows that version, our object is as we wrote it (the server
+  // rewrites quantities in its own form, so its copy is compared by value).
+  nlohmann::json last_devices_;
+  std::string last_resource_version_;
+  int64_t generation_ = 0;
+  std::vector<std::string> last_left_out_;
+};
+
+}  // namespace fracgpu::kube

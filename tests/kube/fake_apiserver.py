@@ -1,0 +1,857 @@
+#!/usr/bin/env python3
+"""A stand-in Kubernetes API server for tests (Python 3 standard library only).
+
+It serves what fracgpu's kubelet plugin uses of resource.k8s.io/v1:
+ResourceClaims (read from fixture files) and ResourceSlices (kept in memory,
+with resourceVersions, conflicts, field selectors), checks bearer tokens or
+client certificates, records every ResourceSlice write to a log file, and can
+be told to fail requests. ResourceSlices written to it are checked against the
+v1 validation rules (resource/v1 types.go and the API server's validation), as
+the real server does: an invalid one is refused with 422 and the reasons.
+
+Command line
+  fake_apiserver.py --port-file FILE --log FILE [options]
+
+  --port-file FILE   written once listening: the port, then a newline (the file
+                     appears whole: written aside and renamed). Wait for it.
+  --log FILE         one JSON object per line for every ResourceSlice write:
+                     {"seq", "verb": "create"|"update"|"delete", "name",
+                      "status": <HTTP status>, "body": <request body or null>,
+                      "object": <object as stored, or null>}
+  --fixtures DIR     ResourceClaims: GET /apis/resource.k8s.io/v1/namespaces/NS/
+                     resourceclaims/NAME answers DIR/NS/NAME.json, read at each
+                     request (tests may add, change or remove files any time).
+  --tls-dir DIR      serve HTTPS with DIR/server.crt + DIR/server.key, made with
+                     the openssl CLI (with DIR/ca.crt, the CA that signs them,
+                     and DIR/client.crt + DIR/client.key, a client certificate
+                     signed by the same CA) unless DIR/server.crt exists.
+                     Clients trust DIR/ca.crt. The server certificate names
+                     localhost, 127.0.0.1 and ::1. Without --tls-dir: plain HTTP.
+  --host ADDR        address to listen on (127.0.0.1; "::1" for IPv6).
+  --token TOKEN      a bearer token to accept (repeatable).
+  --token-file FILE  accept the token in FILE, re-read at each request.
+  --client-ca FILE   accept clients whose certificate FILE's CA signed.
+                     With none of --token, --token-file, --client-ca every
+                     request is accepted; otherwise others get 401.
+  --fail SPEC        METHOD:PATH_REGEX:STATUS:COUNT[:RETRY_AFTER] - the next
+                     COUNT requests whose method and path (re.search, query
+                     included) match are answered STATUS with a Status body
+                     (and a Retry-After header if given). Repeatable.
+  --no-canonical     keep quantities as written (by default they are stored in
+                     the API server's canonical form: "1000m" -> "1",
+                     "16000000000" -> "16G", "1024Mi" -> "1Gi").
+
+Control, at run time (loopback, no authentication):
+  POST /fake/fail     {"method": "PUT", "path": "resourceslices", "status": 409,
+                       "count": 1, "retry_after": 1, "message": "..."}
+  POST /fake/reset    forget pending failures and the request record
+  POST /fake/tokens   {"tokens": [...]}: the accepted --token list from now on
+  GET  /fake/requests every request so far, recorded before its answer is sent:
+                      [{"method", "path", "status",
+                       "authorized"}], for counting attempts
+  GET  /fake/slices   every stored ResourceSlice
+
+Also: fake_apiserver.py --check-slice FILE... validates ResourceSlice JSON
+files and prints the errors (exit 1 if any).
+
+It is stricter than the API server in one way: unknown fields in a
+ResourceSlice are refused (the real server drops them with a warning), so a
+misspelt field fails a test instead of vanishing.
+"""
+
+import argparse
+import datetime
+import decimal
+import http.server
+import json
+import os
+import re
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.parse
+import uuid as uuidlib
+
+API_PREFIX = "/apis/resource.k8s.io/v1"
+
+# ---------------------------------------------------------------- quantities
+
+decimal.getcontext().prec = 60
+
+_QUANTITY_RE = re.compile(
+    r"^([+-]?)(\d+\.?\d*|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?\d+|[numkMGTPE])?$")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_DECIMAL_SUFFIX = {v: k for k, v in _DECIMAL.items()}
+
+
+def parse_quantity(text):
+    """(Decimal value rounded up to 1n, format) or None. format: binary|decimal|exponent."""
+    if not isinstance(text, str):
+        return None
+    m = _QUANTITY_RE.match(text)
+    if not m:
+        return None
+    sign, number, suffix = m.group(1), m.group(2), m.group(3) or ""
+    value = decimal.Decimal(number)
+    if suffix in _BINARY:
+        value *= decimal.Decimal(1024) ** _BINARY[suffix]
+        fmt = "binary"
+    elif suffix[:1] in ("e", "E") and len(suffix) > 1:
+        value = value.scaleb(int(suffix[1:]))
+        fmt = "exponent"
+    else:
+        value = value.scaleb(_DECIMAL[suffix])
+        fmt = "decimal"
+    # The API server keeps nothing finer than 1n and rounds up.
+    value = value.quantize(decimal.Decimal("1e-9"), rounding=decimal.ROUND_CEILING)
+    if sign == "-":
+        value = -value
+    return value, fmt
+
+
+def quantity_value(q):
+    """Quantity.Value(): rounded up to an integer."""
+    return int(q.to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def canonical_quantity(text):
+    """The API server's canonical form for the common cases."""
+    parsed = parse_quantity(text)
+    if parsed is None:
+        return text
+    value, fmt = parsed
+    if value == 0:
+        return "0"
+    sign = "-" if value < 0 else ""
+    magnitude = abs(value)
+    if fmt == "binary" and magnitude == magnitude.to_integral_value() and magnitude >= 1024:
+        n, power = int(magnitude), 0
+        while power < 6 and n % 1024 == 0:
+            n //= 1024
+            power += 1
+        return sign + str(n) + ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"][power]
+    # Decimal SI: the largest exponent (a multiple of 3) leaving an integer.
+    for exponent in range(18, -12, -3):
+        scaled = magnitude.scaleb(-exponent)
+        if scaled == scaled.to_integral_value():
+            return sign + str(int(scaled)) + _DECIMAL_SUFFIX[exponent]
+    return text
+
+
+# ---------------------------------------------------------- v1 validation
+
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_C_IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SEMVER_RE = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?$")
+
+MAX_DEVICES = 128
+MAX_DEVICES_ADVANCED = 64
+MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_ATTRIBUTE_VALUE_LENGTH = 64
+MAX_ID_LENGTH = 32
+MAX_DOMAIN_LENGTH = 63
+MAX_VALID_VALUES = 10
+
+_SLICE_FIELDS = {"apiVersion", "kind", "metadata", "spec"}
+_SPEC_FIELDS = {"driver", "pool", "nodeName", "nodeSelector", "allNodes", "devices",
+                "perDeviceNodeSelection", "sharedCounters", "partitionTypeAttribute",
+                "skipNodeOperations"}
+_POOL_FIELDS = {"name", "generation", "resourceSliceCount"}
+_DEVICE_FIELDS = {"name", "attributes", "capacity", "consumesCounters", "nodeName", "nodeSelector",
+                  "allNodes", "taints", "bindsToNode", "bindingConditions",
+                  "bindingFailureConditions", "allowMultipleAllocations", "nodeAllocatableResources"}
+_ATTRIBUTE_FIELDS = {"int", "bool", "string", "version", "ints", "bools", "strings", "versions"}
+_CAPACITY_FIELDS = {"value", "requestPolicy"}
+_POLICY_FIELDS = {"default", "validValues", "validRange"}
+_RANGE_FIELDS = {"min", "max", "step"}
+
+
+def _dns_subdomain(name, max_length=253):
+    return isinstance(name, str) and 0 < len(name) <= max_length and bool(_DNS_SUBDOMAIN_RE.match(name))
+
+
+def _qualified_name(name):
+    if not isinstance(name, str) or not name:
+        return "must not be empty"
+    parts = name.split("/")
+    if len(parts) > 2:
+        return "must be a C identifier or a domain/C identifier"
+    ident = parts[-1]
+    if len(parts) == 2 and not _dns_subdomain(parts[0], MAX_DOMAIN_LENGTH):
+        return "the domain must be a DNS subdomain of at most %d characters" % MAX_DOMAIN_LENGTH
+    if not _C_IDENTIFIER_RE.match(ident):
+        return "must be a C identifier"
+    if len(ident) > MAX_ID_LENGTH:
+        return "the identifier must be at most %d characters" % MAX_ID_LENGTH
+    return None
+
+
+def _unknown(obj, known, path, errors):
+    for key in obj:
+        if key not in known:
+            errors.append("%s.%s: unknown field" % (path, key))
+
+
+def _map_entry(key, value, known, path, errors):
+    """An attribute or capacity: a qualified name for an object of known fields."""
+    problem = _qualified_name(key)
+    if problem:
+        errors.append(path + ": " + problem)
+    if not isinstance(value, dict):
+        errors.append(path + ": must be an object")
+        return False
+    _unknown(value, known, path, errors)
+    return True
+
+
+def _validate_request_policy(value, policy, path, errors):
+    if not isinstance(policy, dict):
+        errors.append(path + ": must be an object")
+        return
+    _unknown(policy, _POLICY_FIELDS, path, errors)
+    default = policy.get("default")
+    parsed_default = None
+    if default is not None:
+        parsed_default = parse_quantity(default)
+        if parsed_default is None:
+            errors.append(path + ".default: not a quantity: %r" % (default,))
+            return
+        parsed_default = parsed_default[0]
+    valid_values = policy.get("validValues")
+    valid_range = policy.get("validRange")
+    if valid_values and valid_range is not None:
+        errors.append(path + ': exactly one policy can be specified, not "validValues" and "validRange"')
+        return
+    if valid_values:
+        if parsed_default is None:
+            errors.append(path + ".default: required when validValues is defined")
+            return
+        if len(valid_values) > MAX_VALID_VALUES:
+            errors.append(path + ".validValues: at most %d entries" % MAX_VALID_VALUES)
+        options = []
+        for i, option in enumerate(valid_values):
+            parsed = parse_quantity(option)
+            if parsed is None:
+                errors.append("%s.validValues[%d]: not a quantity" % (path, i))
+                return
+            if parsed[0] > value:
+                errors.append("%s.validValues[%d]: option is larger than capacity value" % (path, i))
+            options.append(parsed[0])
+        if options != sorted(options):
+            errors.append(path + ".validValues: values must be sorted in ascending order")
+        if parsed_default not in options:
+            errors.append(path + ".validValues: default value is not valid according to the requestPolicy")
+    elif valid_range is not None:
+        rpath = path + ".validRange"
+        if not isinstance(valid_range, dict):
+            errors.append(rpath + ": must be an object")
+            return
+        _unknown(valid_range, _RANGE_FIELDS, rpath, errors)
+        if parsed_default is None:
+            errors.append(path + ".default: required when validRange is defined")
+            return
+        bounds = {}
+        for key in ("min", "max", "step"):
+            if key in valid_range and valid_range[key] is not None:
+                parsed = parse_quantity(valid_range[key])
+                if parsed is None:
+                    errors.append("%s.%s: not a quantity: %r" % (rpath, key, valid_range[key]))
+                    return
+                bounds[key] = parsed[0]
+        if "min" not in bounds:
+            errors.append(rpath + ".min: required when validRange is defined")
+            return
+        low = bounds["min"]
+        if low > value:
+            errors.append(rpath + ".min: min is larger than capacity value")
+        if parsed_default < low:
+            errors.append(rpath + ".min: default is less than min")
+        if "max" in bounds:
+            if low > bounds["max"]:
+                errors.append(rpath + ".max: min is larger than max")
+            if bounds["max"] > value:
+                errors.append(rpath + ".max: max is larger than capacity value")
+            if parsed_default > bounds["max"]:
+                errors.append(rpath + ".max: default is more than max")
+        if "step" in bounds:
+            step = bounds["step"]
+            if low + step > value:
+                errors.append(rpath + ".step: one step is larger than capacity value")
+            # Integer arithmetic (Quantity.Value()), as servers without
+            # DRAFractionalCapacityRange check it.
+            step_int, min_int = quantity_value(step), quantity_value(low)
+            if step_int <= 0:
+                errors.append(rpath + ".step: must be positive")
+                return
+            for name, q in (("default", parsed_default), ("max", bounds.get("max"))):
+                if q is not None and (quantity_value(q) - min_int) % step_int != 0:
+                    errors.append("%s.step: %s is not a multiple of the step from min" % (rpath, name))
+
+
+def _validate_device(device, path, errors):
+    if not isinstance(device, dict):
+        errors.append(path + ": must be an object")
+        return
+    _unknown(device, _DEVICE_FIELDS, path, errors)
+    name = device.get("name")
+    if not (isinstance(name, str) and len(name) <= 63 and _DNS_LABEL_RE.match(name)):
+        errors.append(path + ".name: must be a DNS label: %r" % (name,))
+    attributes = device.get("attributes") or {}
+    capacity = device.get("capacity") or {}
+    if not isinstance(attributes, dict) or not isinstance(capacity, dict):
+        errors.append(path + ": attributes and capacity must be objects")
+        return
+    if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
+        errors.append(path + ": the total number of attributes and capacities must not exceed %d"
+                      % MAX_ATTRIBUTES_AND_CAPACITIES)
+    for key, attribute in attributes.items():
+        apath = "%s.attributes[%s]" % (path, key)
+        if not _map_entry(key, attribute, _ATTRIBUTE_FIELDS, apath, errors):
+            continue
+        if len(attribute) != 1:
+            errors.append(apath + ": exactly one value must be specified")
+            continue
+        kind, v = next(iter(attribute.items()))
+        if kind == "int" and not (isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63):
+            errors.append(apath + ".int: not a 64-bit integer")
+        elif kind == "bool" and not isinstance(v, bool):
+            errors.append(apath + ".bool: not a boolean")
+        elif kind == "string" and not (isinstance(v, str) and len(v.encode()) <= MAX_ATTRIBUTE_VALUE_LENGTH):
+            errors.append(apath + ".string: not a string of at most %d bytes" % MAX_ATTRIBUTE_VALUE_LENGTH)
+        elif kind == "version" and not (isinstance(v, str) and len(v) <= MAX_ATTRIBUTE_VALUE_LENGTH
+                                        and _SEMVER_RE.match(v)):
+            errors.append(apath + ".version: must be a string compatible with semver.org spec 2.0.0: %r" % (v,))
+    multiple = device.get("allowMultipleAllocations") is True
+    for key, cap in capacity.items():
+        cpath = "%s.capacity[%s]" % (path, key)
+        if not _map_entry(key, cap, _CAPACITY_FIELDS, cpath, errors):
+            continue
+        parsed = parse_quantity(cap.get("value"))
+        if parsed is None:
+            errors.append(cpath + ".value: not a quantity: %r" % (cap.get("value"),))
+            continue
+        if cap.get("requestPolicy") is not None:
+            if not multiple:
+                errors.append(cpath + ".requestPolicy: allowMultipleAllocations must be true")
+            else:
+                _validate_request_policy(parsed[0], cap["requestPolicy"], cpath + ".requestPolicy", errors)
+
+
+def validate_resource_slice(obj):
+    """The reasons the v1 API would refuse `obj` (empty: valid)."""
+    errors = []
+    if not isinstance(obj, dict):
+        return ["must be an object"]
+    _unknown(obj, _SLICE_FIELDS, "", errors)
+    if obj.get("apiVersion") != "resource.k8s.io/v1" or obj.get("kind") != "ResourceSlice":
+        errors.append("apiVersion/kind: must be resource.k8s.io/v1 ResourceSlice")
+    name = (obj.get("metadata") or {}).get("name")
+    if not _dns_subdomain(name):
+        errors.append("metadata.name: must be a DNS subdomain of at most 253 characters: %r" % (name,))
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        return errors + ["spec: required"]
+    _unknown(spec, _SPEC_FIELDS, "spec", errors)
+    if not _dns_subdomain(spec.get("driver"), 63):
+        errors.append("spec.driver: must be a DNS subdomain of at most 63 characters")
+    pool = spec.get("pool")
+    if not isinstance(pool, dict):
+        errors.append("spec.pool: required")
+    else:
+        _unknown(pool, _POOL_FIELDS, "spec.pool", errors)
+        pool_name = pool.get("name")
+        if not (isinstance(pool_name, str) and 0 < len(pool_name) <= 253
+                and all(_dns_subdomain(p) for p in pool_name.split("/"))):
+            errors.append("spec.pool.name: must be DNS subdomains separated by slashes, at most 253 characters")
+        generation = pool.get("generation")
+        if not (isinstance(generation, int) and not isinstance(generation, bool) and 0 <= generation < 2**63):
+            errors.append("spec.pool.generation: must be an integer >= 0")
+        count = pool.get("resourceSliceCount")
+        if not (isinstance(count, int) and not isinstance(count, bool) and count > 0):
+            errors.append("spec.pool.resourceSliceCount: must be greater than zero")
+    selections = [k for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
+                  if spec.get(k) not in (None, False, "")]
+    if len(selections) != 1:
+        errors.append("spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection is required")
+    if "nodeName" in spec and not _dns_subdomain(spec["nodeName"]):
+        errors.append("spec.nodeName: must be a DNS subdomain")
+    devices = spec.get("devices") or []
+    if not isinstance(devices, list):
+        return errors + ["spec.devices: must be a list"]
+    advanced = any(isinstance(d, dict) and (d.get("taints") or d.get("consumesCounters")) for d in devices)
+    limit = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
+    if len(devices) > limit:
+        return errors + ["spec.devices: must have at most %d items" % limit]
+    seen = set()
+    for i, device in enumerate(devices):
+        _validate_device(device, "spec.devices[%d]" % i, errors)
+        name = device.get("name") if isinstance(device, dict) else None
+        if name in seen:
+            errors.append("spec.devices[%d].name: duplicate %r" % (i, name))
+        seen.add(name)
+    return errors
+
+
+def canonicalize_slice(obj):
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        for cap in (device.get("capacity") or {}).values():
+            if "value" in cap:
+                cap["value"] = canonical_quantity(cap["value"])
+            policy = cap.get("requestPolicy")
+            if not isinstance(policy, dict):
+                continue
+            if policy.get("default") is not None:
+                policy["default"] = canonical_quantity(policy["default"])
+            for key, bound in list((policy.get("validRange") or {}).items()):
+                if bound is not None:
+                    policy["validRange"][key] = canonical_quantity(bound)
+            if policy.get("validValues"):
+                policy["validValues"] = [canonical_quantity(v) for v in policy["validValues"]]
+
+
+# ------------------------------------------------------------- the server
+
+def status_body(code, reason, message, details=None):
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+    if details:
+        body["details"] = details
+    return body
+
+
+class State:
+    def __init__(self, args):
+        self.lock = threading.RLock()  # held while answering; send_json records under it too
+        self.args = args
+        self.slices = {}
+        self.resource_version = 1000
+        self.failures = []  # dicts: method, regex, status, count, retry_after, message
+        self.requests = []
+        self.tokens = list(args.token or [])
+        self.log_seq = 0
+        for spec in args.fail or []:
+            parts = spec.split(":")
+            if len(parts) not in (4, 5):
+                sys.exit("--fail %s: expected METHOD:PATH_REGEX:STATUS:COUNT[:RETRY_AFTER]" % spec)
+            self.add_failure({"method": parts[0], "path": parts[1], "status": int(parts[2]),
+                              "count": int(parts[3]),
+                              "retry_after": parts[4] if len(parts) == 5 else None})
+
+    def add_failure(self, failure):
+        failure = dict(failure)
+        failure["regex"] = re.compile(failure.get("path") or "")
+        failure.setdefault("count", 1)
+        failure.setdefault("method", "")
+        self.failures.append(failure)
+
+    def next_version(self):
+        self.resource_version += 1
+        return str(self.resource_version)
+
+    def log_write(self, verb, name, status, body, obj):
+        self.log_seq += 1
+        line = json.dumps({"seq": self.log_seq, "verb": verb, "name": name, "status": status,
+                           "body": body, "object": obj}, sort_keys=True)
+        with open(self.args.log, "a") as f:
+            f.write(line + "\n")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "fake-apiserver"
+    state = None  # set in main()
+
+    def log_message(self, fmt, *args):  # quiet: tests read the log file
+        pass
+
+    # -- plumbing
+    def send_json(self, code, body, headers=None):
+        data = json.dumps(body).encode()
+        # Recorded before the answer leaves: a client that asks for the
+        # record right after its answer must find its request in it.
+        with self.state.lock:
+            self.state.requests.append({"method": self.command, "path": self.path, "status": code,
+                                        "authorized": self.auth_result})
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_status(self, code, reason, message, headers=None):
+        self.send_json(code, status_body(code, reason, message), headers)
+
+    def read_body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not raw:
+            return None, None
+        try:
+            return json.loads(raw), None
+        except ValueError as e:
+            return None, str(e)
+
+    def authorized(self):
+        st = self.state
+        args = st.args
+        if not (st.tokens or args.token_file or args.client_ca):
+            return True
+        header = self.headers.get("Authorization") or ""
+        if header.startswith("Bearer "):
+            token = header[len("Bearer "):]
+            accepted = list(st.tokens)
+            if args.token_file:
+                try:
+                    with open(args.token_file) as f:
+                        accepted.append(f.read().strip())
+                except OSError:
+                    pass
+            if token and token in accepted:
+                return True
+        if args.client_ca and isinstance(self.connection, ssl.SSLSocket):
+            try:
+                if self.connection.getpeercert():
+                    return True
+            except (ValueError, ssl.SSLError):
+                pass
+        return False
+
+    def injected_failure(self, method, path):
+        with self.state.lock:
+            for failure in self.state.failures:
+                if failure["count"] <= 0:
+                    continue
+                if failure["method"] and failure["method"].upper() != method:
+                    continue
+                if not failure["regex"].search(path):
+                    continue
+                failure["count"] -= 1
+                return failure
+        return None
+
+    # -- dispatch
+    def do_GET(self):
+        self.handle_any("GET")
+
+    def do_POST(self):
+        self.handle_any("POST")
+
+    def do_PUT(self):
+        self.handle_any("PUT")
+
+    def do_DELETE(self):
+        self.handle_any("DELETE")
+
+    def handle_any(self, method):
+        path = self.path
+        body, body_error = self.read_body()
+        self.auth_result = None
+        if path.startswith("/fake/"):
+            self.handle_control(method, path, body)
+            return
+        self.auth_result = authorized = self.authorized()
+        if not authorized:
+            self.send_status(401, "Unauthorized", "Unauthorized")
+            return
+        failure = self.injected_failure(method, path)
+        if failure:
+            headers = {}
+            if failure.get("retry_after") is not None:
+                headers["Retry-After"] = str(failure["retry_after"])
+            reason = {409: "Conflict", 429: "TooManyRequests", 403: "Forbidden", 404: "NotFound",
+                      500: "InternalError", 503: "ServiceUnavailable"}.get(failure["status"], "Unknown")
+            if method in ("POST", "PUT", "DELETE") and "/resourceslices" in path:
+                with self.state.lock:
+                    self.state.log_write({"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
+                                         path.rsplit("/", 1)[-1], failure["status"], body, None)
+            self.send_status(failure["status"], reason, failure.get("message") or "injected failure", headers)
+            return
+        if body_error:
+            self.send_status(400, "BadRequest", "the body is not JSON: " + body_error)
+            return
+        self.route(method, path, body)
+
+    def handle_control(self, method, path, body):
+        st = self.state
+        with st.lock:
+            if method == "POST" and path == "/fake/fail":
+                st.add_failure(body or {})
+                self.send_json(200, {"ok": True})
+            elif method == "POST" and path == "/fake/reset":
+                st.failures = []
+                st.requests = []
+                self.send_json(200, {"ok": True})
+            elif method == "POST" and path == "/fake/tokens":
+                st.tokens = list((body or {}).get("tokens") or [])
+                self.send_json(200, {"ok": True})
+            elif method == "GET" and path == "/fake/requests":
+                self.send_json(200, list(st.requests))
+            elif method == "GET" and path == "/fake/slices":
+                self.send_json(200, list(st.slices.values()))
+            else:
+                self.send_status(404, "NotFound", "no such control path")
+
+    def route(self, method, path, body):
+        url = urllib.parse.urlsplit(path)
+        parts = [p for p in url.path.split("/") if p]
+        query = urllib.parse.parse_qs(url.query)
+        prefix = [p for p in API_PREFIX.split("/") if p]
+        if parts[:len(prefix)] != prefix:
+            self.send_status(404, "NotFound", "the server could not find the requested resource")
+            return
+        rest = parts[len(prefix):]
+        if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" and method == "GET":
+            self.get_claim(rest[1], rest[3])
+        elif rest == ["resourceslices"] and method == "GET":
+            self.list_slices(query)
+        elif rest == ["resourceslices"] and method == "POST":
+            self.create_slice(body)
+        elif len(rest) == 2 and rest[0] == "resourceslices" and method == "GET":
+            self.get_slice(rest[1])
+        elif len(rest) == 2 and rest[0] == "resourceslices" and method == "PUT":
+            self.update_slice(rest[1], body)
+        elif len(rest) == 2 and rest[0] == "resourceslices" and method == "DELETE":
+            self.delete_slice(rest[1])
+        else:
+            self.send_status(404, "NotFound", "the server could not find the requested resource")
+
+    # -- ResourceClaims
+    def get_claim(self, namespace, name):
+        fixtures = self.state.args.fixtures
+        safe = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+        if fixtures and safe.match(namespace) and safe.match(name):
+            try:
+                with open(os.path.join(fixtures, namespace, name + ".json")) as f:
+                    self.send_json(200, json.load(f))
+                    return
+            except (OSError, ValueError):
+                pass
+        self.send_status(404, "NotFound", 'resourceclaims.resource.k8s.io "%s" not found' % name)
+
+    # -- ResourceSlices
+    @staticmethod
+    def field_value(obj, key):
+        value = obj
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+    def list_slices(self, query):
+        wanted = []
+        for selector in query.get("fieldSelector", []):
+            for term in selector.split(","):
+                key, _, value = term.replace("==", "=").partition("=")
+                if key not in ("spec.nodeName", "spec.driver", "spec.pool.name", "metadata.name"):
+                    self.send_status(400, "BadRequest", 'field label not supported: "%s"' % key)
+                    return
+                wanted.append((key, value))
+        labels = []
+        for selector in query.get("labelSelector", []):
+            for term in selector.split(","):
+                key, _, value = term.replace("==", "=").partition("=")
+                labels.append((key, value))
+        with self.state.lock:
+            items = [s for s in self.state.slices.values()
+                     if all(self.field_value(s, k) == v for k, v in wanted)
+                     and all(((s["metadata"].get("labels") or {}).get(k)) == v for k, v in labels)]
+            version = str(self.state.resource_version)
+        self.send_json(200, {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1",
+                             "metadata": {"resourceVersion": version}, "items": items})
+
+    def get_slice(self, name):
+        with self.state.lock:
+            obj = self.state.slices.get(name)
+        if obj is None:
+            self.send_status(404, "NotFound", 'resourceslices.resource.k8s.io "%s" not found' % name)
+        else:
+            self.send_json(200, obj)
+
+    def invalid(self, name, errors, verb, body):
+        message = 'ResourceSlice.resource.k8s.io "%s" is invalid: %s' % (name, "; ".join(errors))
+        self.send_json(422, status_body(422, "Invalid", message,
+                                        {"name": name, "kind": "ResourceSlice",
+                                         "causes": [{"message": e} for e in errors]}))
+        self.state.log_write(verb, name, 422, body, None)
+
+    def create_slice(self, body):
+        name = ((body or {}).get("metadata") or {}).get("name")
+        with self.state.lock:
+            errors = validate_resource_slice(body)
+            if (body or {}).get("metadata", {}).get("resourceVersion"):
+                errors.append("metadata.resourceVersion: must be empty on create")
+            if errors:
+                self.invalid(name, errors, "create", body)
+                return
+            if name in self.state.slices:
+                self.send_status(409, "AlreadyExists", 'resourceslices.resource.k8s.io "%s" already exists' % name)
+                self.state.log_write("create", name, 409, body, None)
+                return
+            obj = json.loads(json.dumps(body))
+            if not self.state.args.no_canonical:
+                canonicalize_slice(obj)
+            meta = obj["metadata"]
+            meta["uid"] = str(uuidlib.uuid4())
+            meta["resourceVersion"] = self.state.next_version()
+            meta["generation"] = 1
+            meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            self.state.slices[name] = obj
+            self.state.log_write("create", name, 201, body, obj)
+            self.send_json(201, obj)
+
+    def update_slice(self, name, body):
+        with self.state.lock:
+            current = self.state.slices.get(name)
+            if current is None:
+                self.send_status(404, "NotFound", 'resourceslices.resource.k8s.io "%s" not found' % name)
+                self.state.log_write("update", name, 404, body, None)
+                return
+            meta = (body or {}).get("metadata") or {}
+            if meta.get("name") != name:
+                self.send_status(400, "BadRequest", "the name of the object does not match the name on the URL")
+                return
+            errors = validate_resource_slice(body)
+            for key in ("driver", "nodeName"):
+                if (body.get("spec") or {}).get(key) != current["spec"].get(key):
+                    errors.append("spec.%s: field is immutable" % key)
+            if ((body.get("spec") or {}).get("pool") or {}).get("name") != current["spec"]["pool"]["name"]:
+                errors.append("spec.pool.name: field is immutable")
+            if errors:
+                self.invalid(name, errors, "update", body)
+                return
+            if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                message = ('Operation cannot be fulfilled on resourceslices.resource.k8s.io "%s": the object has '
+                           "been modified; please apply your changes to the latest version and try again" % name)
+                self.send_status(409, "Conflict", message)
+                self.state.log_write("update", name, 409, body, None)
+                return
+            obj = json.loads(json.dumps(body))
+            if not self.state.args.no_canonical:
+                canonicalize_slice(obj)
+            for key in ("uid", "creationTimestamp"):
+                obj["metadata"][key] = current["metadata"][key]
+            obj["metadata"]["resourceVersion"] = self.state.next_version()
+            spec_changed = obj["spec"] != current["spec"]
+            obj["metadata"]["generation"] = current["metadata"]["generation"] + (1 if spec_changed else 0)
+            self.state.slices[name] = obj
+            self.state.log_write("update", name, 200, body, obj)
+            self.send_json(200, obj)
+
+    def delete_slice(self, name):
+        with self.state.lock:
+            obj = self.state.slices.pop(name, None)
+            if obj is None:
+                self.send_status(404, "NotFound", 'resourceslices.resource.k8s.io "%s" not found' % name)
+                self.state.log_write("delete", name, 404, None, None)
+                return
+            self.state.log_write("delete", name, 200, None, obj)
+        self.send_json(200, obj)
+
+
+# ------------------------------------------------------------------- TLS
+
+def openssl(*args):
+    subprocess.run(["openssl"] + list(args), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def make_certificates(directory):
+    """A CA, a server certificate for the loopback names and a client certificate, signed by it."""
+    os.makedirs(directory, exist_ok=True)
+    p = lambda name: os.path.join(directory, name)
+    if os.path.exists(p("server.crt")):
+        return
+    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *curve, "-keyout", p("ca.key"), "-out", p("ca.crt"), "-days", "2",
+            "-subj", "/CN=fake-apiserver-ca",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    for name, subject, extensions in (
+            ("server", "/CN=fake-apiserver",
+             "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\nextendedKeyUsage=serverAuth\n"),
+            ("client", "/O=system:nodes/CN=system:node:fake", "extendedKeyUsage=clientAuth\n")):
+        with open(p(name + ".ext"), "w") as f:
+            f.write(extensions)
+        openssl("req", *curve, "-keyout", p(name + ".key"), "-out", p(name + ".csr"), "-subj", subject)
+        openssl("x509", "-req", "-in", p(name + ".csr"), "-CA", p("ca.crt"), "-CAkey", p("ca.key"),
+                "-CAcreateserial", "-out", p(name + ".crt"), "-days", "2", "-extfile", p(name + ".ext"))
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, handler, ssl_context):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.ssl_context = ssl_context
+        super().__init__(address, handler)
+
+    def get_request(self):
+        sock, addr = self.socket.accept()
+        if self.ssl_context:
+            # The handshake runs in the handler's thread, at its first read.
+            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request, client_address):
+        pass  # a client that went away (a timeout test) is not news
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--port-file")
+    parser.add_argument("--log")
+    parser.add_argument("--fixtures")
+    parser.add_argument("--tls-dir")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--token", action="append")
+    parser.add_argument("--token-file")
+    parser.add_argument("--client-ca")
+    parser.add_argument("--fail", action="append")
+    parser.add_argument("--no-canonical", action="store_true")
+    parser.add_argument("--check-slice", nargs="+", metavar="FILE")
+    args = parser.parse_args()
+
+    if args.check_slice:
+        bad = False
+        for path in args.check_slice:
+            with open(path) as f:
+                errors = validate_resource_slice(json.load(f))
+            for e in errors:
+                print("%s: %s" % (path, e))
+            bad = bad or bool(errors)
+        return 1 if bad else 0
+    if not args.port_file or not args.log:
+        parser.error("--port-file and --log are required")
+
+    context = None
+    if args.tls_dir:
+        make_certificates(args.tls_dir)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(os.path.join(args.tls_dir, "server.crt"), os.path.join(args.tls_dir, "server.key"))
+        if args.client_ca:
+            context.verify_mode = ssl.CERT_OPTIONAL
+            context.load_verify_locations(args.client_ca)
+    Handler.state = State(args)
+    open(args.log, "a").close()
+    server = Server((args.host, 0), Handler, context)
+    port = server.server_address[1]
+    tmp = args.port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("%d\n" % port)
+    os.rename(tmp, args.port_file)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
