@@ -124,7 +124,7 @@ void ControlServer::stop() {
 
 void ControlServer::add_poll_fds(std::vector<struct pollfd>* fds) const {
   if (listen_fd_ < 0) return;
-  fds->push_back({listen_fd_, POLLIN, 0});
+  if (accept_paused_until_ns_ == 0) fds->push_back({listen_fd_, POLLIN, 0});
   for (const Connection& c : connections_) {
     short events = 0;
     if (!c.out.empty()) events |= POLLOUT;
@@ -134,7 +134,7 @@ void ControlServer::add_poll_fds(std::vector<struct pollfd>* fds) const {
 }
 
 uint64_t ControlServer::next_deadline() const {
-  uint64_t next = UINT64_MAX;
+  uint64_t next = accept_paused_until_ns_ != 0 ? accept_paused_until_ns_ : UINT64_MAX;
   for (const Connection& c : connections_) {
     // Requests already buffered (beyond one pass's share) are served at once.
     if (c.out.empty() && !c.closing && c.in.find('\n') != std::string::npos) return 0;
@@ -144,9 +144,18 @@ uint64_t ControlServer::next_deadline() const {
 }
 
 void ControlServer::accept_new(uint64_t now_ns) {
+  if (accept_paused_until_ns_ > now_ns) return;
+  accept_paused_until_ns_ = 0;
   for (;;) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN: none left; anything else: the next pass tries again
+    if (fd < 0) {
+      // Out of descriptors (or memory): the pending connection stays in the
+      // backlog and the socket stays readable. Waiting a moment keeps the
+      // loop from spinning on it.
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+        accept_paused_until_ns_ = now_ns + 100'000'000;
+      return;
+    }
     struct ucred cred {};
     socklen_t len = sizeof cred;
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof cred) {

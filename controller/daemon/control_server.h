@@ -103,6 +103,7 @@ class ControlServer {
   struct stat socket_file_ {};  // the socket's file, as made
   ControlAccess access_;
   std::vector<Connection> connections_;
+  uint64_t accept_paused_until_ns_ = 0;  // accept() failed for want of resources: not before then
 };
 
 }  // namespace fracgpu::controller
