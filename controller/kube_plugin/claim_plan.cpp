@@ -1,0 +1,275 @@
+#include "kube_plugin/claim_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "kube/quantity.h"
+#include "kube/resource_slice.h"
+
+namespace fracgpu::kube_plugin {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr double kMicro = 1e6;
+
+double round_micro(double v) { return std::round(v * kMicro) / kMicro; }
+
+// The string member `key` of `j`, or "" when absent or not a string.
+std::string str(const json& j, const char* key) {
+  if (!j.is_object()) return {};
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// The part of a request name before "/" (a subrequest's parent).
+std::string parent_request(const std::string& request) { return request.substr(0, request.find('/')); }
+
+bool config_applies(const json& config, const std::string& request) {
+  auto it = config.find("requests");
+  if (it == config.end() || !it->is_array() || it->empty()) return true;
+  for (const json& r : *it)
+    if (r.is_string() && (r == request || r == parent_request(request))) return true;
+  return false;
+}
+
+// The limit of `request`'s results: the text of the winning GpuConfig's
+// limit ("" when no config names one). false with *error on a malformed one.
+bool limit_text(const json& configs, const std::string& request, const std::string& who, std::string* limit,
+                std::string* error) {
+  limit->clear();
+  int best_rank = -1;
+  if (!configs.is_array()) return true;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const json& config = configs[i];
+    const json* opaque = config.is_object() && config.contains("opaque") ? &config["opaque"] : nullptr;
+    if (!opaque || str(*opaque, "driver") != kube::kDriverName || !config_applies(config, request)) continue;
+    const std::string field = fmt::format("status.allocation.devices.config[{}].opaque.parameters", i);
+    const json params = opaque->value("parameters", json());
+    if (!params.is_object()) {
+      *error = fmt::format("{}: {} is not an object", who, field);
+      return false;
+    }
+    if (str(params, "apiVersion") != kConfigApiVersion || str(params, "kind") != kConfigKind) {
+      *error = fmt::format("{}: {} is apiVersion \"{}\" kind \"{}\"; this driver reads apiVersion {} kind {}", who,
+                           field, str(params, "apiVersion"), str(params, "kind"), kConfigApiVersion, kConfigKind);
+      return false;
+    }
+    for (const auto& [key, value] : params.items()) {
+      if (key != "apiVersion" && key != "kind" && key != "limit") {
+        *error = fmt::format("{}: {}.{} is not a GpuConfig field (fields: limit)", who, field, key);
+        return false;
+      }
+    }
+    if (params.contains("limit") && !params["limit"].is_string()) {
+      *error = fmt::format("{}: {}.limit must be a string (\"share\" or a fraction such as \"0.75\")", who, field);
+      return false;
+    }
+    // FromClaim beats FromClass; within a source the later wins.
+    const int rank = (str(config, "source") == "FromClaim" ? 1 << 20 : 0) + static_cast<int>(i);
+    if (rank > best_rank && params.contains("limit")) {
+      best_rank = rank;
+      *limit = params["limit"].get<std::string>();
+    }
+  }
+  return true;
+}
+
+// The node's GPUs by device name.
+std::map<std::string, const json*> gpus_by_device(const json& node) {
+  std::map<std::string, const json*> out;
+  if (!node.is_object() || !node.contains("gpus") || !node["gpus"].is_array()) return out;
+  for (const json& gpu : node["gpus"])
+    if (gpu.is_object() && gpu.contains("index") && gpu["index"].is_number_integer() && gpu.contains("uuid"))
+      out[kube::device_name(gpu["index"].get<int64_t>())] = &gpu;
+  return out;
+}
+
+}  // namespace
+
+bool valid_claim_uid(const std::string& uid) {
+  if (uid.empty() || uid.size() > 58) return false;
+  for (char c : uid)
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return false;
+  return uid.front() != '-';
+}
+
+std::string tenant_name(const std::string& uid) { return kTenantPrefix + uid; }
+
+std::optional<ClaimPlan> plan_claim(const ClaimRef& ref, const json& claim, const std::string& node_name,
+                                    const json& node, std::string* error) {
+  const std::string who = "claim " + ref.shown();
+  if (!claim.is_object() || !claim.contains("metadata") || !claim["metadata"].is_object()) {
+    *error = who + ": the API server's answer is not a ResourceClaim";
+    return std::nullopt;
+  }
+  const std::string uid = str(claim["metadata"], "uid");
+  if (uid != ref.uid) {
+    *error = fmt::format("{}: the API server has uid {}, the kubelet asked for {} (the claim was replaced)", who,
+                         uid, ref.uid);
+    return std::nullopt;
+  }
+  const json allocation = claim.value("status", json::object()).value("allocation", json());
+  if (!allocation.is_object()) {
+    *error = who + ": status.allocation is absent (the claim is not allocated)";
+    return std::nullopt;
+  }
+  const json devices = allocation.value("devices", json::object());
+  const json results = devices.is_object() ? devices.value("results", json::array()) : json::array();
+  const json configs = devices.is_object() ? devices.value("config", json::array()) : json::array();
+  const auto node_gpus = gpus_by_device(node);
+
+  ClaimPlan plan;
+  plan.claim = ref;
+  std::map<int64_t, PlannedGpu> gpus;
+  std::map<int64_t, std::string> limits;  // index -> the limit text of its (last) result
+  for (size_t i = 0; i < (results.is_array() ? results.size() : 0); ++i) {
+    const json& result = results[i];
+    if (str(result, "driver") != kube::kDriverName) continue;
+    const std::string field = fmt::format("status.allocation.devices.results[{}]", i);
+    if (str(result, "pool") != node_name) {
+      *error = fmt::format("{}: {} is in pool \"{}\", not this node's ({})", who, field, str(result, "pool"),
+                           node_name);
+      return std::nullopt;
+    }
+    const std::string device = str(result, "device");
+    auto found = node_gpus.find(device);
+    if (found == node_gpus.end()) {
+      *error = fmt::format("{}: {}.device \"{}\" is not a GPU of this node", who, field, device);
+      return std::nullopt;
+    }
+    const json& gpu = *found->second;
+    const int64_t index = gpu["index"].get<int64_t>();
+    const std::string uuid = str(gpu, "uuid");
+    const uint64_t gpu_memory = gpu.value("memory", uint64_t{0});
+
+    uint64_t memory = gpu_memory;
+    double share = 1.0;
+    const json consumed = result.value("consumedCapacity", json::object());
+    if (!consumed.is_object()) {
+      *error = fmt::format("{}: {}.consumedCapacity is not an object", who, field);
+      return std::nullopt;
+    }
+    for (const auto& [name, value] : consumed.items()) {
+      if (name != "memory" && name != "share") continue;
+      std::string why;
+      auto q = value.is_string() ? kube::Quantity::parse(value.get<std::string>(), &why) : std::nullopt;
+      if (!q) {
+        *error = fmt::format("{}: {}.consumedCapacity.{} {} is not a quantity{}", who, field, name, value.dump(),
+                             why.empty() ? "" : " (" + why + ")");
+        return std::nullopt;
+      }
+      if (name == "memory") {
+        if (q->value() <= 0 || static_cast<uint64_t>(q->value()) > gpu_memory) {
+          *error = fmt::format("{}: {}: memory {} is not within the GPU's {} bytes", who, uuid, q->decimal(),
+                               gpu_memory);
+          return std::nullopt;
+        }
+        memory = static_cast<uint64_t>(q->value());
+      } else {
+        const int64_t micro = q->micro_value();
+        if (micro <= 0 || micro > 1'000'000) {
+          *error = fmt::format("{}: {}: share {} is not above 0 and at most 1", who, uuid, q->decimal());
+          return std::nullopt;
+        }
+        share = static_cast<double>(micro) / kMicro;
+      }
+    }
+    const std::string request = str(result, "request");
+    std::string limit;
+    if (!limit_text(configs, request, who, &limit, error)) return std::nullopt;
+
+    auto [at, fresh] = gpus.try_emplace(index, PlannedGpu{uuid, index, 0, 0, std::nullopt});
+    at->second.memory = std::min(gpu_memory, at->second.memory + memory);
+    at->second.share = std::min(1.0, round_micro(at->second.share + share));
+    if (!limit.empty()) limits[index] = limit;
+    (void)fresh;
+    plan.devices.push_back({request, str(result, "pool"), device, uuid, str(result, "shareID")});
+  }
+  if (plan.devices.empty()) {
+    *error = fmt::format("{}: no device of driver {} is allocated to it on node {}", who, kube::kDriverName,
+                         node_name);
+    return std::nullopt;
+  }
+  if (gpus.size() > 16) {
+    *error = fmt::format("{}: {} GPUs; a tenant spans at most 16", who, gpus.size());
+    return std::nullopt;
+  }
+  for (auto& [index, gpu] : gpus) {
+    auto limit = limits.find(index);
+    if (gpu.share < 1.0 && limit != limits.end() && limit->second != "share") {
+      const std::string& text = limit->second;
+      char* end = nullptr;
+      const double value = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !std::isfinite(value) || value < gpu.share - 1e-9 || value > 1.0) {
+        *error = fmt::format("{}: {}: limit \"{}\" must be \"share\" or a fraction from the share ({}) to 1", who,
+                             gpu.uuid, text, gpu.share);
+        return std::nullopt;
+      }
+      gpu.limit = std::max(gpu.share, round_micro(value));
+    }
+    plan.gpus.push_back(gpu);
+  }
+  return plan;
+}
+
+json tenant_spec(const ClaimPlan& plan) {
+  json gpus = json::array();
+  for (const PlannedGpu& gpu : plan.gpus) {
+    json g = {{"uuid", gpu.uuid}, {"share", gpu.share}, {"memory", gpu.memory}};
+    if (gpu.limit) g["limit"] = *gpu.limit;
+    gpus.push_back(std::move(g));
+  }
+  return {{"name", tenant_name(plan.claim.uid)},
+          {"gpus", std::move(gpus)},
+          {"annotations",
+           {{"claim-namespace", plan.claim.ns}, {"claim-name", plan.claim.name}, {"claim-uid", plan.claim.uid}}}};
+}
+
+json plan_to_json(const ClaimPlan& plan) {
+  json gpus = json::array();
+  for (const PlannedGpu& gpu : plan.gpus) {
+    json g = {{"uuid", gpu.uuid}, {"index", gpu.index}, {"memory", gpu.memory}, {"share", gpu.share}};
+    if (gpu.limit) g["limit"] = *gpu.limit;
+    gpus.push_back(std::move(g));
+  }
+  json devices = json::array();
+  for (const PreparedDevice& d : plan.devices)
+    devices.push_back(
+        {{"request", d.request}, {"pool", d.pool}, {"device", d.device}, {"uuid", d.uuid}, {"share_id", d.share_id}});
+  return {{"namespace", plan.claim.ns}, {"name", plan.claim.name}, {"uid", plan.claim.uid},
+          {"gpus", std::move(gpus)},   {"devices", std::move(devices)}};
+}
+
+std::optional<ClaimPlan> plan_from_json(const json& j, std::string* error) {
+  try {
+    ClaimPlan plan;
+    plan.claim = {j.at("namespace").get<std::string>(), j.at("name").get<std::string>(),
+                  j.at("uid").get<std::string>()};
+    for (const json& g : j.at("gpus")) {
+      PlannedGpu gpu{g.at("uuid").get<std::string>(), g.at("index").get<int64_t>(), g.at("memory").get<uint64_t>(),
+                     g.at("share").get<double>(), std::nullopt};
+      if (g.contains("limit")) gpu.limit = g["limit"].get<double>();
+      plan.gpus.push_back(std::move(gpu));
+    }
+    for (const json& d : j.at("devices"))
+      plan.devices.push_back({d.at("request").get<std::string>(), d.at("pool").get<std::string>(),
+                              d.at("device").get<std::string>(), d.at("uuid").get<std::string>(),
+                              d.value("share_id", std::string())});
+    if (!valid_claim_uid(plan.claim.uid) || plan.gpus.empty() || plan.devices.empty()) {
+      *error = "uid, gpus or devices missing or malformed";
+      return std::nullopt;
+    }
+    return plan;
+  } catch (const json::exception& e) {
+    *error = e.what();
+    return std::nullopt;
+  }
+}
+
+}  // namespace fracgpu::kube_plugin

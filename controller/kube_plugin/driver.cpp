@@ -1,0 +1,149 @@
+#include "kube_plugin/driver.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "control/client.h"
+#include "control/protocol.h"
+#include "kube/resource_slice.h"
+#include "kube_plugin/atomic_file.h"
+#include "state/run_dir.h"
+
+namespace fracgpu::kube_plugin {
+
+using nlohmann::json;
+
+Driver::Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdlog::logger> log)
+    : options_(std::move(options)), api_(api), log_(std::move(log)), store_(options_.run_dir) {}
+
+uint64_t Driver::changes() const {
+  std::lock_guard lock(mutex_);
+  return changes_;
+}
+
+void Driver::crash_point(const char* point) const {
+  if (options_.crash_point == point) {
+    log_->warn("test hook {}={}: exiting here", kCrashEnv, point);
+    log_->flush();
+    ::_exit(kCrashExitStatus);
+  }
+}
+
+std::string Driver::host_tenant_dir(const std::string& uid) const {
+  return options_.run_dir + "/" + controller::kTenantsDirName + "/" + tenant_name(uid);
+}
+
+PrepareResult Driver::prepare(const ClaimRef& claim) {
+  std::lock_guard lock(mutex_);
+  const std::string who = "claim " + claim.shown();
+  if (!valid_claim_uid(claim.uid)) return {{}, {}, fmt::format("{}: uid \"{}\" is not one this plugin takes", who, claim.uid)};
+
+  std::string error;
+  if (auto record = store_.get(claim.uid, &error)) {
+    log_->info("{} ({}): prepared before (record found), making sure of its tenant and CDI spec", who, claim.uid);
+    return apply(*record);
+  }
+  if (!error.empty()) return {{}, {}, who + ": " + error};
+
+  if (!api_) return {{}, {}, who + ": no API server to read it from"};
+  const std::string path = fmt::format("{}/namespaces/{}/resourceclaims/{}", kube::kResourceApi,
+                                       kube::escape_query_value(claim.ns), kube::escape_query_value(claim.name));
+  const kube::HttpResult got = api_->get(path);  // failures are logged by the client with path and status
+  if (!got.ok()) return {{}, {}, fmt::format("{}: GET {}: {}", who, path, got.error)};
+  const json object = json::parse(got.body, nullptr, false);
+
+  const control::Reply node = control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kNode}},
+                                            options_.control_timeout);
+  if (!node.ok) return {{}, {}, fmt::format("{}: fracgpud's node: [{}] {}", who, node.code, node.error)};
+
+  auto plan = plan_claim(claim, object, options_.node_name, node.body.value("node", json()), &error);
+  if (!plan) {
+    log_->error("{}", error);
+    return {{}, {}, error};
+  }
+  if (!store_.put(*plan, &error)) {
+    log_->error("{}: recording it: {}", who, error);
+    return {{}, {}, who + ": recording it: " + error};
+  }
+  crash_point("after-record");
+  ++changes_;
+  return apply({*plan, tenant_name(claim.uid), cdi_spec_file_name(claim.uid)});
+}
+
+PrepareResult Driver::apply(const ClaimRecord& record) {
+  const ClaimPlan& plan = record.plan;
+  const std::string who = "claim " + plan.claim.shown();
+  const control::Reply created =
+      control::call(control::socket_path_in(options_.run_dir),
+                    {{"op", control::op::kCreate}, {"tenant", tenant_spec(plan)}}, options_.control_timeout);
+  if (!created.ok) {
+    const std::string error = fmt::format("{}: {}", who, created.error);
+    log_->error("{} (creating tenant {}: {})", error, record.tenant, created.code);
+    // A refusal made nothing: forget the claim, so that a retry reads it
+    // again. Without an answer the tenant may exist: keep the record, which
+    // a retry or an unprepare completes or undoes.
+    if (created.code != control::code::kUnreachable && created.code != control::code::kInternal) {
+      std::string ignored;
+      if (!store_.remove(plan.claim.uid, &ignored)) log_->error("{}: {}", who, ignored);
+    }
+    return {{}, {}, error};
+  }
+  log_->info("{} ({}): tenant {} {}", who, plan.claim.uid, record.tenant,
+             created.body.value("created", false) ? "created" : "already there");
+  crash_point("after-tenant");
+
+  std::string error;
+  if (!make_dirs(options_.cdi_dir, 0755, &error) ||
+      !write_file_atomic(options_.cdi_dir, record.cdi_spec,
+                         build_cdi_spec(plan, host_tenant_dir(plan.claim.uid), options_.cdi).dump(2) + "\n",
+                         &error)) {
+    log_->error("{}: writing its CDI spec: {}", who, error);
+    return {{}, {}, who + ": writing its CDI spec: " + error};
+  }
+  crash_point("after-cdi");
+  ++changes_;
+
+  PrepareResult result;
+  for (const PreparedDevice& device : plan.devices) {
+    result.devices.push_back(device);
+    result.cdi_ids.push_back(cdi_device_ids(plan, device, options_.cdi));
+  }
+  return result;
+}
+
+std::string Driver::unprepare(const ClaimRef& claim) {
+  std::lock_guard lock(mutex_);
+  const std::string who = "claim " + claim.shown();
+  if (!valid_claim_uid(claim.uid)) {
+    log_->info("{}: uid \"{}\" was never prepared here; nothing to do", who, claim.uid);
+    return "";
+  }
+  std::string error;
+  auto record = store_.get(claim.uid, &error);
+  if (!record) {
+    if (!error.empty()) {
+      log_->error("{}: {}", who, error);
+      return who + ": " + error;
+    }
+    log_->info("{} ({}): no record, nothing prepared here", who, claim.uid);
+    return "";
+  }
+  // Only a tenant named dra-<uid> from this claim's own record is deleted.
+  const control::Reply deleted = control::call(control::socket_path_in(options_.run_dir),
+                                               {{"op", control::op::kDelete}, {"name", record->tenant}},
+                                               options_.control_timeout);
+  if (!deleted.ok) {
+    log_->error("{}: deleting tenant {}: [{}] {}", who, record->tenant, deleted.code, deleted.error);
+    return fmt::format("{}: deleting tenant {}: {}", who, record->tenant, deleted.error);
+  }
+  log_->info("{} ({}): tenant {} {}", who, claim.uid, record->tenant, deleted.body.value("state", ""));
+  if (!remove_file_durable(options_.cdi_dir, record->cdi_spec, &error) || !store_.remove(claim.uid, &error)) {
+    log_->error("{}: {}", who, error);
+    return who + ": " + error;
+  }
+  ++changes_;
+  return "";
+}
+
+}  // namespace fracgpu::kube_plugin

@@ -1,0 +1,165 @@
+#include "kube_plugin/grpc_servers.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include "dra_v1.grpc.pb.h"
+#include "kube/resource_slice.h"
+#include "kube_plugin/atomic_file.h"
+#include "pluginregistration_v1.grpc.pb.h"
+
+namespace fracgpu::kube_plugin {
+
+namespace dra = k8s::io::kubelet::pkg::apis::dra::v1;
+namespace reg = pluginregistration;
+
+std::string registration_socket_name() { return std::string(kube::kDriverName) + "-reg.sock"; }
+
+namespace {
+
+ClaimRef ref_of(const dra::Claim& c) { return {c.namespace_(), c.name(), c.uid()}; }
+
+class DraService final : public dra::DRAPlugin::Service {
+ public:
+  explicit DraService(Driver& driver) : driver_(driver) {}
+
+  grpc::Status NodePrepareResources(grpc::ServerContext*, const dra::NodePrepareResourcesRequest* request,
+                                    dra::NodePrepareResourcesResponse* response) override {
+    for (const dra::Claim& claim : request->claims()) {
+      PrepareResult result = driver_.prepare(ref_of(claim));
+      dra::NodePrepareResourceResponse& out = (*response->mutable_claims())[claim.uid()];
+      if (!result.error.empty()) {
+        out.set_error(result.error);
+        continue;
+      }
+      for (size_t i = 0; i < result.devices.size(); ++i) {
+        const PreparedDevice& d = result.devices[i];
+        dra::Device* device = out.add_devices();
+        device->add_request_names(d.request);
+        device->set_pool_name(d.pool);
+        device->set_device_name(d.device);
+        for (const std::string& id : result.cdi_ids[i]) device->add_cdi_device_ids(id);
+        if (!d.share_id.empty()) device->set_share_id(d.share_id);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status NodeUnprepareResources(grpc::ServerContext*, const dra::NodeUnprepareResourcesRequest* request,
+                                      dra::NodeUnprepareResourcesResponse* response) override {
+    for (const dra::Claim& claim : request->claims())
+      (*response->mutable_claims())[claim.uid()].set_error(driver_.unprepare(ref_of(claim)));
+    return grpc::Status::OK;
+  }
+
+ private:
+  Driver& driver_;
+};
+
+class RegistrationService final : public reg::Registration::Service {
+ public:
+  RegistrationService(std::string endpoint, std::atomic<bool>& registered, std::shared_ptr<spdlog::logger> log)
+      : endpoint_(std::move(endpoint)), registered_(registered), log_(std::move(log)) {}
+
+  grpc::Status GetInfo(grpc::ServerContext*, const reg::InfoRequest*, reg::PluginInfo* info) override {
+    info->set_type(kPluginType);
+    info->set_name(kube::kDriverName);
+    info->set_endpoint(endpoint_);
+    info->add_supported_versions(kDraServiceVersion);
+    log_->info("registration: the kubelet asked who we are (endpoint {})", endpoint_);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status NotifyRegistrationStatus(grpc::ServerContext*, const reg::RegistrationStatus* status,
+                                        reg::RegistrationStatusResponse*) override {
+    registered_.store(status->plugin_registered());
+    if (status->plugin_registered()) log_->info("registration: the kubelet registered the plugin");
+    else log_->error("registration: the kubelet refused the plugin: {}", status->error());
+    return grpc::Status::OK;
+  }
+
+ private:
+  std::string endpoint_;
+  std::atomic<bool>& registered_;
+  std::shared_ptr<spdlog::logger> log_;
+};
+
+// Serves `service` on the Unix socket `path` (a stale file removed first), mode 0600.
+std::unique_ptr<grpc::Server> serve(grpc::Service* service, const std::string& path, std::string* error) {
+  if (!make_dirs(path.substr(0, path.rfind('/')), 0750, error)) return nullptr;
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    *error = fmt::format("remove the stale {}: {}", path, std::strerror(errno));
+    return nullptr;
+  }
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials(), &bound);
+  builder.RegisterService(service);
+  auto server = builder.BuildAndStart();
+  if (!server || !bound) {
+    *error = "cannot serve gRPC on " + path;
+    return nullptr;
+  }
+  if (::chmod(path.c_str(), 0600) != 0) {
+    *error = fmt::format("chmod 0600 {}: {}", path, std::strerror(errno));
+    server->Shutdown();
+    return nullptr;
+  }
+  return server;
+}
+
+}  // namespace
+
+struct PluginServers::Services {
+  DraService dra;
+  RegistrationService registration;
+};
+
+PluginServers::PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir,
+                             std::shared_ptr<spdlog::logger> log)
+    : driver_(driver), plugin_dir_(std::move(plugin_dir)), registry_dir_(std::move(registry_dir)),
+      log_(std::move(log)) {}
+
+PluginServers::~PluginServers() { stop(); }
+
+bool PluginServers::start(std::string* error) {
+  const std::string endpoint = plugin_dir_ + "/" + kDraSocketName;
+  services_.reset(new Services{DraService(driver_), RegistrationService(endpoint, registered_, log_)});
+  dra_server_ = serve(&services_->dra, endpoint, error);
+  if (!dra_server_) return false;
+  const std::string reg_path = registry_dir_ + "/" + registration_socket_name();
+  registration_server_ = serve(&services_->registration, reg_path, error);
+  if (!registration_server_) {
+    stop();
+    return false;
+  }
+  log_->info("serving {} on {}, registration on {}", kDraServiceVersion, endpoint, reg_path);
+  return true;
+}
+
+namespace {
+// A call still running then is cancelled: the kubelet retries it.
+constexpr auto kShutdownGrace = std::chrono::milliseconds(500);
+}  // namespace
+
+void PluginServers::stop() {
+  // The registration socket first: the kubelet stops sending calls.
+  if (registration_server_) {
+    registration_server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+    registration_server_.reset();
+    ::unlink((registry_dir_ + "/" + registration_socket_name()).c_str());
+  }
+  if (dra_server_) {
+    dra_server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+    dra_server_.reset();
+    ::unlink((plugin_dir_ + "/" + kDraSocketName).c_str());
+  }
+}
+
+}  // namespace fracgpu::kube_plugin

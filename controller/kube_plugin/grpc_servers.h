@@ -1,0 +1,63 @@
+// The plugin's two gRPC endpoints, both Unix sockets made by the plugin,
+// mode 0600 (the kubelet runs as root), stale ones removed at start:
+//   <registry-dir>/gpu.fracgpu.io-reg.sock  pluginregistration.Registration:
+//       GetInfo -> {type "DRAPlugin", name "gpu.fracgpu.io",
+//                   endpoint <plugin-dir>/dra.sock,
+//                   supported_versions ["v1.DRAPlugin"]}
+//       (the kubelet's name for the service k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin);
+//       NotifyRegistrationStatus -> logged.
+//   <plugin-dir>/dra.sock  k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin:
+//       NodePrepareResources / NodeUnprepareResources, claim by claim
+//       through Driver; errors are per claim, the call itself succeeds.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include <spdlog/logger.h>
+
+#include "kube_plugin/driver.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace fracgpu::kube_plugin {
+
+inline constexpr const char* kPluginType = "DRAPlugin";
+inline constexpr const char* kDraServiceVersion = "v1.DRAPlugin";
+inline constexpr const char* kDraSocketName = "dra.sock";
+
+// "<driver>-reg.sock".
+std::string registration_socket_name();
+
+class PluginServers {
+ public:
+  PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir,
+                std::shared_ptr<spdlog::logger> log);
+  ~PluginServers();
+
+  // Serves the DRA socket first, then the registration socket (the kubelet
+  // calls the DRA socket as soon as it has registered). false with *error.
+  bool start(std::string* error);
+  // Stops both and removes their sockets (the kubelet then deregisters).
+  void stop();
+
+  // Whether the kubelet last said the registration succeeded.
+  bool registered() const { return registered_.load(); }
+
+  struct Services;
+
+ private:
+  Driver& driver_;
+  std::string plugin_dir_;
+  std::string registry_dir_;
+  std::shared_ptr<spdlog::logger> log_;
+  std::unique_ptr<Services> services_;
+  std::unique_ptr<grpc::Server> dra_server_;
+  std::unique_ptr<grpc::Server> registration_server_;
+  std::atomic<bool> registered_{false};
+};
+
+}  // namespace fracgpu::kube_plugin

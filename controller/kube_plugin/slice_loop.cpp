@@ -1,0 +1,62 @@
+#include "kube_plugin/slice_loop.h"
+
+#include "control/client.h"
+#include "control/protocol.h"
+
+namespace fracgpu::kube_plugin {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+SliceLoop::SliceLoop(kube::SlicePublisher& publisher, SliceLoopOptions options, std::function<uint64_t()> changes,
+                     std::shared_ptr<spdlog::logger> log)
+    : publisher_(publisher), options_(std::move(options)), changes_(std::move(changes)), log_(std::move(log)) {}
+
+SliceLoop::~SliceLoop() { stop(); }
+
+void SliceLoop::start() { thread_ = std::thread([this] { run(); }); }
+
+void SliceLoop::stop() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void SliceLoop::run() {
+  bool published = false;
+  json last_generation;
+  uint64_t last_changes = 0;
+  Clock::time_point last_publish{};
+  std::string last_error;
+  std::unique_lock lock(mutex_);
+  while (!stop_) {
+    lock.unlock();
+    const control::Reply reply = control::call(control::socket_path_in(options_.run_dir),
+                                               {{"op", control::op::kNode}}, options_.control_timeout);
+    if (!reply.ok) {
+      // Without the daemon the slice stays as it was: what it offers is
+      // still booked in the daemon's api-tenants.json.
+      if (reply.error != last_error) log_->warn("slices: fracgpud's node: [{}] {}", reply.code, reply.error);
+      last_error = reply.error;
+    } else {
+      last_error.clear();
+      const json node = reply.body.value("node", json());
+      const uint64_t changes = changes_();
+      const json generation = node.value("generation", json());
+      if (!published || generation != last_generation || changes != last_changes ||
+          Clock::now() - last_publish >= options_.interval) {
+        published = publisher_.publish(node);  // failures logged there
+        last_generation = generation;
+        last_changes = changes;
+        last_publish = Clock::now();
+      }
+    }
+    lock.lock();
+    wake_.wait_for(lock, options_.poll, [this] { return stop_; });
+  }
+}
+
+}  // namespace fracgpu::kube_plugin
