@@ -1,0 +1,252 @@
+// The kubelet plugin's pure parts: a ResourceClaim + NODE -> the plan
+// (claim_plan.h), the CDI spec (cdi_spec.h), the claim records (claim_store.h).
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "kube/kube_test_util.h"
+#include "kube_plugin/cdi_spec.h"
+#include "kube_plugin/claim_plan.h"
+#include "kube_plugin/claim_store.h"
+
+using namespace fracgpu::kube_plugin;
+using fracgpu::kube::testing::node_object;
+using fracgpu::testing::TempDir;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr uint64_t kGpuMemory = 85899345920ull;  // node_object's GPUs
+const std::string kUid = "7d3f2a10-1c2b-4e5f-8a9b-0c1d2e3f4a5b";
+const ClaimRef kRef{"team-a", "train-gpu", kUid};
+const std::string kNode = "node-1";
+
+json result(const std::string& device, json consumed = nullptr, const std::string& request = "gpu",
+            const std::string& pool = kNode, const std::string& driver = "gpu.fracgpu.io") {
+  json r = {{"request", request}, {"driver", driver}, {"pool", pool}, {"device", device}};
+  if (!consumed.is_null()) r["consumedCapacity"] = std::move(consumed);
+  return r;
+}
+
+json gpu_config(const std::string& source, const json& limit, json requests = json::array()) {
+  json params = {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}};
+  if (!limit.is_null()) params["limit"] = limit;
+  return {{"source", source},
+          {"requests", std::move(requests)},
+          {"opaque", {{"driver", "gpu.fracgpu.io"}, {"parameters", std::move(params)}}}};
+}
+
+json claim(json results, json configs = json::array(), const std::string& uid = kUid) {
+  return {{"apiVersion", "resource.k8s.io/v1"},
+          {"kind", "ResourceClaim"},
+          {"metadata", {{"name", "train-gpu"}, {"namespace", "team-a"}, {"uid", uid}}},
+          {"status", {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
+}
+
+ClaimPlan plan_ok(const json& c, int gpus = 3) {
+  std::string error;
+  auto plan = plan_claim(kRef, c, kNode, node_object(gpus), &error);
+  EXPECT_TRUE(plan) << error;
+  return plan ? *plan : ClaimPlan{};
+}
+
+std::string plan_error(const json& c) {
+  std::string error;
+  auto plan = plan_claim(kRef, c, kNode, node_object(3), &error);
+  EXPECT_FALSE(plan);
+  return error;
+}
+
+TEST(ClaimPlan, ConsumedCapacityIsTheTenantsQuotaAndShare) {
+  const ClaimPlan plan = plan_ok(claim({result("gpu-1", {{"memory", "20Gi"}, {"share", "500m"}})}));
+  ASSERT_EQ(plan.gpus.size(), 1u);
+  EXPECT_EQ(plan.gpus[0].uuid, node_object(3)["gpus"][1]["uuid"]);
+  EXPECT_EQ(plan.gpus[0].memory, 20ull << 30);
+  EXPECT_DOUBLE_EQ(plan.gpus[0].share, 0.5);
+  EXPECT_FALSE(plan.gpus[0].limit);
+  ASSERT_EQ(plan.devices.size(), 1u);
+  EXPECT_EQ(plan.devices[0].device, "gpu-1");
+  EXPECT_EQ(plan.devices[0].pool, kNode);
+  EXPECT_EQ(plan.devices[0].request, "gpu");
+
+  const json spec = tenant_spec(plan);
+  EXPECT_EQ(spec["name"], "dra-" + kUid);
+  EXPECT_EQ(spec["gpus"][0]["memory"], 20ull << 30);
+  EXPECT_EQ(spec["gpus"][0]["share"], 0.5);
+  EXPECT_FALSE(spec["gpus"][0].contains("limit"));
+  EXPECT_EQ(spec["annotations"]["claim-namespace"], "team-a");
+  EXPECT_EQ(spec["annotations"]["claim-name"], "train-gpu");
+  EXPECT_EQ(spec["annotations"]["claim-uid"], kUid);
+}
+
+// Two whole GPUs (no consumedCapacity) and half of a third: one tenant on three GPUs.
+TEST(ClaimPlan, TwoAndAHalfGpusMakeOneTenantOnThree) {
+  const ClaimPlan plan = plan_ok(claim({result("gpu-0", nullptr, "whole"), result("gpu-2", nullptr, "whole"),
+                                        result("gpu-1", {{"memory", "40Gi"}, {"share", "0.5"}}, "half")}));
+  ASSERT_EQ(plan.gpus.size(), 3u);
+  EXPECT_EQ(plan.gpus[0].index, 0);
+  EXPECT_EQ(plan.gpus[0].memory, kGpuMemory);
+  EXPECT_DOUBLE_EQ(plan.gpus[0].share, 1.0);
+  EXPECT_EQ(plan.gpus[1].memory, 40ull << 30);
+  EXPECT_DOUBLE_EQ(plan.gpus[1].share, 0.5);
+  EXPECT_DOUBLE_EQ(plan.gpus[2].share, 1.0);
+  ASSERT_EQ(plan.devices.size(), 3u);
+  EXPECT_EQ(plan.devices[2].request, "half");
+}
+
+TEST(ClaimPlan, AnAbsentCapacityIsTheWholeOfIt) {
+  const ClaimPlan plan = plan_ok(claim({result("gpu-0", {{"share", "250m"}})}));
+  EXPECT_EQ(plan.gpus[0].memory, kGpuMemory);
+  EXPECT_DOUBLE_EQ(plan.gpus[0].share, 0.25);
+}
+
+TEST(ClaimPlan, OtherDriversResultsAreIgnored) {
+  const ClaimPlan plan =
+      plan_ok(claim({result("nic-0", nullptr, "nic", "other-pool", "net.example.com"), result("gpu-0", nullptr)}));
+  EXPECT_EQ(plan.devices.size(), 1u);
+}
+
+TEST(ClaimPlan, TheClaimsConfigWinsOverTheClasss) {
+  const json consumed = {{"memory", "16Gi"}, {"share", "250m"}};
+  // Class says "share", claim says 1.0: the claim's, whatever the order.
+  ClaimPlan plan = plan_ok(
+      claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "1.0"), gpu_config("FromClass", "share")}));
+  ASSERT_TRUE(plan.gpus[0].limit);
+  EXPECT_DOUBLE_EQ(*plan.gpus[0].limit, 1.0);
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClass", "0.75")}));
+  EXPECT_DOUBLE_EQ(plan.gpus[0].limit.value_or(-1), 0.75);
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClass", "0.75"), gpu_config("FromClaim", "share")}));
+  EXPECT_FALSE(plan.gpus[0].limit);
+  // A config for another request does not apply.
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "1.0", {"other"})}));
+  EXPECT_FALSE(plan.gpus[0].limit);
+  EXPECT_EQ(tenant_spec(plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "0.5")})))["gpus"][0]["limit"],
+            0.5);
+}
+
+TEST(ClaimPlan, AWholeGpuHasNoLimit) {
+  const ClaimPlan plan = plan_ok(claim({result("gpu-0")}, {gpu_config("FromClaim", "1.0")}));
+  EXPECT_FALSE(plan.gpus[0].limit);
+}
+
+TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
+  const json half = {{"memory", "20Gi"}, {"share", "500m"}};
+  EXPECT_EQ(plan_error(claim({result("gpu-0", half)}, {}, "another-uid")),
+            "claim team-a/train-gpu: the API server has uid another-uid, the kubelet asked for " + kUid +
+                " (the claim was replaced)");
+  json unallocated = claim({});
+  unallocated["status"] = json::object();
+  EXPECT_EQ(plan_error(unallocated), "claim team-a/train-gpu: status.allocation is absent (the claim is not allocated)");
+  EXPECT_EQ(plan_error(claim({})), "claim team-a/train-gpu: no device of driver gpu.fracgpu.io is allocated to it on node node-1");
+  EXPECT_EQ(plan_error(claim({result("gpu-0", half, "gpu", "node-2")})),
+            "claim team-a/train-gpu: status.allocation.devices.results[0] is in pool \"node-2\", not this node's (node-1)");
+  EXPECT_EQ(plan_error(claim({result("gpu-7", half)})),
+            "claim team-a/train-gpu: status.allocation.devices.results[0].device \"gpu-7\" is not a GPU of this node");
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "20 GB"}})})).find("consumedCapacity.memory \"20 GB\" is not a quantity"),
+            std::string::npos);
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"share", "1500m"}})})).find(": share 1.5 is not above 0 and at most 1"),
+            std::string::npos);
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "100Gi"}})})).find("is not within the GPU's 85899345920 bytes"),
+            std::string::npos);
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", "0.25")}))
+                .find(": limit \"0.25\" must be \"share\" or a fraction from the share (0.5) to 1"),
+            std::string::npos);
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", 1.0)})).find(".limit must be a string"),
+            std::string::npos);
+  json wrong_kind = gpu_config("FromClaim", "share");
+  wrong_kind["opaque"]["parameters"]["kind"] = "GpuSettings";
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {wrong_kind})).find("kind \"GpuSettings\""), std::string::npos);
+  json extra = gpu_config("FromClaim", "share");
+  extra["opaque"]["parameters"]["sharing"] = "time";
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {extra})).find("parameters.sharing is not a GpuConfig field"),
+            std::string::npos);
+}
+
+TEST(ClaimPlan, UidsThatCannotNameFilesAreRefused) {
+  EXPECT_TRUE(valid_claim_uid(kUid));
+  for (const char* bad : {"", "../x", "a/b", "-a", "A", "a.b", "0123456789012345678901234567890123456789012345678901234567890"})
+    EXPECT_FALSE(valid_claim_uid(bad)) << bad;
+}
+
+TEST(CdiSpec, TheContainerGetsTheRecipeAndNothingElse) {
+  const ClaimPlan plan = plan_ok(claim({result("gpu-1", {{"memory", "20Gi"}, {"share", "500m"}})}));
+  CdiOptions options;
+  options.library_host_path = "/host/lib/libfracgpu.so";
+  options.library_container_path = "/usr/lib/fracgpu/libfracgpu.so";
+  const json spec = build_cdi_spec(plan, "/run/fracgpu/tenants/dra-" + kUid, options);
+  EXPECT_EQ(spec["cdiVersion"], "0.6.0");
+  EXPECT_EQ(spec["kind"], "gpu.fracgpu.io/claim");
+  ASSERT_EQ(spec["devices"].size(), 1u);
+  EXPECT_EQ(spec["devices"][0]["name"], kUid);
+  const json& edits = spec["devices"][0]["containerEdits"];
+  EXPECT_EQ(edits["env"], json({"LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_TENANT_DIR=/run/fracgpu/tenant",
+                                "FRACGPU_UNMANAGED=deny"}));
+  const json mounts = {
+      {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid}, {"containerPath", "/run/fracgpu/tenant"},
+       {"options", {"ro", "nosuid", "nodev", "bind"}}},
+      {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid + "/usage"}, {"containerPath", "/run/fracgpu/tenant/usage"},
+       {"options", {"rw", "nosuid", "nodev", "bind"}}},
+      {{"hostPath", "/host/lib/libfracgpu.so"}, {"containerPath", "/usr/lib/fracgpu/libfracgpu.so"},
+       {"options", {"ro", "nosuid", "nodev", "bind"}}}};
+  EXPECT_EQ(edits["mounts"], mounts);
+  EXPECT_FALSE(edits.contains("deviceNodes"));
+  EXPECT_EQ(cdi_spec_file_name(kUid), "gpu.fracgpu.io-claim_" + kUid + ".json");
+  EXPECT_EQ(cdi_device_ids(plan, plan.devices[0], options),
+            std::vector<std::string>({"gpu.fracgpu.io/claim=" + kUid, "nvidia.com/gpu=" + plan.devices[0].uuid}));
+
+  options.device_nodes = kDeviceNodesHost;
+  const json with_nodes = build_cdi_spec(plan, "/t", options);
+  EXPECT_EQ(with_nodes["devices"][0]["containerEdits"]["deviceNodes"],
+            json({{{"path", "/dev/nvidiactl"}}, {{"path", "/dev/nvidia-uvm"}}, {{"path", "/dev/nvidia-uvm-tools"}},
+                  {{"path", "/dev/nvidia1"}}}));
+  EXPECT_EQ(cdi_device_ids(plan, plan.devices[0], options), std::vector<std::string>({"gpu.fracgpu.io/claim=" + kUid}));
+}
+
+TEST(ClaimStore, ARecordRoundTripsAndIsBelievedOnlyForItsOwnClaim) {
+  TempDir dir;
+  ClaimStore store(dir.path());
+  std::string error;
+  EXPECT_FALSE(store.get(kUid, &error));
+  EXPECT_EQ(error, "");  // none: not an error
+  const ClaimPlan plan = plan_ok(claim({result("gpu-0"), result("gpu-1", {{"memory", "20Gi"}, {"share", "500m"}})},
+                                       {gpu_config("FromClaim", "0.75")}));
+  ASSERT_TRUE(store.put(plan, &error)) << error;
+  struct stat st {};
+  ASSERT_EQ(stat((dir / "kube/claims").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(store.list(), std::vector<std::string>{kUid});
+  auto back = store.get(kUid, &error);
+  ASSERT_TRUE(back) << error;
+  EXPECT_EQ(back->tenant, "dra-" + kUid);
+  EXPECT_EQ(plan_to_json(back->plan), plan_to_json(plan));
+  EXPECT_EQ(tenant_spec(back->plan), tenant_spec(plan));
+  // No temporary file left beside it.
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir / "kube/claims"), fs::directory_iterator()), 1);
+
+  // A record copied under another uid's name is not believed.
+  const std::string other = "00000000-1111-2222-3333-444444444444";
+  fs::copy_file(dir / ("kube/claims/" + kUid + ".json"), dir / ("kube/claims/" + other + ".json"));
+  EXPECT_FALSE(store.get(other, &error));
+  EXPECT_NE(error.find("names another claim"), std::string::npos) << error;
+  fracgpu::testing::write_file(dir / ("kube/claims/" + other + ".json"), "{\"version\": 1");
+  EXPECT_FALSE(store.get(other, &error));
+  EXPECT_NE(error.find("not a claim record of version 1"), std::string::npos) << error;
+  // A link is not followed.
+  fs::remove(dir / ("kube/claims/" + other + ".json"));
+  fs::create_symlink(dir / ("kube/claims/" + kUid + ".json"), dir / ("kube/claims/" + other + ".json"));
+  EXPECT_FALSE(store.get(other, &error));
+  EXPECT_NE(error, "");
+
+  ASSERT_TRUE(store.remove(kUid, &error)) << error;
+  EXPECT_TRUE(store.remove(kUid, &error)) << error;  // absent: fine
+  EXPECT_FALSE(store.get(kUid, &error));
+  EXPECT_EQ(error, "");
+  EXPECT_FALSE(store.put(ClaimPlan{{"ns", "n", "../../etc"}, {}, {}}, &error));
+}
+
+}  // namespace
