@@ -1,0 +1,580 @@
+// fracgpu-kubelet-plugin end to end, without a cluster: the real plugin
+// binary and the real fracgpud on the simulated driver (simcuda, simnvml),
+// the stand-in API server (fake_apiserver.py: serves the claims, records the
+// slice writes) and a stand-in kubelet here (a gRPC client built from the
+// same protos: registration GetInfo + NotifyRegistrationStatus, then
+// NodePrepareResources / NodeUnprepareResources on the socket GetInfo named).
+// A "container" is a process in a private mount namespace with the CDI
+// spec's mounts and environment applied by this test.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "control/client.h"
+#include "controller_test_util.h"
+#include "dra_v1.grpc.pb.h"
+#include "kube/kube_test_util.h"
+#include "kube_plugin/driver.h"
+#include "pluginregistration_v1.grpc.pb.h"
+
+using namespace fracgpu;
+using namespace fracgpu::testing;
+using namespace std::chrono_literals;
+using fracgpu::kube::testing::FakeApiServer;
+using fracgpu::kube::testing::FakeApiServerOptions;
+using nlohmann::json;
+namespace fs = std::filesystem;
+namespace dra = k8s::io::kubelet::pkg::apis::dra::v1;
+namespace reg = pluginregistration;
+
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr const char* kNode = "node-1";
+const std::vector<std::string> kUuids = {"GPU-c0a7801a-0000-4000-8000-00000000000a",
+                                         "GPU-c0a7801a-0000-4000-8000-00000000000b",
+                                         "GPU-c0a7801a-0000-4000-8000-00000000000c"};
+// Three simulated 16 GiB GPUs.
+const std::string kDevices = "uuid=" + kUuids[0] + ",name=Sim H,mem=16GiB,ctx=64MiB,cc=9.0;uuid=" + kUuids[1] +
+                             ",name=Sim H,mem=16GiB,ctx=64MiB,cc=9.0;uuid=" + kUuids[2] +
+                             ",name=Sim H,mem=16GiB,ctx=64MiB,cc=9.0";
+// Where the test's containers find the interposer (under /run: the
+// container's /run is a tmpfs of its own).
+constexpr const char* kContainerLibrary = "/run/fracgpu-lib/libfracgpu.so";
+
+std::string uid_of(int n) { return fmt::format("{:08d}-aaaa-4bbb-8ccc-dddddddddddd", n); }
+
+json result(const std::string& device, json consumed = nullptr, const std::string& request = "gpu") {
+  json r = {{"request", request}, {"driver", "gpu.fracgpu.io"}, {"pool", kNode}, {"device", device}};
+  if (!consumed.is_null()) r["consumedCapacity"] = std::move(consumed);
+  return r;
+}
+
+class KubePluginE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    chmod(tmp_.path().c_str(), 0755);
+    write_file(faults_path_, "");
+    write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir_ +
+                                 "\"\nreap_interval_ms = 50\nlog_level = \"debug\"\nmetrics_address = \"off\"\n"
+                                 "health_interval = \"50ms\"\n"
+                                 "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n"
+                                 "[[gpu]]\nindex = 1\ncontext_memory = \"64MiB\"\n"
+                                 "[[gpu]]\nindex = 2\ncontext_memory = \"64MiB\"\n");
+    start_daemon();
+    fs::create_directories(claims_dir_);
+    FakeApiServerOptions options;
+    options.tokens = {"t"};
+    options.fixtures = claims_dir_;
+    api_ = std::make_unique<FakeApiServer>(options);
+    write_file(kubeconfig_, kube::testing::kubeconfig_yaml("      server: " + api_->url() +
+                                                               "\n      certificate-authority: " + api_->ca_file() +
+                                                               "\n",
+                                                           "      token: t\n"));
+    api_control_ = kube::testing::control_client(*api_, tmp_);
+  }
+
+  void TearDown() override {
+    for (pid_t pid : children_) kill_and_reap(pid);
+    kill_and_reap(plugin_);
+    kill_and_reap(daemon_);
+    if (HasFailure() || getenv("KP_DEBUG")) {
+      std::cerr << "---- plugin log\n" << read_file(plugin_log_) << "---- fracgpud log (tail)\n";
+      const std::string daemon_log = read_file(daemon_log_);
+      std::cerr << daemon_log.substr(daemon_log.size() > 4000 ? daemon_log.size() - 4000 : 0);
+    }
+  }
+
+  pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
+    std::vector<std::string> all = {std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
+                                    "SIMCUDA_DEVICES=" + kDevices, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_,
+                                    std::string(kube_plugin::kCrashEnv)};
+    all.insert(all.end(), env.begin(), env.end());
+    return spawn_logged(args, log, all);
+  }
+
+  void start_daemon() {
+    const size_t before = read_file(daemon_log_).size();
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, daemon_log_);
+    ASSERT_TRUE(eventually(
+        [&] { return read_file(daemon_log_).find("control API: listening on", before) != std::string::npos; }, 10s))
+        << read_file(daemon_log_);
+  }
+
+  void stop_daemon() {
+    kill(daemon_, SIGTERM);
+    EXPECT_EQ(wait_exit(daemon_, 10s), 0);
+    daemon_ = -1;
+  }
+
+  std::vector<std::string> plugin_args() const {
+    return {PLUGIN_PATH,
+            std::string("--node-name=") + kNode,
+            "--run-dir=" + run_dir_,
+            "--plugin-dir=" + plugin_dir_,
+            "--registry-dir=" + registry_dir_,
+            "--cdi-dir=" + cdi_dir_,
+            std::string("--library-host-path=") + FRACGPU_LIB,
+            "--library-container-path=" + library_container_path_,
+            "--device-nodes=nvidia-cdi",
+            "--slice-interval=0.2",
+            "--kubeconfig=" + kubeconfig_};
+  }
+
+  // Starts the plugin (with the crash hook at `crash`, if any) and registers
+  // it as the kubelet does.
+  void start_plugin(const std::string& crash = "") {
+    const size_t before = read_file(plugin_log_).size();
+    std::vector<std::string> env;
+    if (!crash.empty()) env.push_back(std::string(kube_plugin::kCrashEnv) + "=" + crash);
+    plugin_ = spawn(plugin_args(), plugin_log_, env);
+    ASSERT_TRUE(eventually([&] { return read_file(plugin_log_).find("serving v1.DRAPlugin", before) != std::string::npos; },
+                           10s))
+        << read_file(plugin_log_);
+    register_plugin();
+  }
+
+  void stop_plugin() {
+    kill(plugin_, SIGTERM);
+    EXPECT_EQ(wait_exit(plugin_, 10s), 0);
+    plugin_ = -1;
+  }
+
+  // ---- The stand-in kubelet
+  reg::PluginInfo register_plugin() {
+    auto channel = grpc::CreateChannel("unix:" + registry_dir_ + "/gpu.fracgpu.io-reg.sock",
+                                       grpc::InsecureChannelCredentials());
+    auto stub = reg::Registration::NewStub(channel);
+    reg::PluginInfo info;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + 10s);
+      const grpc::Status status = stub->GetInfo(&context, reg::InfoRequest(), &info);
+      EXPECT_TRUE(status.ok()) << status.error_message();
+    }
+    reg::RegistrationStatus registered;
+    registered.set_plugin_registered(true);
+    reg::RegistrationStatusResponse ignored;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 10s);
+    EXPECT_TRUE(stub->NotifyRegistrationStatus(&context, registered, &ignored).ok());
+    dra_ = dra::DRAPlugin::NewStub(grpc::CreateChannel("unix:" + info.endpoint(), grpc::InsecureChannelCredentials()));
+    return info;
+  }
+
+  // A prepare or unprepare request's claims.
+  template <class Request>
+  static Request request_for(const std::vector<kube_plugin::ClaimRef>& claims) {
+    Request request;
+    for (const auto& c : claims) {
+      dra::Claim* claim = request.add_claims();
+      claim->set_namespace_(c.ns);
+      claim->set_name(c.name);
+      claim->set_uid(c.uid);
+    }
+    return request;
+  }
+
+  // NodePrepareResources for `claims` ({namespace, name, uid}); *status the call's.
+  dra::NodePrepareResourcesResponse prepare(const std::vector<kube_plugin::ClaimRef>& claims,
+                                            grpc::Status* status = nullptr) {
+    const auto request = request_for<dra::NodePrepareResourcesRequest>(claims);
+    dra::NodePrepareResourcesResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    const grpc::Status s = dra_->NodePrepareResources(&context, request, &response);
+    if (status) *status = s;
+    else EXPECT_TRUE(s.ok()) << s.error_message();
+    return response;
+  }
+
+  std::string unprepare(const kube_plugin::ClaimRef& c) {
+    const auto request = request_for<dra::NodeUnprepareResourcesRequest>({c});
+    dra::NodeUnprepareResourcesResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    const grpc::Status s = dra_->NodeUnprepareResources(&context, request, &response);
+    if (!s.ok()) return "gRPC: " + s.error_message();
+    return response.claims().at(c.uid).error();
+  }
+
+  // A ResourceClaim the API server serves from now on.
+  kube_plugin::ClaimRef write_claim(int n, json results, json configs = json::array()) {
+    kube_plugin::ClaimRef ref{"team-a", fmt::format("claim-{}", n), uid_of(n)};
+    const json claim = {
+        {"apiVersion", "resource.k8s.io/v1"},
+        {"kind", "ResourceClaim"},
+        {"metadata", {{"name", ref.name}, {"namespace", ref.ns}, {"uid", ref.uid}}},
+        {"status",
+         {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
+    fs::create_directories(claims_dir_ + "/" + ref.ns);
+    write_file(claims_dir_ + "/" + ref.ns + "/" + ref.name + ".json", claim.dump());
+    return ref;
+  }
+
+  control::Reply call(const json& request) const {
+    return control::call(run_dir_ + "/control.sock", request, 10s);
+  }
+  // The API tenants of the daemon, by name.
+  std::vector<std::string> api_tenants() const {
+    std::vector<std::string> out;
+    const control::Reply list = call({{"op", "list"}});
+    for (const json& t : list.body["tenants"])
+      if (t["source"] == "api") out.push_back(t["name"]);
+    return out;
+  }
+  std::string cdi_spec_path(const std::string& uid) const {
+    return cdi_dir_ + "/gpu.fracgpu.io-claim_" + uid + ".json";
+  }
+  std::string record_path(const std::string& uid) const { return run_dir_ + "/kube/claims/" + uid + ".json"; }
+
+  // The devices of the node's slice in the stand-in API server (null if none).
+  json slice_devices() const {
+    kube::HttpResult r = api_control_->get("/fake/slices");
+    if (!r.ok()) return nullptr;
+    for (const json& s : json::parse(r.body))
+      if (s["spec"]["nodeName"] == kNode) return s["spec"]["devices"];
+    return nullptr;
+  }
+  bool slice_eventually(const std::function<bool(const json&)>& holds, std::chrono::milliseconds timeout = 10s) {
+    return eventually(
+        [&] {
+          std::this_thread::sleep_for(50ms);
+          const json devices = slice_devices();
+          return !devices.is_null() && holds(devices);
+        },
+        timeout);
+  }
+  static const json* find_device(const json& devices, const std::string& name) {
+    for (const json& d : devices)
+      if (d["name"] == name) return &d;
+    return nullptr;
+  }
+
+  // Runs the probe (tests/probe) as a container of the claim would run:
+  // a private mount namespace whose /run is a tmpfs, the CDI spec's mounts
+  // bound in (read-only ones remounted so) and its environment set.
+  // Returns the probe's output.
+  std::string run_in_container(const std::string& uid, const std::vector<std::string>& probe_commands) {
+    const json spec = json::parse(read_file(cdi_spec_path(uid)));
+    const json& edits = spec["devices"][0]["containerEdits"];
+    std::string script = "set -e\nmount -t tmpfs -o mode=0755 tmpfs /run\n";
+    for (const json& m : edits["mounts"]) {
+      const std::string host = m["hostPath"], path = m["containerPath"];
+      bool ro = false;
+      for (const json& o : m["options"]) ro = ro || o == "ro";
+      if (fs::is_directory(host)) script += "mkdir -p '" + path + "'\n";
+      else script += "mkdir -p \"$(dirname '" + path + "')\"; [ -e '" + path + "' ] || touch '" + path + "'\n";
+      script += "mount --bind '" + host + "' '" + path + "'\n";
+      if (ro) script += "mount -o remount,bind,ro,nosuid,nodev '" + path + "'\n";
+    }
+    script += "exec env";
+    for (const json& e : edits["env"]) script += " '" + e.get<std::string>() + "'";
+    script += std::string(" '") + PROBE_PATH + "'";
+    for (const auto& c : probe_commands) script += " '" + c + "'";
+    script += "\n";
+    const std::string log = tmp_ / "container.log";
+    fs::remove(log);
+    const pid_t pid = spawn({"/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c", script}, log,
+                            {"SIMCUDA_STATE=" + (tmp_ / "sim-state")});
+    children_.push_back(pid);
+    EXPECT_EQ(wait_exit(pid, 20s), 0) << read_file(log);
+    return read_file(log);
+  }
+  static bool can_make_containers() { return system("unshare -m --propagation private true 2>/dev/null") == 0; }
+
+  TempDir tmp_;
+  std::string run_dir_ = tmp_ / "run";
+  std::string config_path_ = tmp_ / "fracgpud.toml";
+  std::string daemon_log_ = tmp_ / "fracgpud.log";
+  std::string plugin_log_ = tmp_ / "plugin.log";
+  std::string faults_path_ = tmp_ / "nvml-faults";
+  std::string claims_dir_ = tmp_ / "claims";
+  std::string kubeconfig_ = tmp_ / "kubeconfig";
+  std::string plugin_dir_ = tmp_ / "plugins/gpu.fracgpu.io";
+  std::string registry_dir_ = tmp_ / "plugins_registry";
+  std::string cdi_dir_ = tmp_ / "cdi";
+  std::string library_container_path_ = kContainerLibrary;
+  std::unique_ptr<FakeApiServer> api_;
+  std::unique_ptr<kube::ApiClient> api_control_;
+  std::unique_ptr<dra::DRAPlugin::Stub> dra_;
+  std::vector<pid_t> children_;
+  pid_t daemon_ = -1;
+  pid_t plugin_ = -1;
+};
+
+TEST_F(KubePluginE2E, RegistersAndPublishesTheNodesSlice) {
+  start_plugin();
+  const reg::PluginInfo info = register_plugin();
+  EXPECT_EQ(info.type(), "DRAPlugin");
+  EXPECT_EQ(info.name(), "gpu.fracgpu.io");
+  EXPECT_EQ(info.endpoint(), plugin_dir_ + "/dra.sock");
+  ASSERT_EQ(info.supported_versions_size(), 1);
+  EXPECT_EQ(info.supported_versions(0), "v1.DRAPlugin");
+  struct stat st {};
+  ASSERT_EQ(stat((plugin_dir_ + "/dra.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat((registry_dir_ + "/gpu.fracgpu.io-reg.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_NE(read_file(plugin_log_).find("registration: the kubelet registered the plugin"), std::string::npos);
+
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  const json devices = slice_devices();
+  for (int i = 0; i < 3; ++i) {
+    const json* d = find_device(devices, "gpu-" + std::to_string(i));
+    ASSERT_TRUE(d) << devices.dump();
+    EXPECT_EQ((*d)["attributes"]["uuid"]["string"], kUuids[i]);
+    EXPECT_EQ((*d)["capacity"]["memory"]["value"], std::to_string(16 * kGiB));
+    EXPECT_EQ((*d)["capacity"]["share"]["value"], "1");
+    EXPECT_EQ((*d)["allowMultipleAllocations"], true);
+  }
+  // A prepared claim does not change what is published: the scheduler books
+  // claims against the capacity itself (subtracting them here would count
+  // them twice). The plugin looks again (a change), and writes nothing.
+  const size_t writes = api_->writes().size();
+  const auto claim = write_claim(1, {result("gpu-2", {{"memory", "4Gi"}, {"share", "250m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  std::this_thread::sleep_for(1500ms);
+  const json after = slice_devices();
+  EXPECT_EQ(after, devices);
+  EXPECT_EQ(api_->writes().size(), writes);  // unchanged devices: no write
+
+  // Stopped: its sockets go (the kubelet deregisters it).
+  stop_plugin();
+  EXPECT_FALSE(fs::exists(registry_dir_ + "/gpu.fracgpu.io-reg.sock"));
+  EXPECT_FALSE(fs::exists(plugin_dir_ + "/dra.sock"));
+}
+
+TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemovesIt) {
+  start_plugin();
+  const auto claim = write_claim(2, {result("gpu-1", {{"memory", "4Gi"}, {"share", "500m"}})});
+  const auto response = prepare({claim});
+  ASSERT_EQ(response.claims().size(), 1u);
+  const auto& prepared = response.claims().at(claim.uid);
+  ASSERT_EQ(prepared.error(), "");
+  ASSERT_EQ(prepared.devices_size(), 1);
+  EXPECT_EQ(prepared.devices(0).pool_name(), kNode);
+  EXPECT_EQ(prepared.devices(0).device_name(), "gpu-1");
+  ASSERT_EQ(prepared.devices(0).request_names_size(), 1);
+  EXPECT_EQ(prepared.devices(0).request_names(0), "gpu");
+  ASSERT_EQ(prepared.devices(0).cdi_device_ids_size(), 2);
+  EXPECT_EQ(prepared.devices(0).cdi_device_ids(0), "gpu.fracgpu.io/claim=" + claim.uid);
+  EXPECT_EQ(prepared.devices(0).cdi_device_ids(1), "nvidia.com/gpu=" + kUuids[1]);
+
+  // The tenant: exactly the consumed capacity, annotated with the claim.
+  const control::Reply got = call({{"op", "get"}, {"name", "dra-" + claim.uid}});
+  ASSERT_TRUE(got.ok) << got.error;
+  const json tenant = got.body["tenant"];
+  ASSERT_EQ(tenant["gpus"].size(), 1u);
+  EXPECT_EQ(tenant["gpus"][0]["uuid"], kUuids[1]);
+  EXPECT_EQ(tenant["gpus"][0]["memory"], 4 * kGiB);
+  EXPECT_EQ(tenant["gpus"][0]["share"], 0.5);
+  EXPECT_EQ(tenant["gpus"][0]["limit"], 0.5);
+  EXPECT_EQ(tenant["annotations"]["claim-namespace"], "team-a");
+  EXPECT_EQ(tenant["annotations"]["claim-name"], claim.name);
+  EXPECT_EQ(tenant["annotations"]["claim-uid"], claim.uid);
+  EXPECT_TRUE(fs::exists(record_path(claim.uid)));
+  ASSERT_TRUE(fs::exists(cdi_spec_path(claim.uid)));
+
+  // A process started with the spec's mounts and environment sees the quota
+  // through the interposer.
+  if (can_make_containers()) {
+    const std::string out = run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
+    EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("total=" + std::to_string(4 * kGiB) + "\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 5 GiB: out of memory; 1 GiB fits
+  } else {
+    ADD_FAILURE() << "unshare -m is not permitted here: the container step did not run";
+  }
+
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_FALSE(call({{"op", "get"}, {"name", "dra-" + claim.uid}}).ok);
+  EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+  EXPECT_TRUE(api_tenants().empty());
+}
+
+TEST_F(KubePluginE2E, KubeletRetriesAreIdempotent) {
+  start_plugin();
+  const auto claim = write_claim(3, {result("gpu-0", {{"memory", "2Gi"}, {"share", "250m"}})});
+  const auto first = prepare({claim});
+  ASSERT_EQ(first.claims().at(claim.uid).error(), "");
+  const std::string spec = read_file(cdi_spec_path(claim.uid));
+  // The claim changes at the API server meanwhile: a retry answers from the
+  // record, the same as the first time.
+  write_claim(3, {result("gpu-2", {{"memory", "8Gi"}, {"share", "750m"}})});
+  for (int i = 0; i < 3; ++i) {
+    const auto again = prepare({claim});
+    EXPECT_EQ(again.claims().at(claim.uid).SerializeAsString(), first.claims().at(claim.uid).SerializeAsString());
+  }
+  EXPECT_EQ(read_file(cdi_spec_path(claim.uid)), spec);
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_EQ(unprepare(claim), "");  // again: nothing left, success
+  // Never prepared here: success, and a tenant of that name that is not the
+  // plugin's (no record) is left alone.
+  const kube_plugin::ClaimRef stranger{"team-b", "x", uid_of(9)};
+  ASSERT_TRUE(call({{"op", "create"}, {"tenant", {{"name", "dra-" + stranger.uid}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.1}}}}}}}).ok);
+  EXPECT_EQ(unprepare(stranger), "");
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + stranger.uid});
+}
+
+// Killed after each step of prepare, restarted, asked again: one tenant, and
+// unprepare leaves nothing.
+TEST_F(KubePluginE2E, APluginKilledMidPrepareNeitherLeaksNorDuplicates) {
+  int n = 10;
+  for (const char* point : kube_plugin::kCrashPoints) {
+    SCOPED_TRACE(point);
+    const auto claim = write_claim(n++, {result("gpu-1", {{"memory", "3Gi"}, {"share", "300m"}})});
+    start_plugin(point);
+    grpc::Status status;
+    prepare({claim}, &status);
+    EXPECT_FALSE(status.ok());  // the plugin died in the call
+    EXPECT_EQ(wait_exit(plugin_, 10s), kube_plugin::kCrashExitStatus) << read_file(plugin_log_);
+    plugin_ = -1;
+    EXPECT_TRUE(fs::exists(record_path(claim.uid)));
+    start_plugin();
+    const auto response = prepare({claim});
+    ASSERT_EQ(response.claims().at(claim.uid).error(), "");
+    EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+    EXPECT_EQ(call({{"op", "get"}, {"name", "dra-" + claim.uid}}).body["tenant"]["gpus"][0]["memory"], 3 * kGiB);
+    EXPECT_TRUE(fs::exists(cdi_spec_path(claim.uid)));
+    EXPECT_EQ(unprepare(claim), "");
+    EXPECT_TRUE(api_tenants().empty());
+    EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+    EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+    stop_plugin();
+  }
+  // Killed after the record, then unprepared (the pod went away meanwhile):
+  // nothing left either.
+  const auto claim = write_claim(n, {result("gpu-0", {{"memory", "1Gi"}, {"share", "100m"}})});
+  start_plugin("after-tenant");
+  grpc::Status status;
+  prepare({claim}, &status);
+  EXPECT_EQ(wait_exit(plugin_, 10s), kube_plugin::kCrashExitStatus);
+  plugin_ = -1;
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+  start_plugin();
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_TRUE(api_tenants().empty());
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+}
+
+TEST_F(KubePluginE2E, ADaemonRestartBetweenPrepareAndUnprepare) {
+  start_plugin();
+  const auto claim = write_claim(4, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  stop_daemon();
+  start_daemon();
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});  // kept by the daemon
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");  // a kubelet retry meanwhile
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_TRUE(api_tenants().empty());
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+}
+
+TEST_F(KubePluginE2E, AClaimWhoseCapacityIsNoLongerFreeIsRefusedClearly) {
+  start_plugin();
+  // Someone took most of GPU 0 after the scheduler booked the claim there.
+  ASSERT_TRUE(call({{"op", "create"}, {"tenant", {{"name", "other"}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.75}}}}}}}).ok);
+  const auto claim = write_claim(5, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});
+  const std::string error = prepare({claim}).claims().at(claim.uid).error();
+  EXPECT_EQ(error.rfind("claim team-a/claim-5: " + kUuids[0] + ": share 0.5 asked, 0.25 free", 0), 0u) << error;
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"other"});
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+  EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+  // Claims the plugin cannot read are per-claim errors too; the good one in
+  // the same call is prepared.
+  const kube_plugin::ClaimRef missing{"team-a", "gone", uid_of(6)};
+  const auto good = write_claim(7, {result("gpu-1", {{"memory", "1Gi"}, {"share", "100m"}})});
+  const auto both = prepare({missing, good});
+  EXPECT_NE(both.claims().at(missing.uid).error().find("claim team-a/gone: GET /apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/gone: HTTP 404"),
+            std::string::npos)
+      << both.claims().at(missing.uid).error();
+  EXPECT_EQ(both.claims().at(good.uid).error(), "");
+}
+
+TEST_F(KubePluginE2E, AFencedGpuLeavesTheSliceAndReturns) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  write_file(faults_path_, "1 lost\n");
+  EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 2 && !find_device(d, "gpu-1"); }))
+      << slice_devices().dump();
+  write_file(faults_path_, "");
+  EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 3 && find_device(d, "gpu-1"); }))
+      << slice_devices().dump();
+}
+
+TEST_F(KubePluginE2E, TwoAndAHalfGpusAreOneTenant) {
+  start_plugin();
+  const auto claim = write_claim(8, {result("gpu-0", nullptr, "whole"), result("gpu-2", nullptr, "whole"),
+                                     result("gpu-1", {{"memory", "8Gi"}, {"share", "500m"}}, "half")},
+                                 {{{"source", "FromClaim"},
+                                   {"requests", {"half"}},
+                                   {"opaque",
+                                    {{"driver", "gpu.fracgpu.io"},
+                                     {"parameters", {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}, {"limit", "1.0"}}}}}}});
+  const auto response = prepare({claim});
+  ASSERT_EQ(response.claims().at(claim.uid).error(), "");
+  EXPECT_EQ(response.claims().at(claim.uid).devices_size(), 3);
+  const json tenant = call({{"op", "get"}, {"name", "dra-" + claim.uid}}).body["tenant"];
+  ASSERT_EQ(tenant["gpus"].size(), 3u) << tenant.dump();
+  for (const json& g : tenant["gpus"]) {
+    if (g["uuid"] == kUuids[1]) {
+      EXPECT_EQ(g["share"], 0.5);
+      EXPECT_EQ(g["memory"], 8 * kGiB);
+      EXPECT_EQ(g["limit"], 1.0);
+    } else {
+      EXPECT_EQ(g["share"], 1.0);
+      EXPECT_EQ(g["memory"], 16 * kGiB);
+    }
+  }
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_TRUE(api_tenants().empty());
+}
+
+TEST_F(KubePluginE2E, TheCdiSpecIsValidAndRunsInPodman) {
+  library_container_path_ = "/usr/lib/fracgpu/libfracgpu.so";  // where podman_cdi_test.sh looks for it
+  start_plugin();
+  const auto claim = write_claim(9, {result("gpu-1", {{"memory", "1Gi"}, {"share", "250m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  const std::string log = tmp_ / "validate.log";
+  EXPECT_EQ(wait_exit(spawn({PYTHON3, VALIDATE_CDI, cdi_spec_path(claim.uid)}, log), 30s), 0) << read_file(log);
+  // A spec broken on purpose is caught (the check can fail).
+  json broken = json::parse(read_file(cdi_spec_path(claim.uid)));
+  broken["devices"][0]["containerEdits"]["mounts"][0].erase("containerPath");
+  write_file(tmp_ / "broken.json", broken.dump());
+  EXPECT_EQ(wait_exit(spawn({PYTHON3, VALIDATE_CDI, tmp_ / "broken.json"}, log), 30s), 1) << read_file(log);
+
+  const std::string podman_log = tmp_ / "podman.log";
+  const int rc = wait_exit(spawn({"/bin/bash", PODMAN_CDI_TEST, "--spec-dir", cdi_dir_, "--id",
+                                         "gpu.fracgpu.io/claim=" + claim.uid},
+                                        podman_log),
+                           120s);
+  if (rc == 77) GTEST_SKIP() << read_file(podman_log);
+  EXPECT_EQ(rc, 0) << read_file(podman_log);
+}
+
+TEST_F(KubePluginE2E, UninstallDeletesTheNodesSlices) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  stop_plugin();
+  const std::string log = tmp_ / "uninstall.log";
+  std::vector<std::string> args = plugin_args();
+  args.push_back("--uninstall");
+  EXPECT_EQ(wait_exit(spawn(args, log), 30s), 0) << read_file(log);
+  EXPECT_TRUE(slice_devices().is_null());
+}
+
+}  // namespace
