@@ -89,7 +89,7 @@ class KubePluginE2E : public ::testing::Test {
     for (pid_t pid : children_) kill_and_reap(pid);
     kill_and_reap(plugin_);
     kill_and_reap(daemon_);
-    if (HasFailure() || getenv("KP_DEBUG")) {
+    if (HasFailure() || getenv("FRACGPU_TEST_SHOW_LOGS")) {
       std::cerr << "---- plugin log\n" << read_file(plugin_log_) << "---- fracgpud log (tail)\n";
       const std::string daemon_log = read_file(daemon_log_);
       std::cerr << daemon_log.substr(daemon_log.size() > 4000 ? daemon_log.size() - 4000 : 0);
