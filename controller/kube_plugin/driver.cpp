@@ -80,10 +80,14 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
   if (!created.ok) {
     const std::string error = fmt::format("{}: {}", who, created.error);
     log_->error("{} (creating tenant {}: {})", error, record.tenant, created.code);
-    // A refusal made nothing: forget the claim, so that a retry reads it
-    // again. Without an answer the tenant may exist: keep the record, which
-    // a retry or an unprepare completes or undoes.
-    if (created.code != control::code::kUnreachable && created.code != control::code::kInternal) {
+    // A refusal with no tenant of that name made nothing: forget the claim,
+    // so that a retry reads it again. Otherwise (no answer; or a tenant made
+    // by an earlier attempt, now refused, e.g. its GPU fenced meanwhile) keep
+    // the record, which a retry or an unprepare completes or undoes.
+    const control::Reply existing = control::call(control::socket_path_in(options_.run_dir),
+                                                  {{"op", control::op::kGet}, {"name", record.tenant}},
+                                                  options_.control_timeout);
+    if (existing.code == control::code::kNotFound) {
       std::string ignored;
       if (!store_.remove(plan.claim.uid, &ignored)) log_->error("{}: {}", who, ignored);
     }

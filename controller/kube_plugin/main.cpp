@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   api->set_logger(log);
+  // The kubelet gives a prepare 45 s: an API call (with its retries) must end well within it.
+  kube::RetryPolicy retries;
+  retries.total_timeout = std::chrono::seconds(30);
+  api->set_retry_policy(retries);
   kube::SliceOptions slice_options;
   slice_options.share_valid_range = share_valid_range;
   kube::SlicePublisher publisher(*api, driver_options.node_name, log, slice_options);

@@ -151,6 +151,17 @@ class KubePluginE2E : public ::testing::Test {
     plugin_ = -1;
   }
 
+  // Starts the plugin with the crash hook at `point` and asks it to prepare
+  // `claim`: it dies in the call.
+  void prepare_until_crash(const kube_plugin::ClaimRef& claim, const std::string& point) {
+    start_plugin(point);
+    grpc::Status status;
+    prepare({claim}, &status);
+    EXPECT_FALSE(status.ok());
+    EXPECT_EQ(wait_exit(plugin_, 10s), kube_plugin::kCrashExitStatus) << read_file(plugin_log_);
+    plugin_ = -1;
+  }
+
   // ---- The stand-in kubelet
   reg::PluginInfo register_plugin() {
     auto channel = grpc::CreateChannel("unix:" + registry_dir_ + "/gpu.fracgpu.io-reg.sock",
@@ -266,9 +277,26 @@ class KubePluginE2E : public ::testing::Test {
   // a private mount namespace whose /run is a tmpfs, the CDI spec's mounts
   // bound in (read-only ones remounted so) and its environment set.
   // Returns the probe's output.
+  // Where mount namespaces are not permitted, the spec's environment is
+  // applied with the host's paths instead (FRACGPU_TENANT_DIR at the tenant
+  // directory, LD_PRELOAD at the interposer), and the test says so.
   std::string run_in_container(const std::string& uid, const std::vector<std::string>& probe_commands) {
     const json spec = json::parse(read_file(cdi_spec_path(uid)));
     const json& edits = spec["devices"][0]["containerEdits"];
+    if (!can_make_containers()) {
+      std::cerr << "note: unshare -m is not permitted here; the probe runs with the spec's host paths\n";
+      std::vector<std::string> env{"SIMCUDA_STATE=" + (tmp_ / "sim-state"), "FRACGPU_UNMANAGED=deny",
+                                   std::string("LD_PRELOAD=") + FRACGPU_LIB,
+                                   "FRACGPU_TENANT_DIR=" + edits["mounts"][0]["hostPath"].get<std::string>()};
+      std::vector<std::string> args{PROBE_PATH};
+      args.insert(args.end(), probe_commands.begin(), probe_commands.end());
+      const std::string log = tmp_ / "container.log";
+      fs::remove(log);
+      const pid_t pid = spawn(args, log, env);
+      children_.push_back(pid);
+      EXPECT_EQ(wait_exit(pid, 20s), 0) << read_file(log);
+      return read_file(log);
+    }
     std::string script = "set -e\nmount -t tmpfs -o mode=0755 tmpfs /run\n";
     for (const json& m : edits["mounts"]) {
       const std::string host = m["hostPath"], path = m["containerPath"];
@@ -389,14 +417,10 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
 
   // A process started with the spec's mounts and environment sees the quota
   // through the interposer.
-  if (can_make_containers()) {
-    const std::string out = run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
-    EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
-    EXPECT_NE(out.find("total=" + std::to_string(4 * kGiB) + "\n"), std::string::npos) << out;
-    EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 5 GiB: out of memory; 1 GiB fits
-  } else {
-    ADD_FAILURE() << "unshare -m is not permitted here: the container step did not run";
-  }
+  const std::string out = run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
+  EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("total=" + std::to_string(4 * kGiB) + "\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 5 GiB: out of memory; 1 GiB fits
 
   EXPECT_EQ(unprepare(claim), "");
   EXPECT_FALSE(call({{"op", "get"}, {"name", "dra-" + claim.uid}}).ok);
@@ -437,12 +461,7 @@ TEST_F(KubePluginE2E, APluginKilledMidPrepareNeitherLeaksNorDuplicates) {
   for (const char* point : kube_plugin::kCrashPoints) {
     SCOPED_TRACE(point);
     const auto claim = write_claim(n++, {result("gpu-1", {{"memory", "3Gi"}, {"share", "300m"}})});
-    start_plugin(point);
-    grpc::Status status;
-    prepare({claim}, &status);
-    EXPECT_FALSE(status.ok());  // the plugin died in the call
-    EXPECT_EQ(wait_exit(plugin_, 10s), kube_plugin::kCrashExitStatus) << read_file(plugin_log_);
-    plugin_ = -1;
+    prepare_until_crash(claim, point);
     EXPECT_TRUE(fs::exists(record_path(claim.uid)));
     start_plugin();
     const auto response = prepare({claim});
@@ -456,19 +475,56 @@ TEST_F(KubePluginE2E, APluginKilledMidPrepareNeitherLeaksNorDuplicates) {
     EXPECT_FALSE(fs::exists(record_path(claim.uid)));
     stop_plugin();
   }
-  // Killed after the record, then unprepared (the pod went away meanwhile):
+  // Killed after the tenant, then unprepared (the pod went away meanwhile):
   // nothing left either.
   const auto claim = write_claim(n, {result("gpu-0", {{"memory", "1Gi"}, {"share", "100m"}})});
-  start_plugin("after-tenant");
-  grpc::Status status;
-  prepare({claim}, &status);
-  EXPECT_EQ(wait_exit(plugin_, 10s), kube_plugin::kCrashExitStatus);
-  plugin_ = -1;
+  prepare_until_crash(claim, "after-tenant");
   EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
   start_plugin();
   EXPECT_EQ(unprepare(claim), "");
   EXPECT_TRUE(api_tenants().empty());
   EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+}
+
+// Killed after the tenant was made; then the tenant is changed behind the
+// plugin's back (a resize), or its GPU fenced, before the kubelet retries.
+// Whether the retry succeeds or not, the tenant stays known (its record) and
+// unprepare removes it.
+TEST_F(KubePluginE2E, AChangeBetweenACrashAndTheRetryLeaksNothing) {
+  const auto crash_after_tenant = [&](int n) {
+    const auto claim = write_claim(n, {result("gpu-1", {{"memory", "1Gi"}, {"share", "200m"}})});
+    prepare_until_crash(claim, "after-tenant");
+    return claim;
+  };
+  const auto unprepare_leaves_nothing = [&](const kube_plugin::ClaimRef& claim) {
+    EXPECT_EQ(unprepare(claim), "");
+    EXPECT_TRUE(api_tenants().empty());
+    EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+    EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+    stop_plugin();
+  };
+
+  // Resized: the retry's create is refused ("exists", another spec); the
+  // record stays, since a tenant of that name is there.
+  auto claim = crash_after_tenant(14);
+  ASSERT_TRUE(call({{"op", "resize"},
+                    {"tenant", {{"name", "dra-" + claim.uid}, {"gpus", {{{"uuid", kUuids[1]}, {"share", 0.3}}}}}}})
+                  .ok);
+  start_plugin();
+  const std::string error = prepare({claim}).claims().at(claim.uid).error();
+  EXPECT_EQ(error.rfind("claim team-a/claim-14: ", 0), 0u) << error;
+  EXPECT_TRUE(fs::exists(record_path(claim.uid)));
+  unprepare_leaves_nothing(claim);
+
+  // Fenced: the daemon answers a create of the same spec before it looks at
+  // fences, so the retry succeeds.
+  claim = crash_after_tenant(15);
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(eventually([&] { return call({{"op", "node"}}).body["node"]["gpus"][1]["fenced"] == true; }, 10s));
+  start_plugin();
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+  unprepare_leaves_nothing(claim);
 }
 
 TEST_F(KubePluginE2E, ADaemonRestartBetweenPrepareAndUnprepare) {
