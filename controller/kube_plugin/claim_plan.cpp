@@ -32,9 +32,12 @@ std::string parent_request(const std::string& request) { return request.substr(0
 
 bool config_applies(const json& config, const std::string& request) {
   auto it = config.find("requests");
-  if (it == config.end() || !it->is_array() || it->empty()) return true;
-  for (const json& r : *it)
-    if (r.is_string() && (r == request || r == parent_request(request))) return true;
+  if (it == config.end() || it->is_null()) return true;
+  // Not a list of strings: json::type_error, the claim's error (plan_claim).
+  const auto requests = it->get<std::vector<std::string>>();
+  if (requests.empty()) return true;
+  for (const std::string& r : requests)
+    if (r == request || r == parent_request(request)) return true;
   return false;
 }
 
@@ -92,6 +95,11 @@ std::map<std::string, const json*> gpus_by_device(const json& node) {
 
 }  // namespace
 
+namespace {
+std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& claim, const std::string& node_name,
+                                            const json& node, std::string* error);
+}  // namespace
+
 bool valid_claim_uid(const std::string& uid) {
   if (uid.empty() || uid.size() > 58) return false;
   for (char c : uid)
@@ -103,6 +111,20 @@ std::string tenant_name(const std::string& uid) { return kTenantPrefix + uid; }
 
 std::optional<ClaimPlan> plan_claim(const ClaimRef& ref, const json& claim, const std::string& node_name,
                                     const json& node, std::string* error) {
+  // The API server's object is input: a member of an unexpected type is an
+  // error of this claim, never an exception out of the plugin.
+  try {
+    return plan_claim_checked(ref, claim, node_name, node, error);
+  } catch (const json::exception& e) {
+    *error = fmt::format("claim {}: malformed ResourceClaim ({})", ref.shown(), e.what());
+    return std::nullopt;
+  }
+}
+
+namespace {
+
+std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& claim, const std::string& node_name,
+                                            const json& node, std::string* error) {
   const std::string who = "claim " + ref.shown();
   if (!claim.is_object() || !claim.contains("metadata") || !claim["metadata"].is_object()) {
     *error = who + ": the API server's answer is not a ResourceClaim";
@@ -217,6 +239,8 @@ std::optional<ClaimPlan> plan_claim(const ClaimRef& ref, const json& claim, cons
   }
   return plan;
 }
+
+}  // namespace
 
 json tenant_spec(const ClaimPlan& plan) {
   json gpus = json::array();

@@ -57,7 +57,8 @@ PrepareResult Driver::prepare(const ClaimRef& claim) {
                                             options_.control_timeout);
   if (!node.ok) return {{}, {}, fmt::format("{}: fracgpud's node: [{}] {}", who, node.code, node.error)};
 
-  auto plan = plan_claim(claim, object, options_.node_name, node.body.value("node", json()), &error);
+  const json node_object = node.body.is_object() ? node.body.value("node", json()) : json();
+  auto plan = plan_claim(claim, object, options_.node_name, node_object, &error);
   if (!plan) {
     log_->error("{}", error);
     return {{}, {}, error};

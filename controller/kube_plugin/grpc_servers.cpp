@@ -32,7 +32,12 @@ class DraService final : public dra::DRAPlugin::Service {
   grpc::Status NodePrepareResources(grpc::ServerContext*, const dra::NodePrepareResourcesRequest* request,
                                     dra::NodePrepareResourcesResponse* response) override {
     for (const dra::Claim& claim : request->claims()) {
-      PrepareResult result = driver_.prepare(ref_of(claim));
+      PrepareResult result;
+      try {
+        result = driver_.prepare(ref_of(claim));
+      } catch (const std::exception& e) {  // never expected; the claim fails, the plugin stays up
+        result.error = fmt::format("claim {}: internal error: {}", ref_of(claim).shown(), e.what());
+      }
       dra::NodePrepareResourceResponse& out = (*response->mutable_claims())[claim.uid()];
       if (!result.error.empty()) {
         out.set_error(result.error);
@@ -53,8 +58,15 @@ class DraService final : public dra::DRAPlugin::Service {
 
   grpc::Status NodeUnprepareResources(grpc::ServerContext*, const dra::NodeUnprepareResourcesRequest* request,
                                       dra::NodeUnprepareResourcesResponse* response) override {
-    for (const dra::Claim& claim : request->claims())
-      (*response->mutable_claims())[claim.uid()].set_error(driver_.unprepare(ref_of(claim)));
+    for (const dra::Claim& claim : request->claims()) {
+      std::string error;
+      try {
+        error = driver_.unprepare(ref_of(claim));
+      } catch (const std::exception& e) {  // as above
+        error = fmt::format("claim {}: internal error: {}", ref_of(claim).shown(), e.what());
+      }
+      (*response->mutable_claims())[claim.uid()].set_error(error);
+    }
     return grpc::Status::OK;
   }
 

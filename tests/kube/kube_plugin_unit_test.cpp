@@ -167,6 +167,21 @@ TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
             std::string::npos);
 }
 
+// Members of unexpected types are this claim's error, not an exception.
+TEST(ClaimPlan, MalformedObjectsAreErrorsNotExceptions) {
+  json c = claim({result("gpu-0")});
+  c["status"] = "allocated";
+  EXPECT_NE(plan_error(c).find("claim team-a/train-gpu: malformed ResourceClaim"), std::string::npos);
+  c = claim({result("gpu-0", {{"memory", 5}})});
+  EXPECT_NE(plan_error(c).find("consumedCapacity.memory 5 is not a quantity"), std::string::npos);
+  c = claim({result("gpu-0")}, {gpu_config("FromClaim", "1.0", "gpu")});  // requests: a string, not a list
+  EXPECT_NE(plan_error(c).find("malformed ResourceClaim"), std::string::npos);
+  // What is not a result or config of this driver is not looked at.
+  c = claim({42, result("gpu-0")}, json::array({"not a config"}));
+  std::string error;
+  EXPECT_TRUE(plan_claim(kRef, c, kNode, node_object(3), &error)) << error;
+}
+
 TEST(ClaimPlan, UidsThatCannotNameFilesAreRefused) {
   EXPECT_TRUE(valid_claim_uid(kUid));
   for (const char* bad : {"", "../x", "a/b", "-a", "A", "a.b", "0123456789012345678901234567890123456789012345678901234567890"})
