@@ -39,8 +39,7 @@ bool write_all(int fd, std::string_view text) {
 
 }  // namespace
 
-bool write_file_atomic(const std::string& dir, const std::string& name, std::string_view text,
-                       std::string* error) {
+bool write_file_atomic(const std::string& dir, const std::string& name, std::string_view text, std::string* error) {
   static thread_local std::mt19937_64 random{std::random_device{}()};
   const std::string temp = fmt::format(".{}.{:016x}.tmp", name, random());
   const std::string temp_path = dir + "/" + temp;
@@ -100,8 +99,10 @@ std::optional<std::string> read_regular_file(const std::string& dir, const std::
       if (n <= 0) break;
       got += static_cast<size_t>(n);
     }
-    if (got == text.size()) out = std::move(text);
-    else *error = why("read " + path);
+    if (got == text.size())
+      out = std::move(text);
+    else
+      *error = why("read " + path);
   }
   ::close(fd);
   return out;

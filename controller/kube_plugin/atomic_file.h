@@ -12,8 +12,7 @@ namespace fracgpu::kube_plugin {
 // `dir` (O_CREAT | O_EXCL, never through a link), fsync()ed, renamed over
 // `name`, then `dir` fsync()ed, so that after a crash the name holds the old
 // content or the new one. Mode 0644. false with *error naming the file.
-bool write_file_atomic(const std::string& dir, const std::string& name, std::string_view text,
-                       std::string* error);
+bool write_file_atomic(const std::string& dir, const std::string& name, std::string_view text, std::string* error);
 
 // Removes `dir`/`name` and fsync()s `dir`. Absent is success.
 bool remove_file_durable(const std::string& dir, const std::string& name, std::string* error);

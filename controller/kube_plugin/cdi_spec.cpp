@@ -25,14 +25,13 @@ json build_cdi_spec(const ClaimPlan& plan, const std::string& host_tenant_dir, c
   auto mount = [](const std::string& host, const std::string& container, const char* mode) {
     return json{{"hostPath", host}, {"containerPath", container}, {"options", {mode, "nosuid", "nodev", "bind"}}};
   };
-  json edits = {
-      {"env",
-       {"LD_PRELOAD=" + options.library_container_path, std::string("FRACGPU_TENANT_DIR=") + kContainerTenantDir,
-        "FRACGPU_UNMANAGED=deny"}},
-      {"mounts",
-       {mount(host_tenant_dir, kContainerTenantDir, "ro"),
-        mount(host_tenant_dir + "/usage", std::string(kContainerTenantDir) + "/usage", "rw"),
-        mount(options.library_host_path, options.library_container_path, "ro")}}};
+  json edits = {{"env",
+                 {"LD_PRELOAD=" + options.library_container_path,
+                  std::string("FRACGPU_TENANT_DIR=") + kContainerTenantDir, "FRACGPU_UNMANAGED=deny"}},
+                {"mounts",
+                 {mount(host_tenant_dir, kContainerTenantDir, "ro"),
+                  mount(host_tenant_dir + "/usage", std::string(kContainerTenantDir) + "/usage", "rw"),
+                  mount(options.library_host_path, options.library_container_path, "ro")}}};
   if (options.device_nodes == kDeviceNodesHost) {
     json nodes = json::array();
     for (const char* path : {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"})

@@ -42,8 +42,7 @@ std::string cdi_spec_file_name(const std::string& uid);
 std::string cdi_device_id(const std::string& uid);
 // The CDI ids the kubelet passes to the runtime for this claim's devices:
 // ours, then NVIDIA's per GPU of the device (nvidia-cdi mode).
-std::vector<std::string> cdi_device_ids(const ClaimPlan& plan, const PreparedDevice& device,
-                                        const CdiOptions& options);
+std::vector<std::string> cdi_device_ids(const ClaimPlan& plan, const PreparedDevice& device, const CdiOptions& options);
 
 // The spec for `plan`, whose tenant's directory on the host is
 // `host_tenant_dir`.

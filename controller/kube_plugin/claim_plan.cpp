@@ -132,8 +132,8 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
   }
   const std::string uid = str(claim["metadata"], "uid");
   if (uid != ref.uid) {
-    *error = fmt::format("{}: the API server has uid {}, the kubelet asked for {} (the claim was replaced)", who,
-                         uid, ref.uid);
+    *error = fmt::format("{}: the API server has uid {}, the kubelet asked for {} (the claim was replaced)", who, uid,
+                         ref.uid);
     return std::nullopt;
   }
   const json allocation = claim.value("status", json::object()).value("allocation", json());
@@ -155,8 +155,8 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
     if (str(result, "driver") != kube::kDriverName) continue;
     const std::string field = fmt::format("status.allocation.devices.results[{}]", i);
     if (str(result, "pool") != node_name) {
-      *error = fmt::format("{}: {} is in pool \"{}\", not this node's ({})", who, field, str(result, "pool"),
-                           node_name);
+      *error =
+          fmt::format("{}: {} is in pool \"{}\", not this node's ({})", who, field, str(result, "pool"), node_name);
       return std::nullopt;
     }
     const std::string device = str(result, "device");
@@ -188,8 +188,8 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
       }
       if (name == "memory") {
         if (q->value() <= 0 || static_cast<uint64_t>(q->value()) > gpu_memory) {
-          *error = fmt::format("{}: {}: memory {} is not within the GPU's {} bytes", who, uuid, q->decimal(),
-                               gpu_memory);
+          *error =
+              fmt::format("{}: {}: memory {} is not within the GPU's {} bytes", who, uuid, q->decimal(), gpu_memory);
           return std::nullopt;
         }
         memory = static_cast<uint64_t>(q->value());
@@ -214,8 +214,7 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
     plan.devices.push_back({request, str(result, "pool"), device, uuid, str(result, "shareID")});
   }
   if (plan.devices.empty()) {
-    *error = fmt::format("{}: no device of driver {} is allocated to it on node {}", who, kube::kDriverName,
-                         node_name);
+    *error = fmt::format("{}: no device of driver {} is allocated to it on node {}", who, kube::kDriverName, node_name);
     return std::nullopt;
   }
   if (gpus.size() > 16) {
@@ -266,8 +265,11 @@ json plan_to_json(const ClaimPlan& plan) {
   for (const PreparedDevice& d : plan.devices)
     devices.push_back(
         {{"request", d.request}, {"pool", d.pool}, {"device", d.device}, {"uuid", d.uuid}, {"share_id", d.share_id}});
-  return {{"namespace", plan.claim.ns}, {"name", plan.claim.name}, {"uid", plan.claim.uid},
-          {"gpus", std::move(gpus)},   {"devices", std::move(devices)}};
+  return {{"namespace", plan.claim.ns},
+          {"name", plan.claim.name},
+          {"uid", plan.claim.uid},
+          {"gpus", std::move(gpus)},
+          {"devices", std::move(devices)}};
 }
 
 std::optional<ClaimPlan> plan_from_json(const json& j, std::string* error) {

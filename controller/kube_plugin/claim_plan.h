@@ -43,24 +43,24 @@ struct ClaimRef {
 struct PreparedDevice {
   std::string request;  // the result's request ("gpu", or "gpu/sub")
   std::string pool;
-  std::string device;   // "gpu-<index>"
-  std::string uuid;     // the GPU's
-  std::string share_id; // the result's shareID, when the scheduler gave one
+  std::string device;    // "gpu-<index>"
+  std::string uuid;      // the GPU's
+  std::string share_id;  // the result's shareID, when the scheduler gave one
 };
 
 // One GPU of the tenant.
 struct PlannedGpu {
   std::string uuid;
   int64_t index = 0;
-  uint64_t memory = 0;  // bytes
-  double share = 0;     // (0, 1], to a millionth
+  uint64_t memory = 0;          // bytes
+  double share = 0;             // (0, 1], to a millionth
   std::optional<double> limit;  // absent: the share (a hard cap)
 };
 
 struct ClaimPlan {
   ClaimRef claim;
-  std::vector<PlannedGpu> gpus;          // one per GPU, in index order
-  std::vector<PreparedDevice> devices;   // one per result, in the claim's order
+  std::vector<PlannedGpu> gpus;         // one per GPU, in index order
+  std::vector<PreparedDevice> devices;  // one per result, in the claim's order
 };
 
 // A UID the plugin accepts in file names and tenant names: 1 to 58 of

@@ -37,14 +37,18 @@ std::string Driver::host_tenant_dir(const std::string& uid) const {
 PrepareResult Driver::prepare(const ClaimRef& claim) {
   std::lock_guard lock(mutex_);
   const std::string who = "claim " + claim.shown();
-  if (!valid_claim_uid(claim.uid)) return {{}, {}, fmt::format("{}: uid \"{}\" is not one this plugin takes", who, claim.uid)};
+  if (!valid_claim_uid(claim.uid))
+    return {{}, {}, fmt::format("{}: uid \"{}\" is not one this plugin takes", who, claim.uid)};
 
   std::string error;
   if (auto record = store_.get(claim.uid, &error)) {
     log_->info("{} ({}): prepared before (record found), making sure of its tenant and CDI spec", who, claim.uid);
     return apply(*record);
   }
-  if (!error.empty()) return {{}, {}, who + ": " + error};
+  if (!error.empty()) {
+    log_->error("{}: {}", who, error);
+    return {{}, {}, who + ": " + error};
+  }
 
   if (!api_) return {{}, {}, who + ": no API server to read it from"};
   const std::string path = fmt::format("{}/namespaces/{}/resourceclaims/{}", kube::kResourceApi,
@@ -53,9 +57,13 @@ PrepareResult Driver::prepare(const ClaimRef& claim) {
   if (!got.ok()) return {{}, {}, fmt::format("{}: GET {}: {}", who, path, got.error)};
   const json object = json::parse(got.body, nullptr, false);
 
-  const control::Reply node = control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kNode}},
-                                            options_.control_timeout);
-  if (!node.ok) return {{}, {}, fmt::format("{}: fracgpud's node: [{}] {}", who, node.code, node.error)};
+  const control::Reply node =
+      control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kNode}}, options_.control_timeout);
+  if (!node.ok) {
+    error = fmt::format("{}: fracgpud's node: [{}] {}", who, node.code, node.error);
+    log_->error("{}", error);
+    return {{}, {}, error};
+  }
 
   const json node_object = node.body.is_object() ? node.body.value("node", json()) : json();
   auto plan = plan_claim(claim, object, options_.node_name, node_object, &error);
@@ -85,9 +93,9 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
     // so that a retry reads it again. Otherwise (no answer; or a tenant made
     // by an earlier attempt, now refused, e.g. its GPU fenced meanwhile) keep
     // the record, which a retry or an unprepare completes or undoes.
-    const control::Reply existing = control::call(control::socket_path_in(options_.run_dir),
-                                                  {{"op", control::op::kGet}, {"name", record.tenant}},
-                                                  options_.control_timeout);
+    const control::Reply existing =
+        control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kGet}, {"name", record.tenant}},
+                      options_.control_timeout);
     if (existing.code == control::code::kNotFound) {
       std::string ignored;
       if (!store_.remove(plan.claim.uid, &ignored)) log_->error("{}: {}", who, ignored);
@@ -101,8 +109,7 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
   std::string error;
   if (!make_dirs(options_.cdi_dir, 0755, &error) ||
       !write_file_atomic(options_.cdi_dir, record.cdi_spec,
-                         build_cdi_spec(plan, host_tenant_dir(plan.claim.uid), options_.cdi).dump(2) + "\n",
-                         &error)) {
+                         build_cdi_spec(plan, host_tenant_dir(plan.claim.uid), options_.cdi).dump(2) + "\n", &error)) {
     log_->error("{}: writing its CDI spec: {}", who, error);
     return {{}, {}, who + ": writing its CDI spec: " + error};
   }
@@ -135,9 +142,9 @@ std::string Driver::unprepare(const ClaimRef& claim) {
     return "";
   }
   // Only a tenant named dra-<uid> from this claim's own record is deleted.
-  const control::Reply deleted = control::call(control::socket_path_in(options_.run_dir),
-                                               {{"op", control::op::kDelete}, {"name", record->tenant}},
-                                               options_.control_timeout);
+  const control::Reply deleted =
+      control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kDelete}, {"name", record->tenant}},
+                    options_.control_timeout);
   if (!deleted.ok) {
     log_->error("{}: deleting tenant {}: [{}] {}", who, record->tenant, deleted.code, deleted.error);
     return fmt::format("{}: deleting tenant {}: {}", who, record->tenant, deleted.error);

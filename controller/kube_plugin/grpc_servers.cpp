@@ -91,8 +91,10 @@ class RegistrationService final : public reg::Registration::Service {
   grpc::Status NotifyRegistrationStatus(grpc::ServerContext*, const reg::RegistrationStatus* status,
                                         reg::RegistrationStatusResponse*) override {
     registered_.store(status->plugin_registered());
-    if (status->plugin_registered()) log_->info("registration: the kubelet registered the plugin");
-    else log_->error("registration: the kubelet refused the plugin: {}", status->error());
+    if (status->plugin_registered())
+      log_->info("registration: the kubelet registered the plugin");
+    else
+      log_->error("registration: the kubelet refused the plugin: {}", status->error());
     return grpc::Status::OK;
   }
 
@@ -135,7 +137,9 @@ struct PluginServers::Services {
 
 PluginServers::PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir,
                              std::shared_ptr<spdlog::logger> log)
-    : driver_(driver), plugin_dir_(std::move(plugin_dir)), registry_dir_(std::move(registry_dir)),
+    : driver_(driver),
+      plugin_dir_(std::move(plugin_dir)),
+      registry_dir_(std::move(registry_dir)),
       log_(std::move(log)) {}
 
 PluginServers::~PluginServers() { stop(); }

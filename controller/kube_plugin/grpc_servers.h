@@ -34,8 +34,7 @@ std::string registration_socket_name();
 
 class PluginServers {
  public:
-  PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir,
-                std::shared_ptr<spdlog::logger> log);
+  PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir, std::shared_ptr<spdlog::logger> log);
   ~PluginServers();
 
   // Serves the DRA socket first, then the registration socket (the kubelet

@@ -4,13 +4,15 @@
 // until SIGTERM or SIGINT. With --uninstall: deletes the node's slices and exits.
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
-#include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include "kube/api_client.h"
 #include "kube/resource_slice.h"
@@ -69,9 +71,9 @@ int main(int argc, char** argv) {
   log->flush_on(spdlog::level::info);
   spdlog::set_default_logger(log);
   if (const char* crash = std::getenv(kube_plugin::kCrashEnv); crash && *crash) {
-    bool known = false;
-    for (const char* point : kube_plugin::kCrashPoints) known = known || driver_options.crash_point.assign(crash) == point;
-    if (!known) {
+    driver_options.crash_point = crash;
+    if (std::find(std::begin(kube_plugin::kCrashPoints), std::end(kube_plugin::kCrashPoints),
+                  driver_options.crash_point) == std::end(kube_plugin::kCrashPoints)) {
       log->error("{}={}: not a crash point (after-record, after-tenant, after-cdi)", kube_plugin::kCrashEnv, crash);
       return 64;
     }
@@ -79,7 +81,8 @@ int main(int argc, char** argv) {
   }
 
   std::string error;
-  auto api = kubeconfig.empty() ? kube::ApiClient::in_cluster(&error) : kube::ApiClient::from_kubeconfig(kubeconfig, &error);
+  auto api =
+      kubeconfig.empty() ? kube::ApiClient::in_cluster(&error) : kube::ApiClient::from_kubeconfig(kubeconfig, &error);
   if (!api) {
     log->error("the API server: {}", error);
     return 1;
@@ -105,10 +108,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto interval = std::chrono::milliseconds(std::llround(slice_interval_s * 1000));
-  kube_plugin::SliceLoop slices(publisher,
-                                {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),
-                                 driver_options.control_timeout},
-                                [&driver] { return driver.changes(); }, log);
+  kube_plugin::SliceLoop slices(
+      publisher,
+      {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),
+       driver_options.control_timeout},
+      [&driver] { return driver.changes(); }, log);
   slices.start();
 
   int signal_number = 0;

@@ -14,7 +14,9 @@ SliceLoop::SliceLoop(kube::SlicePublisher& publisher, SliceLoopOptions options, 
 
 SliceLoop::~SliceLoop() { stop(); }
 
-void SliceLoop::start() { thread_ = std::thread([this] { run(); }); }
+void SliceLoop::start() {
+  thread_ = std::thread([this] { run(); });
+}
 
 void SliceLoop::stop() {
   {
@@ -34,8 +36,8 @@ void SliceLoop::run() {
   std::unique_lock lock(mutex_);
   while (!stop_) {
     lock.unlock();
-    const control::Reply reply = control::call(control::socket_path_in(options_.run_dir),
-                                               {{"op", control::op::kNode}}, options_.control_timeout);
+    const control::Reply reply = control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kNode}},
+                                               options_.control_timeout);
     if (!reply.ok) {
       // Without the daemon the slice stays as it was: what it offers is
       // still booked in the daemon's api-tenants.json.

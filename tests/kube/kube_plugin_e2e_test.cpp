@@ -78,10 +78,10 @@ class KubePluginE2E : public ::testing::Test {
     options.tokens = {"t"};
     options.fixtures = claims_dir_;
     api_ = std::make_unique<FakeApiServer>(options);
-    write_file(kubeconfig_, kube::testing::kubeconfig_yaml("      server: " + api_->url() +
-                                                               "\n      certificate-authority: " + api_->ca_file() +
-                                                               "\n",
-                                                           "      token: t\n"));
+    write_file(kubeconfig_,
+               kube::testing::kubeconfig_yaml(
+                   "      server: " + api_->url() + "\n      certificate-authority: " + api_->ca_file() + "\n",
+                   "      token: t\n"));
     api_control_ = kube::testing::control_client(*api_, tmp_);
   }
 
@@ -139,8 +139,8 @@ class KubePluginE2E : public ::testing::Test {
     std::vector<std::string> env;
     if (!crash.empty()) env.push_back(std::string(kube_plugin::kCrashEnv) + "=" + crash);
     plugin_ = spawn(plugin_args(), plugin_log_, env);
-    ASSERT_TRUE(eventually([&] { return read_file(plugin_log_).find("serving v1.DRAPlugin", before) != std::string::npos; },
-                           10s))
+    ASSERT_TRUE(eventually(
+        [&] { return read_file(plugin_log_).find("serving v1.DRAPlugin", before) != std::string::npos; }, 10s))
         << read_file(plugin_log_);
     register_plugin();
   }
@@ -164,8 +164,8 @@ class KubePluginE2E : public ::testing::Test {
 
   // ---- The stand-in kubelet
   reg::PluginInfo register_plugin() {
-    auto channel = grpc::CreateChannel("unix:" + registry_dir_ + "/gpu.fracgpu.io-reg.sock",
-                                       grpc::InsecureChannelCredentials());
+    auto channel =
+        grpc::CreateChannel("unix:" + registry_dir_ + "/gpu.fracgpu.io-reg.sock", grpc::InsecureChannelCredentials());
     auto stub = reg::Registration::NewStub(channel);
     reg::PluginInfo info;
     {
@@ -205,8 +205,10 @@ class KubePluginE2E : public ::testing::Test {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + 30s);
     const grpc::Status s = dra_->NodePrepareResources(&context, request, &response);
-    if (status) *status = s;
-    else EXPECT_TRUE(s.ok()) << s.error_message();
+    if (status)
+      *status = s;
+    else
+      EXPECT_TRUE(s.ok()) << s.error_message();
     return response;
   }
 
@@ -227,16 +229,13 @@ class KubePluginE2E : public ::testing::Test {
         {"apiVersion", "resource.k8s.io/v1"},
         {"kind", "ResourceClaim"},
         {"metadata", {{"name", ref.name}, {"namespace", ref.ns}, {"uid", ref.uid}}},
-        {"status",
-         {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
+        {"status", {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
     fs::create_directories(claims_dir_ + "/" + ref.ns);
     write_file(claims_dir_ + "/" + ref.ns + "/" + ref.name + ".json", claim.dump());
     return ref;
   }
 
-  control::Reply call(const json& request) const {
-    return control::call(run_dir_ + "/control.sock", request, 10s);
-  }
+  control::Reply call(const json& request) const { return control::call(run_dir_ + "/control.sock", request, 10s); }
   // The API tenants of the daemon, by name.
   std::vector<std::string> api_tenants() const {
     std::vector<std::string> out;
@@ -302,8 +301,10 @@ class KubePluginE2E : public ::testing::Test {
       const std::string host = m["hostPath"], path = m["containerPath"];
       bool ro = false;
       for (const json& o : m["options"]) ro = ro || o == "ro";
-      if (fs::is_directory(host)) script += "mkdir -p '" + path + "'\n";
-      else script += "mkdir -p \"$(dirname '" + path + "')\"; [ -e '" + path + "' ] || touch '" + path + "'\n";
+      if (fs::is_directory(host))
+        script += "mkdir -p '" + path + "'\n";
+      else
+        script += "mkdir -p \"$(dirname '" + path + "')\"; [ -e '" + path + "' ] || touch '" + path + "'\n";
       script += "mount --bind '" + host + "' '" + path + "'\n";
       if (ro) script += "mount -o remount,bind,ro,nosuid,nodev '" + path + "'\n";
     }
@@ -417,7 +418,8 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
 
   // A process started with the spec's mounts and environment sees the quota
   // through the interposer.
-  const std::string out = run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
+  const std::string out =
+      run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
   EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
   EXPECT_NE(out.find("total=" + std::to_string(4 * kGiB) + "\n"), std::string::npos) << out;
   EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 5 GiB: out of memory; 1 GiB fits
@@ -449,7 +451,9 @@ TEST_F(KubePluginE2E, KubeletRetriesAreIdempotent) {
   // Never prepared here: success, and a tenant of that name that is not the
   // plugin's (no record) is left alone.
   const kube_plugin::ClaimRef stranger{"team-b", "x", uid_of(9)};
-  ASSERT_TRUE(call({{"op", "create"}, {"tenant", {{"name", "dra-" + stranger.uid}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.1}}}}}}}).ok);
+  ASSERT_TRUE(call({{"op", "create"},
+                    {"tenant", {{"name", "dra-" + stranger.uid}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.1}}}}}}})
+                  .ok);
   EXPECT_EQ(unprepare(stranger), "");
   EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + stranger.uid});
 }
@@ -534,7 +538,7 @@ TEST_F(KubePluginE2E, ADaemonRestartBetweenPrepareAndUnprepare) {
   stop_daemon();
   start_daemon();
   EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});  // kept by the daemon
-  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");  // a kubelet retry meanwhile
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");          // a kubelet retry meanwhile
   EXPECT_EQ(unprepare(claim), "");
   EXPECT_TRUE(api_tenants().empty());
   EXPECT_FALSE(fs::exists(record_path(claim.uid)));
@@ -543,7 +547,8 @@ TEST_F(KubePluginE2E, ADaemonRestartBetweenPrepareAndUnprepare) {
 TEST_F(KubePluginE2E, AClaimWhoseCapacityIsNoLongerFreeIsRefusedClearly) {
   start_plugin();
   // Someone took most of GPU 0 after the scheduler booked the claim there.
-  ASSERT_TRUE(call({{"op", "create"}, {"tenant", {{"name", "other"}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.75}}}}}}}).ok);
+  ASSERT_TRUE(
+      call({{"op", "create"}, {"tenant", {{"name", "other"}, {"gpus", {{{"uuid", kUuids[0]}, {"share", 0.75}}}}}}}).ok);
   const auto claim = write_claim(5, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});
   const std::string error = prepare({claim}).claims().at(claim.uid).error();
   EXPECT_EQ(error.rfind("claim team-a/claim-5: " + kUuids[0] + ": share 0.5 asked, 0.25 free", 0), 0u) << error;
@@ -555,8 +560,12 @@ TEST_F(KubePluginE2E, AClaimWhoseCapacityIsNoLongerFreeIsRefusedClearly) {
   const kube_plugin::ClaimRef missing{"team-a", "gone", uid_of(6)};
   const auto good = write_claim(7, {result("gpu-1", {{"memory", "1Gi"}, {"share", "100m"}})});
   const auto both = prepare({missing, good});
-  EXPECT_NE(both.claims().at(missing.uid).error().find("claim team-a/gone: GET /apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/gone: HTTP 404"),
-            std::string::npos)
+  EXPECT_NE(
+      both.claims()
+          .at(missing.uid)
+          .error()
+          .find("claim team-a/gone: GET /apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/gone: HTTP 404"),
+      std::string::npos)
       << both.claims().at(missing.uid).error();
   EXPECT_EQ(both.claims().at(good.uid).error(), "");
 }
@@ -574,13 +583,15 @@ TEST_F(KubePluginE2E, AFencedGpuLeavesTheSliceAndReturns) {
 
 TEST_F(KubePluginE2E, TwoAndAHalfGpusAreOneTenant) {
   start_plugin();
-  const auto claim = write_claim(8, {result("gpu-0", nullptr, "whole"), result("gpu-2", nullptr, "whole"),
-                                     result("gpu-1", {{"memory", "8Gi"}, {"share", "500m"}}, "half")},
-                                 {{{"source", "FromClaim"},
-                                   {"requests", {"half"}},
-                                   {"opaque",
-                                    {{"driver", "gpu.fracgpu.io"},
-                                     {"parameters", {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}, {"limit", "1.0"}}}}}}});
+  const auto claim = write_claim(
+      8,
+      {result("gpu-0", nullptr, "whole"), result("gpu-2", nullptr, "whole"),
+       result("gpu-1", {{"memory", "8Gi"}, {"share", "500m"}}, "half")},
+      {{{"source", "FromClaim"},
+        {"requests", {"half"}},
+        {"opaque",
+         {{"driver", "gpu.fracgpu.io"},
+          {"parameters", {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}, {"limit", "1.0"}}}}}}});
   const auto response = prepare({claim});
   ASSERT_EQ(response.claims().at(claim.uid).error(), "");
   EXPECT_EQ(response.claims().at(claim.uid).devices_size(), 3);
@@ -614,10 +625,10 @@ TEST_F(KubePluginE2E, TheCdiSpecIsValidAndRunsInPodman) {
   EXPECT_EQ(wait_exit(spawn({PYTHON3, VALIDATE_CDI, tmp_ / "broken.json"}, log), 30s), 1) << read_file(log);
 
   const std::string podman_log = tmp_ / "podman.log";
-  const int rc = wait_exit(spawn({"/bin/bash", PODMAN_CDI_TEST, "--spec-dir", cdi_dir_, "--id",
-                                         "gpu.fracgpu.io/claim=" + claim.uid},
-                                        podman_log),
-                           120s);
+  const int rc = wait_exit(
+      spawn({"/bin/bash", PODMAN_CDI_TEST, "--spec-dir", cdi_dir_, "--id", "gpu.fracgpu.io/claim=" + claim.uid},
+            podman_log),
+      120s);
   if (rc == 77) GTEST_SKIP() << read_file(podman_log);
   EXPECT_EQ(rc, 0) << read_file(podman_log);
 }

@@ -42,10 +42,11 @@ json gpu_config(const std::string& source, const json& limit, json requests = js
 }
 
 json claim(json results, json configs = json::array(), const std::string& uid = kUid) {
-  return {{"apiVersion", "resource.k8s.io/v1"},
-          {"kind", "ResourceClaim"},
-          {"metadata", {{"name", "train-gpu"}, {"namespace", "team-a"}, {"uid", uid}}},
-          {"status", {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
+  return {
+      {"apiVersion", "resource.k8s.io/v1"},
+      {"kind", "ResourceClaim"},
+      {"metadata", {{"name", "train-gpu"}, {"namespace", "team-a"}, {"uid", uid}}},
+      {"status", {{"allocation", {{"devices", {{"results", std::move(results)}, {"config", std::move(configs)}}}}}}}};
 }
 
 ClaimPlan plan_ok(const json& c, int gpus = 3) {
@@ -114,19 +115,21 @@ TEST(ClaimPlan, OtherDriversResultsAreIgnored) {
 TEST(ClaimPlan, TheClaimsConfigWinsOverTheClasss) {
   const json consumed = {{"memory", "16Gi"}, {"share", "250m"}};
   // Class says "share", claim says 1.0: the claim's, whatever the order.
-  ClaimPlan plan = plan_ok(
-      claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "1.0"), gpu_config("FromClass", "share")}));
+  ClaimPlan plan =
+      plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "1.0"), gpu_config("FromClass", "share")}));
   ASSERT_TRUE(plan.gpus[0].limit);
   EXPECT_DOUBLE_EQ(*plan.gpus[0].limit, 1.0);
   plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClass", "0.75")}));
   EXPECT_DOUBLE_EQ(plan.gpus[0].limit.value_or(-1), 0.75);
-  plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClass", "0.75"), gpu_config("FromClaim", "share")}));
+  plan =
+      plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClass", "0.75"), gpu_config("FromClaim", "share")}));
   EXPECT_FALSE(plan.gpus[0].limit);
   // A config for another request does not apply.
   plan = plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "1.0", {"other"})}));
   EXPECT_FALSE(plan.gpus[0].limit);
-  EXPECT_EQ(tenant_spec(plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "0.5")})))["gpus"][0]["limit"],
-            0.5);
+  EXPECT_EQ(
+      tenant_spec(plan_ok(claim({result("gpu-0", consumed)}, {gpu_config("FromClaim", "0.5")})))["gpus"][0]["limit"],
+      0.5);
 }
 
 TEST(ClaimPlan, AWholeGpuHasNoLimit) {
@@ -141,18 +144,23 @@ TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
                 " (the claim was replaced)");
   json unallocated = claim({});
   unallocated["status"] = json::object();
-  EXPECT_EQ(plan_error(unallocated), "claim team-a/train-gpu: status.allocation is absent (the claim is not allocated)");
-  EXPECT_EQ(plan_error(claim({})), "claim team-a/train-gpu: no device of driver gpu.fracgpu.io is allocated to it on node node-1");
-  EXPECT_EQ(plan_error(claim({result("gpu-0", half, "gpu", "node-2")})),
-            "claim team-a/train-gpu: status.allocation.devices.results[0] is in pool \"node-2\", not this node's (node-1)");
+  EXPECT_EQ(plan_error(unallocated),
+            "claim team-a/train-gpu: status.allocation is absent (the claim is not allocated)");
+  EXPECT_EQ(plan_error(claim({})),
+            "claim team-a/train-gpu: no device of driver gpu.fracgpu.io is allocated to it on node node-1");
+  EXPECT_EQ(
+      plan_error(claim({result("gpu-0", half, "gpu", "node-2")})),
+      "claim team-a/train-gpu: status.allocation.devices.results[0] is in pool \"node-2\", not this node's (node-1)");
   EXPECT_EQ(plan_error(claim({result("gpu-7", half)})),
             "claim team-a/train-gpu: status.allocation.devices.results[0].device \"gpu-7\" is not a GPU of this node");
-  EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "20 GB"}})})).find("consumedCapacity.memory \"20 GB\" is not a quantity"),
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "20 GB"}})}))
+                .find("consumedCapacity.memory \"20 GB\" is not a quantity"),
             std::string::npos);
   EXPECT_NE(plan_error(claim({result("gpu-0", {{"share", "1500m"}})})).find(": share 1.5 is not above 0 and at most 1"),
             std::string::npos);
-  EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "100Gi"}})})).find("is not within the GPU's 85899345920 bytes"),
-            std::string::npos);
+  EXPECT_NE(
+      plan_error(claim({result("gpu-0", {{"memory", "100Gi"}})})).find("is not within the GPU's 85899345920 bytes"),
+      std::string::npos);
   EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", "0.25")}))
                 .find(": limit \"0.25\" must be \"share\" or a fraction from the share (0.5) to 1"),
             std::string::npos);
@@ -184,7 +192,8 @@ TEST(ClaimPlan, MalformedObjectsAreErrorsNotExceptions) {
 
 TEST(ClaimPlan, UidsThatCannotNameFilesAreRefused) {
   EXPECT_TRUE(valid_claim_uid(kUid));
-  for (const char* bad : {"", "../x", "a/b", "-a", "A", "a.b", "0123456789012345678901234567890123456789012345678901234567890"})
+  for (const char* bad :
+       {"", "../x", "a/b", "-a", "A", "a.b", "0123456789012345678901234567890123456789012345678901234567890"})
     EXPECT_FALSE(valid_claim_uid(bad)) << bad;
 }
 
@@ -201,13 +210,15 @@ TEST(CdiSpec, TheContainerGetsTheRecipeAndNothingElse) {
   const json& edits = spec["devices"][0]["containerEdits"];
   EXPECT_EQ(edits["env"], json({"LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_TENANT_DIR=/run/fracgpu/tenant",
                                 "FRACGPU_UNMANAGED=deny"}));
-  const json mounts = {
-      {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid}, {"containerPath", "/run/fracgpu/tenant"},
-       {"options", {"ro", "nosuid", "nodev", "bind"}}},
-      {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid + "/usage"}, {"containerPath", "/run/fracgpu/tenant/usage"},
-       {"options", {"rw", "nosuid", "nodev", "bind"}}},
-      {{"hostPath", "/host/lib/libfracgpu.so"}, {"containerPath", "/usr/lib/fracgpu/libfracgpu.so"},
-       {"options", {"ro", "nosuid", "nodev", "bind"}}}};
+  const json mounts = {{{"hostPath", "/run/fracgpu/tenants/dra-" + kUid},
+                        {"containerPath", "/run/fracgpu/tenant"},
+                        {"options", {"ro", "nosuid", "nodev", "bind"}}},
+                       {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid + "/usage"},
+                        {"containerPath", "/run/fracgpu/tenant/usage"},
+                        {"options", {"rw", "nosuid", "nodev", "bind"}}},
+                       {{"hostPath", "/host/lib/libfracgpu.so"},
+                        {"containerPath", "/usr/lib/fracgpu/libfracgpu.so"},
+                        {"options", {"ro", "nosuid", "nodev", "bind"}}}};
   EXPECT_EQ(edits["mounts"], mounts);
   EXPECT_FALSE(edits.contains("deviceNodes"));
   EXPECT_EQ(cdi_spec_file_name(kUid), "gpu.fracgpu.io-claim_" + kUid + ".json");
@@ -216,9 +227,10 @@ TEST(CdiSpec, TheContainerGetsTheRecipeAndNothingElse) {
 
   options.device_nodes = kDeviceNodesHost;
   const json with_nodes = build_cdi_spec(plan, "/t", options);
-  EXPECT_EQ(with_nodes["devices"][0]["containerEdits"]["deviceNodes"],
-            json({{{"path", "/dev/nvidiactl"}}, {{"path", "/dev/nvidia-uvm"}}, {{"path", "/dev/nvidia-uvm-tools"}},
-                  {{"path", "/dev/nvidia1"}}}));
+  EXPECT_EQ(with_nodes["devices"][0]["containerEdits"]["deviceNodes"], json({{{"path", "/dev/nvidiactl"}},
+                                                                             {{"path", "/dev/nvidia-uvm"}},
+                                                                             {{"path", "/dev/nvidia-uvm-tools"}},
+                                                                             {{"path", "/dev/nvidia1"}}}));
   EXPECT_EQ(cdi_device_ids(plan, plan.devices[0], options), std::vector<std::string>({"gpu.fracgpu.io/claim=" + kUid}));
 }
 
