@@ -431,6 +431,30 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
   EXPECT_TRUE(api_tenants().empty());
 }
 
+// Unprepared while a process of the pod still runs: the tenant drains (the
+// process keeps its quota, its capacity stays booked), the spec and the
+// record go, and the daemon removes the tenant once the process is gone.
+TEST_F(KubePluginE2E, UnprepareWithALiveProcessDrainsTheTenant) {
+  start_plugin();
+  const auto claim = write_claim(16, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  const std::string dir = run_dir_ + "/tenants/dra-" + claim.uid;
+  const pid_t process = spawn_tenant_process(dir, 0, 64ull << 20);
+  ASSERT_GT(process, 0);
+  children_.push_back(process);
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_NE(read_file(plugin_log_).find("tenant dra-" + claim.uid + " draining"), std::string::npos);
+  const control::Reply draining = call({{"op", "get"}, {"name", "dra-" + claim.uid}});
+  ASSERT_TRUE(draining.ok) << draining.error;
+  EXPECT_EQ(draining.body["tenant"]["state"], "draining");
+  EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+  EXPECT_EQ(unprepare(claim), "");  // a retry meanwhile: nothing of ours left
+  kill_and_reap(process);
+  EXPECT_TRUE(eventually([&] { return !fs::exists(dir); }, 10s));
+  EXPECT_TRUE(api_tenants().empty());
+}
+
 TEST_F(KubePluginE2E, KubeletRetriesAreIdempotent) {
   start_plugin();
   const auto claim = write_claim(3, {result("gpu-0", {{"memory", "2Gi"}, {"share", "250m"}})});
