@@ -198,8 +198,10 @@ class CliTest : public ::testing::Test {
     bob.slices.store(7);
     bob.missed_deadlines.store(3);
     bob.flags.store(gputime::kTenantBlocked);
-    arbiter_.seg->grant.word.store(
-        gputime::grant_word(77, static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice")), gputime::kGranted));
+    {
+      const auto row = static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice"));
+      arbiter_.seg->tenants[row].grant.store(gputime::grant_word(77, row, gputime::kGranted));
+    }
 
     ledger::GpuTimeRequest* holder = spawn_gpu_process("alice", "sampler", &holder_pid_);
     ASSERT_NE(holder, nullptr);
