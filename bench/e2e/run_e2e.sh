@@ -4,6 +4,13 @@
 #
 #   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N]
 #
+#   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR --held   (fracgpud without NVML)
+#
+# fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
+# process's GPU time from the simulated driver: GPU time is charged as used
+# (measured mode, docs/sm-time.md); --held leaves NVML out (time held, one
+# tenant at a time), as on a node without NVML.
+#
 # For each workload of bench/e2e/e2e_workload.cpp (launch-bound, compute-bound,
 # allocation-heavy, and the interactive step loop with 10 us and 50 us kernels:
 # step10, step50, one thread launching with CPU work between launches, nothing
@@ -27,10 +34,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "run_e2e.sh: $*" >&2; exit 2; }
 
-build="" out="" smoke=0 seconds=""
+build="" out="" smoke=0 seconds="" held=0
 while (($#)); do
   case $1 in
     --smoke) smoke=1; shift ;;
+    --held) held=1; shift ;;
     --seconds) seconds=${2:?--seconds needs a value}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
@@ -61,6 +69,8 @@ rm -rf "$out/runs" && mkdir -p "$out/runs"
 # nothing of them is a result.
 work=$(mktemp -d /tmp/fracgpu-e2e-XXXXXX)
 export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fracgpud_env=()
+((held)) || fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH")
 export SIMCUDA_STATE=$work/simulated-gpu
 uuid=GPU-e2e00000-0000-4000-8000-000000000000
 export SIMCUDA_DEVICES="uuid=$uuid,name=Simulated H100,mem=16GiB,ctx=64MiB"
