@@ -123,7 +123,8 @@ bool daemon_down(GpuTime& g, uint64_t now) {
   return since != 0 && now > since && now - since >= kDownConfirmNs;
 }
 
-// The grant in `word` is our tenant's, and its processes may launch.
+// The grant in `word` (read from our tenant's own grant word) is ours, and
+// its processes may launch.
 bool granted_to_us(const GpuTime& g, uint64_t word) {
   return gputime::grant_valid(word) && gputime::grant_state(word) == gputime::kGranted &&
          gputime::grant_row(word) == g.row;
@@ -390,7 +391,7 @@ void wait_for_turn(int gpu) {
     const uint64_t now = gputime::monotonic_ns();
     g.request->poll_ns.store(now, std::memory_order_relaxed);  // still asking
     const bool alive = !daemon_down(g, now);
-    const uint64_t word = seg.grant.word.load(std::memory_order_seq_cst);
+    const uint64_t word = seg.tenants[g.row].grant.load(std::memory_order_seq_cst);  // our tenant's own
     if (!alive || g.unshared.load(std::memory_order_acquire) ||
         (granted_to_us(g, word) && g.entered.load(std::memory_order_acquire) == 0)) {
       // A transition: the pacer may be at one (a drain); then look again soon.
@@ -441,7 +442,7 @@ bool pace_gpu(int gpu, uint64_t now) {
   }
   if (!alive) return false;
   const uint64_t entered = g.entered.load(std::memory_order_acquire);
-  const uint64_t word = seg.grant.word.load(std::memory_order_seq_cst);
+  const uint64_t word = seg.tenants[g.row].grant.load(std::memory_order_seq_cst);  // our tenant's own
   if (entered != 0 && !(granted_to_us(g, word) && gputime::grant_seq(word) == entered)) {
     // Revoked, or over (a deadline passed, a new daemon): close, drain, say so.
     pthread_mutex_lock(&g.transition);

@@ -175,7 +175,10 @@ void wait_for_doorbell(GpuTimeSegment& seg, uint64_t timeout_ns) {
 bool enter_grant(const GpuTimeSegment& seg, GpuTimeRequest& request, uint64_t word) {
   const uint64_t seq = grant_seq(word);
   request.entered_grant.store(seq, std::memory_order_seq_cst);
-  if (seg.grant.word.load(std::memory_order_seq_cst) == word) return true;
+  // The tenant's own word (the row is part of it, and in range: the caller
+  // acts only on a word naming its own row).
+  const uint32_t row = grant_row(word);
+  if (row < kMaxTenants && seg.tenants[row].grant.load(std::memory_order_seq_cst) == word) return true;
   report_drained(seg, request, seq);
   return false;
 }

@@ -110,8 +110,9 @@ void wait_for_doorbell(GpuTimeSegment& seg, uint64_t timeout_ns);
 // ---- The drain handshake, process side ----
 //
 // Entering grant G (a process may launch under it only after this returns
-// true): the process stores entered_grant = G, then re-reads the grant word;
-// the daemon, to revoke, stores the word "revoking G", then reads every
+// true): the process stores entered_grant = G, then re-reads its tenant's
+// grant word (TenantTime::grant);
+// the daemon, to revoke, stores that word "revoking G", then reads every
 // slot's entered_grant. All four accesses are seq_cst, so they fall in one
 // total order: if the process's re-read comes before the daemon's store, its
 // own store came earlier still, and the daemon's read (after its store)

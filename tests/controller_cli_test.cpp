@@ -190,6 +190,10 @@ class CliTest : public ::testing::Test {
     alice.throttled_ns.store(2'500'000'000);  // 2.5 s
     alice.slices.store(42);
     alice.waiting_processes.store(1);
+    // Measured mode: 700 s used of the 943 s it held a grant (DUTY 74.2%).
+    arbiter_.seg->daemon.charging.store(gputime::kChargeMeasured);
+    alice.measured_ns.store(700'000'000'000);
+    alice.held_ns.store(943'000'000'000);
     gputime::TenantTime& bob = tenant_row("bob");
     bob.achieved_1s_ppm.store(700'000);
     bob.achieved_10s_ppm.store(713'000);
@@ -198,8 +202,10 @@ class CliTest : public ::testing::Test {
     bob.slices.store(7);
     bob.missed_deadlines.store(3);
     bob.flags.store(gputime::kTenantBlocked);
-    arbiter_.seg->grant.word.store(
-        gputime::grant_word(77, static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice")), gputime::kGranted));
+    {
+      const auto row = static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice"));
+      arbiter_.seg->tenants[row].grant.store(gputime::grant_word(77, row, gputime::kGranted));
+    }
 
     ledger::GpuTimeRequest* holder = spawn_gpu_process("alice", "sampler", &holder_pid_);
     ASSERT_NE(holder, nullptr);
@@ -292,6 +298,7 @@ TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
   EXPECT_EQ(header.find("10S"), alice.find("28.7%")) << text;
   EXPECT_EQ(header.find("GPU TIME"), alice.find("12.6 min")) << text;
   EXPECT_EQ(header.find("THROTTLED"), alice.find("2.5 s")) << text;
+  EXPECT_EQ(header.find("DUTY"), alice.find("74.2%")) << text;
   EXPECT_EQ(header.find("NOW"), alice.find("holding")) << text;
   // trainer (charged), sampler and waiter (GPU-time requests); not dead
   EXPECT_EQ(header.find("PROCS"), alice.rfind("3")) << text;
@@ -431,11 +438,12 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   const nlohmann::ordered_json& time = ordered["tenants"][0]["gpus"][0]["gpu_time"];
   std::vector<std::string> keys;
   for (const auto& [key, value] : time.items()) keys.push_back(key);
-  EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "throttled_ns", "slices",
-                                            "holding", "waiting_processes", "tenants_sharing", "missed_deadlines",
-                                            "blocked"}));
+  EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "charging", "measured_ns",
+                                            "held_ns", "throttled_ns", "slices", "holding", "waiting_processes",
+                                            "tenants_sharing", "missed_deadlines", "blocked"}));
   EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
-      "used_ns": 754000000000, "throttled_ns": 2500000000, "slices": 42, "holding": true,
+      "used_ns": 754000000000, "charging": "measured", "measured_ns": 700000000000, "held_ns": 943000000000,
+      "throttled_ns": 2500000000, "slices": 42, "holding": true,
       "waiting_processes": 1, "tenants_sharing": 2, "missed_deadlines": 0, "blocked": false})"));
   EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -33,6 +34,36 @@ namespace {
 
 constexpr uint64_t kMs = 1'000'000;
 constexpr uint8_t kUuid[16] = {0x5a, 0x1c, 0x0d, 0xe0, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 1};
+
+// A meter with made-up figures: each process's GPU time grows at its duty
+// (a fraction of real time) between readings; `fail` makes readings fail;
+// `extra` is added once to the next reading, as is.
+struct FakeMeterState {
+  std::map<uint32_t, double> duty;
+  std::map<uint32_t, uint64_t> extra;
+  bool fail = false;
+  uint64_t last = 0;
+  int reads = 0;
+};
+
+class FakeMeter final : public UsageMeter {
+ public:
+  explicit FakeMeter(FakeMeterState* state) : state_(state) {}
+  bool read(uint64_t now, std::vector<ProcessUse>* out) override {
+    ++state_->reads;
+    if (state_->fail) return false;
+    const uint64_t dt = state_->last == 0 ? 0 : now - state_->last;
+    state_->last = now;
+    for (const auto& [pid, duty] : state_->duty)
+      if (duty > 0) out->push_back({pid, static_cast<uint64_t>(duty * static_cast<double>(dt))});
+    for (const auto& [pid, ns] : state_->extra) out->push_back({pid, ns});
+    state_->extra.clear();
+    return true;
+  }
+
+ private:
+  FakeMeterState* state_;
+};
 
 struct TenantFixture {
   std::string name;
@@ -107,7 +138,7 @@ class SchedulerTest : public ::testing::Test {
 
   // The process enters the grant its tenant holds (enter_grant, as the interposer does).
   bool enter(int t, int slot) {
-    const uint64_t word = arbiter_.seg->grant.word.load();
+    const uint64_t word = arbiter_.seg->tenants[t].grant.load();  // its tenant's own word
     if (!gputime::enter_grant(*arbiter_.seg, request(t, slot), word)) return false;
     request(t, slot).want_since_ns.store(0);
     request(t, slot).last_active_ns.store(now_);
@@ -148,6 +179,48 @@ class SchedulerTest : public ::testing::Test {
   }
 
   uint64_t word() const { return arbiter_.seg->grant.word.load(); }
+  // Tenant t's own grant word, and its state.
+  uint64_t word_of(int t) const { return arbiter_.seg->tenants[t].grant.load(); }
+  uint32_t state_of(int t) const { return gputime::grant_state(word_of(t)); }
+  bool holds(int t) const { return state_of(t) == gputime::kGranted; }
+  // Measured mode: a fake meter, and the daemon's attribution of PIDs.
+  void use_meter() {
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    meter_.last = now_;
+  }
+  // Measured mode with one attributed process of each tenant: their slots
+  // in *a and *b, their PIDs in *pa and *pb.
+  void measured_pair(int* a, int* b, uint32_t* pa, uint32_t* pb) {
+    use_meter();
+    *a = spawn_attributed(0, pa);
+    *b = spawn_attributed(1, pb);
+  }
+  // a's process (slot a, PID pa) asks, is granted, enters, and keeps the
+  // GPU busy `duty` of the time.
+  void a_holds_at(int a, uint32_t pa, double duty) {
+    meter_.duty[pa] = duty;
+    want(0, a);
+    pass();
+    ASSERT_TRUE(holds(0));
+    ASSERT_TRUE(enter(0, a));
+  }
+  // A process of tenant t, attributed to it: its slot; *pid its PID.
+  int spawn_attributed(int t, uint32_t* pid) {
+    const int slot = spawn(t);
+    *pid = static_cast<uint32_t>(processes_.back());
+    attributed_[t].push_back(*pid);
+    sched_->attribute(tenants_[t].name, attributed_[t]);
+    return slot;
+  }
+  // Enters tenant t's grant if it holds one and slot has not entered it;
+  // reports a revoked grant drained.
+  void follow(int t, int slot) {
+    const uint64_t w = word_of(t);
+    const uint64_t seq = gputime::grant_seq(w);
+    if (gputime::grant_state(w) == gputime::kGranted && request(t, slot).entered_grant.load() != seq) enter(t, slot);
+    if (gputime::grant_state(w) == gputime::kGrantRevoking && request(t, slot).drained_grant.load() != seq)
+      gputime::report_drained(*arbiter_.seg, request(t, slot), seq);
+  }
   bool granted_to(int row) const {
     return gputime::grant_state(word()) == gputime::kGranted && gputime::grant_row(word()) == static_cast<uint32_t>(row);
   }
@@ -162,6 +235,8 @@ class SchedulerTest : public ::testing::Test {
   std::unique_ptr<GpuScheduler> sched_;
   uint64_t now_ = 0;
   std::set<std::pair<int, int>> silent_;  // (tenant, slot): a stopped process, renewing nothing
+  FakeMeterState meter_;
+  std::map<int, std::vector<uint32_t>> attributed_;
 };
 
 // The configured rows, in the order configured.
@@ -518,3 +593,181 @@ TEST_F(SchedulerTest, RingingTheDoorbellCannotMakePassesMoreFrequentThanTheBound
 }
 
 }  // namespace
+
+// ---- Measured mode (a meter): share when there is room, enforce under contention ----
+
+// A holder that leaves the GPU idle (measured busy below 0.9 over a full
+// window) gets company: the waiting tenant is granted too, and both hold.
+// Before the window is full, the holder alone is charged the time the other
+// could not use (max(measured, held alone)); once both hold, each pays what
+// it used.
+TEST_F(SchedulerTest, MeasuredModeSharesTheGpuWhenTheHolderLeavesRoom) {
+  uint32_t pa = 0, pb = 0;
+  int a = 0, b = 0;
+  measured_pair(&a, &b, &pa, &pb);
+  a_holds_at(a, pa, 0.2);
+  want(1, b);
+  for (int i = 0; i < 9; ++i) {
+    pass(1 * kMs);
+    EXPECT_FALSE(holds(1)) << "no full window yet, ms " << i + 1;
+  }
+  EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
+  EXPECT_NEAR(static_cast<double>(row(0).measured_ns.load()), 0.2 * 8 * kMs, 0.05 * kMs);
+  EXPECT_GE(row(0).used_ns.load(), 8 * kMs) << "held alone while b waited: charged the time b could not use";
+  pass(1 * kMs);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(0));
+  EXPECT_TRUE(holds(1)) << "the GPU had room (busy 0.2): b is granted beside a";
+  ASSERT_TRUE(enter(1, b));
+  meter_.duty[pb] = 0.3;
+  const uint64_t a_used = row(0).used_ns.load(), b_used = row(1).used_ns.load();
+  for (int i = 0; i < 40; ++i) pass(1 * kMs);
+  EXPECT_TRUE(holds(0) && holds(1)) << "no slice ends while both hold and neither leads";
+  EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - a_used), 0.2 * 40 * kMs, 0.5 * kMs);
+  EXPECT_NEAR(static_cast<double>(row(1).used_ns.load() - b_used), 0.3 * 40 * kMs, 0.5 * kMs);
+  EXPECT_GT(row(0).held_ns.load(), 49 * kMs);
+}
+
+// A holder that keeps the GPU busy gets no company; at its slice's end the
+// next tenant is granted at once, before the holder drained, and the
+// holder's queued work that runs meanwhile is charged to it (measured).
+TEST_F(SchedulerTest, MeasuredModeHandsOverAtOnceAndChargesTheTailToTheOutgoingHolder) {
+  uint32_t pa = 0, pb = 0;
+  int a = 0, b = 0;
+  measured_pair(&a, &b, &pa, &pb);
+  a_holds_at(a, pa, 1.0);
+  want(1, b);
+  for (int i = 0; i < 19; ++i) {
+    pass(1 * kMs);
+    EXPECT_FALSE(holds(1)) << "the GPU is busy: no room, ms " << i + 1;
+  }
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking);
+  EXPECT_TRUE(holds(1)) << "granted at once, without waiting for a's drain";
+  const uint64_t a_used = row(0).used_ns.load(), b_used = row(1).used_ns.load();
+  ASSERT_TRUE(enter(1, b));
+  for (int i = 0; i < 6; ++i) pass(1 * kMs);  // a's queued work runs 6 ms more
+  EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - a_used), 6.0 * kMs, 0.1 * kMs) << "a pays for its tail";
+  EXPECT_EQ(row(1).used_ns.load(), b_used) << "b ran nothing yet, and nobody waited: b pays nothing";
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a has not drained: not granted again meanwhile";
+}
+
+// Fairness under contention is kept on measured time: a holder more than
+// kLeadNs of GPU time ahead of the other is revoked and benched; it is
+// granted again once its bench is over.
+TEST_F(SchedulerTest, MeasuredModeRevokesATenantThatRunsAheadAndBenchesIt) {
+  uint32_t pa = 0, pb = 0;
+  int a = 0, b = 0;
+  measured_pair(&a, &b, &pa, &pb);
+  meter_.duty[pa] = 0.1;
+  meter_.duty[pb] = 0.1;
+  want(0, a);
+  want(1, b);
+  int ms = 0;
+  for (; ms < 40 && !(holds(0) && holds(1)); ++ms) {
+    pass(1 * kMs);
+    follow(0, a);
+    follow(1, b);
+  }
+  ASSERT_TRUE(holds(0) && holds(1)) << "both hold once the GPU shows room";
+  meter_.duty[pa] = 0.9;
+  int revoked_at = -1;
+  for (int i = 0; i < 200 && revoked_at < 0; ++i) {
+    pass(1 * kMs);
+    if (state_of(0) != gputime::kGranted) revoked_at = i;
+    follow(1, b);
+  }
+  ASSERT_GE(revoked_at, 0) << "a ran ahead without being revoked";
+  const double lead = (static_cast<double>(row(0).vtime.load()) - static_cast<double>(row(1).vtime.load())) / 2;
+  EXPECT_GT(lead, 50.0 * kMs) << "revoked once more than 50 ms of GPU time ahead";
+  EXPECT_LT(lead, 55.0 * kMs);
+  EXPECT_TRUE(holds(1));
+  meter_.duty[pa] = 0;
+  follow(0, a);  // a drains, and asks again
+  want(0, a);
+  for (int i = 0; i < 90; ++i) {
+    pass(1 * kMs);
+    follow(1, b);
+    EXPECT_FALSE(holds(0)) << "benched, ms " << i + 1;
+  }
+  bool again = false;
+  for (int i = 0; i < 40 && !again; ++i) {
+    pass(1 * kMs);
+    follow(1, b);
+    again = holds(0);
+  }
+  EXPECT_TRUE(again) << "granted again after its bench";
+}
+
+// A limit is enforced on measured time: a tenant alone, capped at 0.3, that
+// keeps the GPU busy only half the time it holds it, uses 0.3 of the GPU
+// (charged by held time, it would use only 0.15).
+TEST_F(SchedulerTest, MeasuredModeEnforcesALimitOnTimeUsed) {
+  configure(300'000, 500'000);
+  use_meter();
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  want(0, a);
+  const uint64_t start_measured = row(0).measured_ns.load();
+  pass();
+  const uint64_t t0 = now_;
+  for (int i = 0; i < 3000; ++i) {
+    meter_.duty[pa] = state_of(0) != gputime::kGrantIdle ? 0.5 : 0.0;
+    follow(0, a);
+    want(0, a);
+    pass(1 * kMs);
+  }
+  const double used = static_cast<double>(row(0).measured_ns.load() - start_measured) / static_cast<double>(now_ - t0);
+  std::printf("capped at 0.3, busy half the time it holds the GPU: used %.3f of the GPU\n", used);
+  EXPECT_NEAR(used, 0.3, 0.02);
+}
+
+// What the scheduler believes of the meter and of tenants: a process's GPU
+// time is charged to the tenant the daemon attributed its PID to (never to
+// one whose usage file names it); usage measured before attribution is kept
+// and charged once attributed; a reading larger than possible is clamped.
+TEST_F(SchedulerTest, MeasuredModeChargesByTheDaemonsAttributionOnly) {
+  use_meter();
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  const int b = spawn(1);
+  const auto pb = static_cast<uint32_t>(processes_.back());
+  // b's usage file claims a's process (the host_pid field is tenant-writable).
+  tenants_[1].tenant.usage->slots[b].host_pid.store(static_cast<int32_t>(pa));
+  meter_.extra[pa] = 3 * kMs;
+  meter_.extra[pb] = 7 * kMs;  // not attributed yet
+  pass(2 * kMs);
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).measured_ns.load(), 3 * kMs);
+  EXPECT_EQ(row(1).measured_ns.load(), 0u) << "not yet attributed";
+  attributed_[1].push_back(pb);
+  sched_->attribute("b", attributed_[1]);
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).measured_ns.load(), 7 * kMs) << "kept, and charged once attributed";
+  meter_.extra[pa] = UINT64_MAX / 2;
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).measured_ns.load(), 3 * kMs + 1'000'000'000) << "one reading is at most a second";
+  (void)a;
+}
+
+// A meter that stops answering: after kMeterStaleNs the scheduler charges
+// held time again, one holder at a time.
+TEST_F(SchedulerTest, AFailingMeterFallsBackToHeldTimeAndOneHolder) {
+  uint32_t pa = 0, pb = 0;
+  int a = 0, b = 0;
+  measured_pair(&a, &b, &pa, &pb);
+  pass(2 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
+  meter_.fail = true;
+  meter_.duty[pa] = 0.1;
+  for (int i = 0; i < 250; ++i) pass(1 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeHeld);
+  want(0, a);
+  want(1, b);
+  for (int i = 0; i < 30; ++i) {
+    pass(1 * kMs);
+    follow(0, a);
+    follow(1, b);
+    EXPECT_FALSE(holds(0) && holds(1)) << "held mode: one holder, ms " << i + 1;
+  }
+}

@@ -237,6 +237,9 @@ def cmd_report(args) -> int:
             ref[(r["workload"], r["mode"])] = r["procs"][0]["rate"]
 
     proc_rows, summary_rows, share_rows, table, panels = [], [], [], [], []
+    # Sharing, side by side: per workload, two processes without fracgpu and
+    # two 0.5 tenants with it: (GPU busy, [each tenant's share of the time used]).
+    sharing: dict[str, dict[str, tuple]] = {}
     failed = 0
     for r in runs:
         total = sum(p["rate"] for p in r["procs"])
@@ -269,6 +272,12 @@ def cmd_report(args) -> int:
                                       "tenant": tenant, "share": share, "pid": p["pid"], "exit": p.get("rc"),
                                       "ops": p["ops"], "seconds": p["seconds"], "rate": f"{p['rate']:.1f}",
                                       "unit": p["unit"], "achieved_share": "" if mean is None else f"{mean:.4f}"})
+        if len(tenants) == 2 and busy_fraction and (r["mode"] == "native" or all(s == "0.5" for _, s in tenants)):
+            used = []
+            for tenant, _ in tenants:
+                mean = share_figures(r["samples"].get(tenant, []), r["seconds"])[0]
+                used.append(f"{tenant} {mean / busy_fraction:.3f}" if mean is not None else f"{tenant} -")
+            sharing.setdefault(r["workload"], {})[r["mode"]] = (busy_fraction, used)
         unit = r["procs"][0]["unit"] if r["procs"] else ""
         summary_rows.append({"run": r["dir"], "workload": r["workload"], "mode": r["mode"],
                              "processes": len(r["procs"]), "ok": int(ok), "total_rate": f"{total:.1f}",
@@ -305,6 +314,17 @@ def cmd_report(args) -> int:
          f"achieved share: mean from {SKIP_S:g} s (1 s windows min–max)"], table)
     (out / "e2e_table.md").write_text(text + "\n")
     print(text)
+    side = []
+    for workload, modes in sharing.items():
+        n, f = modes.get("native"), modes.get("fracgpu")
+        side.append([workload, fmt_ratio(n[0]) if n else "", fmt_ratio(f[0]) if f else "",
+                     ", ".join(n[1]) if n else "", ", ".join(f[1]) if f else ""])
+    sharing_text = markdown_table(
+        ["workload", "GPU busy, 2 processes without fracgpu", "GPU busy, 2 tenants of 0.5",
+         "share of the GPU time used, without", "share of the GPU time used, with (0.5 each)"], side)
+    (out / "e2e_sharing.md").write_text(sharing_text + "\n")
+    print()
+    print(sharing_text)
     if failed:
         print(f"\n{failed} run(s) FAILED: see {out / 'runs'}/*/*.err", file=sys.stderr)
     return 1 if failed else 0

@@ -7,6 +7,10 @@
 //   compute  long kernels back to back, about `ahead_us` of work queued ahead
 //            (double-buffered events, as a training loop between syncs): the
 //            GPU time a tenant gets, the hand-over drains.
+//   step     an interactive loop (inference, a notebook): one kernel, then
+//            `host_us` of CPU work (busy), a synchronize every `sync_every`
+//            steps; with host_us above kernel_us the GPU waits for the CPU
+//            (launch-bound, nothing queued ahead).
 //   alloc    a caching allocator's pattern: bursts of cuMemAlloc/cuMemFree of
 //            varying sizes, then cuMemAllocAsync/cuMemFreeAsync on a stream,
 //            one tiny kernel and a stream synchronize per burst: the memory
@@ -18,7 +22,8 @@
 //                      start for tenants started one after another)
 //     kernel_us=N      kernel length (default: launch 1, compute 5000, alloc 1)
 //     ahead_us=20000   compute: work kept queued ahead
-//     sync_every=256   launch: launches between synchronizes
+//     sync_every=256   launch, step: launches between synchronizes
+//     host_us=0        step: CPU work after each launch (default 1.2 x kernel_us)
 //     burst=32         alloc: allocations per burst
 //
 // Prints one line of key=value: mode, ops (launches, kernels or allocator
@@ -43,6 +48,7 @@ struct Options {
   unsigned kernel_us = 0;  // 0: the mode's default
   unsigned ahead_us = 20000;
   unsigned sync_every = 256;
+  unsigned host_us = 0;  // 0: the mode's default
   unsigned burst = 32;
 };
 
@@ -84,7 +90,7 @@ struct Workload {
     CUmodule module = nullptr;
     static const char image[] = "simulated";  // the simulated driver takes any image
     CHECK(cuModuleLoadData(&module, image));
-    unsigned us = o.kernel_us != 0 ? o.kernel_us : (o.mode == "compute" ? 5000 : 1);
+    unsigned us = o.kernel_us != 0 ? o.kernel_us : (o.mode == "compute" ? 5000 : o.mode == "step" ? 10 : 1);
     const std::string name = "sleep_" + std::to_string(us) + "us";
     CHECK(cuModuleGetFunction(&kernel, module, name.c_str()));
     return true;
@@ -97,6 +103,22 @@ struct Workload {
       for (unsigned i = 0; i < o.sync_every; ++i) {
         if (!launch()) return false;
         ++ops;
+      }
+      CHECK(cuStreamSynchronize(stream));
+    }
+    return true;
+  }
+
+  bool run_step(uint64_t end) {
+    const unsigned kernel_us = o.kernel_us != 0 ? o.kernel_us : 10;
+    const uint64_t host_ns = (o.host_us != 0 ? o.host_us : kernel_us * 6 / 5) * 1000ull;
+    while (now_ns() < end) {
+      for (unsigned i = 0; i < o.sync_every; ++i) {
+        if (!launch()) return false;
+        ++ops;
+        const uint64_t until = now_ns() + host_ns;
+        while (now_ns() < until) {
+        }
       }
       CHECK(cuStreamSynchronize(stream));
     }
@@ -179,14 +201,15 @@ bool parse(int argc, char** argv, Options* o) {
     else if (key == "kernel_us") o->kernel_us = static_cast<unsigned>(atoi(value));
     else if (key == "ahead_us") o->ahead_us = static_cast<unsigned>(atoi(value));
     else if (key == "sync_every") o->sync_every = static_cast<unsigned>(atoi(value));
+    else if (key == "host_us") o->host_us = static_cast<unsigned>(atoi(value));
     else if (key == "burst") o->burst = static_cast<unsigned>(atoi(value));
     else {
       fprintf(stderr, "e2e_workload: unknown key %s\n", key.c_str());
       return false;
     }
   }
-  if (o->mode != "launch" && o->mode != "compute" && o->mode != "alloc") {
-    fprintf(stderr, "e2e_workload: mode must be launch, compute or alloc, not \"%s\"\n", o->mode.c_str());
+  if (o->mode != "launch" && o->mode != "compute" && o->mode != "alloc" && o->mode != "step") {
+    fprintf(stderr, "e2e_workload: mode must be launch, step, compute or alloc, not \"%s\"\n", o->mode.c_str());
     return false;
   }
   if (o->seconds <= 0 || o->sync_every == 0 || o->burst == 0) {
@@ -206,9 +229,12 @@ int main(int argc, char** argv) {
   while (o.start_ns != 0 && now_ns() < o.start_ns) std::this_thread::sleep_for(std::chrono::microseconds(200));
   const uint64_t start = now_ns();
   const uint64_t end = start + static_cast<uint64_t>(o.seconds * 1e9);
-  bool ok = o.mode == "launch" ? w.run_launch(end) : o.mode == "compute" ? w.run_compute(end) : w.run_alloc(end);
+  bool ok = o.mode == "launch"    ? w.run_launch(end)
+            : o.mode == "step"    ? w.run_step(end)
+            : o.mode == "compute" ? w.run_compute(end)
+                                  : w.run_alloc(end);
   const double seconds = static_cast<double>(now_ns() - start) / 1e9;
-  const char* unit = o.mode == "launch" ? "launches/s" : o.mode == "compute" ? "kernels/s" : "calls/s";
+  const char* unit = o.mode == "launch" || o.mode == "step" ? "launches/s" : o.mode == "compute" ? "kernels/s" : "calls/s";
   printf("mode=%s ops=%llu seconds=%.3f rate=%.1f unit=%s\n", o.mode.c_str(), w.ops, seconds,
          static_cast<double>(w.ops) / seconds, unit);
   return ok ? 0 : 1;

@@ -59,7 +59,8 @@ start_fracgpud() {
       printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
     done
   } >"$dir/fracgpud.toml"
-  "$fracgpud" --config "$dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
+  # fracgpud_env: extra environment for the daemon (the caller's array, if set).
+  env ${fracgpud_env[@]+"${fracgpud_env[@]}"} "$fracgpud" --config "$dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
   daemon_pid=$!
   for spec in "$@"; do
     tenant=${spec%%:*}

@@ -4,14 +4,26 @@
 #
 #   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N]
 #
+#   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR --held   (fracgpud without NVML)
+#
+# fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
+# process's GPU time from the simulated driver: GPU time is charged as used
+# (measured mode, docs/sm-time.md); --held leaves NVML out (time held, one
+# tenant at a time), as on a node without NVML.
+#
 # For each workload of bench/e2e/e2e_workload.cpp (launch-bound, compute-bound,
-# allocation-heavy) it runs, each for N seconds (default 10; --smoke: 1 s and
+# allocation-heavy, and the interactive step loop with 10 us and 50 us kernels:
+# step10, step50, one thread launching with CPU work between launches, nothing
+# queued ahead) it runs, each for N seconds (default 10; --smoke: 1 s and
 # fewer runs, what CI runs):
 #   - native: one process on the simulated GPU, no interposer;
 #   - fracgpu alone: the same under libfracgpu.so as the only tenant (gpus = 1);
 #   - native, 2 processes: what the driver's own time-slicing gives;
 #   - fracgpu, tenants with shares: 0.5/0.5 (each workload), 0.2/0.3/0.5 and
 #     0.1/0.9 (compute);
+# and a second table, e2e_sharing.md: for every workload, the GPU's busy time
+# and each tenant's share of the GPU time used, two processes without fracgpu
+# beside two 0.5 tenants with it.
 # samples every tenant's device time from the simulated driver every 250 ms
 # (the ground truth), and writes to OUT_DIR: e2e_table.md (printed), CSVs,
 # e2e_shares.svg, and runs/<run>/ with each process's output, the daemon's log
@@ -22,10 +34,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "run_e2e.sh: $*" >&2; exit 2; }
 
-build="" out="" smoke=0 seconds=""
+build="" out="" smoke=0 seconds="" held=0
 while (($#)); do
   case $1 in
     --smoke) smoke=1; shift ;;
+    --held) held=1; shift ;;
     --seconds) seconds=${2:?--seconds needs a value}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
@@ -56,6 +69,8 @@ rm -rf "$out/runs" && mkdir -p "$out/runs"
 # nothing of them is a result.
 work=$(mktemp -d /tmp/fracgpu-e2e-XXXXXX)
 export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fracgpud_env=()
+((held)) || fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH")
 export SIMCUDA_STATE=$work/simulated-gpu
 uuid=GPU-e2e00000-0000-4000-8000-000000000000
 export SIMCUDA_DEVICES="uuid=$uuid,name=Simulated H100,mem=16GiB,ctx=64MiB"
@@ -72,6 +87,14 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+# The e2e_workload arguments of a workload name: stepN is mode=step with N us kernels.
+workload_args() {
+  case $1 in
+    step*) echo "mode=step kernel_us=${1#step}" ;;
+    *) echo "mode=$1" ;;
+  esac
+}
 
 # run NAME WORKLOAD MODE TENANT[:SHARE]...
 # MODE native: each TENANT is one process without the interposer. MODE
@@ -93,7 +116,9 @@ run() {
     if [[ $mode == fracgpu ]]; then
       vars=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
     fi
-    env "${vars[@]}" "$workload" mode="$wl" seconds="$seconds" start_ns="$start" >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
+    # shellcheck disable=SC2046 # the workload's arguments are words on purpose
+    env "${vars[@]}" "$workload" $(workload_args "$wl") seconds="$seconds" start_ns="$start" \
+      >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
     pids+=("$!")
     tenants+=("$tenant")
     shares+=("${share:-}")
@@ -118,7 +143,7 @@ run() {
 }
 
 echo "== end-to-end workloads on the simulated driver, $seconds s each, into $out" >&2
-for wl in launch compute alloc; do
+for wl in launch step10 step50 compute alloc; do
   run "$wl-native" "$wl" native a
   run "$wl-fracgpu-alone" "$wl" fracgpu a:1
   if ((smoke)); then
@@ -140,5 +165,5 @@ rc=0
 py report "$out" || rc=$?
 cat "$out/e2e_table.head" "$out/e2e_table.md" >"$out/e2e_table.tmp" && mv "$out/e2e_table.tmp" "$out/e2e_table.md"
 rm -f "$out/e2e_table.head"
-echo "== wrote $out/e2e_table.md, e2e_runs.csv, e2e_summary.csv, e2e_shares.csv, e2e_shares.svg" >&2
+echo "== wrote $out/e2e_table.md, e2e_sharing.md, e2e_runs.csv, e2e_summary.csv, e2e_shares.csv, e2e_shares.svg" >&2
 exit "$rc"

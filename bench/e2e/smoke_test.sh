@@ -11,12 +11,13 @@ fail() { echo "bench_e2e_smoke: $*" >&2; exit 1; }
 
 rm -rf "$out"
 bash "$(dirname "$0")/run_e2e.sh" "$build" "$out" --smoke || fail "run_e2e.sh --smoke exited $?"
-for f in e2e_table.md e2e_runs.csv e2e_summary.csv e2e_shares.csv e2e_shares.svg; do
+for f in e2e_table.md e2e_sharing.md e2e_runs.csv e2e_summary.csv e2e_shares.csv e2e_shares.svg; do
   [[ -s $out/$f ]] || fail "$out/$f is missing or empty"
 done
-# One row per process: launch and alloc native + alone, compute native + alone + 2 tenants.
+# One row per process: launch, step10, step50 and alloc native + alone, compute
+# native + alone + 2 tenants.
 rows=$(($(wc -l <"$out/e2e_runs.csv") - 1))
-((rows == 8)) || fail "e2e_runs.csv has $rows process rows, expected 8"
+((rows == 12)) || fail "e2e_runs.csv has $rows process rows, expected 12"
 # Every process exited 0 and did work (columns: ... exit=7, ops=8).
 awk -F, 'NR > 1 && ($7 != 0 || $8 <= 0) { bad = 1; print "bad row: " $0 } END { exit bad }' "$out/e2e_runs.csv" >&2 ||
   fail "a workload failed or did nothing"

@@ -5,6 +5,11 @@
 //            GPU, back to back, synchronizing every --sync-every kernels;
 //   launch   a stream of tiny kernels (one block, a few instructions) as fast
 //            as the CPU launches them, synchronizing every --sync-every.
+//   step     an interactive loop: one kernel that spins about --kernel-us
+//            (one block; clock64 against the GPU's clock rate), then
+//            --host-us of busy CPU work (default 1.2 x --kernel-us), a
+//            synchronize every --sync-every (default 64): launch-bound, nothing
+//            queued ahead (docs/sm-time.md, measured mode).
 //
 // Unless --no-cupti, it measures its own GPU time with CUPTI activity records
 // (the kernels' start and end timestamps as the GPU recorded them),
@@ -15,10 +20,10 @@
 // kernels run at a time (fracgpu tenants). CUPTI's per-kernel record adds a
 // fixed cost to every launch: throughput is measured with --no-cupti.
 //
-//   gpu_workload --mode compute|launch --seconds S
+//   gpu_workload --mode compute|launch|step --seconds S
 //                [--start-file F | --start-ns NS] [--ready-file F]
 //                [--iterations N] [--blocks B] [--kernel-ms 5]
-//                [--sync-every N] [--no-cupti]
+//                [--sync-every N] [--kernel-us U] [--host-us U] [--no-cupti]
 //   gpu_workload --mode compute --calibrate [--kernel-ms 5] [--blocks B]
 //
 // The compute kernel runs B blocks (default 8 per SM) of N iterations. With
@@ -81,6 +86,13 @@ __global__ void compute_kernel(float* out, int iterations) {
     b = fmaf(b, c, a) * 0.5f;
   }
   if (a == 12345.0f) out[blockIdx.x] = b;  // never true: keeps the loop alive
+}
+
+__global__ void spin_kernel(float* out, long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] += 1.0f;
 }
 
 __global__ void tiny_kernel(float* out) {
@@ -150,12 +162,14 @@ struct Options {
   int sync_every = 0;  // 0: the mode's default
   long iterations = 0;  // 0: calibrate to kernel_ms
   int blocks = 0;       // 0: 8 per SM
+  double kernel_us = 10, host_us = 0;  // step; host_us 0: 1.2 x kernel_us
   bool cupti = true, calibrate = false;
 };
 
 int usage(const char* why) {
-  fprintf(stderr, "gpu_workload: %s\nusage: gpu_workload --mode compute|launch --seconds S [--start-file F | --start-ns NS] "
-                  "[--ready-file F] [--iterations N] [--blocks B] [--kernel-ms MS] [--sync-every N] [--no-cupti]\n"
+  fprintf(stderr, "gpu_workload: %s\nusage: gpu_workload --mode compute|launch|step --seconds S [--start-file F | --start-ns NS] "
+                  "[--ready-file F] [--iterations N] [--blocks B] [--kernel-ms MS] [--sync-every N] [--kernel-us U] "
+                  "[--host-us U] [--no-cupti]\n"
                   "       gpu_workload --mode compute --calibrate [--kernel-ms MS] [--blocks B]\n", why);
   return 2;
 }
@@ -225,14 +239,22 @@ int main(int argc, char** argv) {
     else if (a == "--sync-every") o.sync_every = atoi(v);
     else if (a == "--iterations") o.iterations = atol(v);
     else if (a == "--blocks") o.blocks = atoi(v);
+    else if (a == "--kernel-us") o.kernel_us = atof(v);
+    else if (a == "--host-us") o.host_us = atof(v);
     else return usage(("unknown option " + a).c_str());
   }
-  if (o.mode != "compute" && o.mode != "launch") return usage("--mode must be compute or launch");
+  if (o.mode != "compute" && o.mode != "launch" && o.mode != "step") return usage("--mode must be compute, launch or step");
+  if (o.kernel_us <= 0 || o.host_us < 0) return usage("--kernel-us must be above 0, --host-us not below");
   if (o.calibrate && o.mode != "compute") return usage("--calibrate is for --mode compute");
   if ((!o.calibrate && o.seconds <= 0) || o.kernel_ms <= 0) return usage("--seconds and --kernel-ms must be above 0");
   if (o.iterations < 0 || o.iterations > (1L << 30) || o.blocks < 0) return usage("--iterations and --blocks must be positive");
-  const bool compute = o.mode == "compute";
-  const int sync_every = o.sync_every > 0 ? o.sync_every : (compute ? 4 : 1024);
+  const bool compute = o.mode == "compute", step = o.mode == "step";
+  const int sync_every = o.sync_every > 0 ? o.sync_every : (compute ? 4 : step ? 64 : 1024);
+  // step: the spin kernel's cycles for kernel_us at the GPU's clock (kHz).
+  int clock_khz = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const long long spin_cycles = static_cast<long long>(o.kernel_us * clock_khz / 1000.0);
+  const uint64_t host_ns = static_cast<uint64_t>((o.host_us > 0 ? o.host_us : o.kernel_us * 1.2) * 1000);
 
   int sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -284,8 +306,16 @@ int main(int argc, char** argv) {
   unsigned long long kernels = 0;
   while (now_ns() < end) {
     for (int i = 0; i < sync_every; ++i) {
-      if (compute) compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
-      else tiny_kernel<<<1, 32, 0, stream>>>(out);
+      if (compute) {
+        compute_kernel<<<blocks, kThreads, 0, stream>>>(out, static_cast<int>(iterations));
+      } else if (step) {
+        spin_kernel<<<1, 32, 0, stream>>>(out, spin_cycles);
+        const uint64_t until = now_ns() + host_ns;
+        while (now_ns() < until) {
+        }
+      } else {
+        tiny_kernel<<<1, 32, 0, stream>>>(out);
+      }
     }
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaStreamSynchronize(stream));

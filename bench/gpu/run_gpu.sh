@@ -5,13 +5,16 @@
 # a scripts/gpu_bundle.sh directory.
 #
 #   bash bench/gpu/run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--repeats N]
-#                             [--workloads compute,launch,torch]
+#                             [--workloads compute,launch,torch[,step10,step50]]
 #
 # Builds bench/gpu/gpu_workload.cu (build_workload.sh) into OUT_DIR/bin and
 # sizes the compute kernel once, alone on the GPU (gpu_workload --calibrate:
 # OUT_DIR/calibration.json); every compute process of every run gets the same
 # --iterations and --blocks. Then for each workload (compute: long kernels;
-# launch: a stream of tiny kernels; torch: a PyTorch matmul loop), each run N
+# launch: a stream of tiny kernels; torch: a PyTorch matmul loop; step10,
+# step50, asked for by name: an interactive loop, one ~10 us (50 us) kernel then
+# 1.2x that of CPU work, nothing queued ahead, where timeslice-2 beside
+# fracgpu-0.5-0.5 shows what sharing costs launch-bound tenants), each run N
 # seconds (default 15) from a common start, in this order:
 #   native, fracgpu-1   alternated, --repeats times each (default 3): one
 #                 process without the interposer / one tenant with gpus = 1
@@ -63,10 +66,10 @@ nvidia-smi -L >/dev/null 2>&1 ||
 IFS=, read -r -a wl_list <<<"$workloads"
 for wl in "${wl_list[@]}"; do
   case $wl in
-    compute | launch) ;;
+    compute | launch | step10 | step50) ;;
     torch) python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null ||
       die "--workloads torch needs PyTorch with CUDA (leave it out with --workloads compute,launch)" ;;
-    *) die "--workloads: unknown workload \"$wl\" (compute, launch, torch)" ;;
+    *) die "--workloads: unknown workload \"$wl\" (compute, launch, torch, step10, step50)" ;;
   esac
 done
 
@@ -118,6 +121,10 @@ workload_cmd() {  # workload_cmd WORKLOAD GPUTIME: the command line, without the
     *)
       (($2)) || profile=(--no-cupti)
       if [[ $1 == compute ]]; then profile+=("${kernel_args[@]}"); fi
+      if [[ $1 == step* ]]; then
+        echo "$out/bin/gpu_workload" --mode step --kernel-us "${1#step}" --seconds "$seconds" "${profile[@]}"
+        return
+      fi
       echo "$out/bin/gpu_workload" --mode "$1" --seconds "$seconds" "${profile[@]}" ;;
   esac
 }

@@ -52,6 +52,8 @@ class Nvml {
     decltype(&nvmlEventSetWait_v2) event_wait = nullptr;
     decltype(&nvmlEventSetFree) event_set_free = nullptr;
     decltype(&nvmlSystemGetDriverVersion) driver_version = nullptr;  // for the control API's node view
+    // The GPU-time meter (daemon/gpu_meter.h): per-process SM utilization.
+    decltype(&nvmlDeviceGetProcessUtilization) get_process_utilization = nullptr;
   };
 
   // dlopen()s `library` and calls nvmlInit_v2. nullptr (with *problem set to

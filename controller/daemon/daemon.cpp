@@ -688,10 +688,39 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
     arbiter->scheduler->configure(tenants, slice_ns);
     arbiter->scheduler->start();
   }
+  attach_meters();
+}
+
+void Daemon::attach_meters() {
+  if (nvml_ == nullptr) return;
+  if (nvml_->api().get_process_utilization == nullptr) {
+    if (!arbiters_.empty())
+      log_->warn("NVML lacks nvmlDeviceGetProcessUtilization: GPU time is charged as held, one tenant at a time");
+    return;
+  }
+  for (auto& [uuid, arbiter] : arbiters_) {
+    if (arbiter.scheduler->has_meter()) continue;
+    nvmlDevice_t device = nullptr;
+    if (nvmlReturn_t rc = nvml_->api().get_handle_by_uuid(uuid.c_str(), &device); rc != NVML_SUCCESS) {
+      log_->warn("GPU {}: NVML has no handle for it ({}): its time is charged as held", uuid, nvml_->describe(rc));
+      continue;
+    }
+    arbiter.scheduler->set_meter(std::make_unique<NvmlMeter>(*nvml_, device));
+    log_->info("GPU {}: GPU time measured by NVML (per-process utilization)", uuid);
+  }
 }
 
 void Daemon::tick_gpu_time(uint64_t now) {
+  // Whose processes are whose, as this daemon verified them (host_pids,
+  // never the tenant-writable copy): the meter's figures are charged by it.
+  std::vector<uint32_t> pids;
   for (auto& [uuid, arbiter] : arbiters_) {
+    for (const auto& [name, open] : ledgers_) {
+      pids.clear();
+      for (const int32_t pid : open.host_pids)
+        if (pid > 0) pids.push_back(static_cast<uint32_t>(pid));
+      arbiter.scheduler->attribute(name, pids);
+    }
     arbiter.scheduler->sample_achieved(now);
     for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
       if (m.warning)
@@ -836,6 +865,7 @@ void Daemon::start_gpu_checks() {
   health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_, config_->daemon.run_dir);
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
   memory_auditor_ = std::make_unique<MemoryAuditor>(nvml_.get(), discovery_.gpus, *log_);
+  attach_meters();
   next_health_ns_ = next_audit_ns_ = next_memory_audit_ns_ = 0;  // all at the first tick
   if (nvml_ == nullptr) {
     // Written once, so `fracgpu status` says why there is no health data.

@@ -187,6 +187,9 @@ class Daemon {
     std::unique_ptr<GpuScheduler> scheduler;
   };
   void apply_gpu_time(const NodeConfig& config);
+  // Gives each arbiter's scheduler an NVML meter, where NVML measures
+  // per-process utilization (measured mode, docs/sm-time.md).
+  void attach_meters();
   GpuArbiter* open_arbiter(const ManagedGpu& gpu);
   void link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry);
   void tick_gpu_time(uint64_t now);

@@ -88,14 +88,16 @@ void GpuScheduler::adopt(uint64_t now) {
     r.bound = true;
     r.name = std::string(f.name);
     r.used = f.used_ns.load(std::memory_order_relaxed);
+    r.measured = f.measured_ns.load(std::memory_order_relaxed);
+    r.held = f.held_ns.load(std::memory_order_relaxed);
     r.throttled = f.throttled_ns.load(std::memory_order_relaxed);
     r.slices = f.slices.load(std::memory_order_relaxed);
     r.missed_deadlines = f.missed_deadlines.load(std::memory_order_relaxed);
     r.vtime = f.vtime.load(std::memory_order_relaxed);
     r.cap_tat = f.cap_tat_ns.load(std::memory_order_relaxed);
     r.share = std::min(f.share_ppm.load(std::memory_order_relaxed), kPpm);  // until configure() says
-    if (r.used > now || r.throttled > now) {
-      r.used = r.throttled = r.slices = 0;
+    if (r.used > now || r.throttled > now || r.measured > now || r.held > now) {
+      r.used = r.throttled = r.slices = r.measured = r.held = 0;
       r.missed_deadlines = 0;
     }
     if (r.cap_tat > now + 60 * kSecond) r.cap_tat = now;
@@ -114,14 +116,49 @@ void GpuScheduler::adopt(uint64_t now) {
   // microseconds (which a damaged or missing number cannot be, and which
   // grows faster than grants are made): processes that entered an old
   // grant see it is over, whatever the file said.
-  const uint64_t old_word = seg_.grant.word.load(std::memory_order_acquire);
-  const uint64_t old_seq = gputime::grant_valid(old_word) ? gputime::grant_seq(old_word) : 0;
+  uint64_t old_seq = 0;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    const uint64_t old_word = seg_.tenants[t].grant.load(std::memory_order_acquire);
+    if (gputime::grant_valid(old_word)) old_seq = std::max(old_seq, gputime::grant_seq(old_word));
+  }
   seq_ = std::min(std::max(old_seq, now / 1000) + 1, gputime::kMaxGrantSeq);
-  state_ = gputime::kGrantIdle;
-  holder_ = 0;
   last_pass_ns_ = now;
   seg_.grant.revoke_ns.store(0, std::memory_order_relaxed);
-  publish_grant();
+  // Nobody holds the GPU: every tenant's word idle, under the new number.
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    rows_[t].gstate = gputime::kGrantIdle;
+    rows_[t].gseq = seq_;
+    publish_grant(t);
+  }
+}
+
+void GpuScheduler::set_meter(std::unique_ptr<UsageMeter> meter) {
+  std::lock_guard lock(mutex_);
+  meter_ = std::move(meter);
+  meter_ok_ns_ = 0;
+  last_meter_ns_ = 0;
+}
+
+bool GpuScheduler::has_meter() {
+  std::lock_guard lock(mutex_);
+  return meter_ != nullptr;
+}
+
+void GpuScheduler::attribute(const std::string& tenant, const std::vector<uint32_t>& pids) {
+  std::lock_guard lock(mutex_);
+  const int index = gputime::find_tenant(seg_, tenant.c_str());
+  std::erase_if(pid_row_, [&](const auto& kv) { return static_cast<int>(kv.second) == index; });
+  if (index < 0 || !rows_[index].active) return;
+  Row& r = rows_[index];
+  for (const uint32_t pid : pids) {
+    if (pid == 0) continue;
+    pid_row_[pid] = static_cast<uint32_t>(index);
+    // Usage measured before the daemon knew whose the process is.
+    if (auto it = unattributed_.find(pid); it != unattributed_.end()) {
+      r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
+      unattributed_.erase(it);
+    }
+  }
 }
 
 // ---- Configuration (main thread) ----
@@ -285,7 +322,7 @@ std::bitset<kMaxSlots> GpuScheduler::pending_drains(Row& r, uint64_t now) {
   std::bitset<kMaxSlots> pending;
   for (uint32_t s = 0; s < r.high; ++s) {
     const SlotView& v = r.slots[s];
-    if (v.entered != seq_ || v.drained == seq_) continue;
+    if (r.gseq == 0 || v.entered != r.gseq || v.drained == r.gseq) continue;
     if (slot_alive(r, s, now)) pending.set(s);
   }
   return pending;
@@ -298,13 +335,20 @@ uint64_t GpuScheduler::effective_vtime(const Row& r) const {
   return std::max(r.vtime, min_vtime_ > credit ? min_vtime_ - credit : 0);
 }
 
+// Asks, may be granted (not blocked, within its limit) and holds no grant.
+// A benched tenant (revoked for running ahead) counts only once its bench
+// is over.
+bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
+  return r.active && r.readable && r.wants && !r.blocked && r.gstate == gputime::kGrantIdle &&
+         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr);
+}
+
 int GpuScheduler::best_candidate(uint64_t now, int exclude) {
   int best = -1;
   uint64_t best_vtime = 0, best_since = 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     const Row& r = rows_[t];
-    if (static_cast<int>(t) == exclude || !r.active || !r.readable || !r.wants || r.blocked) continue;
-    if (!gputime::within_limit(r.cap_tat, r.limit, now, nullptr)) continue;
+    if (static_cast<int>(t) == exclude || !eligible(r, now)) continue;
     const uint64_t vt = effective_vtime(r);
     // Ties go to the longest wait: a tenant claiming an ancient want wins
     // ties only, which virtual times make rare.
@@ -316,23 +360,106 @@ int GpuScheduler::best_candidate(uint64_t now, int exclude) {
   return best;
 }
 
-void GpuScheduler::charge_holder(uint64_t now) {
-  if (state_ == gputime::kGrantIdle || now <= charged_ns_) return;
-  Row& h = rows_[holder_];
-  const uint64_t ns = now - charged_ns_;
-  h.used += ns;
-  h.vtime = gputime::saturating_add(h.vtime, gputime::scale(ns, h.share));
-  h.cap_tat = gputime::advance_limit(h.cap_tat, ns, h.limit, std::min(credit_from_, now));
-  charged_ns_ = now;
+uint32_t GpuScheduler::holders(uint32_t state) const {
+  uint32_t n = 0;
+  for (const Row& r : rows_) n += r.gstate == state ? 1 : 0;
+  return n;
+}
+
+bool GpuScheduler::measuring(uint64_t now) const {
+  return meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
+}
+
+// Reads the meter (every kMeterIntervalNs) and files each process's GPU
+// time under its tenant (pending_use, charged by charge()). A PID the
+// daemon has not attributed yet (a process that started since its last
+// tick) keeps its usage for kUnattributedKeepNs, so a process cannot run
+// uncharged by being new; usage of a PID that is nobody's (a process
+// outside fracgpu: the bypass audit's business) counts only towards how
+// busy the GPU is.
+void GpuScheduler::read_meter(uint64_t now) {
+  pass_busy_ = 0;
+  fresh_reading_ = false;
+  if (meter_ == nullptr || now - last_meter_ns_ < kMeterIntervalNs) return;
+  last_meter_ns_ = now;
+  readings_.clear();
+  if (!meter_->read(now, &readings_)) return;
+  meter_ok_ns_ = now;
+  fresh_reading_ = true;
+  for (const ProcessUse& u : readings_) {
+    // One reading cannot hold more than the time since the previous one
+    // could: a driver figure out of range is clamped, not trusted.
+    const uint64_t busy = std::min<uint64_t>(u.busy_ns, kSecond);
+    pass_busy_ += busy;
+    if (auto it = pid_row_.find(u.pid); it != pid_row_.end()) {
+      rows_[it->second].pending_use += busy;
+    } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
+      Unattributed& un = unattributed_[u.pid];
+      if (un.since == 0) un.since = now;
+      un.busy_ns = gputime::saturating_add(un.busy_ns, busy);
+    }
+  }
+  std::erase_if(unattributed_, [&](const auto& kv) { return now - kv.second.since > kUnattributedKeepNs; });
+  room_busy_ += pass_busy_;
+}
+
+// What each tenant pays for the interval since the last pass.
+//  - held mode: every holder (granted or revoking) the whole interval;
+//  - measured mode: its measured GPU time; and a tenant that held the GPU
+//    alone while another eligible tenant waited pays at least the time the
+//    others did not use: the GPU was its to use, and it kept the waiting
+//    tenant off it (max(measured, denied)).
+void GpuScheduler::charge(uint64_t now) {
+  const uint64_t dt = now > last_pass_ns_ ? now - last_pass_ns_ : 0;
+  const bool measured = measuring(now);
+  int alone = -1;
+  bool someone_waits = false;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    Row& r = rows_[t];
+    if (r.gstate != gputime::kGrantIdle) r.held += dt;
+    if (r.gstate == gputime::kGranted) alone = alone == -1 ? static_cast<int>(t) : -2;
+    if (eligible(r, now)) someone_waits = true;
+  }
+  // Time held alone while another waited, since the last reading: settled
+  // against the GPU time the next reading says the others used meanwhile
+  // (a reading covers the time since the previous one, so the two line up).
+  if (alone >= 0 && someone_waits) rows_[alone].alone_ns += dt;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    Row& r = rows_[t];
+    if (!measured) {
+      r.pending_use = 0;
+      r.alone_ns = 0;
+      if (r.gstate != gputime::kGrantIdle && dt > 0) charge_row(r, dt, now);
+      continue;
+    }
+    if (!fresh_reading_) continue;
+    uint64_t ns = r.pending_use;
+    r.measured += r.pending_use;
+    if (r.alone_ns > 0) {
+      const uint64_t others = pass_busy_ > r.pending_use ? pass_busy_ - r.pending_use : 0;
+      ns = std::max(ns, r.alone_ns > others ? r.alone_ns - others : 0);
+    }
+    r.pending_use = 0;
+    r.alone_ns = 0;
+    if (ns > 0) charge_row(r, ns, now);
+  }
+}
+
+void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now) {
+  r.used += ns;
+  r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
+  const uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
+  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit);
 }
 
 // Throttled time: a tenant wanted the GPU and did not hold it (another
 // did, or its limit kept it off). Its claimed want time counts from the
 // last pass at the earliest, so a claim cannot add more than we saw.
 void GpuScheduler::account_waits(uint64_t now) {
+  const bool someone_holds = holders(gputime::kGranted) + holders(gputime::kGrantRevoking) > 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
-    const bool holds = state_ != gputime::kGrantIdle && holder_ == t;
+    const bool holds = r.gstate != gputime::kGrantIdle;
     if (!r.active || !r.wants || holds) {
       if (!r.wants) r.kept_off_since = 0;
       continue;
@@ -341,8 +468,7 @@ void GpuScheduler::account_waits(uint64_t now) {
     if (now > from) r.throttled += now - from;
     // Kept off by another tenant's grant, not by its own limit: the limit's
     // allowance keeps accruing meanwhile (see gputime::advance_limit).
-    if (state_ != gputime::kGrantIdle && r.kept_off_since == 0 &&
-        gputime::within_limit(r.cap_tat, r.limit, now, nullptr))
+    if (someone_holds && r.kept_off_since == 0 && gputime::within_limit(r.cap_tat, r.limit, now, nullptr))
       r.kept_off_since = from;
   }
 }
@@ -369,116 +495,169 @@ void GpuScheduler::check_blocked(Row& r, uint64_t now) {
                           progress ? "reported its late drain" : "has none of the processes that missed the deadline left"));
 }
 
-void GpuScheduler::publish_grant() {
-  const uint64_t word = gputime::grant_word(seq_, holder_, state_);
+void GpuScheduler::publish_grant(uint32_t t, bool change) {
+  Row& r = rows_[t];
+  const uint64_t word = gputime::grant_word(r.gseq, t, r.gstate);
   // seq_cst: the daemon's half of the drain handshake (gputime.h).
-  seg_.grant.word.store(word, std::memory_order_seq_cst);
+  seg_.tenants[t].grant.store(word, std::memory_order_seq_cst);
   seg_.grant.turn.fetch_add(1, std::memory_order_seq_cst);
   gputime::wake_turn(seg_);
+  if (!change) return;  // a repair of a damaged word
+  last_word_ = word;
+  seg_.grant.word.store(word, std::memory_order_relaxed);
+  // A change of who holds the GPU starts a new room window.
+  room_since_ = last_pass_ns_;
+  room_busy_ = 0;
 }
 
-void GpuScheduler::grant_next(uint64_t now) {
-  const int best = best_candidate(now, -1);
-  if (best < 0) return;
-  Row& r = rows_[best];
+void GpuScheduler::grant(uint32_t t, uint64_t now) {
+  Row& r = rows_[t];
   r.vtime = effective_vtime(r);  // lifted, if it comes back from idle
   r.slices += 1;
-  credit_from_ = r.kept_off_since != 0 ? r.kept_off_since : now;
+  r.credit_from = r.kept_off_since != 0 ? r.kept_off_since : now;
   r.kept_off_since = 0;
   seq_ = std::min(seq_ + 1, gputime::kMaxGrantSeq);
-  state_ = gputime::kGranted;
-  holder_ = static_cast<uint32_t>(best);
-  grant_ns_ = charged_ns_ = now;
-  revoke_ns_ = 0;
+  r.gseq = seq_;
+  r.gstate = gputime::kGranted;
+  r.grant_ns = now;
+  r.revoke_ns = 0;
   ++handovers_;
-  seg_.grant.grant_ns.store(now, std::memory_order_relaxed);
-  seg_.grant.revoke_ns.store(0, std::memory_order_relaxed);
-  publish_grant();
+  last_grant_ns_ = now;
+  publish_grant(t);
+  room_since_ = now;
 }
 
-void GpuScheduler::end_grant(uint64_t now) {
-  state_ = gputime::kGrantIdle;
-  revoke_ns_ = 0;
-  seg_.grant.revoke_ns.store(0, std::memory_order_relaxed);
-  publish_grant();
-  grant_next(now);
+void GpuScheduler::end_grant(uint32_t t) {
+  Row& r = rows_[t];
+  r.gstate = gputime::kGrantIdle;
+  r.revoke_ns = 0;
+  publish_grant(t);
 }
 
-void GpuScheduler::start_revoke(uint64_t now, const char*) {
-  state_ = gputime::kGrantRevoking;
-  revoke_ns_ = now;
-  seg_.grant.revoke_ns.store(now, std::memory_order_relaxed);
-  publish_grant();
+void GpuScheduler::start_revoke(uint32_t t, uint64_t now) {
+  Row& r = rows_[t];
+  r.gstate = gputime::kGrantRevoking;
+  r.revoke_ns = now;
+  last_revoke_ns_ = now;
+  publish_grant(t);
+  room_since_ = now;
   // Read the holder's entered_grant again *after* that store: a process
   // that entered before it is seen now (gputime.h), and its drain awaited.
-  Row& h = rows_[holder_];
-  observe(h, now);
-  const std::bitset<kMaxSlots> pending = pending_drains(h, now);
-  if (pending.none()) complete_revoke(now, false, pending);
+  observe(r, now);
+  const std::bitset<kMaxSlots> pending = pending_drains(r, now);
+  if (pending.none()) complete_revoke(t, now, false, pending);
 }
 
-void GpuScheduler::complete_revoke(uint64_t now, bool missed, const std::bitset<kMaxSlots>& pending) {
-  Row& h = rows_[holder_];
+void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const std::bitset<kMaxSlots>& pending) {
+  Row& h = rows_[t];
+  // Measured mode: a drain that outlasts the deadline (typically one queued
+  // behind the other holders' work) is no loss to anyone: whatever its work
+  // does on the GPU is measured and charged to it. The revocation just ends.
+  if (missed && measuring(now)) missed = false;
   if (missed) {
-    // Charged through the deadline (charge_holder ran this pass); not
-    // granted again until it shows progress.
+    // Charged through the deadline (held mode; measured mode charges what
+    // its work used); not granted again until it shows progress.
     h.blocked = true;
-    h.blocked_seq = seq_;
+    h.blocked_seq = h.gseq;
     h.missed = pending;
     h.missed_deadlines += 1;
     note(true, fmt::format("{}: tenant \"{}\": {} process(es) did not drain grant {} within {} ms; the GPU goes on "
                            "without them, and the tenant waits until they report it",
-                           label_, h.name, pending.count(), seq_, gputime::kDrainDeadlineNs / 1'000'000));
+                           label_, h.name, pending.count(), h.gseq, gputime::kDrainDeadlineNs / 1'000'000));
   }
-  end_grant(now);
+  end_grant(t);
+}
+
+// The checks on one tenant's grant: configuration, limit, idleness, drains.
+void GpuScheduler::step_row(uint32_t t, uint64_t now) {
+  Row& h = rows_[t];
+  if (h.gstate == gputime::kGranted) {
+    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr)) {
+      start_revoke(t, now);
+      return;
+    }
+    // Nothing left to wait for: every process that entered the grant has
+    // drained it or died (an exit reports its drain), and none asks.
+    // The grant ends now, with no handshake.
+    if (!h.wants && pending_drains(h, now).none()) {
+      end_grant(t);
+      return;
+    }
+    const int other = best_candidate(now, static_cast<int>(t));
+    const uint64_t idle_for = now - std::max(h.grant_ns, h.last_active);
+    if (!h.wants && idle_for >= gputime::kIdleNs && (other >= 0 || idle_for >= gputime::kLoneIdleNs))
+      start_revoke(t, now);
+    return;
+  }
+  if (h.gstate == gputime::kGrantRevoking) {
+    const std::bitset<kMaxSlots> pending = pending_drains(h, now);
+    if (pending.none()) {
+      complete_revoke(t, now, false, pending);
+    } else if (now - h.revoke_ns >= gputime::kDrainDeadlineNs) {
+      complete_revoke(t, now, true, pending);
+    }
+  }
 }
 
 void GpuScheduler::step(uint64_t now) {
-  switch (state_) {
-    case gputime::kGrantIdle:
-      grant_next(now);
-      return;
-    case gputime::kGranted: {
-      Row& h = rows_[holder_];
-      if (!h.active || !h.readable) {
-        start_revoke(now, "no longer configured or readable");
-        return;
-      }
-      if (!gputime::within_limit(h.cap_tat, h.limit, now, nullptr)) {
-        start_revoke(now, "limit");
-        return;
-      }
-      // Nothing left to wait for: every process that entered the grant has
-      // drained it or died (an exit reports its drain), and none asks.
-      // The grant ends now, with no handshake.
-      if (!h.wants && pending_drains(h, now).none()) {
-        end_grant(now);
-        return;
-      }
-      const int other = best_candidate(now, static_cast<int>(holder_));
-      const uint64_t idle_for = now - std::max(grant_ns_, h.last_active);
-      if (!h.wants && idle_for >= gputime::kIdleNs && (other >= 0 || idle_for >= gputime::kLoneIdleNs)) {
-        start_revoke(now, "idle");
-        return;
-      }
-      if (other >= 0 && now - grant_ns_ >= slice_ns_ && effective_vtime(rows_[other]) < effective_vtime(h))
-        start_revoke(now, "slice");
-      return;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+    if (rows_[t].gstate != gputime::kGrantIdle) step_row(t, now);
+  const bool measured = measuring(now);
+  // The least virtual time among the others that ask or hold: what a
+  // tenant's lead and a slice's end are measured against.
+  auto least_other = [&](uint32_t self) {
+    uint64_t least = UINT64_MAX;
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+      const Row& r = rows_[t];
+      if (t == self || !r.active || r.blocked) continue;
+      if (r.gstate == gputime::kGranted || eligible(r, now)) least = std::min(least, effective_vtime(r));
     }
-    case gputime::kGrantRevoking: {
-      Row& h = rows_[holder_];
-      const std::bitset<kMaxSlots> pending = pending_drains(h, now);
-      if (pending.none()) {
-        complete_revoke(now, false, pending);
-      } else if (now - revoke_ns_ >= gputime::kDrainDeadlineNs) {
-        complete_revoke(now, true, pending);
+    return least;
+  };
+  if (measured) {
+    // Fairness on measured time: a holder more than kLeadNs (of GPU time,
+    // at its share) ahead of another that asks or holds is revoked and
+    // benched for kBenchNs, or until the others caught up.
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+      Row& r = rows_[t];
+      if (r.bench_until != 0 && (now >= r.bench_until || least_other(t) == UINT64_MAX || r.vtime <= least_other(t)))
+        r.bench_until = 0;
+      if (r.gstate != gputime::kGranted) continue;
+      const uint64_t least = least_other(t);
+      if (least != UINT64_MAX && r.vtime > gputime::saturating_add(least, gputime::scale(kLeadNs, r.share))) {
+        r.bench_until = now + kBenchNs;
+        start_revoke(t, now);
       }
-      return;
     }
-    default:
-      state_ = gputime::kGrantIdle;
-      return;
   }
+  // A slice's end: a lone holder gives way to a tenant with a smaller
+  // virtual time that waits.
+  const uint32_t granted = holders(gputime::kGranted);
+  if (granted == 1) {
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+      Row& h = rows_[t];
+      if (h.gstate != gputime::kGranted) continue;
+      const int other = best_candidate(now, static_cast<int>(t));
+      if (other >= 0 && now - h.grant_ns >= slice_ns_ && effective_vtime(rows_[other]) < effective_vtime(h) &&
+          !(measured && room(now)))
+        start_revoke(t, now);
+    }
+  }
+  // Grants. Held mode: one holder at a time, the next once the last drained.
+  // Measured mode: the next at once, and more while the GPU has room.
+  const uint32_t busy = holders(gputime::kGranted) + (measured ? 0 : holders(gputime::kGrantRevoking));
+  if (busy == 0 || (measured && room(now))) {
+    const int best = best_candidate(now, -1);
+    if (best >= 0) grant(static_cast<uint32_t>(best), now);
+  }
+}
+
+// The GPU has room for another tenant: measured busy (every process on it)
+// below kRoomBusyPpm over a full window since the holders last changed.
+bool GpuScheduler::room(uint64_t now) const {
+  if (now < room_since_ + kRoomWindowNs || now <= room_since_) return false;
+  return static_cast<unsigned __int128>(room_busy_) * kPpm <
+         static_cast<unsigned __int128>(now - room_since_) * kRoomBusyPpm;
 }
 
 // ---- Publishing ----
@@ -488,10 +667,20 @@ void GpuScheduler::publish(uint64_t now) {
   // back what we know, so damage lasts one pass at most.
   if (!gputime::header_valid(seg_.header, uuid_)) gputime::stamp_header(seg_.header, uuid_);
   store_if_changed(seg_.daemon.doorbell, 0u);
-  const uint64_t word = gputime::grant_word(seq_, holder_, state_);
-  if (seg_.grant.word.load(std::memory_order_acquire) != word) publish_grant();
-  store_if_changed(seg_.grant.grant_ns, grant_ns_);
-  store_if_changed(seg_.grant.revoke_ns, revoke_ns_);
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    const Row& r = rows_[t];
+    if (seg_.tenants[t].grant.load(std::memory_order_acquire) != gputime::grant_word(r.gseq, t, r.gstate))
+      publish_grant(t, false);
+  }
+  store_if_changed(seg_.grant.word, last_word_);
+  store_if_changed(seg_.grant.grant_ns, last_grant_ns_);
+  store_if_changed(seg_.grant.revoke_ns, holders(gputime::kGrantRevoking) > 0 ? last_revoke_ns_ : uint64_t{0});
+  const bool measured = measuring(now);
+  store_if_changed(seg_.daemon.charging, measured ? uint32_t{gputime::kChargeMeasured} : uint32_t{gputime::kChargeHeld});
+  if (measured && now > room_since_ + kRoomWindowNs)
+    busy_ppm_ = static_cast<uint32_t>(std::min<unsigned __int128>(
+        static_cast<unsigned __int128>(room_busy_) * kPpm / (now - room_since_), kPpm));
+  store_if_changed(seg_.daemon.busy_ppm, measured ? busy_ppm_ : 0u);
   store_if_changed(seg_.grant.handovers, handovers_);
   store_if_changed(seg_.min_vtime, min_vtime_);
   store_if_changed(seg_.daemon.slice_ns, slice_ns_);
@@ -508,6 +697,8 @@ void GpuScheduler::publish(uint64_t now) {
     store_if_changed(f.limit_ppm, r.limit);
     store_if_changed(f.vtime, r.vtime);
     store_if_changed(f.used_ns, r.used);
+    store_if_changed(f.measured_ns, r.measured);
+    store_if_changed(f.held_ns, r.held);
     store_if_changed(f.throttled_ns, r.throttled);
     store_if_changed(f.cap_tat_ns, r.cap_tat);
     store_if_changed(f.slices, r.slices);
@@ -542,23 +733,31 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   // (A blocked tenant is not among them: it cannot be granted, and its
   // virtual time standing still must not hold the others' back.)
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
-    if (rows_[t].active && ((rows_[t].wants && !rows_[t].blocked) || (state_ != gputime::kGrantIdle && holder_ == t)))
+    if (rows_[t].active && ((rows_[t].wants && !rows_[t].blocked) || rows_[t].gstate != gputime::kGrantIdle))
       lowest = std::min(lowest, rows_[t].vtime);
   if (lowest != UINT64_MAX && lowest > min_vtime_) min_vtime_ = lowest;
+  read_meter(now);
   account_waits(now);
-  charge_holder(now);
+  charge(now);
   step(now);
   publish(now);
   last_pass_ns_ = now;
-  if (state_ == gputime::kGrantRevoking)
-    return std::min(kBusyPassNs, std::max<uint64_t>(revoke_ns_ + gputime::kDrainDeadlineNs - now, kMinPassIntervalNs));
-  return state_ != gputime::kGrantIdle || anyone_wants_ ? kBusyPassNs : kIdlePassNs;
+  uint64_t sleep = anyone_wants_ ? kBusyPassNs : kIdlePassNs;
+  for (const Row& r : rows_) {
+    if (r.gstate == gputime::kGranted) sleep = std::min(sleep, kBusyPassNs);
+    if (r.gstate == gputime::kGrantRevoking)
+      sleep = std::min(sleep, std::min(kBusyPassNs, std::max<uint64_t>(r.revoke_ns + gputime::kDrainDeadlineNs - now,
+                                                                      kMinPassIntervalNs)));
+  }
+  return sleep;
 }
 
 void GpuScheduler::sample_achieved(uint64_t now) {
   std::lock_guard lock(mutex_);
   std::array<uint64_t, gputime::kMaxTenants> used{};
-  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) used[t] = rows_[t].used;
+  // Achieved: GPU time used, as measured, where there is a meter; else the
+  // time held (all there is to know without one).
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) used[t] = meter_ != nullptr ? rows_[t].measured : rows_[t].used;
   samples_.emplace_back(now, used);
   // Keep just over 10 s: the oldest sample at least 10 s old stays.
   while (samples_.size() > 2 && now - samples_[1].first >= 10 * kSecond) samples_.erase(samples_.begin());
@@ -632,10 +831,12 @@ void GpuScheduler::stop() {
   // A clean stop says so at once: no holder, no heartbeat. Tenant
   // processes run unshared until a daemon schedules again.
   seq_ = std::min(seq_ + 1, gputime::kMaxGrantSeq);
-  state_ = gputime::kGrantIdle;
-  holder_ = 0;
   seg_.daemon.daemon_heartbeat_ns.store(0, std::memory_order_release);
-  publish_grant();
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    rows_[t].gstate = gputime::kGrantIdle;
+    rows_[t].gseq = seq_;
+    publish_grant(t);
+  }
 }
 
 }  // namespace fracgpu::controller

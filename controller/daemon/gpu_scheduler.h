@@ -5,9 +5,19 @@
 // Each pass it reads what the tenants sharing the GPU ask for (the
 // GpuTimeRequest rows of their usage files, which their processes write and
 // which are therefore claims: clamped, checked against the current grant,
-// and bounded in effect to the tenant that wrote them), then grants the GPU
-// to one tenant at a time, charges the holder the time it holds it, and
-// takes it back with a drain handshake that has a deadline. It runs on a
+// and bounded in effect to the tenant that wrote them), grants the GPU,
+// charges tenants, and takes grants back with a drain handshake that has a
+// deadline. Two modes (gputime::ChargeMode):
+//  - measured (a UsageMeter is set and answers): tenants are charged the GPU
+//    time the driver measured for their processes, or, while one holds the
+//    GPU alone and another waits, the time nobody else used (whichever is
+//    more); several tenants hold the GPU at once while the GPU has room
+//    (measured busy below kRoomBusyPpm), and a tenant whose virtual time
+//    runs more than kLeadNs of GPU time ahead is revoked and benched; a
+//    revoked tenant's successor is granted at once, without waiting for
+//    its drain;
+//  - held (no meter): one holder at a time, charged the time it holds the
+//    GPU, the next granted once the holder drained. It runs on a
 // thread of its own, asleep on the arbiter's doorbell futex between passes
 // (1 ms while someone holds or waits, kIdlePassNs otherwise); tenant
 // processes ring the doorbell, which can only make it run a pass sooner,
@@ -23,7 +33,9 @@
 #include <atomic>
 #include <bitset>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <string>
 #include <thread>
 #include <utility>
@@ -31,6 +43,7 @@
 
 #include <sys/types.h>
 
+#include "daemon/gpu_meter.h"
 #include "gputime.h"
 #include "ledger.h"
 
@@ -56,6 +69,14 @@ class GpuScheduler {
   static constexpr uint64_t kBusyPassNs = 1'000'000;         // between passes while someone holds or waits
   static constexpr uint64_t kIdlePassNs = 20'000'000;        // ... otherwise
   static constexpr uint64_t kMinPassIntervalNs = 100'000;    // doorbells cannot make passes more frequent
+  // Measured mode.
+  static constexpr uint64_t kMeterIntervalNs = 2'000'000;    // between meter readings
+  static constexpr uint64_t kMeterStaleNs = 200'000'000;     // no good reading this long: held mode
+  static constexpr uint64_t kRoomWindowNs = 10'000'000;      // busy measured over this long before sharing
+  static constexpr uint32_t kRoomBusyPpm = 900'000;          // GPU busy below this: room for another tenant
+  static constexpr uint64_t kLeadNs = 50'000'000;            // GPU time a tenant may run ahead of its share
+  static constexpr uint64_t kBenchNs = 100'000'000;          // how long a tenant revoked for its lead stays off
+  static constexpr uint64_t kUnattributedKeepNs = 1'000'000'000;  // usage of a PID not yet known to be a tenant's
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -70,6 +91,14 @@ class GpuScheduler {
   void adopt(uint64_t now);
   // The tenants with a share of this GPU now; rows of others are retired.
   void configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns);
+  // The meter that measured mode charges by (nullptr: held mode). The
+  // scheduler owns it and calls it on its own thread.
+  void set_meter(std::unique_ptr<UsageMeter> meter);
+  bool has_meter();
+  // The host PIDs of a tenant's processes, as the daemon verified them
+  // (never what a tenant wrote): whose measured GPU time is whose. Replaces
+  // the tenant's earlier list.
+  void attribute(const std::string& tenant, const std::vector<uint32_t>& pids);
   // The thread; stop() ends it and tells tenants the scheduler is gone
   // (heartbeat 0: their processes run unshared at once, not a second later).
   void start();
@@ -105,6 +134,13 @@ class GpuScheduler {
     int entry = -1;
     // Scheduling state (authoritative here; published to the file).
     uint64_t vtime = 0, used = 0, throttled = 0, cap_tat = 0, slices = 0;
+    uint64_t measured = 0, held = 0;  // GPU time measured, time held (totals)
+    // Its grant (per tenant): state, sequence number, since when.
+    uint32_t gstate = gputime::kGrantIdle;
+    uint64_t gseq = 0, grant_ns = 0, revoke_ns = 0, credit_from = 0;
+    uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
+    uint64_t pending_use = 0;    // measured since the last reading, not yet charged
+    uint64_t alone_ns = 0;       // held alone while another waited, since the last reading
     uint32_t missed_deadlines = 0;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
     bool blocked = false;         // missed a drain deadline; waits for progress
@@ -132,16 +168,24 @@ class GpuScheduler {
   // drained it nor died.
   std::bitset<ledger::kMaxSlots> pending_drains(Row& r, uint64_t now);
   uint64_t effective_vtime(const Row& r) const;
+  // Among tenants that ask and hold no grant: the one to grant next, or -1.
   int best_candidate(uint64_t now, int exclude);
-  void charge_holder(uint64_t now);
+  bool eligible(const Row& r, uint64_t now) const;
+  bool measuring(uint64_t now) const;
+  bool room(uint64_t now) const;
+  void read_meter(uint64_t now);
+  void charge(uint64_t now);
+  void charge_row(Row& r, uint64_t ns, uint64_t now);
   void account_waits(uint64_t now);
   void check_blocked(Row& r, uint64_t now);
   void step(uint64_t now);
-  void grant_next(uint64_t now);
-  void start_revoke(uint64_t now, const char* why);
-  void complete_revoke(uint64_t now, bool missed, const std::bitset<ledger::kMaxSlots>& pending);
-  void end_grant(uint64_t now);
-  void publish_grant();
+  void step_row(uint32_t t, uint64_t now);
+  void grant(uint32_t t, uint64_t now);
+  void start_revoke(uint32_t t, uint64_t now);
+  void complete_revoke(uint32_t t, uint64_t now, bool missed, const std::bitset<ledger::kMaxSlots>& pending);
+  void end_grant(uint32_t t);
+  uint32_t holders(uint32_t state) const;
+  void publish_grant(uint32_t t, bool change = true);
   void publish(uint64_t now);
   void note(bool warning, std::string text);
   void run();
@@ -155,11 +199,23 @@ class GpuScheduler {
   uint64_t slice_ns_ = gputime::kDefaultSliceNs;
   uint32_t active_count_ = 0;
   uint64_t generation_ = 0;
-  uint64_t seq_ = 0;
-  uint32_t state_ = gputime::kGrantIdle;
-  uint32_t holder_ = 0;
-  uint64_t grant_ns_ = 0, revoke_ns_ = 0, charged_ns_ = 0, credit_from_ = 0;
+  uint64_t seq_ = 0;  // the last grant's sequence number (all tenants draw from it)
+  uint64_t last_word_ = 0, last_grant_ns_ = 0, last_revoke_ns_ = 0;  // for GrantSection (display)
   uint64_t handovers_ = 0;
+  // Measured mode: the meter, PID -> row, usage of PIDs not attributed yet,
+  // and the GPU's busy time over the current room window.
+  std::unique_ptr<UsageMeter> meter_;
+  uint64_t last_meter_ns_ = 0, meter_ok_ns_ = 0;
+  std::unordered_map<uint32_t, uint32_t> pid_row_;
+  struct Unattributed {
+    uint64_t busy_ns = 0, since = 0;
+  };
+  std::unordered_map<uint32_t, Unattributed> unattributed_;
+  std::vector<ProcessUse> readings_;
+  uint64_t pass_busy_ = 0;   // measured by this pass's reading, all processes
+  bool fresh_reading_ = false;  // this pass read the meter
+  uint64_t room_since_ = 0, room_busy_ = 0;
+  uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
   bool anyone_wants_ = false;

@@ -128,7 +128,11 @@ std::string render_metrics(const StatusReport& report) {
   m.describe("fracgpu_gpu_time_share", "gauge", "Guaranteed share of the GPU's time, fraction of one GPU");
   m.describe("fracgpu_gpu_time_limit", "gauge", "Cap on the GPU's time when others leave it idle, fraction of one GPU");
   m.describe("fracgpu_gpu_time_achieved", "gauge", "GPU time used over the window, fraction of the window");
-  m.describe("fracgpu_gpu_time_used_seconds_total", "counter", "GPU time charged to the tenant (time it held the GPU)");
+  m.describe("fracgpu_gpu_time_used_seconds_total", "counter",
+             "GPU time charged to the tenant (measured use, or the time it held the GPU without a meter)");
+  m.describe("fracgpu_gpu_time_measured_seconds_total", "counter",
+             "GPU time the tenant's processes used, as the driver measured it (0 without a meter)");
+  m.describe("fracgpu_gpu_time_held_seconds_total", "counter", "Time the tenant held a grant of the GPU");
   m.describe("fracgpu_gpu_time_throttled_seconds_total", "counter",
              "Time the tenant wanted the GPU and did not hold it (others held it, or its limit)");
   m.describe("fracgpu_gpu_time_missed_drain_deadlines_total", "counter",
@@ -177,6 +181,8 @@ std::string render_metrics(const StatusReport& report) {
         m.sample("fracgpu_gpu_time_achieved", labels + ",window=\"1s\"", ppm_fraction(g.gpu_time->achieved_1s_ppm));
         m.sample("fracgpu_gpu_time_achieved", labels + ",window=\"10s\"", ppm_fraction(g.gpu_time->achieved_10s_ppm));
         m.sample("fracgpu_gpu_time_used_seconds_total", labels, ns_seconds(g.gpu_time->used_ns));
+        m.sample("fracgpu_gpu_time_measured_seconds_total", labels, ns_seconds(g.gpu_time->measured_ns));
+        m.sample("fracgpu_gpu_time_held_seconds_total", labels, ns_seconds(g.gpu_time->held_ns));
         m.sample("fracgpu_gpu_time_throttled_seconds_total", labels, ns_seconds(g.gpu_time->throttled_ns));
         m.sample("fracgpu_gpu_time_missed_drain_deadlines_total", labels, uint64_t{g.gpu_time->missed_deadlines});
         m.sample("fracgpu_gpu_time_blocked", labels, uint64_t{g.gpu_time->blocked ? 1u : 0u});

@@ -113,13 +113,16 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.achieved_1s_ppm = t.achieved_1s_ppm.load(std::memory_order_relaxed);
   g.achieved_10s_ppm = t.achieved_10s_ppm.load(std::memory_order_relaxed);
   g.used_ns = t.used_ns.load(std::memory_order_relaxed);
+  g.measured = seg.daemon.charging.load(std::memory_order_relaxed) == gputime::kChargeMeasured;
+  g.measured_ns = t.measured_ns.load(std::memory_order_relaxed);
+  g.held_ns = t.held_ns.load(std::memory_order_relaxed);
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
   g.tenants_sharing = seg.daemon.active_tenants.load(std::memory_order_relaxed);
   g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
   g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
-  const uint64_t word = seg.grant.word.load(std::memory_order_acquire);
+  const uint64_t word = t.grant.load(std::memory_order_acquire);  // the tenant's own grant
   g.holding = gputime::grant_valid(word) && gputime::grant_state(word) != gputime::kGrantIdle &&
               gputime::grant_row(word) == static_cast<uint32_t>(row);
   out->gpu_time = g;
@@ -430,6 +433,9 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
   return {{"achieved_1s_ppm", t.achieved_1s_ppm},
           {"achieved_10s_ppm", t.achieved_10s_ppm},
           {"used_ns", t.used_ns},
+          {"charging", t.measured ? "measured" : "held"},
+          {"measured_ns", t.measured_ns},
+          {"held_ns", t.held_ns},
           {"throttled_ns", t.throttled_ns},
           {"slices", t.slices},
           {"holding", t.holding},
@@ -530,7 +536,7 @@ std::string status_to_text(const StatusReport& report) {
   // shares over 1 s and 10 s, GPU time used and throttled, and whether the
   // tenant holds the GPU now or waits for it.
   std::vector<std::vector<std::string>> gpu_table{{"GPU", "TENANT", "STATE", "SHARE", "LIMIT", "1S", "10S", "GPU TIME",
-                                                   "THROTTLED", "NOW", "QUOTA", "USED", "PROCS"}};
+                                                   "THROTTLED", "DUTY", "NOW", "QUOTA", "USED", "PROCS"}};
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     // Its processes on this GPU: charged there, or listed by its arbiter.
@@ -541,6 +547,14 @@ std::string status_to_text(const StatusReport& report) {
     };
     const auto procs = std::count_if(r.tenant->processes.begin(), r.tenant->processes.end(), on_gpu);
     const std::optional<GpuTimeStatus>& time = r.gpu->gpu_time;
+    // Duty: of the time it held the GPU, the share its processes used it
+    // (measured mode only).
+    std::string duty = "-";
+    if (time && time->measured && time->held_ns > 0)
+      duty = format_ppm_percent(static_cast<uint32_t>(
+          std::min<uint64_t>(static_cast<uint64_t>(static_cast<unsigned __int128>(time->measured_ns) * 1'000'000 /
+                                                   time->held_ns),
+                             1'000'000)));
     std::string now = "-";
     if (time)
       now = time->holding ? "holding" : time->blocked ? "blocked" : time->waiting_processes > 0 ? "waiting" : "idle";
@@ -549,7 +563,7 @@ std::string status_to_text(const StatusReport& report) {
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
                          time ? format_ppm_percent(time->achieved_10s_ppm) : "-",
                          time ? format_duration_ns(time->used_ns) : "-",
-                         time ? format_duration_ns(time->throttled_ns) : "-", now,
+                         time ? format_duration_ns(time->throttled_ns) : "-", duty, now,
                          r.gpu->memory_quota ? format_size(*r.gpu->memory_quota) : "unlimited",
                          format_size(r.gpu->memory_used), std::to_string(procs)});
   }

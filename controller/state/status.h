@@ -32,9 +32,12 @@ inline constexpr int kStatusSchemaVersion = 1;
 // All of it is the daemon's scheduler's (the arbiter file is written by
 // the daemon alone).
 struct GpuTimeStatus {
-  uint32_t achieved_1s_ppm = 0;   // GPU time held over the last 1 s / 10 s, ppm of the window
+  uint32_t achieved_1s_ppm = 0;   // GPU time used (measured; held without a meter) over the last 1 s / 10 s, ppm
   uint32_t achieved_10s_ppm = 0;
-  uint64_t used_ns = 0;           // GPU time charged (held), total
+  uint64_t used_ns = 0;           // GPU time charged, total
+  bool measured = false;          // the daemon charges measured GPU time (else time held)
+  uint64_t measured_ns = 0;       // GPU time its processes used, as measured, total
+  uint64_t held_ns = 0;           // time it held a grant, total
   uint64_t throttled_ns = 0;      // time it wanted the GPU and did not hold it, total
   uint64_t slices = 0;            // times it was granted the GPU
   bool holding = false;           // it holds the GPU now (or is giving it back)

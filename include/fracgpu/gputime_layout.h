@@ -10,9 +10,11 @@
 // which is all a container mounts (read-only); futexes are keyed by the
 // inode, so they work across links, mounts and PID namespaces.
 //
-// How time is shared (see docs/sm-time.md): exclusive time slices, granted
-// by the daemon to one *tenant* at a time; every process of the holding
-// tenant may launch, the others wait. The daemon's scheduler decides alone:
+// How time is shared (see docs/sm-time.md): the daemon grants the GPU to
+// tenants, each through its own grant word (TenantTime::grant), so several
+// may hold it at once when the GPU has room (measured mode), or one at a
+// time (held mode); every process of a holding tenant may launch, the
+// others wait. The daemon's scheduler decides alone:
 // tenants only ask, through the GPU-time request section of their own usage
 // file (ledger_layout.h, GpuTimeRequest), and the daemon treats everything
 // it reads there as a claim (clamped, checked against the current grant,
@@ -42,7 +44,7 @@
 
 namespace fracgpu::gputime {
 
-inline constexpr uint32_t kGpuTimeLayoutVersion = 2;
+inline constexpr uint32_t kGpuTimeLayoutVersion = 3;  // 3: a grant word per tenant, measured GPU time
 inline constexpr uint32_t kMaxTenants = 64;  // tenants with a share of one GPU
 inline constexpr uint32_t kTenantNameBytes = 64;
 
@@ -63,7 +65,7 @@ struct GpuTimeHeader {
 };
 static_assert(sizeof(GpuTimeHeader) == 56);
 
-// The grant, one 64-bit word so that readers see its parts together:
+// A grant, one 64-bit word so that readers see its parts together:
 //   bits 63..16  sequence number of the grant (a new one for every grant)
 //   bits 15..8   tenant row of the holder
 //   bits  7..0   GrantState
@@ -90,13 +92,15 @@ constexpr bool grant_valid(uint64_t word) {
           grant_seq(word) != 0);
 }
 
-// Who holds the GPU, and the futex its waiters sleep on.
+// The futex every waiter sleeps on, and the latest grant. Processes act on
+// their own tenant's word (TenantTime::grant) only; `word` here is the
+// latest grant or revocation made, for display.
 struct alignas(64) GrantSection {
-  std::atomic<uint64_t> word;       // grant_word(...), stored seq_cst (see the drain handshake)
-  std::atomic<uint32_t> turn;       // futex word, bumped after every change of `word`
+  std::atomic<uint64_t> word;       // grant_word(...) of the latest change (informational)
+  std::atomic<uint32_t> turn;       // futex word, bumped after every change of any grant word
   uint32_t reserved0;
-  std::atomic<uint64_t> grant_ns;   // CLOCK_MONOTONIC when the current grant began
-  std::atomic<uint64_t> revoke_ns;  // when its revocation began; 0 while not revoking
+  std::atomic<uint64_t> grant_ns;   // CLOCK_MONOTONIC when the latest grant began
+  std::atomic<uint64_t> revoke_ns;  // when the latest revocation began; 0 while none is under way
   std::atomic<uint64_t> handovers;  // grants made, total
   uint64_t reserved[3];
 };
@@ -112,9 +116,17 @@ struct alignas(64) DaemonSection {
   std::atomic<uint64_t> daemon_heartbeat_ns;   // CLOCK_MONOTONIC of the scheduler's last pass; 0: stopped
   std::atomic<uint64_t> slice_ns;              // length of a time slice; 0: kDefaultSliceNs
   std::atomic<uint64_t> drain_deadline_ns;     // how long a revocation waits for drains (informational)
-  uint64_t reserved[4];
+  std::atomic<uint32_t> charging;              // ChargeMode: how tenants are charged now
+  std::atomic<uint32_t> busy_ppm;              // GPU busy (measured, all processes) over the last ~10 ms
+  uint64_t reserved[3];
 };
 static_assert(sizeof(DaemonSection) == 64);
+
+// DaemonSection::charging.
+enum ChargeMode : uint32_t {
+  kChargeHeld = 0,      // no meter: charged the time they hold the GPU, one holder at a time
+  kChargeMeasured = 1,  // charged the GPU time the driver measured; several may hold it at once
+};
 
 enum TenantTimeState : uint32_t {
   kTenantUnused = 0,
@@ -135,23 +147,29 @@ struct alignas(64) TenantTime {
   std::atomic<uint32_t> state;             // TenantTimeState, published with release
   std::atomic<uint32_t> share_ppm;         // guaranteed share (processes read their own policy)
   std::atomic<uint32_t> limit_ppm;         // cap
-  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time held over the last second / 1 s
+  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time used (measured; held without a meter) over the last 1 s
   std::atomic<uint32_t> achieved_10s_ppm;  // ... over the last 10 s
   std::atomic<uint32_t> flags;             // TenantTimeFlags
   char name[kTenantNameBytes];             // NUL-terminated; written before state leaves kTenantUnused
 
-  std::atomic<uint64_t> vtime;          // virtual time: sum of (GPU ns held) * kPpm / share_ppm
-  std::atomic<uint64_t> used_ns;        // GPU time charged (held), total
+  std::atomic<uint64_t> vtime;          // virtual time: sum of (GPU ns charged) * kPpm / share_ppm
+  std::atomic<uint64_t> used_ns;        // GPU time charged, total (see docs/sm-time.md, "What is charged")
   std::atomic<uint64_t> throttled_ns;   // time it wanted the GPU and did not hold it, total
   std::atomic<uint64_t> cap_tat_ns;     // limit: GCRA theoretical arrival time (CLOCK_MONOTONIC)
   std::atomic<uint64_t> slices;         // grants it was given
   std::atomic<uint32_t> waiting_processes;  // its live processes asking for the GPU (last pass)
   std::atomic<uint32_t> missed_deadlines;   // revocations that hit the drain deadline, total
-  uint64_t reserved[2];
+  // This tenant's grant: grant_word(seq, this row, state), stored seq_cst
+  // (the drain handshake); its processes launch only under it.
+  std::atomic<uint64_t> grant;
+  std::atomic<uint64_t> measured_ns;  // GPU time its processes used, as the meter measured it, total
+  std::atomic<uint64_t> held_ns;      // time it held a grant (revocations included), total
+  uint64_t reserved[12];
 };
-static_assert(sizeof(TenantTime) == 192);
+static_assert(sizeof(TenantTime) == 256);
 static_assert(offsetof(TenantTime, name) == 24);
 static_assert(offsetof(TenantTime, vtime) == 88);
+static_assert(offsetof(TenantTime, grant) == 136);
 
 struct GpuTimeSegment {
   GpuTimeHeader header;
@@ -166,6 +184,6 @@ static_assert(offsetof(GpuTimeSegment, grant) == 64);
 static_assert(offsetof(GpuTimeSegment, daemon) == 128);
 static_assert(offsetof(GpuTimeSegment, min_vtime) == 192);
 static_assert(offsetof(GpuTimeSegment, tenants) == 256);
-static_assert(sizeof(GpuTimeSegment) == 256 + 192 * kMaxTenants);
+static_assert(sizeof(GpuTimeSegment) == 256 + 256 * kMaxTenants);
 
 }  // namespace fracgpu::gputime

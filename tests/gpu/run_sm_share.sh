@@ -2,7 +2,7 @@
 # GPU-time shares on a real NVIDIA GPU (issue 3; how they work: docs/sm-time.md).
 #
 #   bash tests/gpu/run_sm_share.sh [BUILD_DIR] [--seconds N] [--size N]
-#        [--kinds K[,K...]] [--sync-every N] [--no-three-tenants]
+#        [--kinds K[,K...]] [--sync-every N] [--no-three-tenants] [--no-launch-bound]
 #
 # BUILD_DIR defaults to $FRACGPU_BUILD_DIR, else build/ (scripts/build.sh's);
 # this script builds nothing. Needs one NVIDIA GPU (GPU 0 is used), PyTorch,
@@ -21,6 +21,12 @@
 # and prints a Markdown table: per tenant its configured share, its measured
 # share of GPU time (NVML accounting if enabled, else throughput vs alone),
 # its throughput vs alone, and fracgpu's own achieved_10s figure.
+#  4. (unless --no-launch-bound) the launch-bound shapes of the simulated tests:
+#     step10 and step50, one thread launching a ~10 us (50 us) kernel then
+#     spinning 1.2x that on the CPU, nothing queued ahead; two such processes
+#     without fracgpu, then two tenants at 0.5/0.5; a table of the GPU's busy
+#     time and each one's share of the GPU time used, side by side (NVML
+#     accounting needed).
 #
 # Exit status: 0 every tenant within 5 points of its share; 1 one or more off
 # by more, or a run failed; 2 could not run at all. 5 points is a smoke
@@ -40,6 +46,7 @@ size=8192
 kinds=matmul,mixed
 sync_every=8
 three_tenants=1
+launch_bound=1
 while (($#)); do
   case $1 in
     --seconds) run_seconds=${2:?--seconds needs a value}; shift 2 ;;
@@ -47,6 +54,7 @@ while (($#)); do
     --kinds) kinds=${2:?--kinds needs a value}; shift 2 ;;
     --sync-every) sync_every=${2:?--sync-every needs a value}; shift 2 ;;
     --no-three-tenants) three_tenants=0; shift ;;
+    --no-launch-bound) launch_bound=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) build=$1; shift ;;
@@ -55,7 +63,8 @@ done
 [[ $run_seconds =~ ^[0-9]+$ ]] || die "--seconds takes whole seconds, not $run_seconds"
 IFS=, read -r -a kind_list <<<"$kinds"
 for kind in "${kind_list[@]}"; do
-  [[ $kind == matmul || $kind == mixed ]] || die "--kinds: unknown workload kind \"$kind\" (matmul, mixed)"
+  [[ $kind =~ ^(matmul|mixed|step10|step50)$ ]] ||
+    die "--kinds: unknown workload kind \"$kind\" (matmul, mixed, step10, step50)"
 done
 
 build=$(realpath "$build") || die "no build dir $build"
@@ -180,12 +189,13 @@ run_group() {
   python3 "$work" accounting --uuid "$gpu_uuid" "${pids[@]}" >"$dir/accounting.json" || true
 }
 
-# run_split SHARE...: tenants a, b, c... with these shares of GPU 0, each on
-# the next workload kind of --kinds in turn, under a fresh fracgpud.
+# run_split SHARE[:KIND]...: tenants a, b, c... with these shares of GPU 0,
+# each on KIND or else the next workload kind of --kinds in turn, under a
+# fresh fracgpud.
 run_split() {
-  local label dir run_dir i share
+  local label dir run_dir i share kind
   local -a names=(a b c d e f g h) specs=()
-  label=$(IFS=-; echo "$*")
+  label=$(IFS=-; echo "$*" | tr ':' '_')
   dir=$results/split-$label
   run_dir=$results/run-$label
   mkdir -p "$dir" "$run_dir"
@@ -194,9 +204,11 @@ run_split() {
     printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n\n[[gpu]]\nindex = 0\n' "$run_dir"
     i=0
     for share in "$@"; do
+      kind=${kind_list[i % ${#kind_list[@]}]}
+      [[ $share == *:* ]] && kind=${share#*:} share=${share%%:*}
       # No `limit`: the default is the share (a hard cap), what this check assumes.
       printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "${names[i]}" "$share"
-      specs+=("${names[i]}:$share:${kind_list[i % ${#kind_list[@]}]}")
+      specs+=("${names[i]}:$share:$kind")
       i=$((i + 1))
     done
   } >"$run_dir/fracgpud.toml"
@@ -253,6 +265,13 @@ run_split 0.5 0.5
 run_split 0.25 0.75
 run_split 0.1 0.9
 if ((three_tenants)); then run_split 0.2 0.3 0.5; fi
+if ((launch_bound)); then
+  for kind in step10 step50; do
+    echo "== launch-bound $kind: two processes without fracgpu, $run_seconds s"
+    run_group "$results/pair-native-$kind" "" "a:pair:$kind" "b:pair:$kind"
+    run_split "0.5:$kind" "0.5:$kind"
+  done
+fi
 run_baselines after
 
 echo

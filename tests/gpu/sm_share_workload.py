@@ -3,7 +3,7 @@
 GPU-time shares (docs/sm-time.md).
 
   sm_share_workload.py run --seconds S (--start-ns NS | --start-file F) [--ready-file F]
-                           [--kind matmul|mixed] [--size N] [--sync-every K]
+                           [--kind matmul|mixed|step10|step50] [--size N] [--sync-every K]
       Saturate CUDA device 0 with PyTorch for S seconds from a common start
       time (CLOCK_MONOTONIC, in ns) and print one JSON line.
   sm_share_workload.py accounting --uuid GPU-... [PID ...]
@@ -61,6 +61,8 @@ def make_step(torch, kind: str, size: int):
     """One iteration's kernel launches. Buffers are allocated once (out=) so the
     loop launches kernels and nothing else: no allocator traffic, no host work
     that would leave the GPU idle while the tenant holds it."""
+    if kind.startswith("step"):
+        return make_launch_bound_step(torch, int(kind[len("step"):]))
     f16 = torch.float16  # tensor cores on every GPU since Volta
     a = torch.randn(size, size, device="cuda", dtype=f16)
     b = torch.randn(size, size, device="cuda", dtype=f16)
@@ -84,6 +86,32 @@ def make_step(torch, kind: str, size: int):
         torch.matmul(a, b, out=c)
         for _ in range(16):
             torch.matmul(sa, sb, out=sc)
+
+    return step
+
+
+def make_launch_bound_step(torch, kernel_us: int):
+    """stepN: an interactive loop (inference, a notebook): one kernel of about N
+    us (torch.cuda._sleep, calibrated here), then 1.2 N us of host work (a
+    busy spin, as a Python loop is): the GPU waits for the CPU, nothing is
+    queued ahead. Alone such a tenant keeps the GPU about 0.75 busy; the
+    check is whether two of them at 0.5 keep it busy together (docs/sm-time.md,
+    measured mode)."""
+    # Cycles per microsecond: time a long sleep kernel with events.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = max(1, int(10_000_000 / (start.elapsed_time(end) * 1000) * kernel_us))
+    host_ns = kernel_us * 1200
+
+    def step():
+        torch.cuda._sleep(cycles)
+        until = now_ns() + host_ns
+        while now_ns() < until:
+            pass
 
     return step
 
@@ -278,6 +306,37 @@ def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def launch_bound_table(results: Path, groups: dict, group_files, notes: list) -> None:
+    """Launch-bound pairs (--launch-bound): for each step kind, the GPU's busy
+    time (NVML accounting, summed over the two processes) and each one's share
+    of the GPU time used, two processes without fracgpu beside two 0.5 tenants."""
+    rows = {}
+    for group, members in groups.items():
+        kinds = {kind for _, _, kind in members}
+        if len(members) != 2 or len(kinds) != 1 or not next(iter(kinds)).startswith("step"):
+            continue
+        kind = next(iter(kinds))
+        acct, _ = group_files(group)
+        busy = [nvml_busy_share(acct, load_json(results / group / f"{tenant}.json")) for tenant, _, _ in members]
+        side = "without" if members[0][1] == "pair" else "with"
+        rows.setdefault(kind, {})[side] = busy
+    if not rows:
+        return
+    print("\n## Launch-bound pairs: GPU busy and share of the GPU time used (NVML accounting)\n")
+    print("| workload | GPU busy without fracgpu | GPU busy, 0.5 / 0.5 | shares of used, without | shares of used, with |")
+    print("|---|---|---|---|---|")
+    for kind, sides in rows.items():
+        cells = []
+        for side in ("without", "with"):
+            b = sides.get(side)
+            ok = b is not None and all(x is not None for x in b)
+            cells.append((fmt(sum(b)) if ok else "n/a",
+                          " / ".join(fmt(x / sum(b)) for x in b) if ok and sum(b) > 0 else "n/a"))
+        print(f"| {kind} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |")
+        if any(c[0] == "n/a" for c in cells):
+            notes.append(f"{kind}: launch-bound pairs need NVML accounting (nvidia-smi -i 0 -am 1)")
+
+
 def report(results: Path, threshold: float) -> int:
     # manifest.tsv: group, tenant, share ("alone" for a baseline run), kind.
     rows = [line.split("\t") for line in (results / "manifest.tsv").read_text().splitlines() if line]
@@ -338,7 +397,7 @@ def report(results: Path, threshold: float) -> int:
           "| fracgpu achieved_10s | off (points) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for group, members in groups.items():
-        if members[0][1] == "alone":
+        if members[0][1] in ("alone", "pair"):
             continue
         label = "/".join(share for _, share, _ in members)
         acct, status = group_files(group)
@@ -382,6 +441,7 @@ def report(results: Path, threshold: float) -> int:
         print(f"| {label} | (sum) | | {sums['share']:.2f} | {total['measured']} | | {total['tput']} "
               f"| {total['achieved']} | |")
 
+    launch_bound_table(results, groups, group_files, notes)
     print()
     for n in dict.fromkeys(notes):  # de-duplicated, in order
         print(f"note: {n}")
@@ -409,7 +469,7 @@ def main() -> None:
     start.add_argument("--start-ns", type=int, help="common start, CLOCK_MONOTONIC ns")
     start.add_argument("--start-file", help="file that will hold the common start (CLOCK_MONOTONIC ns)")
     r.add_argument("--ready-file", help="written once warmed up")
-    r.add_argument("--kind", choices=("matmul", "mixed"), default="matmul")
+    r.add_argument("--kind", choices=("matmul", "mixed", "step10", "step50"), default="matmul")
     r.add_argument("--size", type=int, default=8192, help="matrix size (fp16 SIZE x SIZE)")
     r.add_argument("--sync-every", type=int, default=8, help="iterations between synchronizations")
     a = sub.add_parser("accounting", help="NVML accounting of ended processes, as JSON")

@@ -8,6 +8,9 @@
 //     kernels_us=50,50000  kernel lengths, cycled (the sim runs sleep_<N>us for N us)
 //     seconds=10        how long to keep launching
 //     ahead_us=2000     queue about this much work ahead, then wait for the older half
+//     host_us=0         after each launch, spin this long on the CPU (the host-side work
+//                       of an interactive loop: with host_us above the kernel length the
+//                       load is launch-bound and queues nothing ahead)
 //     path=kernel       kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi |
 //                       graph | graph_ptsz | legacy | legacy_grid | legacy_async |
 //                       getproc (cuLaunchKernel as cuGetProcAddress gives it, as the
@@ -56,6 +59,7 @@ struct Options {
   std::vector<unsigned> kernels_us{1000};
   double seconds = 10;
   unsigned ahead_us = 2000;
+  unsigned host_us = 0;
   std::string path = "kernel";
   uint64_t start_ns = 0;
   unsigned pause_ms = 0;
@@ -241,6 +245,12 @@ struct Launcher {
 
   bool step() {
     if (!launch(next)) return false;
+    if (o.host_us != 0) {
+      // Host-side work between launches (busy, as a Python loop is).
+      const uint64_t until = now_ns() + o.host_us * 1000ull;
+      while (now_ns() < until) {
+      }
+    }
     batch_us += o.kernels_us[next];
     next = (next + 1) % functions.size();
     if (batch_us < o.ahead_us) return true;
@@ -419,6 +429,7 @@ int main(int argc, char** argv) {
     } else if (key == "kernels_us") o.kernels_us = parse_list(value);
     else if (key == "seconds") o.seconds = atof(value);
     else if (key == "ahead_us") o.ahead_us = static_cast<unsigned>(atoi(value));
+    else if (key == "host_us") o.host_us = static_cast<unsigned>(atoi(value));
     else if (key == "path") o.path = value;
     else if (key == "start_ns") o.start_ns = strtoull(value, nullptr, 10);
     else if (key == "pause_ms") {

@@ -223,23 +223,70 @@ nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* i
   return NVML_SUCCESS;
 }
 
-// Per-process utilization samples: one per process holding memory, stamped
-// now, with made-up but recognisable figures (SM 50 %, memory 10 %). No
-// process at all: NVML_ERROR_NOT_FOUND, NVML's "no samples".
+// Kernel time of the recorded PID `pid` on device `dev` within (from, to]
+// (CLOCK_MONOTONIC ns), from the sim's kernel log: the records of one device
+// lie on one serial timeline, so a backwards scan stops once a run of
+// records ended before `from`. Records already overwritten are lost (the
+// ring holds kKernelLogEntries), as a real sampler loses old periods.
+uint64_t kernel_time(int dev, int32_t pid, uint64_t from, uint64_t to) {
+  const simcuda::KernelLog& log = simcuda::S()->kernel_logs[dev];
+  const uint64_t next = log.next.load(std::memory_order_acquire);
+  const uint64_t oldest = next > simcuda::kKernelLogEntries ? next - simcuda::kKernelLogEntries : 0;
+  uint64_t busy = 0;
+  int before = 0;  // consecutive records that ended by `from`
+  for (uint64_t index = next; index > oldest && before < 64;) {
+    --index;
+    const simcuda::KernelRecord& rec = log.records[index % simcuda::kKernelLogEntries];
+    if (rec.seq.load(std::memory_order_acquire) != index + 1) continue;
+    const uint64_t start = rec.start.load(std::memory_order_relaxed), end = rec.end.load(std::memory_order_relaxed);
+    const int32_t owner = rec.pid.load(std::memory_order_relaxed);
+    if (rec.seq.load(std::memory_order_acquire) != index + 1) continue;
+    if (end <= from) {
+      ++before;
+      continue;
+    }
+    before = 0;
+    if (owner != pid) continue;
+    const uint64_t a = std::max(start, from), b = std::min(end, to);
+    if (b > a) busy += b - a;
+  }
+  return busy;
+}
+
+// Per-process utilization samples: one per process holding memory on the
+// device, stamped now (CLOCK_REALTIME, us), covering the period since
+// `last_seen` (at most the last second; the whole second when last_seen is
+// 0 or older). smUtil is *measured*: the share of that period in which the
+// sim's device ran the process's kernels (its kernel log), rounded to the
+// nearest percent as NVML reports it; memUtil is a made-up 10. No process
+// at all: NVML_ERROR_NOT_FOUND, NVML's "no samples".
 template <typename Sample>
-nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned int* count, Sample* samples) {
+nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned int* count, Sample* samples,
+                                 unsigned long long last_seen) {
   std::vector<std::pair<unsigned, unsigned long long>> list;
   unsigned capacity = 0;
   if (nvmlReturn_t rc = process_list(device, count, &capacity, &list)) return rc;
   if (list.empty()) return NVML_ERROR_NOT_FOUND;
   if (list.size() > capacity || samples == nullptr) return NVML_ERROR_INSUFFICIENT_SIZE;
-  timespec now{};
-  clock_gettime(CLOCK_REALTIME, &now);
+  int dev = 0;
+  device_of(device, &dev, Faults{});
+  timespec real{}, mono{};
+  clock_gettime(CLOCK_REALTIME, &real);
+  clock_gettime(CLOCK_MONOTONIC, &mono);
+  const uint64_t real_us = static_cast<uint64_t>(real.tv_sec) * 1000000ull + static_cast<uint64_t>(real.tv_nsec) / 1000;
+  const uint64_t to = static_cast<uint64_t>(mono.tv_sec) * 1000000000ull + static_cast<uint64_t>(mono.tv_nsec);
+  const uint64_t age_ns = last_seen != 0 && last_seen < real_us ? (real_us - last_seen) * 1000 : UINT64_MAX;
+  const uint64_t window = std::min<uint64_t>(age_ns, 1000000000ull);
+  const uint64_t from = to > window ? to - window : 0;
+  // The kernel log names a process by its own PID: a process in another PID
+  // namespace than this caller's reads as idle here (a limit of the stand-in).
   for (size_t i = 0; i < list.size(); ++i) {
     Sample sample{};
     sample.pid = list[i].first;
-    sample.timeStamp = static_cast<unsigned long long>(now.tv_sec) * 1000000ull + now.tv_nsec / 1000;
-    sample.smUtil = 50;
+    sample.timeStamp = real_us;
+    const uint64_t busy = to > from ? kernel_time(dev, static_cast<int32_t>(list[i].first), from, to) : 0;
+    sample.smUtil = to > from ? static_cast<unsigned>(std::min<uint64_t>((busy * 100 + (to - from) / 2) / (to - from), 100))
+                              : 0;
     sample.memUtil = 10;
     samples[i] = sample;
   }
@@ -402,14 +449,14 @@ nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProc
 }
 
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t* utilization,
-                                             unsigned int* count, unsigned long long /*lastSeenTimeStamp*/) {
-  return utilization_samples(device, count, utilization);  // every sample is newer: stamped now
+                                             unsigned int* count, unsigned long long lastSeenTimeStamp) {
+  return utilization_samples(device, count, utilization, lastSeenTimeStamp);
 }
 
 nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t* info) {
   if (info == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-  return utilization_samples(device, &info->processSamplesCount, info->procUtilArray);
+  return utilization_samples(device, &info->processSamplesCount, info->procUtilArray, info->lastSeenTimeStamp);
 }
 
 // Accounting, as if accounting mode were on: a record for every live sim
