@@ -371,7 +371,12 @@ TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
   // daemon's lock would outlive the daemon for as long as the child lives.
   const std::string children = read_file("/proc/" + std::to_string(daemon_) + "/task/" + std::to_string(daemon_) + "/children");
   ASSERT_FALSE(children.empty());
-  const std::string child_fds = "/proc/" + std::to_string(std::stoi(children)) + "/fd";
+  const std::string child_proc = "/proc/" + std::to_string(std::stoi(children));
+  // The child names itself only after closing what it inherited: until then
+  // it may still hold copies of the daemon's descriptors (a race, not a leak).
+  ASSERT_TRUE(eventually([&] { return read_file(child_proc + "/comm") == "fracgpud-metric\n"; }))
+      << read_file(child_proc + "/comm");
+  const std::string child_fds = child_proc + "/fd";
   size_t child_fd_count = 0;
   for (const auto& fd : fs::directory_iterator(child_fds)) {
     std::error_code ec;
