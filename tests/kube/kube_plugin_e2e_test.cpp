@@ -605,6 +605,29 @@ TEST_F(KubePluginE2E, AFencedGpuLeavesTheSliceAndReturns) {
       << slice_devices().dump();
 }
 
+// Requirement: slices follow the config's tenants. A config tenant added by a
+// reload takes its part of GPU 1 out of the slice; removed again, it comes back.
+TEST_F(KubePluginE2E, AConfigTenantAddedByAReloadShrinksTheSlice) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  const std::string config = read_file(config_path_);
+  const auto gpu1 = [](const json& d, const char* capacity) -> std::string {
+    const json* device = find_device(d, "gpu-1");
+    return device ? (*device)["capacity"][capacity]["value"].get<std::string>() : "";
+  };
+  write_file(config_path_, config + "[[tenant]]\nname = \"cfg\"\ngpus = 0.25\ndevices = [1]\n");
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(slice_eventually([&](const json& d) {
+    return gpu1(d, "share") == "750m" && std::stoull(gpu1(d, "memory")) < 16 * kGiB;
+  })) << slice_devices().dump();
+  EXPECT_EQ(gpu1(slice_devices(), "memory"), std::to_string(12 * kGiB)) << "a quarter of 16 GiB is the config's";
+  write_file(config_path_, config);
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(slice_eventually([&](const json& d) {
+    return gpu1(d, "share") == "1" && gpu1(d, "memory") == std::to_string(16 * kGiB);
+  })) << slice_devices().dump();
+}
+
 TEST_F(KubePluginE2E, TwoAndAHalfGpusAreOneTenant) {
   start_plugin();
   const auto claim = write_claim(
