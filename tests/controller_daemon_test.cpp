@@ -2,6 +2,7 @@
 // temporary run dir, with stand-in tenant processes attached to the ledgers.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -362,6 +363,46 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameRunDirIsRefused) {
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
 }
 
+// Any user of the host may open the run dir (0755) and hold a shared flock on
+// it, or a read lock on the pid file (0644): neither may keep the daemon out.
+// The lock is on the run dir's 0700 lock directory, which no other user can
+// open.
+TEST_F(DaemonTest, ALockOnTheRunDirItselfDoesNotKeepTheDaemonOut) {
+  write_config(config(run_dir_, "0.5"));
+  fs::create_directories(run_dir_);
+  chmod(tmp_.path().c_str(), 0755);
+  const int held = ::open(run_dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(flock(held, LOCK_SH | LOCK_NB), 0);
+  // The same with a read lock on the (0644) pid file: the daemon puts a new
+  // file in its place.
+  write_file(run_dir_ + "/fracgpud.pid", "");
+  const int pid_file = ::open((run_dir_ + "/fracgpud.pid").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(pid_file, 0);
+  struct flock read_lock {};
+  read_lock.l_type = F_RDLCK;
+  read_lock.l_whence = SEEK_SET;
+  ASSERT_EQ(fcntl(pid_file, F_SETLK, &read_lock), 0);
+  daemon_ = start_daemon();
+  EXPECT_EQ(fs::status(run_dir_ + "/.lock").permissions(), static_cast<fs::perms>(0700));
+  EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
+  EXPECT_NE(read_file(log_path_).find("putting a new pid file in its place"), std::string::npos) << read_file(log_path_);
+  ::close(pid_file);
+  // Another user cannot open the lock directory, so cannot hold its lock.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(120);
+    if (::open(run_dir_.c_str(), O_RDONLY | O_DIRECTORY) < 0) _exit(121);  // the run dir itself: open to all
+    const int fd = ::open((run_dir_ + "/.lock").c_str(), O_RDONLY | O_DIRECTORY);
+    _exit(fd < 0 && errno == EACCES ? 0 : 122);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  ::close(held);
+}
+
 TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
   // With metrics on: its child process must not be what holds the lock.
   write_config("[daemon]\nmetrics_address = \"127.0.0.1:0\"\n" + config(run_dir_, "0.5").substr(9));
@@ -380,7 +421,9 @@ TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
   size_t child_fd_count = 0;
   for (const auto& fd : fs::directory_iterator(child_fds)) {
     std::error_code ec;
-    EXPECT_NE(fs::read_symlink(fd.path(), ec), fs::path(run_dir_)) << "the metrics child holds " << fd.path();
+    const fs::path target = fs::read_symlink(fd.path(), ec);
+    EXPECT_NE(target, fs::path(run_dir_)) << "the metrics child holds " << fd.path();
+    EXPECT_NE(target, fs::path(run_dir_) / ".lock") << "the metrics child holds " << fd.path();
     ++child_fd_count;
   }
   EXPECT_GT(child_fd_count, 0u);

@@ -386,43 +386,60 @@ bool Daemon::lock_run_dir() {
 // The pid file's lock is what the CLI probes to tell whether a daemon runs
 // (and which); the kernel drops it when the daemon dies, however it dies.
 // The run dir's lock, taken before, is what keeps a second daemon out even
-// when this file has been removed.
+// when this file has been removed. So a lock on the pid file we cannot take
+// is not another daemon's: the file is 0644, and any user may hold a read
+// lock on it. We then put a new file in its place, once; the old inode and
+// its stray lock stay with whoever holds them, and nobody can lock the new
+// file against us once we hold its write lock.
 bool Daemon::lock_pid_file() {
   const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
-  char err[512] = {};
   const char* dir = config_->daemon.run_dir.c_str();
-  const shm::FileStatus created =
-      shm::create_file_at(run_.root.get(), kPidFileName, 0644, 0, nullptr, nullptr, dir, nullptr, err, sizeof err);
-  shm::Opened pid_file{};
-  if (created == shm::FileStatus::kOk || created == shm::FileStatus::kExists)
-    pid_file = shm::open_file_at(run_.root.get(), kPidFileName, O_RDWR, geteuid(), -1, dir, err, sizeof err);
-  else
-    pid_file.status = created;
-  if (!pid_file.ok()) {
-    log_->error("cannot open the pid file: {}", err);
-    return false;
-  }
-  pid_fd_ = pid_file.fd;
-  struct flock fl {};
-  fl.l_type = F_WRLCK;
-  fl.l_whence = SEEK_SET;
-  if (fcntl(pid_fd_, F_SETLK, &fl) != 0) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    char err[512] = {};
+    const shm::FileStatus created =
+        shm::create_file_at(run_.root.get(), kPidFileName, 0644, 0, nullptr, nullptr, dir, nullptr, err, sizeof err);
+    shm::Opened pid_file{};
+    if (created == shm::FileStatus::kOk || created == shm::FileStatus::kExists)
+      pid_file = shm::open_file_at(run_.root.get(), kPidFileName, O_RDWR, geteuid(), -1, dir, err, sizeof err);
+    else
+      pid_file.status = created;
+    if (!pid_file.ok()) {
+      log_->error("cannot open the pid file: {}", err);
+      return false;
+    }
+    struct flock fl {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (fcntl(pid_file.fd, F_SETLK, &fl) == 0) {
+      pid_fd_ = pid_file.fd;
+      const std::string pid = fmt::format("{}\n", getpid());
+      if (ftruncate(pid_fd_, 0) != 0 || pwrite(pid_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size()))
+        log_->warn("cannot write {}: {}", path, strerror(errno));
+      return true;
+    }
     const int e = errno;
     struct flock probe {};
     probe.l_type = F_WRLCK;
     probe.l_whence = SEEK_SET;
-    if ((e == EAGAIN || e == EACCES) && fcntl(pid_fd_, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK)
-      log_->error("another fracgpud (pid {}) already manages {}", probe.l_pid, config_->daemon.run_dir);
-    else
+    const bool held = (e == EAGAIN || e == EACCES) && fcntl(pid_file.fd, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK;
+    ::close(pid_file.fd);  // not locked: nothing of ours to empty
+    if (!held) {
       log_->error("cannot lock {}: {}", path, strerror(e));
-    ::close(pid_fd_);  // not ours: the destructor must not empty it
-    pid_fd_ = -1;
-    return false;
+      return false;
+    }
+    if (attempt == 0) {
+      log_->warn("process {} holds a lock on {}, which is not a daemon's (this daemon holds the run dir's lock); "
+                 "putting a new pid file in its place",
+                 probe.l_pid, path);
+      if (unlinkat(run_.root.get(), kPidFileName, 0) != 0 && errno != ENOENT) {
+        log_->error("cannot replace {}: {}", path, strerror(errno));
+        return false;
+      }
+    } else {
+      log_->error("process {} holds a lock on the new {} too; giving up", probe.l_pid, path);
+    }
   }
-  const std::string pid = fmt::format("{}\n", getpid());
-  if (ftruncate(pid_fd_, 0) != 0 || pwrite(pid_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size()))
-    log_->warn("cannot write {}: {}", path, strerror(errno));
-  return true;
+  return false;
 }
 
 // The generation of policy in force, for the whole node (ledger_layout.h).

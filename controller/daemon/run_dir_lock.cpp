@@ -13,6 +13,8 @@
 
 #include <fmt/format.h>
 
+#include "safe_file.h"
+
 namespace fracgpu::controller {
 
 pid_t flock_holder(int fd) {
@@ -41,11 +43,22 @@ pid_t flock_holder(int fd) {
 
 bool RunDirLock::acquire(const std::string& run_dir, std::string* error) {
   release();
-  const int fd = ::open(run_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) {
+  const int root = ::open(run_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (root < 0) {
     *error = fmt::format("cannot open the run dir {}: {}", run_dir, strerror(errno));
     return false;
   }
+  // The lock directory is ours and 0700: only our user can open it, so only
+  // our user can hold a lock on it (see the header).
+  char err[512] = {};
+  const shm::Opened dir = shm::make_dir_at(root, kLockDirName, 0700, geteuid(), run_dir.c_str(), nullptr, err, sizeof err);
+  ::close(root);
+  if (!dir.ok()) {
+    *error = fmt::format("cannot lock the run dir: {}", err);
+    return false;
+  }
+  const int fd = dir.fd;
+  const std::string shown = fmt::format("{}/{}", run_dir, kLockDirName);
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     if (e == EWOULDBLOCK) {
@@ -53,9 +66,9 @@ bool RunDirLock::acquire(const std::string& run_dir, std::string* error) {
       *error = holder > 0 ? fmt::format("another fracgpud (pid {}) already manages {}", holder, run_dir)
                           : fmt::format("another process (fracgpud, most likely) holds the lock on {}; its PID "
                                         "cannot be told from here",
-                                        run_dir);
+                                        shown);
     } else {
-      *error = fmt::format("cannot lock the run dir {}: {}", run_dir, strerror(e));
+      *error = fmt::format("cannot lock {}: {}", shown, strerror(e));
     }
     ::close(fd);
     return false;
