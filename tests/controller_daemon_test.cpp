@@ -403,6 +403,41 @@ TEST_F(DaemonTest, ALockOnTheRunDirItselfDoesNotKeepTheDaemonOut) {
   ::close(held);
 }
 
+// A write lock on the pid file takes the file open for writing, which only
+// the daemon's user can do: that is a daemon (an older release's, which locked
+// the run dir itself rather than .lock), and the start is refused.
+TEST_F(DaemonTest, AWriteLockOnThePidFileIsTakenForAnotherDaemons) {
+  write_config(config(run_dir_, "0.5"));
+  fs::create_directories(run_dir_);
+  write_file(run_dir_ + "/fracgpud.pid", "4242\n");
+  // Held by a process of its own, as an older daemon would hold it.
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t holder = fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    const int fd = ::open((run_dir_ + "/fracgpud.pid").c_str(), O_RDWR);
+    struct flock lock {};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    const char ok = fd >= 0 && fcntl(fd, F_SETLK, &lock) == 0 ? 'y' : 'n';
+    if (write(ready[1], &ok, 1) != 1) _exit(1);
+    pause();
+    _exit(0);
+  }
+  char ok = 0;
+  ASSERT_EQ(read(ready[0], &ok, 1), 1);
+  ASSERT_EQ(ok, 'y');
+  std::string output;
+  EXPECT_NE(run_daemon({}, &output), 0) << output;
+  EXPECT_NE(output.find("another fracgpud (pid " + std::to_string(holder) + ") already manages"), std::string::npos)
+      << output;
+  EXPECT_EQ(read_file(run_dir_ + "/fracgpud.pid"), "4242\n") << "the pid file is left alone";
+  kill_and_reap(holder);
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
 TEST_F(DaemonTest, SecondDaemonIsRefusedEvenWithThePidFileRemoved) {
   // With metrics on: its child process must not be what holds the lock.
   write_config("[daemon]\nmetrics_address = \"127.0.0.1:0\"\n" + config(run_dir_, "0.5").substr(9));

@@ -386,9 +386,9 @@ bool Daemon::lock_run_dir() {
 // The pid file's lock is what the CLI probes to tell whether a daemon runs
 // (and which); the kernel drops it when the daemon dies, however it dies.
 // The run dir's lock, taken before, is what keeps a second daemon out even
-// when this file has been removed. So a lock on the pid file we cannot take
-// is not another daemon's: the file is 0644, and any user may hold a read
-// lock on it. We then put a new file in its place, once; the old inode and
+// when this file has been removed. So a read lock on the pid file is not
+// another daemon's: the file is 0644, and any user may hold one. We then put
+// a new file in its place, once; the old inode and
 // its stray lock stay with whoever holds them, and nobody can lock the new
 // file against us once we hold its write lock.
 bool Daemon::lock_pid_file() {
@@ -425,6 +425,13 @@ bool Daemon::lock_pid_file() {
     ::close(pid_file.fd);  // not locked: nothing of ours to empty
     if (!held) {
       log_->error("cannot lock {}: {}", path, strerror(e));
+      return false;
+    }
+    if (probe.l_type == F_WRLCK) {
+      // A write lock needs the file open for writing, which only its owner
+      // can do: a daemon of an older release that locked the run dir
+      // itself, not this one's lock directory.
+      log_->error("another fracgpud (pid {}) already manages {}", probe.l_pid, config_->daemon.run_dir);
       return false;
     }
     if (attempt == 0) {
