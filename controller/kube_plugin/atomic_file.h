@@ -2,7 +2,6 @@
 // whole or not at all, and durable before the call returns.
 #pragma once
 
-#include <optional>
 #include <string>
 #include <string_view>
 
@@ -17,13 +16,7 @@ bool write_file_atomic(const std::string& dir, const std::string& name, std::str
 // Removes `dir`/`name` and fsync()s `dir`. Absent is success.
 bool remove_file_durable(const std::string& dir, const std::string& name, std::string* error);
 
-// The content of the regular file `dir`/`name` (no link followed), at most
-// `max_bytes`. nullopt with *missing = true when there is none, or with
-// *error saying what is wrong with it.
-std::optional<std::string> read_regular_file(const std::string& dir, const std::string& name, size_t max_bytes,
-                                             bool* missing, std::string* error);
-
-// mkdir -p with `mode` for the parts it makes.
-bool make_dirs(const std::string& path, unsigned mode, std::string* error);
+// Reading them back, and making their directories, go through the run
+// dir's own helpers (state/run_dir.h: read_file_at, make_path).
 
 }  // namespace fracgpu::kube_plugin

@@ -1,6 +1,11 @@
 #include "kube_plugin/claim_store.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 
@@ -9,6 +14,7 @@
 
 #include "kube_plugin/atomic_file.h"
 #include "kube_plugin/cdi_spec.h"
+#include "state/run_dir.h"
 
 namespace fracgpu::kube_plugin {
 
@@ -27,7 +33,7 @@ bool ClaimStore::put(const ClaimPlan& plan, std::string* error) {
     *error = fmt::format("claim {}: uid \"{}\" cannot name a record", plan.claim.shown(), plan.claim.uid);
     return false;
   }
-  if (!make_dirs(dir_, 0700, error)) return false;
+  if (!controller::make_path(dir_, 0700, error)) return false;
   const json record = {{"version", kRecordVersion},
                        {"plan", plan_to_json(plan)},
                        {"tenant", tenant_name(plan.claim.uid)},
@@ -41,8 +47,15 @@ std::optional<ClaimRecord> ClaimStore::get(const std::string& uid, std::string* 
     *error = fmt::format("uid \"{}\" cannot name a record", uid);
     return std::nullopt;
   }
+  const controller::UniqueFd dir(::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dir.valid()) {
+    if (errno != ENOENT) *error = fmt::format("{}: cannot open: {}", dir_, std::strerror(errno));
+    return std::nullopt;  // no directory: no record
+  }
+  // Our own regular file (no link followed), of a bounded size.
   bool missing = false;
-  auto text = read_regular_file(dir_, uid + kSuffix, kMaxRecordBytes, &missing, error);
+  const std::string name = uid + kSuffix;
+  auto text = controller::read_file_at(dir.get(), dir_, name.c_str(), geteuid(), kMaxRecordBytes, error, &missing);
   if (!text) {
     if (missing) error->clear();
     return std::nullopt;

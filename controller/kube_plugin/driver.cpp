@@ -107,7 +107,7 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
   crash_point("after-tenant");
 
   std::string error;
-  if (!make_dirs(options_.cdi_dir, 0755, &error) ||
+  if (!controller::make_path(options_.cdi_dir, 0755, &error) ||
       !write_file_atomic(options_.cdi_dir, record.cdi_spec,
                          build_cdi_spec(plan, host_tenant_dir(plan.claim.uid), options_.cdi).dump(2) + "\n", &error)) {
     log_->error("{}: writing its CDI spec: {}", who, error);

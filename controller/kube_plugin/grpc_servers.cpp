@@ -11,8 +11,8 @@
 
 #include "dra_v1.grpc.pb.h"
 #include "kube/resource_slice.h"
-#include "kube_plugin/atomic_file.h"
 #include "pluginregistration_v1.grpc.pb.h"
+#include "state/run_dir.h"
 
 namespace fracgpu::kube_plugin {
 
@@ -106,7 +106,7 @@ class RegistrationService final : public reg::Registration::Service {
 
 // Serves `service` on the Unix socket `path` (a stale file removed first), mode 0600.
 std::unique_ptr<grpc::Server> serve(grpc::Service* service, const std::string& path, std::string* error) {
-  if (!make_dirs(path.substr(0, path.rfind('/')), 0750, error)) return nullptr;
+  if (!controller::make_path(path.substr(0, path.rfind('/')), 0750, error)) return nullptr;
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     *error = fmt::format("remove the stale {}: {}", path, std::strerror(errno));
     return nullptr;

@@ -53,17 +53,26 @@ void UniqueFd::reset(int fd) {
   fd_ = fd;
 }
 
-std::optional<DaemonRunDir> open_daemon_run_dir(const std::string& path, std::string* error, std::string* notes) {
-  // The path itself is the operator's: created like `mkdir -p` would.
-  std::string partial;
+bool make_path(const std::string& path, mode_t mode, std::string* error) {
   for (size_t at = 1; at <= path.size(); ++at) {
     if (at != path.size() && path[at] != '/') continue;
-    partial = path.substr(0, at);
-    if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+    const std::string partial = path.substr(0, at);
+    if (mkdir(partial.c_str(), mode) != 0 && errno != EEXIST) {
       *error = fmt::format("cannot create {}: {}", partial, strerror(errno));
-      return std::nullopt;
+      return false;
     }
   }
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    *error = fmt::format("{}: not a directory", path);
+    return false;
+  }
+  return true;
+}
+
+std::optional<DaemonRunDir> open_daemon_run_dir(const std::string& path, std::string* error, std::string* notes) {
+  // The path itself is the operator's: created like `mkdir -p` would.
+  if (!make_path(path, 0755, error)) return std::nullopt;
   DaemonRunDir run;
   run.path = path;
   run.root = open_root_checked(path, error);

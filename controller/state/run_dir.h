@@ -76,6 +76,11 @@ struct DaemonRunDir {
 };
 std::optional<DaemonRunDir> open_daemon_run_dir(const std::string& path, std::string* error, std::string* notes);
 
+// `mkdir -p path`: the parts it makes get `mode`, the parts there stay as
+// they are. false with *error if a part cannot be made or the path is not a
+// directory in the end.
+bool make_path(const std::string& path, mode_t mode, std::string* error);
+
 // For readers (the CLI, the metrics child): the run dir opened as given, and
 // its owner, whom every file and directory in it must belong to.
 struct RunDirView {
