@@ -209,8 +209,14 @@ class SchedulerTest : public ::testing::Test {
     const int slot = spawn(t);
     *pid = static_cast<uint32_t>(processes_.back());
     attributed_[t].push_back(*pid);
-    sched_->attribute(tenants_[t].name, attributed_[t]);
+    reattribute();
     return slot;
+  }
+  // Tells the scheduler whose every attributed process is, as the daemon does.
+  void reattribute() {
+    std::map<std::string, std::vector<uint32_t>> by_tenant;
+    for (const auto& [t, pids] : attributed_) by_tenant[tenants_[t].name] = pids;
+    sched_->attribute(by_tenant);
   }
   // Enters tenant t's grant if it holds one and slot has not entered it;
   // reports a revoked grant drained.
@@ -741,7 +747,7 @@ TEST_F(SchedulerTest, MeasuredModeChargesByTheDaemonsAttributionOnly) {
   EXPECT_EQ(row(0).measured_ns.load(), 3 * kMs);
   EXPECT_EQ(row(1).measured_ns.load(), 0u) << "not yet attributed";
   attributed_[1].push_back(pb);
-  sched_->attribute("b", attributed_[1]);
+  reattribute();
   pass(2 * kMs);
   EXPECT_EQ(row(1).measured_ns.load(), 7 * kMs) << "kept, and charged once attributed";
   meter_.extra[pa] = UINT64_MAX / 2;

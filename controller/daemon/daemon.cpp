@@ -388,9 +388,9 @@ bool Daemon::lock_run_dir() {
 // The run dir's lock, taken before, is what keeps a second daemon out even
 // when this file has been removed. So a read lock on the pid file is not
 // another daemon's: the file is 0644, and any user may hold one. We then put
-// a new file in its place, once; the old inode and
-// its stray lock stay with whoever holds them, and nobody can lock the new
-// file against us once we hold its write lock.
+// a new file in its place, once; the old inode and its stray lock stay with
+// whoever holds them, and nobody can lock the new file against us once we
+// hold its write lock.
 bool Daemon::lock_pid_file() {
   const std::string path = (fs::path(config_->daemon.run_dir) / kPidFileName).string();
   const char* dir = config_->daemon.run_dir.c_str();
@@ -737,14 +737,17 @@ void Daemon::attach_meters() {
 void Daemon::tick_gpu_time(uint64_t now) {
   // Whose processes are whose, as this daemon verified them (host_pids,
   // never the tenant-writable copy): the meter's figures are charged by it.
-  std::vector<uint32_t> pids;
-  for (auto& [uuid, arbiter] : arbiters_) {
+  // Built once per tick, for every GPU's scheduler.
+  std::map<std::string, std::vector<uint32_t>> pids_by_tenant;
+  if (!arbiters_.empty()) {
     for (const auto& [name, open] : ledgers_) {
-      pids.clear();
+      std::vector<uint32_t>& pids = pids_by_tenant[name];
       for (const int32_t pid : open.host_pids)
         if (pid > 0) pids.push_back(static_cast<uint32_t>(pid));
-      arbiter.scheduler->attribute(name, pids);
     }
+  }
+  for (auto& [uuid, arbiter] : arbiters_) {
+    arbiter.scheduler->attribute(pids_by_tenant);
     arbiter.scheduler->sample_achieved(now);
     for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
       if (m.warning)

@@ -144,19 +144,21 @@ bool GpuScheduler::has_meter() {
   return meter_ != nullptr;
 }
 
-void GpuScheduler::attribute(const std::string& tenant, const std::vector<uint32_t>& pids) {
+void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant) {
   std::lock_guard lock(mutex_);
-  const int index = gputime::find_tenant(seg_, tenant.c_str());
-  std::erase_if(pid_row_, [&](const auto& kv) { return static_cast<int>(kv.second) == index; });
-  if (index < 0 || !rows_[index].active) return;
-  Row& r = rows_[index];
-  for (const uint32_t pid : pids) {
-    if (pid == 0) continue;
-    pid_row_[pid] = static_cast<uint32_t>(index);
-    // Usage measured before the daemon knew whose the process is.
-    if (auto it = unattributed_.find(pid); it != unattributed_.end()) {
-      r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
-      unattributed_.erase(it);
+  pid_row_.clear();
+  for (const auto& [tenant, pids] : pids_by_tenant) {
+    const int index = gputime::find_tenant(seg_, tenant.c_str());
+    if (index < 0 || !rows_[index].active) continue;  // no share of this GPU
+    Row& r = rows_[index];
+    for (const uint32_t pid : pids) {
+      if (pid == 0) continue;
+      pid_row_[pid] = static_cast<uint32_t>(index);
+      // Usage measured before the daemon knew whose the process is.
+      if (auto it = unattributed_.find(pid); it != unattributed_.end()) {
+        r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
+        unattributed_.erase(it);
+      }
     }
   }
 }

@@ -32,6 +32,7 @@
 #include <array>
 #include <atomic>
 #include <bitset>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -95,10 +96,10 @@ class GpuScheduler {
   // scheduler owns it and calls it on its own thread.
   void set_meter(std::unique_ptr<UsageMeter> meter);
   bool has_meter();
-  // The host PIDs of a tenant's processes, as the daemon verified them
-  // (never what a tenant wrote): whose measured GPU time is whose. Replaces
-  // the tenant's earlier list.
-  void attribute(const std::string& tenant, const std::vector<uint32_t>& pids);
+  // The host PIDs of every tenant's processes, by tenant name, as the daemon
+  // verified them (never what a tenant wrote): whose measured GPU time is
+  // whose. Replaces the earlier lists whole.
+  void attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant);
   // The thread; stop() ends it and tells tenants the scheduler is gone
   // (heartbeat 0: their processes run unshared at once, not a second later).
   void start();
