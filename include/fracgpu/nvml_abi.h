@@ -175,6 +175,52 @@ static_assert(__builtin_offsetof(nvmlProcessesUtilizationInfo_v1_t, procUtilArra
 static_assert(nvmlProcessesUtilizationInfo_v1 == 0x1000018u, "nvmlProcessesUtilizationInfo_v1 value");
 #endif
 
+/* nvmlDeviceGetSamples: a device's ring buffers of sampled values. */
+typedef enum nvmlSamplingType_enum {
+  NVML_TOTAL_POWER_SAMPLES = 0,
+  NVML_GPU_UTILIZATION_SAMPLES = 1, /* percent of time one or more kernels was executing */
+  NVML_MEMORY_UTILIZATION_SAMPLES = 2,
+  NVML_ENC_UTILIZATION_SAMPLES = 3,
+  NVML_DEC_UTILIZATION_SAMPLES = 4,
+  NVML_PROCESSOR_CLK_SAMPLES = 5,
+  NVML_MEMORY_CLK_SAMPLES = 6,
+  NVML_MODULE_POWER_SAMPLES = 7,
+  NVML_JPG_UTILIZATION_SAMPLES = 8,
+  NVML_OFA_UTILIZATION_SAMPLES = 9,
+  NVML_SAMPLINGTYPE_COUNT
+} nvmlSamplingType_t;
+
+typedef enum nvmlValueType_enum {
+  NVML_VALUE_TYPE_DOUBLE = 0,
+  NVML_VALUE_TYPE_UNSIGNED_INT = 1,
+  NVML_VALUE_TYPE_UNSIGNED_LONG = 2,
+  NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3,
+  NVML_VALUE_TYPE_SIGNED_LONG_LONG = 4,
+  NVML_VALUE_TYPE_SIGNED_INT = 5,
+  NVML_VALUE_TYPE_UNSIGNED_SHORT = 6,
+  NVML_VALUE_TYPE_COUNT
+} nvmlValueType_t;
+
+typedef union nvmlValue_st {
+  double dVal;
+  int siVal;
+  unsigned int uiVal;
+  unsigned long ulVal;
+  unsigned long long ullVal;
+  signed long long sllVal;
+  unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct nvmlSample_st {
+  unsigned long long timeStamp; /* CPU time, microseconds */
+  nvmlValue_t sampleValue;
+} nvmlSample_t;
+
+#ifdef __cplusplus
+static_assert(sizeof(nvmlValue_t) == 8, "nvmlValue_t layout");
+static_assert(sizeof(nvmlSample_t) == 16, "nvmlSample_t layout");
+#endif
+
 typedef enum nvmlTemperatureSensors_enum { NVML_TEMPERATURE_GPU = 0 } nvmlTemperatureSensors_t;
 
 typedef enum nvmlMemoryErrorType_enum {
@@ -224,6 +270,8 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUti
                                              unsigned int* processSamplesCount, unsigned long long lastSeenTimeStamp);
 nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
                                                    nvmlProcessesUtilizationInfo_t* procesesUtilInfo);
+nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned long long lastSeenTimeStamp,
+                                  nvmlValueType_t* sampleValType, unsigned int* sampleCount, nvmlSample_t* samples);
 nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t device, unsigned int* count, unsigned int* pids);
 nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats);
 

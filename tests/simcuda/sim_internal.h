@@ -71,9 +71,13 @@ static_assert(std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
 
 inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
-inline constexpr uint32_t kLayoutVersion = 5;
+inline constexpr uint32_t kLayoutVersion = 6;
 // Kernel log entries kept per device (a ring: older ones are overwritten).
 inline constexpr uint64_t kKernelLogEntries = 16384;
+// Busy-time bins per device for the stand-in NVML's sampling (a ring of 1 ms
+// bins of CLOCK_MONOTONIC: about 16 s of history).
+inline constexpr uint64_t kSampleBins = 16384;
+inline constexpr uint64_t kBinNs = 1000000;  // 1 ms
 
 struct SharedDevice {
   unsigned char uuid[16];
@@ -118,15 +122,50 @@ struct KernelLog {
   KernelRecord records[kKernelLogEntries];
 };
 
+// What the device did in each 1 ms of CLOCK_MONOTONIC: bin m covers
+// [m ms, m+1 ms) and lives at index m % kSampleBins. Written lock-free by
+// enqueue_kernel (when a kernel is placed on the timeline, i.e. possibly
+// ahead of time) for every bin the kernel overlaps, except bins more than
+// kSampleBins/2 ms ahead of the launch (far-future queued work is not
+// recorded: it would overwrite bins still being read). Each word carries the
+// bin's number (its low bits) as a tag, so a reader tells the bin's own
+// value from an older bin's (the bin is idle) or a newer one's (the slot was
+// reused: the bin is gone). Read by the stand-in NVML (tests/simnvml), which
+// builds its sampling from them; the kernel log stays the ground truth.
+struct SampleBins {
+  // tag(44 bits: m) << 20 | busy ns in the bin (<= 1,000,000 < 2^20).
+  U64 busy[kSampleBins];
+  // (uint32_t)m << 32 | pid: the kernel resident at the bin's first instant
+  // (m ms); the timeline is serial, so at most one covers an instant.
+  U64 instant[kSampleBins];
+  // tag(22 bits: m) << 42 | end offset(20 bits) << 22 | pid(22 bits): the
+  // kernel that ended last in the bin, its end offset = min(end, (m+1) ms) -
+  // m ms in ns (a kernel running past the bin has the full 1,000,000).
+  U64 last[kSampleBins];
+};
+
+// Bit layouts of the SampleBins words (shared by writer and reader).
+inline constexpr unsigned kBusyNsBits = 20;
+inline constexpr uint64_t kBusyTagMask = (1ull << 44) - 1;
+inline constexpr unsigned kLastPidBits = 22;
+inline constexpr unsigned kLastOffsetBits = 20;
+inline constexpr uint64_t kLastTagMask = (1ull << 22) - 1;
+static_assert(kBinNs < (1ull << kBusyNsBits) && kBinNs < (1ull << kLastOffsetBits));
+
 struct SharedState {
   U64 magic;                    // written last when the file is (re)initialized
   uint32_t layout_version;
   uint32_t device_count;
   U64 next_seq;
+  // CLOCK_REALTIME - CLOCK_MONOTONIC in microseconds, taken once when the
+  // state was created: every reader converts monotonic instants to the same
+  // CPU time stamps.
+  U64 realtime_offset_us;
   char spec[4096];              // canonical device spec it was created from
   SharedDevice devices[kMaxDevices];
   SharedSlot slots[kMaxSlots];
   KernelLog kernel_logs[kMaxDevices];
+  SampleBins sample_bins[kMaxDevices];
 };
 
 // ---------------------------------------------------------------------------

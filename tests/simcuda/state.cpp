@@ -233,6 +233,15 @@ void init_state(SharedState* s, const std::vector<DevSpec>& devs, const std::str
               sizeof(SharedState) - sizeof(U64));
   s->layout_version = kLayoutVersion;
   s->device_count = static_cast<uint32_t>(devs.size());
+  {
+    timespec real{}, mono{};
+    clock_gettime(CLOCK_REALTIME, &real);
+    clock_gettime(CLOCK_MONOTONIC, &mono);
+    const auto us = [](const timespec& t) {
+      return static_cast<uint64_t>(t.tv_sec) * 1000000ull + static_cast<uint64_t>(t.tv_nsec) / 1000;
+    };
+    s->realtime_offset_us.store(us(real) - us(mono), std::memory_order_relaxed);
+  }
   std::snprintf(s->spec, sizeof s->spec, "%s", canon.c_str());
   for (size_t i = 0; i < devs.size(); ++i) {
     SharedDevice& d = s->devices[i];
@@ -785,6 +794,49 @@ CUresult resolve_stream(CUstream s, bool ptds, StreamTarget& out) {
   return CUDA_SUCCESS;
 }
 
+namespace {
+
+// Records the kernel [start, end) of `pid` in the device's 1 ms bins (see
+// SampleBins), lock-free: every word is replaced by a CAS loop or a store
+// that leaves it valid at every instant. Bins more than kSampleBins/2 ms
+// ahead of `now` are skipped: their ring slots still hold bins a reader may
+// want, and work queued that far ahead is not what tests sample.
+void record_bins(SampleBins& b, uint64_t start, uint64_t end, int32_t pid, uint64_t now) {
+  if (end <= start) return;
+  const uint64_t last_bin = now / kBinNs + kSampleBins / 2;
+  for (uint64_t m = start / kBinNs; m * kBinNs < end && m <= last_bin; ++m) {
+    const uint64_t lo = m * kBinNs, hi = lo + kBinNs;
+    const uint64_t overlap = std::min(end, hi) - std::max(start, lo);
+    const size_t i = static_cast<size_t>(m % kSampleBins);
+    // Busy ns: add to the bin's word, or start it afresh over an older bin's.
+    const uint64_t tag = m & kBusyTagMask;
+    uint64_t cur = b.busy[i].load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t cur_tag = cur >> kBusyNsBits;
+      if (cur_tag > tag) break;  // a newer bin owns the slot (cannot happen for bins this near)
+      const uint64_t ns = cur_tag == tag ? (cur & ((1ull << kBusyNsBits) - 1)) + overlap : overlap;
+      const uint64_t next = tag << kBusyNsBits | std::min(ns, kBinNs);
+      if (b.busy[i].compare_exchange_weak(cur, next, std::memory_order_acq_rel)) break;
+    }
+    // Resident at the bin's first instant.
+    if (start <= lo) b.instant[i].store(static_cast<uint64_t>(static_cast<uint32_t>(m)) << 32 | static_cast<uint32_t>(pid),
+                                        std::memory_order_release);
+    // Ended last in the bin (running past it: the full offset).
+    const uint64_t offset = std::min(end, hi) - lo;
+    const uint64_t ltag = m & kLastTagMask;
+    const uint64_t word = ltag << (kLastOffsetBits + kLastPidBits) | offset << kLastPidBits |
+                          (static_cast<uint64_t>(static_cast<uint32_t>(pid)) & ((1ull << kLastPidBits) - 1));
+    cur = b.last[i].load(std::memory_order_relaxed);
+    while (true) {
+      const bool same_bin = cur >> (kLastOffsetBits + kLastPidBits) == ltag;
+      if (same_bin && ((cur >> kLastPidBits) & ((1ull << kLastOffsetBits) - 1)) >= offset) break;
+      if (b.last[i].compare_exchange_weak(cur, word, std::memory_order_acq_rel)) break;
+    }
+  }
+}
+
+}  // namespace
+
 uint64_t enqueue_kernel(const StreamTarget& t, uint64_t d, uint64_t launches) {
   Process& P = proc();
   SharedDevice& dev = P.S->devices[t.dev];
@@ -809,6 +861,7 @@ uint64_t enqueue_kernel(const StreamTarget& t, uint64_t d, uint64_t launches) {
   rec.end.store(end, std::memory_order_relaxed);
   rec.pid.store(P.pid, std::memory_order_relaxed);
   rec.seq.store(index + 1, std::memory_order_release);
+  record_bins(P.S->sample_bins[t.dev], end - d, end, P.pid, now);
   dev.busy_ns.fetch_add(d, std::memory_order_relaxed);
   dev.launches.fetch_add(launches, std::memory_order_relaxed);
   slot.busy_ns[t.dev].fetch_add(d, std::memory_order_relaxed);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -293,6 +294,204 @@ nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned int* count, Sampl
   return NVML_SUCCESS;
 }
 
+// ---------------------------------------------------------------------------
+// Realistic sampling (SIMNVML_SAMPLE_MS > 0): the driver's sample ring, see
+// README.md "Realistic sampling" and the facts it cites. Both knobs are read
+// on every call (one getenv each), so a test may change them between calls.
+// ---------------------------------------------------------------------------
+
+// NV2080_CTRL_PERF_GPUMON_SAMPLE_COUNT_PERFMON_UTIL: the driver's ring depth,
+// and the count real NVML asks for (its size queries answer 72).
+constexpr unsigned kRingSamples = 72;
+// Longest period accepted: a sample must fit in the sim's bin ring.
+constexpr uint64_t kMaxSampleMs = simcuda::kSampleBins / 2;
+// nvmlDeviceGetSamples's period when SIMNVML_SAMPLE_MS is unset or 0.
+constexpr uint64_t kExactModeDeviceSampleMs = 2;
+
+enum class Attribution { kInstant, kLast };
+
+struct SamplingMode {
+  uint64_t period_ms = 0;  // 0: exact mode (no sampling)
+  Attribution attribution = Attribution::kInstant;
+};
+
+std::atomic<bool> g_warned_period{false}, g_warned_attrib{false};
+
+SamplingMode sampling_mode() {
+  SamplingMode mode;
+  if (const char* v = std::getenv("SIMNVML_SAMPLE_MS"); v != nullptr && *v != 0) {
+    char* end = nullptr;
+    const unsigned long long ms = std::strtoull(v, &end, 10);
+    if (end == v || *end != 0) {
+      if (!g_warned_period.exchange(true))
+        std::fprintf(stderr, "simnvml: SIMNVML_SAMPLE_MS=%s is not a number of ms; sampling is off\n", v);
+    } else if (ms > kMaxSampleMs) {
+      if (!g_warned_period.exchange(true))
+        std::fprintf(stderr, "simnvml: SIMNVML_SAMPLE_MS=%s capped at %llu\n", v,
+                     static_cast<unsigned long long>(kMaxSampleMs));
+      mode.period_ms = kMaxSampleMs;
+    } else {
+      mode.period_ms = ms;
+    }
+  }
+  if (const char* v = std::getenv("SIMNVML_ATTRIB"); v != nullptr && *v != 0) {
+    if (std::strcmp(v, "last") == 0) mode.attribution = Attribution::kLast;
+    else if (std::strcmp(v, "instant") != 0 && !g_warned_attrib.exchange(true))
+      std::fprintf(stderr, "simnvml: SIMNVML_ATTRIB=%s unknown (instant or last); using instant\n", v);
+  }
+  return mode;
+}
+
+// One sample of the device's ring: taken at T = k * period ms of
+// CLOCK_MONOTONIC, covering [T - period, T).
+struct RingSample {
+  unsigned long long stamp_us;  // T as CPU time (CLOCK_REALTIME, us)
+  unsigned busy_pct;            // floor(busy ns * 100 / period ns)
+  bool named;                   // a process is named
+  int32_t pid;                  // the recorded PID it names
+};
+
+// The device's ring as every reader sees it: a pure function of the sim's
+// bins and the clock. Sample k exists once T_k <= now_ms - 1 (settled; the
+// 1 ms lets writers in flight finish); the ring is the newest kRingSamples
+// of them whose bins are all still in the bin ring (not older than
+// kSampleBins ms, and the slot not reused by a newer bin). Oldest first.
+std::vector<RingSample> ring_samples(int dev, uint64_t period_ms, Attribution attribution) {
+  using simcuda::kBinNs;
+  using simcuda::kSampleBins;
+  const simcuda::SampleBins& b = simcuda::S()->sample_bins[dev];
+  const uint64_t offset_us = simcuda::S()->realtime_offset_us.load(std::memory_order_relaxed);
+  const uint64_t now_ms = simcuda::now_ns() / kBinNs;
+  std::vector<RingSample> out;
+  if (period_ms == 0 || now_ms < 1) return out;
+  const auto busy_of = [&](uint64_t m, bool* gone) -> uint64_t {
+    const uint64_t w = b.busy[m % kSampleBins].load(std::memory_order_acquire);
+    const uint64_t tag = w >> simcuda::kBusyNsBits;
+    if (tag > (m & simcuda::kBusyTagMask)) *gone = true;
+    return tag == (m & simcuda::kBusyTagMask) ? w & ((1ull << simcuda::kBusyNsBits) - 1) : 0;
+  };
+  for (uint64_t k = (now_ms - 1) / period_ms; k >= 1 && out.size() < kRingSamples; --k) {
+    const uint64_t t = k * period_ms;
+    if (t - period_ms + kSampleBins <= now_ms) break;  // its oldest bin has left the ring
+    bool gone = false;
+    uint64_t busy = 0;
+    for (uint64_t m = t - period_ms; m < t; ++m) busy += busy_of(m, &gone);
+    busy_of(t, &gone);  // the instant's bin
+    if (gone) break;
+    RingSample sample{t * 1000 + offset_us, static_cast<unsigned>(busy * 100 / (period_ms * kBinNs)), false, 0};
+    if (attribution == Attribution::kInstant) {
+      // The process resident on the engine at the sampling instant.
+      const uint64_t w = b.instant[t % kSampleBins].load(std::memory_order_acquire);
+      if (w >> 32 == static_cast<uint32_t>(t)) {
+        sample.named = true;
+        sample.pid = static_cast<int32_t>(static_cast<uint32_t>(w));
+      }
+    } else {
+      // The process whose kernel ended last in the period (or still runs).
+      for (uint64_t m = t; m-- > t - period_ms;) {
+        const uint64_t w = b.last[m % kSampleBins].load(std::memory_order_acquire);
+        if (w >> (simcuda::kLastOffsetBits + simcuda::kLastPidBits) != (m & simcuda::kLastTagMask)) continue;
+        sample.named = true;
+        sample.pid = static_cast<int32_t>(w & ((1ull << simcuda::kLastPidBits) - 1));
+        break;
+      }
+    }
+    out.push_back(sample);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+// A recorded PID as the caller's namespace numbers it: through the live slot
+// that recorded it; a PID with no live slot as recorded (the ring outlives
+// processes).
+std::vector<unsigned> caller_pids(const std::vector<int32_t>& recorded) {
+  std::vector<std::pair<int32_t, unsigned long long>> live;
+  {
+    simcuda::Guard guard;
+    simcuda::StateLock lock;
+    for (auto& slot : simcuda::S()->slots)
+      if (slot.state.load(std::memory_order_acquire) == simcuda::kSlotLive)
+        live.emplace_back(slot.pid.load(std::memory_order_relaxed), slot.start_time.load(std::memory_order_relaxed));
+  }
+  std::vector<unsigned> out;
+  for (int32_t pid : recorded) {
+    unsigned mapped = static_cast<unsigned>(pid);
+    for (const auto& [live_pid, start_time] : live)
+      if (live_pid == pid) mapped = caller_pid(pid, start_time);
+    out.push_back(mapped);
+  }
+  return out;
+}
+
+struct ProcessRecord {
+  unsigned pid;
+  unsigned long long stamp_us;
+  unsigned sm_util;
+};
+
+// NVML's aggregation of the ring samples newer than `last_seen`: N = the
+// samples naming any process; per named process, smUtil = floor(sum of the
+// busy% of the samples naming it / N), stamped with its newest such sample.
+std::vector<ProcessRecord> sampled_processes(int dev, const SamplingMode& mode, unsigned long long last_seen) {
+  struct Acc {
+    int32_t pid;
+    unsigned long long sum, stamp;
+  };
+  std::vector<Acc> acc;
+  unsigned long long named = 0;
+  for (const RingSample& s : ring_samples(dev, mode.period_ms, mode.attribution)) {
+    if (s.stamp_us <= last_seen || !s.named) continue;
+    ++named;
+    auto it = std::find_if(acc.begin(), acc.end(), [&](const Acc& a) { return a.pid == s.pid; });
+    if (it == acc.end()) it = acc.insert(acc.end(), Acc{s.pid, 0, 0});
+    it->sum += s.busy_pct;
+    it->stamp = s.stamp_us;
+  }
+  std::vector<int32_t> recorded;
+  for (const Acc& a : acc) recorded.push_back(a.pid);
+  const std::vector<unsigned> pids = caller_pids(recorded);
+  std::vector<ProcessRecord> out;
+  for (size_t i = 0; i < acc.size(); ++i)
+    out.push_back({pids[i], acc[i].stamp, static_cast<unsigned>(acc[i].sum / named)});
+  return out;
+}
+
+// The per-process calls in realistic mode. `info_call`: the R550+ call,
+// which demands room for the whole ring (72 entries) before anything else.
+template <typename Sample>
+nvmlReturn_t sampled_utilization(nvmlDevice_t device, unsigned int* count, Sample* samples,
+                                 unsigned long long last_seen, const SamplingMode& mode, bool info_call) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  if (info_call && (samples == nullptr || *count < kRingSamples)) {
+    *count = kRingSamples;
+    return NVML_ERROR_INSUFFICIENT_SIZE;
+  }
+  if (samples == nullptr) {  // size query: the ring's depth
+    *count = kRingSamples;
+    return NVML_SUCCESS;
+  }
+  const std::vector<ProcessRecord> records = sampled_processes(dev, mode, last_seen);
+  if (records.empty()) {
+    *count = 0;
+    return NVML_ERROR_NOT_FOUND;
+  }
+  const unsigned capacity = *count;
+  *count = static_cast<unsigned>(records.size());
+  if (records.size() > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
+  for (size_t i = 0; i < records.size(); ++i) {
+    Sample sample{};
+    sample.pid = records[i].pid;
+    sample.timeStamp = records[i].stamp_us;
+    sample.smUtil = records[i].sm_util;
+    samples[i] = sample;
+  }
+  return NVML_SUCCESS;
+}
+
 nvmlReturn_t memory(nvmlDevice_t device, unsigned long long* total, unsigned long long* used) {
   const Faults faults = read_faults();
   int dev = 0;
@@ -450,13 +649,52 @@ nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProc
 
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t* utilization,
                                              unsigned int* count, unsigned long long lastSeenTimeStamp) {
+  if (const SamplingMode mode = sampling_mode(); mode.period_ms > 0)
+    return sampled_utilization(device, count, utilization, lastSeenTimeStamp, mode, false);
   return utilization_samples(device, count, utilization, lastSeenTimeStamp);
 }
 
 nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t* info) {
   if (info == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  if (const SamplingMode mode = sampling_mode(); mode.period_ms > 0)
+    return sampled_utilization(device, &info->processSamplesCount, info->procUtilArray, info->lastSeenTimeStamp, mode,
+                               true);
   return utilization_samples(device, &info->processSamplesCount, info->procUtilArray, info->lastSeenTimeStamp);
+}
+
+// The device's GPU-utilization ring: the samples newer than lastSeen that
+// are not 0 % (the ring runs dry while the GPU idles), oldest first. In
+// exact mode (SIMNVML_SAMPLE_MS unset or 0) with a 2 ms period.
+nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned long long lastSeenTimeStamp,
+                                  nvmlValueType_t* sampleValType, unsigned int* sampleCount, nvmlSample_t* samples) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (type != NVML_GPU_UTILIZATION_SAMPLES) return NVML_ERROR_NOT_SUPPORTED;
+  if (sampleValType == nullptr || sampleCount == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  *sampleValType = NVML_VALUE_TYPE_UNSIGNED_INT;
+  if (samples == nullptr) {  // size query: the ring's depth
+    *sampleCount = kRingSamples;
+    return NVML_SUCCESS;
+  }
+  SamplingMode mode = sampling_mode();
+  if (mode.period_ms == 0) mode.period_ms = kExactModeDeviceSampleMs;
+  std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution);
+  std::erase_if(ring, [&](const RingSample& s) { return s.stamp_us <= lastSeenTimeStamp || s.busy_pct == 0; });
+  if (ring.empty()) {
+    *sampleCount = 0;
+    return NVML_ERROR_NOT_FOUND;
+  }
+  const unsigned capacity = *sampleCount;
+  *sampleCount = static_cast<unsigned>(ring.size());
+  if (ring.size() > capacity) return NVML_ERROR_INSUFFICIENT_SIZE;
+  for (size_t i = 0; i < ring.size(); ++i) {
+    samples[i] = nvmlSample_t{};
+    samples[i].timeStamp = ring[i].stamp_us;
+    samples[i].sampleValue.uiVal = ring[i].busy_pct;
+  }
+  return NVML_SUCCESS;
 }
 
 // Accounting, as if accounting mode were on: a record for every live sim
