@@ -186,6 +186,7 @@ class SchedulerTest : public ::testing::Test {
   // Measured mode: a fake meter, and the daemon's attribution of PIDs.
   void use_meter() {
     sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    sched_->set_measured_charging(true);
     meter_.last = now_;
   }
   // Measured mode with one attributed process of each tenant: their slots

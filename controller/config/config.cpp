@@ -456,7 +456,7 @@ class Parser {
       return;
     }
     constexpr std::string_view where = "[daemon]";
-    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "placement",
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "gpu_time_charging", "placement",
                     "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout",
                     "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action",
                     "control_group"},
@@ -488,6 +488,13 @@ class Parser {
     }
     if (auto overcommit = get_bool(*t, "allow_overcommit", where)) d.allow_overcommit = *overcommit;
     if (auto slice = get_duration(*t, "time_slice", where, kMinTimeSlice, kMaxTimeSlice)) d.time_slice = *slice;
+    if (auto charging = get_string(*t, "gpu_time_charging", where)) {
+      if (*charging == "held" || *charging == "measured")
+        d.gpu_time_measured = *charging == "measured";
+      else
+        error_in(where, line_of(*t->get("gpu_time_charging")),
+                 fmt::format("gpu_time_charging \"{}\" is not a way of charging GPU time (use held, measured)", *charging));
+    }
     if (auto policy = get_string(*t, "placement", where)) {
       if (auto parsed = parse_placement_policy(*policy))
         d.placement = *parsed;

@@ -57,6 +57,11 @@ struct DaemonSettings {
   std::chrono::milliseconds reap_interval{200};
   bool allow_overcommit = false;
   std::chrono::microseconds time_slice{20'000};  // one exclusive GPU time slice (`time_slice`, e.g. "20ms")
+  // `gpu_time_charging`: "held" (default: tenants pay the time they hold
+  // the GPU, one at a time, audited by NVML's samples) or "measured" (they
+  // pay the GPU time NVML attributes to their processes and share the GPU
+  // while it has room). docs/sm-time.md says why held is the default.
+  bool gpu_time_measured = false;
   PlacementPolicy placement = PlacementPolicy::kBundle;  // `placement`: where `gpus` without `devices` go
   // `metrics_address`: "host:port" of the Prometheus endpoint; empty: off.
   std::string metrics_address = std::string(kDefaultMetricsAddress);

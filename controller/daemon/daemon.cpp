@@ -710,6 +710,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
       }
     }
     arbiter->scheduler->configure(tenants, slice_ns);
+    arbiter->scheduler->set_measured_charging(config.daemon.gpu_time_measured);
     arbiter->scheduler->start();
   }
   attach_meters();
@@ -730,7 +731,11 @@ void Daemon::attach_meters() {
       continue;
     }
     arbiter.scheduler->set_meter(std::make_unique<NvmlMeter>(*nvml_, device));
-    log_->info("GPU {}: GPU time measured by NVML (per-process utilization)", uuid);
+    if (config_.has_value() && config_->daemon.gpu_time_measured)
+      log_->info("GPU {}: GPU time charged as NVML measures it (per-process utilization; gpu_time_charging = "
+                 "\"measured\")", uuid);
+    else
+      log_->info("GPU {}: GPU time charged as held, audited by NVML's per-process samples", uuid);
   }
 }
 
@@ -745,6 +750,33 @@ void Daemon::tick_gpu_time(uint64_t now) {
       for (const int32_t pid : open.host_pids)
         if (pid > 0) pids.push_back(static_cast<uint32_t>(pid));
     }
+    // Processes the meters saw on a GPU that no ledger slot names: a
+    // process without the interposer. Whose it is, the kernel says (the
+    // tenant directory mounted in its container: attribute_process, as the
+    // audits use), never what it claims; its GPU time is its tenant's.
+    std::set<uint32_t> unknown;
+    for (auto& [uuid, arbiter] : arbiters_)
+      for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.insert(pid);
+    const std::map<int32_t, std::string> owners = tenant_processes();
+    std::erase_if(outside_gate_, [&](const auto& kv) {
+      return process_start_time(static_cast<int32_t>(kv.first)) != kv.second.start_time ||
+             (kv.second.tenant.empty() && now - kv.second.checked_ns > 1'000'000'000ull);
+    });
+    for (const uint32_t pid : unknown) {
+      if (outside_gate_.contains(pid) || outside_gate_.size() >= 4096 || owners.contains(static_cast<int32_t>(pid)))
+        continue;
+      const uint64_t start_time = process_start_time(static_cast<int32_t>(pid));
+      if (start_time == 0) continue;
+      OutsideGate& o = outside_gate_[pid];
+      o.start_time = start_time;
+      o.checked_ns = now;
+      o.tenant = attribute_process(static_cast<int32_t>(pid), owners, config_->daemon.run_dir);
+      if (!o.tenant.empty())
+        log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
+                   "\"{}\", whose container it is in", pid, o.tenant);
+    }
+    for (const auto& [pid, o] : outside_gate_)
+      if (!o.tenant.empty() && ledgers_.contains(o.tenant)) pids_by_tenant[o.tenant].push_back(pid);
   }
   for (auto& [uuid, arbiter] : arbiters_) {
     arbiter.scheduler->attribute(pids_by_tenant);

@@ -199,6 +199,13 @@ class Daemon {
   void check_gpus(uint64_t now);
   // Host PID -> tenant of every verified tenant process (OpenLedger::host_pids).
   std::map<int32_t, std::string> tenant_processes() const;
+  // Processes the GPU-time meters saw that no ledger slot names, and whose
+  // container they are in (empty: none known; asked again after a second).
+  struct OutsideGate {
+    uint64_t start_time = 0, checked_ns = 0;
+    std::string tenant;
+  };
+  std::map<uint32_t, OutsideGate> outside_gate_;
   // Every finite memory quota of the config, by tenant and GPU.
   std::vector<TenantQuota> memory_quotas() const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health

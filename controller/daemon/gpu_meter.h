@@ -21,6 +21,9 @@ namespace fracgpu::controller {
 struct ProcessUse {
   uint32_t pid = 0;      // host PID (the daemon's PID namespace), as NVML reports it
   uint64_t busy_ns = 0;  // GPU time its kernels ran since the previous reading
+  // When the driver took the sample that named it (CLOCK_MONOTONIC); 0:
+  // the time of the reading. Held mode's audit asks who held the GPU then.
+  uint64_t at_ns = 0;
 };
 
 class UsageMeter {
@@ -30,20 +33,29 @@ class UsageMeter {
   // (processes that used none may be left out). False: no reading this
   // time (the driver did not answer); the next call covers the gap.
   virtual bool read(uint64_t now, std::vector<ProcessUse>* out) = 0;
+  // The driver's sampling period as seen so far (the usual gap between
+  // successive samples); 0: not known yet.
+  virtual uint64_t sample_period_ns() const { return 0; }
 };
 
-// NVML's samples: each says what share of a sampling period (from the
-// previous sample, or from the time asked for, to its time stamp) the
-// process had a kernel running, in whole percent. Busy time is that share of
-// the period. Inexact by nature: whole percents, the driver's own sampling
-// period (on real GPUs about 1/6 s: finer requests return nothing new),
-// "a kernel was running" rather than how many SMs it used, and processes
-// attributed by host PID only.
+// NVML's samples (docs/sm-time.md, "What is measured"; the facts in the
+// NVML notes it cites): the driver samples the GPU every ~1/6 s to 1 s; a
+// sample holds the engine's busy share of its period, in whole percent, and
+// names ONE process, the one resident at the sampling instant. Between
+// samples NVML answers NOT_FOUND. So a record is read as "at this instant
+// this process was on the GPU, which was this busy over one period": busy
+// time = smUtil x the period. The period is learnt from the gaps between
+// successive samples (their median); a gap much longer than that (samples
+// that named nobody, or a reader that fell behind) still counts one period,
+// never the whole gap, since the percentage is an average over samples,
+// not over time. Inexact by nature: right only statistically, over many
+// samples, and only while who runs is unrelated to the sampling instants.
 class NvmlMeter final : public UsageMeter {
  public:
   // `nvml` outlives the meter; `device` is the GPU's handle.
   NvmlMeter(const Nvml& nvml, nvmlDevice_t device) : nvml_(nvml), device_(device) {}
   bool read(uint64_t now, std::vector<ProcessUse>* out) override;
+  uint64_t sample_period_ns() const override { return period_us_ * 1000; }
   // The last NVML error, for the daemon's log ("" if none).
   const std::string& problem() const { return problem_; }
 
@@ -53,6 +65,9 @@ class NvmlMeter final : public UsageMeter {
   unsigned long long last_seen_us_ = 0;  // newest sample time stamp consumed (NVML's clock, us)
   std::unordered_map<uint32_t, unsigned long long> pid_seen_us_;  // per process: its newest sample
   std::vector<nvmlProcessUtilizationSample_t> samples_;
+  // Gaps between successive newest stamps (us), the last few, and their median.
+  std::vector<unsigned long long> gaps_us_;
+  unsigned long long period_us_ = 0;
   std::string problem_;
 };
 

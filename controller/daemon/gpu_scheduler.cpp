@@ -144,6 +144,22 @@ bool GpuScheduler::has_meter() {
   return meter_ != nullptr;
 }
 
+void GpuScheduler::set_measured_charging(bool measured) {
+  std::lock_guard lock(mutex_);
+  if (measured_charging_ != measured) ++generation_;
+  measured_charging_ = measured;
+}
+
+std::vector<uint32_t> GpuScheduler::unattributed_pids() {
+  std::lock_guard lock(mutex_);
+  std::vector<uint32_t> pids;
+  for (const auto& [pid, un] : unattributed_) {
+    if (pids.size() >= 64) break;
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
 void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant) {
   std::lock_guard lock(mutex_);
   pid_row_.clear();
@@ -156,7 +172,11 @@ void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>&
       pid_row_[pid] = static_cast<uint32_t>(index);
       // Usage measured before the daemon knew whose the process is.
       if (auto it = unattributed_.find(pid); it != unattributed_.end()) {
-        r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
+        if (measured_charging_) {
+          r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
+        } else {
+          for (const auto& [at, busy] : it->second.uses) file_use(static_cast<uint32_t>(index), busy, at, last_pass_ns_);
+        }
         unattributed_.erase(it);
       }
     }
@@ -369,7 +389,59 @@ uint32_t GpuScheduler::holders(uint32_t state) const {
 }
 
 bool GpuScheduler::measuring(uint64_t now) const {
-  return meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
+  return measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
+}
+
+bool GpuScheduler::auditing(uint64_t now) const {
+  return !measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
+}
+
+bool GpuScheduler::held_at(const Row& r, uint64_t t, bool* known) const {
+  *known = true;
+  // A sample's instant comes from another clock (NVML's CPU time stamps):
+  // a grant within a millisecond of it counts; and a driver that samples
+  // more often than that covers the time since its previous sample (a
+  // test's exact stand-in does): a grant within that period counts too.
+  const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
+  const uint64_t margin = std::max(kAuditMarginNs, std::min(period + period / 2, 3 * kAuditMarginNs));
+  const uint64_t lo = t > margin ? t - margin : 0, hi = t + kAuditMarginNs;
+  uint64_t oldest = UINT64_MAX;
+  for (const Row::Hold& h : r.holds) {
+    if (h.from == 0) continue;
+    oldest = std::min(oldest, h.from);
+    if (h.from <= hi && (h.to == 0 || h.to > lo)) return true;
+  }
+  // Older than every grant it remembers, all of them in use: cannot tell.
+  if (r.hold_next >= r.holds.size() && t < oldest) *known = false;
+  return false;
+}
+
+// Held mode's audit. A sample of the driver names the process that was on
+// the GPU at its instant. A tenant's process named while its tenant held no
+// grant ran outside the gate (a process without the interposer, or work a
+// process let run past a drain it claimed): its tenant pays the sample's
+// worth of GPU time (busy share x period: right on average over many
+// samples), and the tenants that held the GPU at that instant, who paid
+// for that time as held, get it back from their next charges. Each side's
+// figure moves only by what the driver saw the other tenant's process do.
+void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now) {
+  Row& r = rows_[t];
+  if (measured_charging_) {
+    r.pending_use = gputime::saturating_add(r.pending_use, busy);
+    return;
+  }
+  r.measured = gputime::saturating_add(r.measured, busy);
+  bool known = true;
+  if (held_at(r, at, &known) || !known || at > now) return;
+  r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);
+  r.out_of_grant = gputime::saturating_add(r.out_of_grant, busy);
+  r.out_of_grant_samples += 1;
+  uint32_t holders_then = 0;
+  for (uint32_t h = 0; h < gputime::kMaxTenants; ++h)
+    if (h != t && rows_[h].active && held_at(rows_[h], at, &known) && known) ++holders_then;
+  for (uint32_t h = 0; h < gputime::kMaxTenants && holders_then > 0; ++h)
+    if (h != t && rows_[h].active && held_at(rows_[h], at, &known) && known)
+      rows_[h].credit = std::min(rows_[h].credit + busy / holders_then, kSecond);
 }
 
 // Reads the meter (every kMeterIntervalNs) and files each process's GPU
@@ -392,13 +464,15 @@ void GpuScheduler::read_meter(uint64_t now) {
     // One reading cannot hold more than the time since the previous one
     // could: a driver figure out of range is clamped, not trusted.
     const uint64_t busy = std::min<uint64_t>(u.busy_ns, kSecond);
+    const uint64_t at = u.at_ns != 0 ? std::min(u.at_ns, now) : now;
     pass_busy_ += busy;
     if (auto it = pid_row_.find(u.pid); it != pid_row_.end()) {
-      rows_[it->second].pending_use += busy;
+      file_use(it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];
       if (un.since == 0) un.since = now;
       un.busy_ns = gputime::saturating_add(un.busy_ns, busy);
+      if (un.uses.size() < 32) un.uses.emplace_back(at, busy);
     }
   }
   std::erase_if(unattributed_, [&](const auto& kv) { return now - kv.second.since > kUnattributedKeepNs; });
@@ -431,7 +505,11 @@ void GpuScheduler::charge(uint64_t now) {
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
-      if (r.gstate != gputime::kGrantIdle && dt > 0) charge_row(r, dt, now);
+      uint64_t ns = r.gstate != gputime::kGrantIdle ? dt : 0;
+      const uint64_t credit = std::min(ns, r.credit);
+      r.credit -= credit;
+      ns = gputime::saturating_add(ns - credit, std::exchange(r.pending_out_of_grant, 0));
+      if (ns > 0) charge_row(r, ns, now);
       continue;
     }
     if (!fresh_reading_) continue;
@@ -523,14 +601,20 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
   r.gstate = gputime::kGranted;
   r.grant_ns = now;
   r.revoke_ns = 0;
+  r.holds[r.hold_next % r.holds.size()] = {now == 0 ? 1 : now, 0};
+  r.hold_next += 1;
   ++handovers_;
   last_grant_ns_ = now;
   publish_grant(t);
   room_since_ = now;
 }
 
-void GpuScheduler::end_grant(uint32_t t) {
+void GpuScheduler::end_grant(uint32_t t, uint64_t now) {
   Row& r = rows_[t];
+  if (r.hold_next > 0) {
+    Row::Hold& h = r.holds[(r.hold_next - 1) % r.holds.size()];
+    if (h.to == 0) h.to = std::max(now, h.from + 1);
+  }
   r.gstate = gputime::kGrantIdle;
   r.revoke_ns = 0;
   publish_grant(t);
@@ -567,7 +651,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
                            "without them, and the tenant waits until they report it",
                            label_, h.name, pending.count(), h.gseq, gputime::kDrainDeadlineNs / 1'000'000));
   }
-  end_grant(t);
+  end_grant(t, now);
 }
 
 // The checks on one tenant's grant: configuration, limit, idleness, drains.
@@ -582,7 +666,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
     // drained it or died (an exit reports its drain), and none asks.
     // The grant ends now, with no handshake.
     if (!h.wants && pending_drains(h, now).none()) {
-      end_grant(t);
+      end_grant(t, now);
       return;
     }
     const int other = best_candidate(now, static_cast<int>(t));
@@ -679,6 +763,8 @@ void GpuScheduler::publish(uint64_t now) {
   store_if_changed(seg_.grant.revoke_ns, holders(gputime::kGrantRevoking) > 0 ? last_revoke_ns_ : uint64_t{0});
   const bool measured = measuring(now);
   store_if_changed(seg_.daemon.charging, measured ? uint32_t{gputime::kChargeMeasured} : uint32_t{gputime::kChargeHeld});
+  store_if_changed(seg_.daemon.sample_period_ns,
+                   measured || auditing(now) ? std::max<uint64_t>(meter_->sample_period_ns(), 1) : uint64_t{0});
   if (measured && now > room_since_ + kRoomWindowNs)
     busy_ppm_ = static_cast<uint32_t>(std::min<unsigned __int128>(
         static_cast<unsigned __int128>(room_busy_) * kPpm / (now - room_since_), kPpm));
@@ -701,6 +787,8 @@ void GpuScheduler::publish(uint64_t now) {
     store_if_changed(f.used_ns, r.used);
     store_if_changed(f.measured_ns, r.measured);
     store_if_changed(f.held_ns, r.held);
+    store_if_changed(f.out_of_grant_ns, r.out_of_grant);
+    store_if_changed(f.out_of_grant_samples, r.out_of_grant_samples);
     store_if_changed(f.throttled_ns, r.throttled);
     store_if_changed(f.cap_tat_ns, r.cap_tat);
     store_if_changed(f.slices, r.slices);
@@ -759,7 +847,8 @@ void GpuScheduler::sample_achieved(uint64_t now) {
   std::array<uint64_t, gputime::kMaxTenants> used{};
   // Achieved: GPU time used, as measured, where there is a meter; else the
   // time held (all there is to know without one).
-  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) used[t] = meter_ != nullptr ? rows_[t].measured : rows_[t].used;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+    used[t] = meter_ != nullptr && measured_charging_ ? rows_[t].measured : rows_[t].used;
   samples_.emplace_back(now, used);
   // Keep just over 10 s: the oldest sample at least 10 s old stays.
   while (samples_.size() > 2 && now - samples_[1].first >= 10 * kSecond) samples_.erase(samples_.begin());

@@ -78,6 +78,8 @@ class GpuScheduler {
   static constexpr uint64_t kLeadNs = 50'000'000;            // GPU time a tenant may run ahead of its share
   static constexpr uint64_t kBenchNs = 100'000'000;          // how long a tenant revoked for its lead stays off
   static constexpr uint64_t kUnattributedKeepNs = 1'000'000'000;  // usage of a PID not yet known to be a tenant's
+  // Held mode's audit: a grant this close to a sample's instant counts as held then.
+  static constexpr uint64_t kAuditMarginNs = 1'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -96,6 +98,14 @@ class GpuScheduler {
   // scheduler owns it and calls it on its own thread.
   void set_meter(std::unique_ptr<UsageMeter> meter);
   bool has_meter();
+  // How tenants are charged when the meter answers: the time they hold the
+  // GPU, audited by the meter's samples (false, the default), or the GPU
+  // time the meter attributes to them (true). docs/sm-time.md.
+  void set_measured_charging(bool measured);
+  // PIDs the meter named that no tenant's list holds yet (at most 64): the
+  // daemon finds out whose they are (a process without the interposer in a
+  // tenant's container) and lists them in the next attribute().
+  std::vector<uint32_t> unattributed_pids();
   // The host PIDs of every tenant's processes, by tenant name, as the daemon
   // verified them (never what a tenant wrote): whose measured GPU time is
   // whose. Replaces the earlier lists whole.
@@ -141,6 +151,17 @@ class GpuScheduler {
     uint64_t gseq = 0, grant_ns = 0, revoke_ns = 0, credit_from = 0;
     uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
     uint64_t pending_use = 0;    // measured since the last reading, not yet charged
+    // Held mode's audit. The grants it held lately ([from, to), to 0 while
+    // it holds), to tell whether it held the GPU at a sample's instant;
+    // GPU time found used outside them, to be charged; and GPU time others
+    // were found using during its grants, taken off its next held charges.
+    struct Hold {
+      uint64_t from = 0, to = 0;
+    };
+    std::array<Hold, 32> holds{};
+    uint32_t hold_next = 0;
+    uint64_t pending_out_of_grant = 0, credit = 0;
+    uint64_t out_of_grant = 0, out_of_grant_samples = 0;
     uint64_t alone_ns = 0;       // held alone while another waited, since the last reading
     uint32_t missed_deadlines = 0;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
@@ -173,6 +194,12 @@ class GpuScheduler {
   int best_candidate(uint64_t now, int exclude);
   bool eligible(const Row& r, uint64_t now) const;
   bool measuring(uint64_t now) const;
+  bool auditing(uint64_t now) const;
+  // Whether the row held a grant at `t`; *known false when `t` is older
+  // than the grants it remembers.
+  bool held_at(const Row& r, uint64_t t, bool* known) const;
+  // Files GPU time the meter found process(es) of row `t` using at `at`.
+  void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now);
   bool room(uint64_t now) const;
   void read_meter(uint64_t now);
   void charge(uint64_t now);
@@ -184,7 +211,7 @@ class GpuScheduler {
   void grant(uint32_t t, uint64_t now);
   void start_revoke(uint32_t t, uint64_t now);
   void complete_revoke(uint32_t t, uint64_t now, bool missed, const std::bitset<ledger::kMaxSlots>& pending);
-  void end_grant(uint32_t t);
+  void end_grant(uint32_t t, uint64_t now);
   uint32_t holders(uint32_t state) const;
   void publish_grant(uint32_t t, bool change = true);
   void publish(uint64_t now);
@@ -210,7 +237,9 @@ class GpuScheduler {
   std::unordered_map<uint32_t, uint32_t> pid_row_;
   struct Unattributed {
     uint64_t busy_ns = 0, since = 0;
+    std::vector<std::pair<uint64_t, uint64_t>> uses;  // (instant, busy), the first few (held mode's audit)
   };
+  bool measured_charging_ = false;
   std::unordered_map<uint32_t, Unattributed> unattributed_;
   std::vector<ProcessUse> readings_;
   uint64_t pass_busy_ = 0;   // measured by this pass's reading, all processes

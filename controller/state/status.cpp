@@ -115,6 +115,9 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.used_ns = t.used_ns.load(std::memory_order_relaxed);
   g.measured = seg.daemon.charging.load(std::memory_order_relaxed) == gputime::kChargeMeasured;
   g.measured_ns = t.measured_ns.load(std::memory_order_relaxed);
+  g.sample_period_ns = seg.daemon.sample_period_ns.load(std::memory_order_relaxed);
+  g.out_of_grant_ns = t.out_of_grant_ns.load(std::memory_order_relaxed);
+  g.out_of_grant_samples = t.out_of_grant_samples.load(std::memory_order_relaxed);
   g.held_ns = t.held_ns.load(std::memory_order_relaxed);
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
@@ -434,7 +437,11 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
           {"achieved_10s_ppm", t.achieved_10s_ppm},
           {"used_ns", t.used_ns},
           {"charging", t.measured ? "measured" : "held"},
+          {"audited", !t.measured && t.sample_period_ns != 0},
+          {"sample_period_ns", t.sample_period_ns},
           {"measured_ns", t.measured_ns},
+          {"out_of_grant_ns", t.out_of_grant_ns},
+          {"out_of_grant_samples", t.out_of_grant_samples},
           {"held_ns", t.held_ns},
           {"throttled_ns", t.throttled_ns},
           {"slices", t.slices},

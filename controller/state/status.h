@@ -37,6 +37,12 @@ struct GpuTimeStatus {
   uint64_t used_ns = 0;           // GPU time charged, total
   bool measured = false;          // the daemon charges measured GPU time (else time held)
   uint64_t measured_ns = 0;       // GPU time its processes used, as measured, total
+  // Held mode's audit (docs/sm-time.md): the driver's sampling period as the
+  // daemon sees it (0: no audit), and the GPU time its samples found the
+  // tenant's processes using outside its grants (charged), with their count.
+  uint64_t sample_period_ns = 0;
+  uint64_t out_of_grant_ns = 0;
+  uint64_t out_of_grant_samples = 0;
   uint64_t held_ns = 0;           // time it held a grant, total
   uint64_t throttled_ns = 0;      // time it wanted the GPU and did not hold it, total
   uint64_t slices = 0;            // times it was granted the GPU

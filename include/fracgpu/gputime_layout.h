@@ -118,13 +118,16 @@ struct alignas(64) DaemonSection {
   std::atomic<uint64_t> drain_deadline_ns;     // how long a revocation waits for drains (informational)
   std::atomic<uint32_t> charging;              // ChargeMode: how tenants are charged now
   std::atomic<uint32_t> busy_ppm;              // GPU busy (measured, all processes) over the last ~10 ms
-  uint64_t reserved[3];
+  // The driver's sampling period as the meter sees it (the gap between its
+  // samples); 0: no meter answers. Held mode audits with it (docs/sm-time.md).
+  std::atomic<uint64_t> sample_period_ns;
+  uint64_t reserved[2];
 };
 static_assert(sizeof(DaemonSection) == 64);
 
 // DaemonSection::charging.
 enum ChargeMode : uint32_t {
-  kChargeHeld = 0,      // no meter: charged the time they hold the GPU, one holder at a time
+  kChargeHeld = 0,      // charged the time they hold the GPU, one holder at a time (plus what the audit finds)
   kChargeMeasured = 1,  // charged the GPU time the driver measured; several may hold it at once
 };
 
@@ -164,7 +167,11 @@ struct alignas(64) TenantTime {
   std::atomic<uint64_t> grant;
   std::atomic<uint64_t> measured_ns;  // GPU time its processes used, as the meter measured it, total
   std::atomic<uint64_t> held_ns;      // time it held a grant (revocations included), total
-  uint64_t reserved[12];
+  // Held mode's audit: GPU time the driver's samples found its processes
+  // using while it held no grant (charged to it), and how many samples.
+  std::atomic<uint64_t> out_of_grant_ns;
+  std::atomic<uint64_t> out_of_grant_samples;
+  uint64_t reserved[10];
 };
 static_assert(sizeof(TenantTime) == 256);
 static_assert(offsetof(TenantTime, name) == 24);

@@ -30,6 +30,12 @@
 //                       `seconds`; the parent waits for it and exits with its status
 //     last_us=N         after the run, launch one N us kernel and exit without waiting
 //                       for it (the process exits while it holds the GPU)
+//     dodge_ms=P        the phase-locked cheat: the driver samples at multiples of P ms of
+//                       CLOCK_MONOTONIC (the stand-in NVML's timeline, SIMNVML_SAMPLE_MS);
+//                       from guard_ms before each such instant until 1 ms after it, launch
+//                       nothing and wait for the queue to empty, so no sample finds this
+//                       process on the GPU
+//     guard_ms=8        (with dodge_ms) how long before each instant to stop
 //
 // Prints launches_<device>=N when done, step_max_us=N (the longest time one
 // launch took with the wait for older work after it: how long the load was
@@ -67,6 +73,8 @@ struct Options {
   std::string switch_mode;  // "", "set", "push" or "create"
   double fork_after = 0;
   unsigned last_us = 0;
+  unsigned dodge_ms = 0;
+  unsigned guard_ms = 8;
 };
 
 uint64_t now_ns() {
@@ -243,7 +251,25 @@ struct Launcher {
     return true;
   }
 
+  // dodge_ms: if a sampling instant is near, empty the queue and sleep past it.
+  bool dodge() {
+    if (o.dodge_ms == 0) return true;
+    const uint64_t period = o.dodge_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
+    const uint64_t now = now_ns(), next_instant = (now / period + 1) * period;
+    const uint64_t kernel_ns = o.kernels_us[next] * 1000ull;
+    if (now + kernel_ns + guard < next_instant && now % period >= 1'000'000ull) return true;
+    CHECK(cuStreamSynchronize(sync_stream()));
+    const uint64_t resume = (now % period < 1'000'000ull ? now / period * period : next_instant) + 1'000'000ull;
+    for (uint64_t t = now_ns(); t < resume; t = now_ns()) {
+      struct timespec ts {0, static_cast<long>(resume - t)};
+      nanosleep(&ts, nullptr);
+    }
+    batch_us = 0;
+    return true;
+  }
+
   bool step() {
+    if (!dodge()) return false;
     if (!launch(next)) return false;
     if (o.host_us != 0) {
       // Host-side work between launches (busy, as a Python loop is).
@@ -439,6 +465,8 @@ int main(int argc, char** argv) {
     } else if (key == "switch") o.switch_mode = value;
     else if (key == "fork_after") o.fork_after = atof(value);
     else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
+    else if (key == "dodge_ms") o.dodge_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "guard_ms") o.guard_ms = static_cast<unsigned>(atoi(value));
     else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
       return 64;
