@@ -9,17 +9,29 @@ Standard library only.
       simulated driver's device time per process (simcuda_busy_ns) and in
       total (simcuda_device_busy_ns) of device 0: the ground truth, what the
       simulated GPU ran, never what fracgpu believes it gave.
+  e2e.py watch --lib LIBCUDA --fracgpu FRACGPU --run-dir DIR --start-ns NS --seconds S PID:TENANT...
+      For examples/demo.sh: at every whole second from 1 s after start_ns to
+      S s, each tenant's achieved share as fracgpu reports it (`fracgpu status
+      --json`, its 1 s figure) and the simulated driver's device time of its
+      processes; then prints a table: each tenant's configured share, the
+      mean of fracgpu's 1 s figures, and the ground truth over the same span.
   e2e.py report OUT_DIR
       Reads OUT_DIR/runs/*/ (written by run_e2e.sh) and writes
       e2e_runs.csv (one row per process), e2e_summary.csv (one row per run),
       e2e_shares.csv (each tenant's achieved share over time), e2e_shares.svg
-      (its plot) and e2e_table.md (printed too).
+      (its plot), e2e_table.md and e2e_sharing.md (both printed too).
 
 Achieved share of a tenant over a window = device time its processes were
 credited in the window / the window's length. The simulated driver credits a
 kernel when it is launched, so a window can be off by the work a process
 queues ahead (compute: 20 ms); the plotted trailing 1 s window bounds that
 to 2 points.
+
+Charged share of a tenant (fracgpu runs): the change of its `used_ns` (the
+GPU time fracgpu charged it) between the two `fracgpu status --json` snapshots
+run_e2e.sh takes (status_begin.json, status.json, each with a .ns file: when
+it was read) over the time between them: fracgpu's own belief, beside the
+ground truth.
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import argparse
 import csv
 import ctypes
 import html
+import json
 import sys
 import time
 from pathlib import Path
@@ -67,6 +80,89 @@ def cmd_sample(args) -> int:
             for pid, tenant in procs:
                 w.writerow([f"{(t - args.start_ns) / 1e9:.3f}", pid, tenant, busy(0, pid), dev])
             t += interval
+    return 0
+
+
+# --------------------------------------------------------------------------
+# watch (examples/demo.sh)
+
+
+def cmd_watch(args) -> int:
+    import subprocess
+
+    lib = ctypes.CDLL(args.lib)
+    busy = lib.simcuda_busy_ns
+    busy.restype, busy.argtypes = ctypes.c_uint64, [ctypes.c_int, ctypes.c_int]
+    device_busy = lib.simcuda_device_busy_ns
+    device_busy.restype, device_busy.argtypes = ctypes.c_uint64, [ctypes.c_int]
+    procs = []
+    for spec in args.procs:
+        pid, _, tenant = spec.partition(":")
+        procs.append((int(pid), tenant))
+    tenants = list(dict.fromkeys(t for _, t in procs))
+
+    def truth():
+        return {t: sum(busy(0, p) for p, pt in procs if pt == t) for t in tenants}, device_busy(0)
+
+    def status():
+        r = subprocess.run([args.fracgpu, "status", "--run-dir", args.run_dir, "--json"],
+                           capture_output=True, text=True, check=False)
+        try:
+            doc = json.loads(r.stdout)
+        except ValueError:
+            return {}
+        out = {}
+        for t in doc.get("tenants", []):
+            for g in t.get("gpus", []):
+                if g.get("entry") == 0:
+                    out[t.get("name")] = g
+        return out
+
+    def sleep_until(ns):
+        delay = (ns - now_ns()) / 1e9
+        if delay > 0:
+            time.sleep(delay)
+
+    if args.seconds < 2:
+        print("e2e.py watch: --seconds must be 2 or more", file=sys.stderr)
+        return 2
+    second = 1_000_000_000
+    first = args.start_ns + second
+    last = args.start_ns + int(args.seconds) * second
+    sleep_until(first)
+    busy0, dev0 = truth()
+    achieved: dict[str, list[int]] = {t: [] for t in tenants}
+    entries: dict = {}
+    t = first + second
+    while t <= last:
+        sleep_until(t)
+        entries = status() or entries
+        for tenant in tenants:
+            g = entries.get(tenant) or {}
+            if isinstance(g.get("gpu_time"), dict):
+                achieved[tenant].append(int(g["gpu_time"]["achieved_1s_ppm"]))
+        if t == last:
+            busy1, dev1 = truth()
+        t += second
+    span = (last - first) / 1e9
+    rows = [["tenant", "share", "achieved (fracgpu status)", "ground truth (simulated driver)"]]
+    charging = set()
+    for tenant in tenants:
+        g = entries.get(tenant) or {}
+        share = f"{g['share_ppm'] / 1e6:.2f}" if "share_ppm" in g else "?"
+        if isinstance(g.get("gpu_time"), dict):
+            charging.add(g["gpu_time"].get("charging", "?"))
+        got = achieved[tenant]
+        fracgpu = f"{sum(got) / len(got) / 1e6:.3f}" if got else "-"
+        used = (busy1[tenant] - busy0[tenant]) / 1e9
+        rows.append([tenant, share, fracgpu, f"{used / span:.3f} ({used:.2f} s of {span:.0f} s)"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"GPU busy (simulated driver): {(dev1 - dev0) / 1e9 / span:.3f}; "
+          f"fracgpu charges GPU time as: {', '.join(sorted(charging)) or '?'}; "
+          f"figures from 1 s to {args.seconds} s after the start "
+          f"(fracgpu's: the mean of its 1 s figure, read every second)")
     return 0
 
 
@@ -194,7 +290,39 @@ def read_run(d: Path) -> dict:
         for t in sorted(by_t):
             for tenant, b in by_t[t]["tenants"].items():
                 samples.setdefault(tenant, []).append((t, b, by_t[t]["device"]))
-    return {"dir": d.name, **meta, "procs": procs, "samples": samples}
+    # Tenants with a workload of their own (run.txt's mix=TENANT:WORKLOAD,...).
+    mix = dict(part.partition(":")[::2] for part in meta.get("mix", "").split(",") if part)
+    return {"dir": d.name, **meta, "mix": mix, "procs": procs, "samples": samples,
+            "charged": charged_shares(d)}
+
+
+def read_status(path: Path):
+    """(CLOCK_MONOTONIC ns it was read at, {tenant: (used_ns, charging)} of
+    GPU entry 0) of a status snapshot, or None."""
+    try:
+        at = int(Path(str(path) + ".ns").read_text().strip())
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    out = {}
+    for t in doc.get("tenants", []):
+        for g in t.get("gpus", []):
+            time_ = g.get("gpu_time")
+            if g.get("entry") == 0 and isinstance(time_, dict):
+                out[t.get("name")] = (int(time_.get("used_ns", 0)), time_.get("charging", ""))
+    return at, out
+
+
+def charged_shares(d: Path) -> dict:
+    """tenant -> (charged share between the two snapshots, charging mode)."""
+    begin, end = read_status(d / "status_begin.json"), read_status(d / "status.json")
+    if begin is None or end is None or end[0] <= begin[0]:
+        return {}
+    out = {}
+    for tenant, (used, charging) in end[1].items():
+        if tenant in begin[1]:
+            out[tenant] = ((used - begin[1][tenant][0]) / (end[0] - begin[0]), charging)
+    return out
 
 
 def windows(series: list[tuple[float, int, int]], width: float) -> list[tuple[float, float]]:
@@ -273,11 +401,18 @@ def cmd_report(args) -> int:
                                       "ops": p["ops"], "seconds": p["seconds"], "rate": f"{p['rate']:.1f}",
                                       "unit": p["unit"], "achieved_share": "" if mean is None else f"{mean:.4f}"})
         if len(tenants) == 2 and busy_fraction and (r["mode"] == "native" or all(s == "0.5" for _, s in tenants)):
-            used = []
+            used, charged = [], []
             for tenant, _ in tenants:
                 mean = share_figures(r["samples"].get(tenant, []), r["seconds"])[0]
                 used.append(f"{tenant} {mean / busy_fraction:.3f}" if mean is not None else f"{tenant} -")
-            sharing.setdefault(r["workload"], {})[r["mode"]] = (busy_fraction, used)
+                if tenant in r["charged"]:
+                    share, charging = r["charged"][tenant]
+                    charged.append((charging, f"{tenant} {share:.3f}"))
+            text = ""
+            if charged:
+                modes = sorted({c for c, _ in charged})
+                text = f"{'/'.join(m or '?' for m in modes)}: " + ", ".join(t for _, t in charged)
+            sharing.setdefault(r["workload"], {})[r["mode"]] = (busy_fraction, used, text)
         unit = r["procs"][0]["unit"] if r["procs"] else ""
         summary_rows.append({"run": r["dir"], "workload": r["workload"], "mode": r["mode"],
                              "processes": len(r["procs"]), "ok": int(ok), "total_rate": f"{total:.1f}",
@@ -285,9 +420,18 @@ def cmd_report(args) -> int:
                              "vs_fracgpu_alone": fmt_ratio(vs_alone),
                              "gpu_busy": fmt_ratio(busy_fraction)})
         label = "native" if r["mode"] == "native" else "fracgpu"
-        who = ", ".join(f"{t}={s}" if s else t for t, s in tenants)
+        mix = r["mix"]
+
+        def named(t, s, mix=mix):
+            return (f"{t}={s}" if s else t) + (f" ({mix[t]})" if t in mix else "")
+
+        who = ", ".join(named(t, s) for t, s in tenants)
+        if mix:  # tenants running different workloads: a rate each
+            rates = "; ".join(f"{p['tenant']} {fmt_rate(p['rate'])} {p['unit']}" for p in r["procs"])
+        else:
+            rates = f"{fmt_rate(total)} {unit}"
         table.append([r["workload"], f"{label}: {who}" if r["mode"] == "fracgpu" or len(tenants) > 1 else label,
-                      ("" if ok else "FAILED ") + f"{fmt_rate(total)} {unit}", fmt_ratio(vs_native),
+                      ("" if ok else "FAILED ") + rates, fmt_ratio(vs_native),
                       fmt_ratio(vs_alone), fmt_ratio(busy_fraction), "; ".join(shares_text)])
         # Plotted: runs of several processes that use the GPU (the allocation
         # workload's kernels take well under 1% of it: nothing to see).
@@ -315,13 +459,18 @@ def cmd_report(args) -> int:
     (out / "e2e_table.md").write_text(text + "\n")
     print(text)
     side = []
+    mixes = {r["workload"]: r["mix"] for r in runs if r["mix"]}
     for workload, modes in sharing.items():
         n, f = modes.get("native"), modes.get("fracgpu")
-        side.append([workload, fmt_ratio(n[0]) if n else "", fmt_ratio(f[0]) if f else "",
-                     ", ".join(n[1]) if n else "", ", ".join(f[1]) if f else ""])
+        label = workload
+        if workload in mixes:
+            label += " (" + ", ".join(f"{t}: {w}" for t, w in mixes[workload].items()) + ")"
+        side.append([label, fmt_ratio(n[0]) if n else "", fmt_ratio(f[0]) if f else "",
+                     ", ".join(n[1]) if n else "", ", ".join(f[1]) if f else "", f[2] if f else ""])
     sharing_text = markdown_table(
         ["workload", "GPU busy, 2 processes without fracgpu", "GPU busy, 2 tenants of 0.5",
-         "share of the GPU time used, without", "share of the GPU time used, with (0.5 each)"], side)
+         "share of the GPU time used, without", "share of the GPU time used, with (0.5 each)",
+         "charged by fracgpu (charging: fraction of wall time)"], side)
     (out / "e2e_sharing.md").write_text(sharing_text + "\n")
     print()
     print(sharing_text)
@@ -341,12 +490,21 @@ def main() -> int:
     s.add_argument("--interval", type=float, default=0.25)
     s.add_argument("--out", required=True)
     s.add_argument("procs", nargs="+", metavar="PID:TENANT")
+    w = sub.add_parser("watch")
+    w.add_argument("--lib", required=True)
+    w.add_argument("--fracgpu", required=True)
+    w.add_argument("--run-dir", required=True)
+    w.add_argument("--start-ns", type=int, required=True)
+    w.add_argument("--seconds", type=int, required=True)
+    w.add_argument("procs", nargs="+", metavar="PID:TENANT")
     r = sub.add_parser("report")
     r.add_argument("out_dir")
     args = ap.parse_args()
     if args.cmd == "now":
         print(now_ns())
         return 0
+    if args.cmd == "watch":
+        return cmd_watch(args)
     return cmd_sample(args) if args.cmd == "sample" else cmd_report(args)
 
 

@@ -15,16 +15,28 @@
 //            varying sizes, then cuMemAllocAsync/cuMemFreeAsync on a stream,
 //            one tiny kernel and a stream synchronize per burst: the memory
 //            quota's accounting on every allocation and free.
+//   cheat    a tenant that games a sampling GPU-time meter (NVML samples
+//            which process is on the GPU at instants k x `period_ms` of
+//            CLOCK_MONOTONIC, as the stand-in NVML does with
+//            SIMNVML_SAMPLE_MS): one thread launches `kernel_us` kernels
+//            back to back, each synchronized before the next, but launches
+//            none whose kernel (run at once) would end within `guard_ms`
+//            before an instant, nor any until 1 ms after it, so the GPU
+//            holds none of its work at the instant. A kernel that waits for
+//            the GPU behind another process's work can still be there.
 //
-//   e2e_workload mode=launch|compute|alloc key=value ...
+//   e2e_workload mode=launch|step|compute|alloc|cheat key=value ...
 //     seconds=5        how long to run, from the start
 //     start_ns=T       wait until CLOCK_MONOTONIC T before starting (a common
 //                      start for tenants started one after another)
-//     kernel_us=N      kernel length (default: launch 1, compute 5000, alloc 1)
+//     kernel_us=N      kernel length (default: launch 1, step 10, compute 5000,
+//                      alloc 1, cheat 2000)
 //     ahead_us=20000   compute: work kept queued ahead
 //     sync_every=256   launch, step: launches between synchronizes
 //     host_us=0        step: CPU work after each launch (default 1.2 x kernel_us)
 //     burst=32         alloc: allocations per burst
+//     period_ms=167    cheat: the meter's sampling period
+//     guard_ms=8       cheat: idle from this long before each sampling instant
 //
 // Prints one line of key=value: mode, ops (launches, kernels or allocator
 // calls), seconds (measured), rate (ops/s), unit. Exit 0, or 1 on a CUDA
@@ -32,6 +44,8 @@
 #include <cuda.h>
 #include <time.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -50,6 +64,8 @@ struct Options {
   unsigned sync_every = 256;
   unsigned host_us = 0;  // 0: the mode's default
   unsigned burst = 32;
+  unsigned period_ms = 167;
+  unsigned guard_ms = 8;
 };
 
 uint64_t now_ns() {
@@ -90,7 +106,11 @@ struct Workload {
     CUmodule module = nullptr;
     static const char image[] = "simulated";  // the simulated driver takes any image
     CHECK(cuModuleLoadData(&module, image));
-    unsigned us = o.kernel_us != 0 ? o.kernel_us : (o.mode == "compute" ? 5000 : o.mode == "step" ? 10 : 1);
+    unsigned us = o.kernel_us != 0 ? o.kernel_us
+                  : o.mode == "compute" ? 5000
+                  : o.mode == "cheat"   ? 2000
+                  : o.mode == "step"    ? 10
+                                        : 1;
     const std::string name = "sleep_" + std::to_string(us) + "us";
     CHECK(cuModuleGetFunction(&kernel, module, name.c_str()));
     return true;
@@ -151,6 +171,34 @@ struct Workload {
     return true;
   }
 
+  bool run_cheat(uint64_t end) {
+    const uint64_t kernel_ns = (o.kernel_us != 0 ? o.kernel_us : 2000) * 1000ull;
+    const uint64_t period_ns = o.period_ms * 1'000'000ull;
+    const uint64_t guard_ns = o.guard_ms * 1'000'000ull;
+    while (true) {
+      const uint64_t now = now_ns();
+      if (now >= end) break;
+      // The next sampling instant strictly after now, and the one before.
+      const uint64_t next = (now / period_ns + 1) * period_ns;
+      const uint64_t prev = next - period_ns;
+      if (now < prev + 1'000'000 || now + kernel_ns + guard_ns > next) {
+        // Inside the idle window: sleep until 1 ms after the next instant
+        // (or after the one just passed), or the end.
+        const uint64_t resume = now < prev + 1'000'000 ? prev + 1'000'000 : next + 1'000'000;
+        const uint64_t until = std::min(resume, end);
+        struct timespec ts {};
+        ts.tv_sec = static_cast<time_t>(until / 1'000'000'000ull);
+        ts.tv_nsec = static_cast<long>(until % 1'000'000'000ull);
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, nullptr);
+        continue;
+      }
+      if (!launch()) return false;
+      ++ops;
+      CHECK(cuStreamSynchronize(stream));
+    }
+    return true;
+  }
+
   bool run_alloc(uint64_t end) {
     // Sizes from 4 KiB to 8 MiB in a fixed pseudo-random order (a linear
     // congruential sequence: the same run every time, no allocation of ours).
@@ -203,13 +251,19 @@ bool parse(int argc, char** argv, Options* o) {
     else if (key == "sync_every") o->sync_every = static_cast<unsigned>(atoi(value));
     else if (key == "host_us") o->host_us = static_cast<unsigned>(atoi(value));
     else if (key == "burst") o->burst = static_cast<unsigned>(atoi(value));
+    else if (key == "period_ms") o->period_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "guard_ms") o->guard_ms = static_cast<unsigned>(atoi(value));
     else {
       fprintf(stderr, "e2e_workload: unknown key %s\n", key.c_str());
       return false;
     }
   }
-  if (o->mode != "launch" && o->mode != "compute" && o->mode != "alloc" && o->mode != "step") {
-    fprintf(stderr, "e2e_workload: mode must be launch, step, compute or alloc, not \"%s\"\n", o->mode.c_str());
+  if (o->mode != "launch" && o->mode != "compute" && o->mode != "alloc" && o->mode != "step" && o->mode != "cheat") {
+    fprintf(stderr, "e2e_workload: mode must be launch, step, compute, alloc or cheat, not \"%s\"\n", o->mode.c_str());
+    return false;
+  }
+  if (o->mode == "cheat" && (o->period_ms == 0 || uint64_t{o->guard_ms} + 1 + ((o->kernel_us != 0 ? o->kernel_us : 2000) + 999) / 1000 >= o->period_ms)) {
+    fprintf(stderr, "e2e_workload: cheat: period_ms must leave room for guard_ms, 1 ms and a kernel\n");
     return false;
   }
   if (o->seconds <= 0 || o->sync_every == 0 || o->burst == 0) {
@@ -232,9 +286,12 @@ int main(int argc, char** argv) {
   bool ok = o.mode == "launch"    ? w.run_launch(end)
             : o.mode == "step"    ? w.run_step(end)
             : o.mode == "compute" ? w.run_compute(end)
+            : o.mode == "cheat"   ? w.run_cheat(end)
                                   : w.run_alloc(end);
   const double seconds = static_cast<double>(now_ns() - start) / 1e9;
-  const char* unit = o.mode == "launch" || o.mode == "step" ? "launches/s" : o.mode == "compute" ? "kernels/s" : "calls/s";
+  const char* unit = o.mode == "launch" || o.mode == "step"   ? "launches/s"
+                     : o.mode == "compute" || o.mode == "cheat" ? "kernels/s"
+                                                                : "calls/s";
   printf("mode=%s ops=%llu seconds=%.3f rate=%.1f unit=%s\n", o.mode.c_str(), w.ops, seconds,
          static_cast<double>(w.ops) / seconds, unit);
   return ok ? 0 : 1;

@@ -1,4 +1,4 @@
-# shellcheck shell=bash disable=SC2154,SC2034 # $fracgpud, $out, $work, $seconds, $pids, $tenants, $shares come from the caller; $daemon_pid, $name, $dir, $run_dir go to it
+# shellcheck shell=bash disable=SC2154,SC2034 # $fracgpud, $out, $work, $seconds, $pids, $tenants, $shares, $fracgpud_daemon_keys come from the caller; $daemon_pid, $name, $dir, $run_dir go to it
 # Shell functions shared by the benchmark drivers (bench/e2e/run_e2e.sh,
 # bench/gpu/run_gpu.sh). Source it; it expects $fracgpud to be set.
 
@@ -45,7 +45,8 @@ stop() {
 
 # start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE...
 # Writes DIR/fracgpud.toml (run dir RUN_DIR, the [[gpu]] table's keys
-# GPU_TABLE, each TENANT given SHARE of that GPU), starts fracgpud with it
+# GPU_TABLE, each TENANT given SHARE of that GPU; the [daemon] table also gets
+# the lines of $fracgpud_daemon_keys, if the caller set it), starts fracgpud with it
 # (log: DIR/fracgpud.log; pid: $daemon_pid) and waits until every tenant's
 # GPU-time arbiter is linked into its ledger. Returns 1 (with the log's tail)
 # if that takes over 10 s.
@@ -53,7 +54,9 @@ start_fracgpud() {
   local dir=$1 run_dir=$2 gpu=$3 spec tenant share i
   shift 3
   {
-    printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n\n[[gpu]]\n%s\n' "$run_dir" "$gpu"
+    printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n' "$run_dir"
+    [[ -z ${fracgpud_daemon_keys:-} ]] || printf '%s\n' "$fracgpud_daemon_keys"
+    printf '\n[[gpu]]\n%s\n' "$gpu"
     for spec in "$@"; do
       IFS=: read -r tenant share <<<"$spec"
       printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"

@@ -2,14 +2,21 @@
 # End-to-end benchmark on the simulated driver (docs/performance.md, "Workloads
 # end to end").
 #
-#   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N]
-#
-#   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR --held   (fracgpud without NVML)
+#   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N] [--held]
+#        [--sample-ms N] [--charging held|measured] [--guard-ms N] [--realistic]
 #
 # fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
-# process's GPU time from the simulated driver: GPU time is charged as used
-# (measured mode, docs/sm-time.md); --held leaves NVML out (time held, one
-# tenant at a time), as on a node without NVML.
+# process's GPU time from the simulated driver, exactly, on every call; --held
+# leaves NVML out, as on a node without NVML (GPU time held, one tenant at a
+# time; the option is older than, and not the same as, --charging held, which
+# keeps NVML). --sample-ms N makes the stand-in sample as the real one does:
+# every N ms (SIMNVML_SAMPLE_MS=N), each sample naming the process on the GPU
+# at its instant (SIMNVML_ATTRIB=instant), in fracgpud's environment only.
+# --charging writes `gpu_time_charging = "held"|"measured"` into the [daemon]
+# table of each generated config (only when given: otherwise the daemon's
+# default; runs/*/status.json's "charging" says which it used). --realistic
+# runs the whole set twice, with --sample-ms 167 and 1000, into
+# OUT_DIR/sample-167ms and OUT_DIR/sample-1000ms (other options passed on).
 #
 # For each workload of bench/e2e/e2e_workload.cpp (launch-bound, compute-bound,
 # allocation-heavy, and the interactive step loop with 10 us and 50 us kernels:
@@ -21,25 +28,37 @@
 #   - native, 2 processes: what the driver's own time-slicing gives;
 #   - fracgpu, tenants with shares: 0.5/0.5 (each workload), 0.2/0.3/0.5 and
 #     0.1/0.9 (compute);
-# and a second table, e2e_sharing.md: for every workload, the GPU's busy time
-# and each tenant's share of the GPU time used, two processes without fracgpu
-# beside two 0.5 tenants with it.
+# and the cheat: a tenant `cheat` (mode=cheat: 2 ms kernels, none on the GPU
+# from --guard-ms, default 8, before each sampling instant of the stand-in
+# NVML, k x the sampling period of CLOCK_MONOTONIC (--sample-ms; 167 without
+# it), until 1 ms after) beside an honest compute-bound tenant `honest`: two
+# processes without fracgpu, and two 0.5 tenants with it (also in --smoke).
+# A second table, e2e_sharing.md: for every workload (and the cheat), the GPU's
+# busy time and each tenant's share of the GPU time used, two processes
+# without fracgpu beside two 0.5 tenants with it, and what fracgpu charged
+# each tenant (its status's used_ns over the run).
 # samples every tenant's device time from the simulated driver every 250 ms
 # (the ground truth), and writes to OUT_DIR: e2e_table.md (printed), CSVs,
 # e2e_shares.svg, and runs/<run>/ with each process's output, the daemon's log
-# and `fracgpu status --json`. Exit 0 when every run succeeded.
+# and `fracgpu status --json` (status_begin.json near the start, status.json
+# near the end). Exit 0 when every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "run_e2e.sh: $*" >&2; exit 2; }
 
-build="" out="" smoke=0 seconds="" held=0
+build="" out="" smoke=0 seconds="" held=0 sample_ms="" charging="" guard_ms=8 realistic=0
+pass_on=()  # options for --realistic's runs
 while (($#)); do
   case $1 in
-    --smoke) smoke=1; shift ;;
-    --held) held=1; shift ;;
-    --seconds) seconds=${2:?--seconds needs a value}; shift 2 ;;
+    --smoke) smoke=1; pass_on+=("$1"); shift ;;
+    --held) held=1; pass_on+=("$1"); shift ;;
+    --realistic) realistic=1; shift ;;
+    --seconds) seconds=${2:?--seconds needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
+    --sample-ms) sample_ms=${2:?--sample-ms needs a value}; shift 2 ;;
+    --charging) charging=${2:?--charging needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
+    --guard-ms) guard_ms=${2:?--guard-ms needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [[ -z $build ]]; then build=$1; elif [[ -z $out ]]; then out=$1; else die "unexpected argument $1"; fi; shift ;;
@@ -48,6 +67,42 @@ done
 [[ -n $build && -n $out ]] || { usage >&2; exit 2; }
 seconds=${seconds:-$((smoke ? 1 : 10))}
 [[ $seconds =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--seconds takes a number of seconds, not $seconds"
+[[ -z $sample_ms || $sample_ms =~ ^[1-9][0-9]*$ ]] || die "--sample-ms takes a whole number of ms above 0, not $sample_ms"
+[[ -z $charging || $charging == held || $charging == measured ]] || die "--charging takes held or measured, not $charging"
+[[ $guard_ms =~ ^[0-9]+$ ]] || die "--guard-ms takes a whole number of ms, not $guard_ms"
+((!held || !realistic)) || die "--realistic samples with the stand-in NVML: not with --held (no NVML)"
+[[ -z $sample_ms ]] || ((!held)) || die "--sample-ms is the stand-in NVML's: not with --held (no NVML)"
+[[ -z $sample_ms ]] || ((!realistic)) || die "--realistic sets --sample-ms itself (167, then 1000)"
+
+if ((realistic)); then
+  # The whole set at each realistic sampling period, one output folder each.
+  mkdir -p "$out"
+  rc=0
+  for period in 167 1000; do
+    echo "== --sample-ms $period (its tables: $out/sample-${period}ms.log)" >&2
+    bash "$0" "$build" "$out/sample-${period}ms" --sample-ms "$period" ${pass_on[@]+"${pass_on[@]}"} \
+      >"$out/sample-${period}ms.log" || {
+      r=$?
+      ((rc)) || rc=$r
+      echo "run_e2e.sh: --sample-ms $period exited $r" >&2
+    }
+  done
+  for period in 167 1000; do
+    echo
+    echo "== SIMNVML_SAMPLE_MS=$period ($out/sample-${period}ms)"
+    if [[ -s $out/sample-${period}ms/e2e_table.md ]]; then
+      cat "$out/sample-${period}ms/e2e_table.md"
+      echo
+      cat "$out/sample-${period}ms/e2e_sharing.md"
+    else
+      echo "(no table: the runs failed; see above)"
+    fi
+  done
+  exit "$rc"
+fi
+# The cheat dodges the sampling instants of this period (exact mode has none:
+# it keeps the realistic default's, so its pattern is the same).
+cheat_period_ms=${sample_ms:-167}
 
 build=$(realpath "$build") || die "no build dir $1"
 workload=$build/bench/e2e/e2e_workload
@@ -71,6 +126,10 @@ work=$(mktemp -d /tmp/fracgpu-e2e-XXXXXX)
 export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fracgpud_env=()
 ((held)) || fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH")
+[[ -z $sample_ms ]] || fracgpud_env+=(SIMNVML_SAMPLE_MS="$sample_ms" SIMNVML_ATTRIB=instant)
+# Extra [daemon] keys of each generated config (fracgpu_run.sh).
+fracgpud_daemon_keys=""
+[[ -z $charging ]] || fracgpud_daemon_keys="gpu_time_charging = \"$charging\""
 export SIMCUDA_STATE=$work/simulated-gpu
 uuid=GPU-e2e00000-0000-4000-8000-000000000000
 export SIMCUDA_DEVICES="uuid=$uuid,name=Simulated H100,mem=16GiB,ctx=64MiB"
@@ -88,36 +147,54 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# The e2e_workload arguments of a workload name: stepN is mode=step with N us kernels.
+# The e2e_workload arguments of a workload name: stepN is mode=step with N us
+# kernels; cheat dodges the sampling instants of $cheat_period_ms.
 workload_args() {
   case $1 in
     step*) echo "mode=step kernel_us=${1#step}" ;;
+    cheat) echo "mode=cheat period_ms=$cheat_period_ms guard_ms=$guard_ms" ;;
     *) echo "mode=$1" ;;
   esac
 }
 
-# run NAME WORKLOAD MODE TENANT[:SHARE]...
+# status_at NS FILE: `fracgpu status --json` into FILE at CLOCK_MONOTONIC NS
+# (FILE.ns: when it was read).
+status_at() {
+  python3 -c 'import sys, time; time.sleep(max(0.0, (int(sys.argv[1]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)) / 1e9))' "$1"
+  py now >"$2.ns"
+  "$fracgpu" status --run-dir "$run_dir" --json >"$2" 2>&1 || true
+}
+
+# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD]]...
 # MODE native: each TENANT is one process without the interposer. MODE
 # fracgpu: a fresh fracgpud whose config gives each TENANT its SHARE of GPU 0,
-# one process each, from a common start.
+# one process each, from a common start. A TENANT's own WORKLOAD replaces the
+# run's (run.txt then says mix=TENANT:WORKLOAD,...).
 run() {
-  local name dir run_dir wl=$2 mode=$3 spec tenant share i
+  local name dir run_dir wl=$2 mode=$3 spec tenant share twl i mix=""
   begin_run "$1" "$wl" "$mode"
   shift 3
+  for spec in "$@"; do
+    IFS=: read -r tenant share twl <<<"$spec"
+    [[ -z $twl ]] || mix+="${mix:+,}$tenant:$twl"
+  done
+  [[ -z $mix ]] || printf 'mix=%s\n' "$mix" >>"$dir/run.txt"
   if [[ $mode == fracgpu ]]; then
-    start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "$@" || exit 1
+    local -a daemon_specs=()
+    for spec in "$@"; do daemon_specs+=("$(cut -d: -f1,2 <<<"$spec")"); done
+    start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "${daemon_specs[@]}" || exit 1
   fi
   # A common start, after every process has had time to create its context.
   local start=$(($(py now) + 700000000)) tenants=() shares=() procs=()
   pids=()
   for spec in "$@"; do
-    IFS=: read -r tenant share <<<"$spec"
+    IFS=: read -r tenant share twl <<<"$spec"
     local -a vars=()
     if [[ $mode == fracgpu ]]; then
       vars=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
     fi
     # shellcheck disable=SC2046 # the workload's arguments are words on purpose
-    env "${vars[@]}" "$workload" $(workload_args "$wl") seconds="$seconds" start_ns="$start" \
+    env "${vars[@]}" "$workload" $(workload_args "${twl:-$wl}") seconds="$seconds" start_ns="$start" \
       >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
     pids+=("$!")
     tenants+=("$tenant")
@@ -128,10 +205,13 @@ run() {
     "${procs[@]}" &
   local sampler=$!
   if [[ $mode == fracgpu ]]; then
-    # Near the end of the window: the daemon's own achieved-share figures.
-    python3 -c 'import sys, time; time.sleep(max(0.0, (int(sys.argv[1]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)) / 1e9))' \
-      "$((start + ${seconds%.*} * 900000000))"
-    "$fracgpu" status --run-dir "$run_dir" --json >"$dir/status.json" 2>&1 || true
+    # Where the report's figures begin (1 s in; half-way for shorter runs)
+    # and near the end of the window: the daemon's own figures (what it
+    # charged each tenant: the change of used_ns between the two).
+    local ms
+    ms=$(python3 -c 'import sys; print(int(float(sys.argv[1]) * 1000))' "$seconds")
+    status_at "$((start + (ms < 2000 ? ms / 2 : 1000) * 1000000))" "$dir/status_begin.json"
+    status_at "$((start + ms * 900000))" "$dir/status.json"
   fi
   wait_procs
   wait "$sampler" || echo "run_e2e.sh: $name: the sampler failed" >&2
@@ -147,7 +227,7 @@ for wl in launch step10 step50 compute alloc; do
   run "$wl-native" "$wl" native a
   run "$wl-fracgpu-alone" "$wl" fracgpu a:1
   if ((smoke)); then
-    [[ $wl == compute ]] && run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
+    [[ $wl != compute ]] || run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
     continue
   fi
   run "$wl-native-2" "$wl" native a b
@@ -157,13 +237,31 @@ for wl in launch step10 step50 compute alloc; do
     run "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
   fi
 done
+# The cheat beside an honest compute-bound tenant, without fracgpu and with it.
+run cheat-native-2 cheat native cheat::cheat honest::compute
+run cheat-fracgpu-0.5-0.5 cheat fracgpu cheat:0.5:cheat honest:0.5:compute
+if ((held)); then
+  nvml="no NVML (--held)"
+elif [[ -n $sample_ms ]]; then
+  nvml="stand-in NVML sampling every $sample_ms ms (SIMNVML_SAMPLE_MS=$sample_ms, SIMNVML_ATTRIB=instant)"
+else
+  nvml="stand-in NVML, exact (no sampling)"
+fi
 {
   echo "Simulated driver (tests/simcuda), $(date -u +%Y-%m-%d), $(lscpu | sed -n 's/^Model name: *//p' | head -n 1), $(nproc) CPUs; $seconds s per run"
+  if [[ -n $charging ]]; then
+    charging_text="gpu_time_charging = $charging"
+  else
+    charging_text="gpu_time_charging not set (the daemon's default)"
+  fi
+  echo "fracgpud: $nvml; $charging_text; cheat: period $cheat_period_ms ms, guard $guard_ms ms"
   echo
 } >"$out/e2e_table.head"
 rc=0
 py report "$out" || rc=$?
-cat "$out/e2e_table.head" "$out/e2e_table.md" >"$out/e2e_table.tmp" && mv "$out/e2e_table.tmp" "$out/e2e_table.md"
+for f in e2e_table e2e_sharing; do
+  cat "$out/e2e_table.head" "$out/$f.md" >"$out/$f.tmp" && mv "$out/$f.tmp" "$out/$f.md"
+done
 rm -f "$out/e2e_table.head"
 echo "== wrote $out/e2e_table.md, e2e_sharing.md, e2e_runs.csv, e2e_summary.csv, e2e_shares.csv, e2e_shares.svg" >&2
 exit "$rc"
