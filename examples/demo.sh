@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The main job, from a fresh Debian machine (as root, CUDA toolkit present):
 # installs the dependencies, builds, starts fracgpud with examples/demo.toml,
-# and runs a workload under the interposer as two tenants. On a machine
+# and runs a workload under the interposer as two tenants: memory quotas
+# first, then GPU time (both tenants' compute-bound kernels at once, ~7 s;
+# each tenant's achieved share of GPU time beside its configured share, as
+# fracgpu reports it and as the simulated driver measured it). On a machine
 # without an NVIDIA GPU, everything runs on the simulated driver (a test
-# double built with the tests), and says so.
+# double built with the tests), and says so; fracgpud then gets the stand-in
+# NVML (tests/simnvml), sampling every 167 ms as the real one does. On a real
+# GPU the GPU-time part shows `fracgpu status` only: its ground truth is the
+# simulated driver's, and the project builds no GPU-time load for a real GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -12,16 +18,21 @@ build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
 run_dir=/tmp/fracgpu-demo
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 
+simulated=0
+daemon_env=()
 if nvidia-smi -L >/dev/null 2>&1; then
   echo "== real GPU: $(nvidia-smi -L | head -n 1)"
 else
   echo "== no NVIDIA GPU here: using the simulated driver (16 GiB, 256 MiB per context)"
+  simulated=1
   export LD_LIBRARY_PATH="$build/simcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export SIMCUDA_STATE="$run_dir/simulated-gpu"
   export SIMCUDA_DEVICES="uuid=GPU-5eed0000-0000-4000-8000-000000000000,name=Simulated H100,mem=16GiB,ctx=256MiB"
+  # The daemon alone gets the stand-in NVML, sampling like the real one.
+  daemon_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH" SIMNVML_SAMPLE_MS=167)
 fi
 
-"$build/controller/fracgpud" --config examples/demo.toml 2>"$run_dir/fracgpud.log" &
+env ${daemon_env[@]+"${daemon_env[@]}"} "$build/controller/fracgpud" --config examples/demo.toml 2>"$run_dir/fracgpud.log" &
 daemon=$!
 trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
 for _ in $(seq 50); do [ -f "$run_dir/tenants/bob/usage" ] && break; sleep 0.1; done
@@ -42,5 +53,37 @@ echo "== fracgpu status, while alice's first process holds its memory"
 wait $first
 echo "== bob (gpus = 0.5)"
 as_tenant bob "$build/examples/quota_demo" 1024
+
+# GPU time: both tenants at once, compute-bound (5 ms kernels back to back,
+# bench/e2e/e2e_workload.cpp), from a common start.
+workload=$build/bench/e2e/e2e_workload
+if ((simulated)) && [[ -x $workload ]]; then
+  seconds=7
+  echo "== GPU time: alice (gpus = 0.25) and bob (gpus = 0.5) both run compute-bound kernels, $seconds s"
+  e2e() { python3 bench/e2e/e2e.py "$@"; }
+  start=$(($(e2e now) + 700000000))
+  procs=()
+  for tenant in alice bob; do
+    # env execs the workload: $! is its PID, as the simulated driver knows it.
+    env FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$build/interpose/libfracgpu.so" \
+      "$workload" mode=compute seconds="$seconds" start_ns="$start" >"$run_dir/$tenant-gputime.out" &
+    procs+=("$!:$tenant")
+  done
+  # Every second: fracgpu's figure and the simulated driver's device time.
+  e2e watch --lib "$build/simcuda/libcuda.so.1" --fracgpu "$build/controller/fracgpu" --run-dir "$run_dir" \
+    --start-ns "$start" --seconds "$seconds" "${procs[@]}"
+  for p in "${procs[@]}"; do wait "${p%%:*}"; done
+  echo "   (the last quarter of the GPU stays idle: a tenant's limit defaults to its share, a hard cap)"
+elif ((simulated)); then
+  echo "== GPU time: skipped: $workload is not built (a build without the benchmarks)"
+else
+  echo "== GPU time: not run on a real GPU: the demo checks achieved shares against the simulated"
+  echo "   driver's record of each process's GPU time (its ground truth), which a real GPU does not"
+  echo "   keep, and the project builds no GPU-time load for a real GPU."
+  echo "   Run any CUDA program as a tenant (FRACGPU_TENANT=alice FRACGPU_RUN_DIR=$run_dir"
+  echo "   LD_PRELOAD=$build/interpose/libfracgpu.so PROGRAM) and fracgpu status shows its GPU time"
+  echo "   (columns 1S, 10S, GPU TIME); as it is now:"
+  "$build/controller/fracgpu" status --run-dir "$run_dir"
+fi
 echo "== daemon log"
 cat "$run_dir/fracgpud.log"
