@@ -399,12 +399,14 @@ bool GpuScheduler::auditing(uint64_t now) const {
 bool GpuScheduler::held_at(const Row& r, uint64_t t, bool* known) const {
   *known = true;
   // A sample's instant comes from another clock (NVML's CPU time stamps):
-  // a grant within a millisecond of it counts; and a driver that samples
-  // more often than that covers the time since its previous sample (a
-  // test's exact stand-in does): a grant within that period counts too.
+  // a grant within kAuditMarginNs of it counts. (Not more: a tenant whose
+  // short grants come often would otherwise cover the time between them.)
+  // A meter whose samples come far more often than any real driver's (a
+  // test's exact stand-in, every few ms) reports use over the time since its
+  // previous sample: a grant within that period counts too.
   const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
-  const uint64_t margin = std::max(kAuditMarginNs, std::min(period + period / 2, 3 * kAuditMarginNs));
-  const uint64_t lo = t > margin ? t - margin : 0, hi = t + kAuditMarginNs;
+  const uint64_t lookback = kAuditMarginNs + (period < kAuditInstantPeriodNs ? period + period / 2 : 0);
+  const uint64_t lo = t > lookback ? t - lookback : 0, hi = t + kAuditMarginNs;
   uint64_t oldest = UINT64_MAX;
   for (const Row::Hold& h : r.holds) {
     if (h.from == 0) continue;
@@ -666,6 +668,12 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
     // drained it or died (an exit reports its drain), and none asks.
     // The grant ends now, with no handshake.
     if (!h.wants && pending_drains(h, now).none()) {
+      // A grant given up before kIdleNs costs kIdleNs: every hand-over
+      // leaves the GPU idle while the next holder's processes wake, and a
+      // tenant that gives its grants up at once (reporting drains it has
+      // not done: the false drain) would otherwise make that idle time
+      // everybody's, as often as it likes.
+      if (now - h.grant_ns < gputime::kIdleNs) charge_row(h, gputime::kIdleNs - (now - h.grant_ns), now);
       end_grant(t, now);
       return;
     }

@@ -78,8 +78,11 @@ class GpuScheduler {
   static constexpr uint64_t kLeadNs = 50'000'000;            // GPU time a tenant may run ahead of its share
   static constexpr uint64_t kBenchNs = 100'000'000;          // how long a tenant revoked for its lead stays off
   static constexpr uint64_t kUnattributedKeepNs = 1'000'000'000;  // usage of a PID not yet known to be a tenant's
-  // Held mode's audit: a grant this close to a sample's instant counts as held then.
-  static constexpr uint64_t kAuditMarginNs = 1'000'000;
+  // Held mode's audit: a grant this close to a sample's instant counts as
+  // held then; a meter sampling more often than this covers a period, not
+  // an instant (real drivers sample every ~1/6 s to 1 s).
+  static constexpr uint64_t kAuditMarginNs = 200'000;
+  static constexpr uint64_t kAuditInstantPeriodNs = 20'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
