@@ -44,6 +44,10 @@ struct FakeMeterState {
   bool fail = false;
   uint64_t last = 0;
   int reads = 0;
+  // Driver samples handed over as they are (pid, busy, instant), once; and
+  // the sampling period the meter says it sees.
+  std::vector<ProcessUse> samples;
+  uint64_t period = 0;
 };
 
 class FakeMeter final : public UsageMeter {
@@ -58,8 +62,11 @@ class FakeMeter final : public UsageMeter {
       if (duty > 0) out->push_back({pid, static_cast<uint64_t>(duty * static_cast<double>(dt))});
     for (const auto& [pid, ns] : state_->extra) out->push_back({pid, ns});
     state_->extra.clear();
+    out->insert(out->end(), state_->samples.begin(), state_->samples.end());
+    state_->samples.clear();
     return true;
   }
+  uint64_t sample_period_ns() const override { return state_->period; }
 
  private:
   FakeMeterState* state_;
@@ -777,4 +784,53 @@ TEST_F(SchedulerTest, AFailingMeterFallsBackToHeldTimeAndOneHolder) {
     follow(1, b);
     EXPECT_FALSE(holds(0) && holds(1)) << "held mode: one holder, ms " << i + 1;
   }
+}
+
+// Held mode's audit (the default charging where a meter answers): a sample
+// that finds a tenant's process on the GPU at an instant its tenant held no
+// grant charges that tenant the sample's worth and gives it back to the
+// tenant that held the GPU then; a sample inside the tenant's own grant
+// changes nothing (its time is paid as held); a process the daemon has not
+// attributed yet is filed, with its instant, once it is.
+TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder) {
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.period = 167 * kMs;
+  meter_.last = now_;
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  spawn(1);
+  const auto pb = static_cast<uint32_t>(processes_.back());
+  want(0, a);
+  pass(2 * kMs);
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  pass(10 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeHeld);
+  EXPECT_EQ(arbiter_.seg->daemon.sample_period_ns.load(), 167 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 10 * kMs);
+  // a's own process, inside a's grant: already paid as held.
+  meter_.samples.push_back({pa, 100 * kMs, now_ - 5 * kMs});
+  // b's process, not yet attributed, found on the GPU in a's grant.
+  meter_.samples.push_back({pb, 150 * kMs, now_ - 4 * kMs});
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 12 * kMs) << "a sample in a's own grant changes nothing";
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 0u) << "not attributed yet";
+  attributed_[1].push_back(pb);
+  reattribute();
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_samples.load(), 1u);
+  EXPECT_EQ(row(1).used_ns.load(), 150 * kMs) << "b pays for its work outside its grants";
+  EXPECT_EQ(row(1).vtime.load(), 300 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 12 * kMs) << "a, which held the GPU then, gets it back from its next charges";
+  for (int i = 0; i < 10; ++i) pass(10 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 12 * kMs) << "100 ms of a's holding paid by the credit";
+  pass(60 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 24 * kMs) << "the credit (150 ms: 2 + 100 + 48 of holding) used up, a pays again";
+  // A sample of b at an instant nobody held the GPU (before a's grant): b
+  // is charged, nobody is credited.
+  meter_.samples.push_back({pb, 50 * kMs, 1 * kMs});
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 200 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);
 }
