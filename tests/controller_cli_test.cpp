@@ -284,6 +284,8 @@ TEST_F(CliTest, TextIsAnAlignedTablePerGpuAndTenant) {
     if (line.rfind("alice ", 0) == 0 && line.find("sampler") != std::string::npos) sampler = line;
   }
   EXPECT_NE(text.find("daemon:  alive (pid " + std::to_string(getpid())), std::string::npos) << text;
+  EXPECT_NE(text.find(std::string("charging on ") + kUuid + ": GPU time as NVML's samples measure it"), std::string::npos)
+      << text;
   ASSERT_FALSE(header.empty()) << text;
   EXPECT_EQ(header.find("TENANT"), alice.find("alice")) << text;  // columns line up
   EXPECT_EQ(header.find("QUOTA"), alice.find("8 GiB")) << text;

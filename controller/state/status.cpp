@@ -585,6 +585,23 @@ std::string status_to_text(const StatusReport& report) {
     }
   out += "\n";
   out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
+  // How GPU time is charged, per GPU (docs/sm-time.md), and what held
+  // mode's audit found outside the tenants' grants.
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::optional<GpuTimeStatus>& time = rows[i].gpu->gpu_time;
+    if (!time) continue;
+    if (i == 0 || rows[i - 1].uuid != rows[i].uuid || !rows[i - 1].gpu->gpu_time) {
+      std::string how = time->measured ? "as NVML's samples measure it (gpu_time_charging = \"measured\")"
+                        : time->sample_period_ns != 0
+                            ? fmt::format("as held, audited by NVML's samples (one every {})",
+                                          format_duration_ns(time->sample_period_ns))
+                            : "as held (no NVML samples)";
+      out += fmt::format("charging on {}: GPU time {}\n", rows[i].uuid, how);
+    }
+    if (time->out_of_grant_samples > 0)
+      out += fmt::format("  tenant {}: {} of GPU time found outside its grants ({} samples), charged to it\n",
+                         rows[i].tenant->name, format_duration_ns(time->out_of_grant_ns), time->out_of_grant_samples);
+  }
   // Achieved shares are the daemon's figures: without it they stand still.
   const bool any_time = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.gpu->gpu_time.has_value(); });
   if (!d.alive && any_time)
