@@ -24,6 +24,15 @@
 # all without CUPTI (throughput); then the fracgpu runs with two tenants once
 # more with CUPTI on (GPU time per process: a share only where one process's
 # kernels run at a time, which fracgpu ensures and time-slicing and MPS do not);
+# then once more (`…-nvml`) with the workload's own CUPTI off and instead
+#   the CUPTI meter (cupti_meter.cpp, CUDA_INJECTION64_PATH) in each process
+#   and nvml_sampler polling NVML beside them every 2 ms for the window: NVML's
+#   integrated per-process estimate against CUPTI's GPU time, NVML's sampling
+#   period, NOT_FOUND fraction and PIDs per sample (docs/gpu-results.md,
+#   "Calibrating the stand-in NVML"); the two are taken from BUILD_DIR/bench/gpu
+#   or built into OUT_DIR/bin (build_tools.sh), or named by
+#   $FRACGPU_NVML_SAMPLER / $FRACGPU_CUPTI_METER; without a meter those runs
+#   have NVML only;
 # and last
 #   mps-50-50     two processes under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50,
 #                 if nvidia-cuda-mps-control starts and a first client runs
@@ -31,7 +40,8 @@
 # A run whose fracgpud does not start is recorded as failed; the rest go on.
 # Prints a Markdown table with the targets (medians: fracgpu-1 >= 99.5% of
 # native; two 0.5 tenants together >= 97% of native) and writes
-# gpu_table.md, gpu_runs.csv and runs/ (each process's JSON and stderr).
+# gpu_table.md, gpu_runs.csv and runs/ (each process's JSON and stderr; in the
+# -nvml runs also nvml-sampler.jsonl and cupti-<tenant>.<pid>.json).
 # Exit 0: targets met; 1: a target missed or a run failed; 2: could not run
 # (no GPU, no build, no nvcc).
 set -euo pipefail
@@ -79,12 +89,22 @@ rm -rf "$out/runs" "$out/calibration.json" && mkdir -p "$out/runs"
 # libcupti is found through the binary's RUNPATH: nothing here sets
 # LD_LIBRARY_PATH, so PyTorch loads its own CUDA libraries.
 bash "$here/build_workload.sh" "$out/bin/gpu_workload" || exit 2
+# The NVML calibration's instruments: named, from the build directory, or built here.
+sampler=${FRACGPU_NVML_SAMPLER:-$build/bench/gpu/nvml_sampler}
+meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
+if [[ ! -x $sampler || ! -e $meter ]] && bash "$here/build_tools.sh" "$out/bin"; then
+  [[ -x $sampler ]] || sampler=$out/bin/nvml_sampler
+  [[ -e $meter ]] || meter=$out/bin/libfracgpu_cupti_meter.so
+fi
+[[ -x $sampler ]] || { echo "run_gpu.sh: no nvml_sampler: the -nvml runs have no NVML log" >&2; sampler=""; }
+[[ -e $meter ]] || { echo "run_gpu.sh: no CUPTI meter: the -nvml runs have no CUPTI figure" >&2; meter=""; }
+sampler_ms=2
 
 gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader) || die "nvidia-smi gave no UUID for GPU 0"
 [[ $(nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader) != Exclusive_Process ]] ||
   die "GPU 0 is in Exclusive_Process compute mode: processes cannot share it"
 work=$(mktemp -d /tmp/fracgpu-gpu-bench-XXXXXX)
-daemon_pid="" mps_started=0
+daemon_pid="" sampler_pid="" mps_started=0
 pids=()
 mps_quit() {
   echo quit | CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe nvidia-cuda-mps-control >/dev/null 2>&1 || true
@@ -93,6 +113,7 @@ mps_quit() {
 # shellcheck disable=SC2317 # reached through the EXIT trap
 cleanup() {
   stop "${pids[@]}"
+  [[ -z $sampler_pid ]] || stop "$sampler_pid"
   [[ -z $daemon_pid ]] || stop "$daemon_pid"
   ((mps_started == 0)) || mps_quit
   rm -rf "$work"
@@ -116,10 +137,10 @@ workload_cmd() {  # workload_cmd WORKLOAD GPUTIME: the command line, without the
   local profile=()
   case $1 in
     torch)
-      (($2)) || profile=(--no-profiler)
+      [[ $2 == 1 ]] || profile=(--no-profiler)
       echo python3 "$here/torch_workload.py" --seconds "$seconds" "${profile[@]}" ;;
     *)
-      (($2)) || profile=(--no-cupti)
+      [[ $2 == 1 ]] || profile=(--no-cupti)
       if [[ $1 == compute ]]; then profile+=("${kernel_args[@]}"); fi
       if [[ $1 == step* ]]; then
         echo "$out/bin/gpu_workload" --mode step --kernel-us "${1#step}" --seconds "$seconds" "${profile[@]}"
@@ -130,10 +151,12 @@ workload_cmd() {  # workload_cmd WORKLOAD GPUTIME: the command line, without the
 }
 
 # group CONFIG WORKLOAD KIND REPEAT GPUTIME TENANT[:SHARE]...
-#   KIND: native | fracgpu | mps; GPUTIME: 1 = CUPTI (the profiler) on
+#   KIND: native | fracgpu | mps; GPUTIME: 1 = CUPTI (the profiler) on;
+#   nvml = the workload's own CUPTI off, the CUPTI meter injected and
+#   nvml_sampler beside the processes
 group() {
   local name dir run_dir config=$1 wl=$2 kind=$3 repeat=$4 gputime=$5 spec tenant share i suffix=""
-  ((gputime == 0)) || suffix=-gputime
+  case $gputime in 1) suffix=-gputime ;; nvml) suffix=-nvml ;; esac
   begin_run "$wl-$config$suffix" "$wl" "$kind"
   printf 'config=%s repeat=%s gputime=%s\n' "$config" "$repeat" "$gputime" >>"$dir/run.txt"
   shift 5
@@ -160,6 +183,9 @@ group() {
       fracgpu) vars+=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib") ;;
       mps) vars+=(CUDA_MPS_PIPE_DIRECTORY="$work/mps-pipe" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="$share") ;;
     esac
+    if [[ $gputime == nvml && -n $meter ]]; then
+      vars+=(CUDA_INJECTION64_PATH="$meter" FRACGPU_CUPTI_OUT="$dir/cupti-$tenant")
+    fi
     env "${vars[@]}" "${cmd[@]}" --ready-file "$dir/$tenant.ready" --start-file "$dir/start" \
       >"$dir/$tenant.json" 2>"$dir/$tenant.err" &
     pids+=("$!")
@@ -177,12 +203,24 @@ group() {
       sleep 0.05
     done
   done
+  if [[ $gputime == nvml && -n $sampler ]]; then
+    # From the common start, for the window (it waits for the start file).
+    "$sampler" --gpu "$gpu_uuid" --interval-ms "$sampler_ms" --seconds "$seconds" --start-file "$dir/start" \
+      --out "$dir/nvml-sampler.jsonl" 2>"$dir/nvml-sampler.err" &
+    sampler_pid=$!
+  fi
   echo $(($(now_ns) + 500000000)) >"$dir/start.tmp" && mv "$dir/start.tmp" "$dir/start"
   if [[ $kind == fracgpu ]]; then
     sleep $((seconds * 9 / 10))
     "$fracgpu" status --run-dir "$run_dir" --json >"$dir/status.json" 2>&1 || true
   fi
   wait_procs
+  if [[ -n $sampler_pid ]]; then
+    # It ends on its own at the end of the window; more than 30 s later it hangs.
+    for _ in $(seq 300); do kill -0 "$sampler_pid" 2>/dev/null || break; sleep 0.1; done
+    stop "$sampler_pid"
+    sampler_pid=""
+  fi
   if [[ -n $daemon_pid ]]; then stop "$daemon_pid"; daemon_pid=""; fi
   echo "  $name done" >&2
 }
@@ -197,7 +235,7 @@ for wl in "${wl_list[@]}"; do
   group timeslice-2 "$wl" native 1 0 a b
   shares_runs=("a:0.5 b:0.5")
   [[ $wl != compute ]] || shares_runs+=("a:0.25 b:0.75" "a:0.1 b:0.9")
-  for gputime in 0 1; do
+  for gputime in 0 1 nvml; do
     for spec in "${shares_runs[@]}"; do
       read -r -a tenant_specs <<<"$spec"
       group "fracgpu-${tenant_specs[0]#a:}-${tenant_specs[1]#b:}" "$wl" fracgpu 1 "$gputime" "${tenant_specs[@]}"

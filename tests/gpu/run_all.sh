@@ -6,21 +6,23 @@
 #
 #   bash tests/gpu/run_all.sh BUILD_DIR OUT_DIR [CHECK ...]
 #
-# CHECK (default: all, about 20 minutes in all):
+# CHECK (default: all, about 24 minutes in all, calibrate first):
+#   calibrate tests/gpu/run_sm_share.sh calibrate  NVML's samples against CUPTI:
+#           the stand-in NVML's settings; raw logs in OUT_DIR/calibration (~2 min)
 #   memory  tests/gpu/run_memory_checks.sh   memory quotas, PyTorch and JAX   (~2 min)
 #   nvml    tests/gpu/run_nvml_checks.sh     nvidia-smi inside a tenant      (~1 min)
 #   share   tests/gpu/run_sm_share.sh        GPU-time shares                  (~5 min)
-#   bench   bench/gpu/run_gpu.sh             throughput against native, MPS   (~11 min)
+#   bench   bench/gpu/run_gpu.sh             throughput against native, MPS   (~13 min)
 # Exit status: the number of checks that failed (0: all passed); 2 at once
 # when there is no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 64
-[[ $# -ge 2 ]] || { echo "usage: run_all.sh BUILD_DIR OUT_DIR [memory|nvml|share|bench ...]" >&2; exit 64; }
+[[ $# -ge 2 ]] || { echo "usage: run_all.sh BUILD_DIR OUT_DIR [calibrate|memory|nvml|share|bench ...]" >&2; exit 64; }
 build=$(realpath "$1") || exit 64
 out=$2
 shift 2
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(memory nvml share bench)
+[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate memory nvml share bench)
 mkdir -p "$out"
 out=$(realpath "$out")
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -38,9 +40,10 @@ machine() {
 failed=0
 for check in "${checks[@]}"; do
   case $check in
+    calibrate) cmd=(bash tests/gpu/run_sm_share.sh calibrate "$build" --out "$out/calibration") ;;
     memory) cmd=(env FRACGPU_BUILD_DIR="$build" bash tests/gpu/run_memory_checks.sh) ;;
     nvml) cmd=(env FRACGPU_BUILD_DIR="$build" bash tests/gpu/run_nvml_checks.sh) ;;
-    share) cmd=(bash tests/gpu/run_sm_share.sh "$build") ;;
+    share) cmd=(bash tests/gpu/run_sm_share.sh "$build" --out "$out/share") ;;
     bench) cmd=(bash bench/gpu/run_gpu.sh "$build" "$out/bench") ;;
     *) echo "unknown check: $check" >&2; exit 64 ;;
   esac

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU-time shares on a real NVIDIA GPU (issue 3; how they work: docs/sm-time.md).
 #
-#   bash tests/gpu/run_sm_share.sh [BUILD_DIR] [--seconds N] [--size N]
+#   bash tests/gpu/run_sm_share.sh [calibrate] [BUILD_DIR] [--seconds N] [--size N]
 #        [--kinds K[,K...]] [--sync-every N] [--no-three-tenants] [--no-launch-bound]
+#        [--no-nvml] [--out DIR]
 #
 # BUILD_DIR defaults to $FRACGPU_BUILD_DIR, else build/ (scripts/build.sh's);
 # this script builds nothing. Needs one NVIDIA GPU (GPU 0 is used), PyTorch,
@@ -27,6 +28,39 @@
 #     without fracgpu, then two tenants at 0.5/0.5; a table of the GPU's busy
 #     time and each one's share of the GPU time used, side by side (NVML
 #     accounting needed).
+# Unless --no-nvml, the CUPTI meter (bench/gpu/cupti_meter.cpp, injected with
+# CUDA_INJECTION64_PATH; each process's kernel time) runs in every workload
+# process but the launch-bound ones, and in the two-tenant splits nvml_sampler
+# (bench/gpu/nvml_sampler.cpp) polls NVML every 2 ms over the window; the
+# report adds, per split, NVML's integrated per-process estimate against
+# CUPTI's GPU time and the throughput-known one, NVML's sampling period,
+# NOT_FOUND fraction and PIDs per sample (figures only: the exit status does
+# not depend on them). Both are taken from BUILD_DIR/bench/gpu, from
+# $FRACGPU_NVML_SAMPLER / $FRACGPU_CUPTI_METER, or built into the results
+# directory (bench/gpu/build_tools.sh: a C++ compiler, CUPTI from the CUDA
+# toolkit); without them those figures are left out.
+#
+# `calibrate` runs the calibration of the stand-in NVML instead
+# (docs/gpu-results.md, "Calibrating the stand-in NVML"; about 2 minutes):
+# with the CUPTI meter in every workload process and nvml_sampler polling
+# nvmlDeviceGetProcessUtilization, nvmlDeviceGetProcessesUtilizationInfo and
+# nvmlDeviceGetSamples(GPU_UTILIZATION) every 2 ms for the window (--seconds,
+# default 20), on the first workload kind of --kinds:
+#   1. one process alone, without fracgpu (its time per iteration, CUPTI exact);
+#   2. two processes without fracgpu (the driver's time-slicing; each one's GPU
+#      time known from its throughput against alone);
+#   3. two tenants at 0.25/0.75 under fracgpud (GPU time from CUPTI: one
+#      tenant's kernels at a time).
+# It prints each process's known GPU time beside CUPTI's and NVML's estimate,
+# NVML's sampling figures per call, the summary lines to paste into
+# docs/gpu-results.md and the suggested SIMNVML_SAMPLE_MS / SIMNVML_ATTRIB for
+# tests/simnvml; the raw logs (nvml-sampler.jsonl: every poll's answers;
+# cupti-<tenant>.<pid>.json) stay in the results directory. It needs
+# nvml_sampler (exit 2 without it); exit 1 if a phase failed or its sampler
+# gave no summary.
+#
+# Results go to a new directory (printed at the end) under --out DIR, else
+# under /tmp.
 #
 # Exit status: 0 every tenant within 5 points of its share; 1 one or more off
 # by more, or a run failed; 2 could not run at all. 5 points is a smoke
@@ -47,8 +81,15 @@ kinds=matmul,mixed
 sync_every=8
 three_tenants=1
 launch_bound=1
+nvml=1
+calibrate=0
+out_dir=""
+poll_ms=2
+if [[ ${1:-} == calibrate ]]; then calibrate=1; shift; fi
 while (($#)); do
   case $1 in
+    --no-nvml) nvml=0; shift ;;
+    --out) out_dir=${2:?--out needs a directory}; shift 2 ;;
     --seconds) run_seconds=${2:?--seconds needs a value}; shift 2 ;;
     --size) size=${2:?--size needs a value}; shift 2 ;;
     --kinds) kinds=${2:?--kinds needs a value}; shift 2 ;;
@@ -78,6 +119,7 @@ done
 command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this check needs an NVIDIA GPU"
 python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null ||
   die "PyTorch with CUDA is needed (python3 -c 'import torch; torch.cuda.is_available()' failed)"
+((calibrate == 0 || nvml == 1)) || die "calibrate needs the NVML sampler: leave out --no-nvml"
 
 # GPU 0 as nvidia-smi and fracgpud number GPUs (PCI bus order). The tenants
 # select it by UUID, so their CUDA device 0 is that GPU whatever
@@ -88,11 +130,32 @@ if [[ $compute_mode == Exclusive_Process ]]; then
   die "GPU 0 is in Exclusive_Process compute mode: tenants cannot share it"
 fi
 
-results=$(mktemp -d /tmp/fracgpu-sm-share-XXXXXX)
+mkdir -p "${out_dir:-/tmp}" || die "cannot make --out $out_dir"
+results=$(mktemp -d "$(realpath "${out_dir:-/tmp}")/fracgpu-sm-share-XXXXXX")
 : >"$results/manifest.tsv"
 daemon_pid=""
+sampler_pid=""
 tenant_pids=()
 split_dirs=()
+
+# The NVML calibration's instruments: named, from the build directory, or built.
+sampler="" meter=""
+if ((nvml)); then
+  sampler=${FRACGPU_NVML_SAMPLER:-$build/bench/gpu/nvml_sampler}
+  meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
+  if [[ ! -x $sampler || ! -e $meter ]] && bash bench/gpu/build_tools.sh "$results/bin" 2>"$results/build_tools.log"; then
+    [[ -x $sampler ]] || sampler=$results/bin/nvml_sampler
+    [[ -e $meter ]] || meter=$results/bin/libfracgpu_cupti_meter.so
+  fi
+  if [[ ! -x $sampler ]]; then
+    ((calibrate == 0)) || die "no nvml_sampler (build dir, \$FRACGPU_NVML_SAMPLER, build_tools.sh: $(tail -n 2 "$results/build_tools.log" 2>/dev/null | tr '\n' ' '))"
+    sampler=""
+  fi
+  [[ -e $meter ]] || meter=""
+fi
+# What run_group adds to a group's processes: "meter" (the CUPTI meter in
+# each), "sampler" (nvml_sampler beside them); set by the caller.
+group_tools=""
 
 # Ends only what this script started: the current split's tenants and daemon.
 stop_pids() {
@@ -109,6 +172,7 @@ stop_pids() {
 # shellcheck disable=SC2317 # reached through the EXIT trap
 cleanup() {
   stop_pids "${tenant_pids[@]}"
+  if [[ -n $sampler_pid ]]; then stop_pids "$sampler_pid"; fi
   if [[ -n $daemon_pid ]]; then stop_pids "$daemon_pid"; fi
 }
 trap cleanup EXIT
@@ -124,8 +188,10 @@ sleep_until_ns() {
 # Runs the workloads together from a common start, as tenants of the fracgpud
 # on RUN_DIR, or without fracgpu when RUN_DIR is empty. Leaves in DIR each
 # tenant's JSON and stderr, NVML accounting, and (with fracgpu) fracgpu status
-# taken one second before the window ends. A failed tenant is reported and left
-# for the report to count; the other groups still run.
+# taken one second before the window ends; with $group_tools, each tenant's
+# CUPTI meter file (cupti-TENANT.PID.json) and nvml_sampler's log
+# (nvml-sampler.jsonl, from the common start for the window). A failed tenant
+# is reported and left for the report to count; the other groups still run.
 run_group() {
   local dir=$1 run_dir=$2; shift 2
   local spec tenant share kind
@@ -137,6 +203,9 @@ run_group() {
     vars=(CUDA_VISIBLE_DEVICES="$gpu_uuid")
     if [[ -n $run_dir ]]; then
       vars+=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
+    fi
+    if [[ $group_tools == *meter* && -n $meter ]]; then
+      vars+=(CUDA_INJECTION64_PATH="$meter" FRACGPU_CUPTI_OUT="$dir/cupti-$tenant")
     fi
     env "${vars[@]}" python3 "$work" run --seconds "$run_seconds" --kind "$kind" --size "$size" \
       --sync-every "$sync_every" --ready-file "$dir/$tenant.ready" --start-file "$dir/start" \
@@ -161,6 +230,11 @@ run_group() {
       sleep 0.05
     done
   done
+  if [[ $group_tools == *sampler* && -n $sampler ]]; then
+    "$sampler" --gpu "$gpu_uuid" --interval-ms "$poll_ms" --seconds "$run_seconds" --start-file "$dir/start" \
+      --out "$dir/nvml-sampler.jsonl" 2>"$dir/nvml-sampler.err" &
+    sampler_pid=$!
+  fi
   local start=$(($(now_ns) + 1000000000))
   echo "$start" >"$dir/start.tmp"
   mv "$dir/start.tmp" "$dir/start" # atomic: no tenant reads half a number
@@ -185,6 +259,12 @@ run_group() {
     fi
   done
   tenant_pids=()
+  if [[ -n $sampler_pid ]]; then
+    # It ends on its own at the end of the window; 30 s later it hangs.
+    for _ in $(seq 300); do kill -0 "$sampler_pid" 2>/dev/null || break; sleep 0.1; done
+    stop_pids "$sampler_pid"
+    sampler_pid=""
+  fi
   # NVML reports a process's lifetime only after it has ended: ask now.
   python3 "$work" accounting --uuid "$gpu_uuid" "${pids[@]}" >"$dir/accounting.json" || true
 }
@@ -246,7 +326,11 @@ run_baselines() { # run_baselines before|after
 }
 
 # The record: when, on what, with what.
-echo "# GPU-time shares on a real GPU: tests/gpu/run_sm_share.sh"
+if ((calibrate)); then
+  echo "# NVML calibration on a real GPU: tests/gpu/run_sm_share.sh calibrate"
+else
+  echo "# GPU-time shares on a real GPU: tests/gpu/run_sm_share.sh"
+fi
 echo
 echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "- GPU, driver: $(nvidia-smi -i 0 --query-gpu=name,driver_version --format=csv,noheader) ($gpu_uuid, compute mode $compute_mode)"
@@ -258,20 +342,47 @@ echo "- NVML accounting: $(python3 -c 'import json, sys; a = json.load(sys.stdin
 others=$(nvidia-smi -i 0 --query-compute-apps=pid,process_name --format=csv,noheader)
 [[ -z $others ]] || echo "- WARNING: other processes use GPU 0 and will skew every figure: ${others//$'\n'/; }"
 ((run_seconds >= 11)) || echo "- WARNING: --seconds below 11: achieved_10s also covers time before the window"
+if ((nvml)); then
+  echo "- NVML sampler: ${sampler:-none (its figures are left out)}, every $poll_ms ms; CUPTI meter: ${meter:-none (CUPTI figures n/a)}"
+fi
 echo
 
+if ((calibrate)); then
+  kind=${kind_list[0]}
+  group_tools="meter sampler"
+  echo "== calibration 1/3: $kind alone, without fracgpu, $run_seconds s"
+  run_group "$results/calib-alone" "" "a:alone:$kind"
+  echo "== calibration 2/3: two $kind processes without fracgpu, $run_seconds s"
+  run_group "$results/calib-pair" "" "a:pair:$kind" "b:pair:$kind"
+  echo "== calibration 3/3: two tenants at 0.25/0.75 under fracgpud"
+  run_split "0.25:$kind" "0.75:$kind"
+  echo
+  rc=0
+  python3 "$work" calibration "$results" || rc=$?
+  echo
+  echo "Raw logs (every poll of nvml_sampler, each process's CUPTI meter file) and per-process JSON: $results"
+  exit "$rc"
+fi
+
+group_tools=""
+((nvml == 0)) || group_tools="meter"
+
 run_baselines before
+((nvml == 0)) || group_tools="meter sampler"
 run_split 0.5 0.5
 run_split 0.25 0.75
 run_split 0.1 0.9
+((nvml == 0)) || group_tools="meter"
 if ((three_tenants)); then run_split 0.2 0.3 0.5; fi
 if ((launch_bound)); then
+  group_tools=""  # launch-bound: CUPTI's cost per launch would change the shape
   for kind in step10 step50; do
     echo "== launch-bound $kind: two processes without fracgpu, $run_seconds s"
     run_group "$results/pair-native-$kind" "" "a:pair:$kind" "b:pair:$kind"
     run_split "0.5:$kind" "0.5:$kind"
   done
 fi
+((nvml == 0)) || group_tools="meter"
 run_baselines after
 
 echo

@@ -11,7 +11,16 @@ GPU-time shares (docs/sm-time.md).
       (with no PID: only whether accounting can be read at all).
   sm_share_workload.py report RESULTS_DIR [--threshold 0.05]
       The Markdown tables for run_sm_share.sh's results directory; exit 1 if
-      any tenant's measured share is off by more than the threshold.
+      any tenant's measured share is off by more than the threshold. Groups
+      with an nvml_sampler log add NVML's estimates against the CUPTI meter
+      (bench/gpu/nvml_cupti.py); those figures leave the exit status alone.
+  sm_share_workload.py calibration RESULTS_DIR
+      The tables of run_sm_share.sh calibrate: per phase (one process alone,
+      two without fracgpu, two tenants at 0.25/0.75) each process's known GPU
+      time, CUPTI's and NVML's estimate, NVML's sampling figures, the summary
+      lines to paste into docs/gpu-results.md and the suggested
+      SIMNVML_SAMPLE_MS / SIMNVML_ATTRIB. Exit 1 if a phase failed or its
+      sampler gave no summary.
 
 How a tenant's share of GPU time is measured without trusting fracgpu:
 
@@ -46,6 +55,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+
+def nvml_cupti():
+    """bench/gpu/nvml_cupti.py (the NVML-against-CUPTI analysis), imported on use."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "bench" / "gpu"))
+    import nvml_cupti as module
+
+    return module
 
 
 def now_ns() -> int:
@@ -337,6 +354,132 @@ def launch_bound_table(results: Path, groups: dict, group_files, notes: list) ->
             notes.append(f"{kind}: launch-bound pairs need NVML accounting (nvidia-smi -i 0 -am 1)")
 
 
+def read_manifest(results: Path) -> dict[str, list]:
+    """manifest.tsv: group, tenant, share ("alone" / "pair" for runs without
+    fracgpu), kind; groups in run order."""
+    groups: dict[str, list] = {}
+    for line in (results / "manifest.tsv").read_text().splitlines():
+        if line:
+            group, tenant, share, kind = line.split("\t")
+            groups.setdefault(group, []).append((tenant, share, kind))
+    return groups
+
+
+def nvml_procs(results: Path, group: str, members: list, baseline: dict, known: str = "throughput") -> list[dict]:
+    """Each member of a group as nvml_cupti.compare takes it: pid and measured
+    window from its JSON, its CUPTI meter file, and the GPU time known without
+    NVML: `throughput` = iterations/s over the same workload's alone rate x
+    the window (fracgpu or the driver gives the GPU to one process at a time,
+    so each kernel takes as long as alone); `cupti` = the meter's figure."""
+    mod = nvml_cupti()
+    d = results / group
+    procs = []
+    for tenant, share, kind in members:
+        r = load_json(d / f"{tenant}.json") or {}
+        lo = int(r["start_ns"] + r.get("late_start_s", 0) * 1e9) if "start_ns" in r else None
+        hi = lo + int(r["wall_s"] * 1e9) if lo is not None and "wall_s" in r else None
+        p = {"tenant": tenant, "share": share, "kind": kind, "pid": r.get("pid"), "lo_ns": lo, "hi_ns": hi,
+             "meter": mod.find_meter(d, f"cupti-{tenant}", r.get("pid")), "known_s": None, "known_by": None,
+             "result": r}
+        if known == "throughput" and r and kind in baseline:
+            p["known_s"], p["known_by"] = r["per_s"] / baseline[kind] * r["wall_s"], "throughput"
+        procs.append(p)
+    if known == "cupti":
+        for p in procs:
+            busy = mod.meter_busy_s(p["meter"], p["lo_ns"], p["hi_ns"]) if p["lo_ns"] and p["hi_ns"] else None
+            p["known_s"], p["known_by"] = busy, "CUPTI" if busy is not None else None
+    return procs
+
+
+def nvml_section(results: Path, groups: dict, baseline: dict, notes: list) -> None:
+    """NVML's estimates against the CUPTI meter, for the groups with a sampler log."""
+    mod = nvml_cupti()
+    comparisons, samplings = [], []
+    for group, members in groups.items():
+        d = results / group
+        if not (d / "nvml-sampler.jsonl").exists():
+            continue
+        label = "/".join(share for _, share, _ in members)
+        sampler = mod.read_sampler(d / "nvml-sampler.jsonl")
+        rows, run_notes = mod.compare(nvml_procs(results, group, members, baseline), sampler)
+        comparisons.append((label, rows))
+        samplings.append((label, sampler))
+        notes += [f"{label} (NVML/CUPTI, not counted): {n}" for n in run_notes]
+    if not comparisons:
+        return
+    print("\n## NVML against the CUPTI meter (nvml_sampler every 2 ms over the window)\n")
+    print("Known GPU time = throughput vs alone x window; NVML estimate = sum of smUtil x sample period per "
+          "PID (bench/gpu/nvml_cupti.py; docs/gpu-results.md, \"Calibrating the stand-in NVML\").\n")
+    print("\n".join(mod.comparison_table(comparisons)))
+    print()
+    print("\n".join(mod.sampling_table(samplings)))
+
+
+def calibration(results: Path) -> int:
+    """run_sm_share.sh calibrate's report (see the module's doc)."""
+    mod = nvml_cupti()
+    groups = read_manifest(results)
+    failures, notes = [], []
+    alone_rates: dict[str, float] = {}
+    for group, members in groups.items():
+        for tenant, share, kind in members:
+            r = load_json(results / group / f"{tenant}.json")
+            if share == "alone" and r:
+                alone_rates[kind] = r["per_s"]
+    comparisons, samplings, sharing, others, pastes = [], [], [], [], []
+    for group, members in groups.items():
+        d = results / group
+        shares = [share for _, share, _ in members]
+        if shares == ["alone"]:
+            phase, known = "alone, without fracgpu", "cupti"
+        elif set(shares) == {"pair"}:
+            phase, known = f"{len(members)} processes without fracgpu", "throughput"
+        else:
+            phase, known = f"tenants at {'/'.join(shares)} under fracgpu", "cupti"
+        procs = nvml_procs(results, group, members, alone_rates, known)
+        for p in procs:
+            if not p["result"]:
+                failures.append(f"{phase}: {p['tenant']} gave no result (see {d / p['tenant']}.err)")
+            elif p["known_s"] is None and known == "cupti" and p["kind"] in alone_rates:
+                # No meter: throughput instead.
+                r = p["result"]
+                p["known_s"], p["known_by"] = r["per_s"] / alone_rates[p["kind"]] * r["wall_s"], "throughput"
+        sampler = mod.read_sampler(d / "nvml-sampler.jsonl")
+        if sampler["summary"] is None:
+            failures.append(f"{phase}: {sampler['error']} (see {d / 'nvml-sampler.err'})")
+        rows, run_notes = mod.compare(procs, sampler)
+        notes += [f"{phase}: {n}" for n in run_notes]
+        comparisons.append((phase, rows))
+        samplings.append((phase, sampler))
+        (sharing if len(members) > 1 else others).append(sampler["summary"])
+        tenants = {str(p["pid"]): p["tenant"] for p in procs if p["pid"] is not None}
+        pastes += mod.paste_lines(phase, sampler, tenants)
+        shares_line = "; ".join(f"{r['tenant']}: known {fmt(r['known_used'])} ({r.get('known_by') or 'n/a'}), "
+                                f"CUPTI {fmt(r['cupti_used'])}, NVML {fmt(r['nvml_used'])}" for r in rows)
+        pastes.append(f"  - shares of the GPU time used: {shares_line}")
+
+    print("## NVML calibration: each process's GPU time, known and as NVML integrates it\n")
+    print("Known GPU time: alone and under fracgpu from the CUPTI meter (one process's kernels at a time); "
+          "without fracgpu from throughput against alone (a CUPTI interval there also covers the other "
+          "process's time slices). NVML estimate: sum of smUtil x sample period per PID of "
+          "nvmlDeviceGetProcessUtilization, polled every 2 ms.\n")
+    print("\n".join(mod.comparison_table(comparisons)))
+    print("\n## NVML's sampling, per phase and call\n")
+    print("\n".join(mod.sampling_table(samplings)))
+    print("\n## Lines for docs/gpu-results.md (\"Calibrating the stand-in NVML\")\n")
+    print("\n".join(pastes))
+    print("\n## Suggested settings of the stand-in NVML (tests/simnvml)\n")
+    print("```")
+    print("\n".join(mod.suggest([s for s in sharing if s], [s for s in others if s])))
+    print("```")
+    print()
+    for n in dict.fromkeys(notes):
+        print(f"note: {n}")
+    for f in failures:
+        print(f"FAIL: {f}")
+    return 1 if failures else 0
+
+
 def report(results: Path, threshold: float) -> int:
     # manifest.tsv: group, tenant, share ("alone" for a baseline run), kind.
     rows = [line.split("\t") for line in (results / "manifest.tsv").read_text().splitlines() if line]
@@ -442,6 +585,7 @@ def report(results: Path, threshold: float) -> int:
               f"| {total['achieved']} | |")
 
     launch_bound_table(results, groups, group_files, notes)
+    nvml_section(results, groups, baseline, notes)
     print()
     for n in dict.fromkeys(notes):  # de-duplicated, in order
         print(f"note: {n}")
@@ -478,11 +622,15 @@ def main() -> None:
     rep = sub.add_parser("report", help="Markdown tables of a run_sm_share.sh results directory")
     rep.add_argument("results", type=Path)
     rep.add_argument("--threshold", type=float, default=0.05, help="largest allowed |measured - share|")
+    cal = sub.add_parser("calibration", help="the tables of run_sm_share.sh calibrate")
+    cal.add_argument("results", type=Path)
     args = p.parse_args()
     if args.cmd == "run":
         run(args)
     elif args.cmd == "accounting":
         print(json.dumps(accounting(args.uuid, args.pids)))
+    elif args.cmd == "calibration":
+        sys.exit(calibration(args.results))
     else:
         sys.exit(report(args.results, args.threshold))
 
