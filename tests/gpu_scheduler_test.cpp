@@ -800,6 +800,18 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   const int a = spawn_attributed(0, &pa);
   spawn(1);
   const auto pb = static_cast<uint32_t>(processes_.back());
+  // Just after the scheduler starts, nothing is audited: processes have
+  // not yet seen it (they run ungated while no daemon schedules).
+  meter_.samples.push_back({pb, 40 * kMs, now_ + 1 * kMs});
+  pass(2 * kMs);
+  attributed_[1].push_back(pb);
+  reattribute();
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 0u) << "within the grace after the start";
+  attributed_[1].clear();
+  reattribute();
+  now_ += GpuScheduler::kAuditGraceNs;
+  const uint64_t before_grant = now_ + 1 * kMs;
   want(0, a);
   pass(2 * kMs);
   ASSERT_TRUE(holds(0));
@@ -829,7 +841,7 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   EXPECT_EQ(row(0).used_ns.load(), 24 * kMs) << "the credit (150 ms: 2 + 100 + 48 of holding) used up, a pays again";
   // A sample of b at an instant nobody held the GPU (before a's grant): b
   // is charged, nobody is credited.
-  meter_.samples.push_back({pb, 50 * kMs, 1 * kMs});
+  meter_.samples.push_back({pb, 50 * kMs, before_grant});
   pass(2 * kMs);
   EXPECT_EQ(row(1).out_of_grant_ns.load(), 200 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);

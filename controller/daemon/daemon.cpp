@@ -758,10 +758,18 @@ void Daemon::tick_gpu_time(uint64_t now) {
     for (auto& [uuid, arbiter] : arbiters_)
       for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.insert(pid);
     const std::map<int32_t, std::string> owners = tenant_processes();
-    std::erase_if(outside_gate_, [&](const auto& kv) {
-      return process_start_time(static_cast<int32_t>(kv.first)) != kv.second.start_time ||
-             (kv.second.tenant.empty() && now - kv.second.checked_ns > 1'000'000'000ull);
-    });
+    // Each entry is checked again once a second: gone (or its PID reused),
+    // or unattributed then, it is forgotten.
+    for (auto it = outside_gate_.begin(); it != outside_gate_.end();) {
+      OutsideGate& o = it->second;
+      if (now - o.checked_ns < 1'000'000'000ull) {
+        ++it;
+        continue;
+      }
+      o.checked_ns = now;
+      const bool gone = process_start_time(static_cast<int32_t>(it->first)) != o.start_time;
+      it = o.tenant.empty() || gone ? outside_gate_.erase(it) : std::next(it);
+    }
     for (const uint32_t pid : unknown) {
       if (outside_gate_.contains(pid) || outside_gate_.size() >= 4096 || owners.contains(static_cast<int32_t>(pid)))
         continue;

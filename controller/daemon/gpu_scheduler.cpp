@@ -111,6 +111,7 @@ void GpuScheduler::adopt(uint64_t now) {
     r.vtime = std::min(r.vtime, gputime::saturating_add(least, gputime::scale(kAdoptVtimeSpreadNs, r.share)));
   }
   min_vtime_ = least == UINT64_MAX ? 0 : least;
+  audit_from_ns_ = now + kAuditGraceNs;
   handovers_ = seg_.grant.handovers.load(std::memory_order_relaxed);
   // A grant number above the last run's and above the clock in
   // microseconds (which a damaged or missing number cannot be, and which
@@ -252,7 +253,10 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
   changed |= slice_ns_ != (slice_ns != 0 ? slice_ns : gputime::kDefaultSliceNs);
   slice_ns_ = slice_ns != 0 ? slice_ns : gputime::kDefaultSliceNs;
   active_count_ = static_cast<uint32_t>(std::count(listed.begin(), listed.end(), true));
-  if (changed) ++generation_;
+  if (changed) {
+    ++generation_;
+    audit_from_ns_ = last_pass_ns_ + kAuditGraceNs;
+  }
   publish(last_pass_ns_);
 }
 
@@ -433,6 +437,10 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
     return;
   }
   r.measured = gputime::saturating_add(r.measured, busy);
+  // Only where the tenant's processes are gated: on a GPU it shares or
+  // under a limit (as they decide it themselves), and not in the moments
+  // after a restart or a change, before they have noticed and asked.
+  if ((active_count_ <= 1 && r.limit >= kPpm) || at < audit_from_ns_) return;
   bool known = true;
   if (held_at(r, at, &known) || !known || at > now) return;
   r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);

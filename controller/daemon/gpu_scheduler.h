@@ -83,6 +83,10 @@ class GpuScheduler {
   // an instant (real drivers sample every ~1/6 s to 1 s).
   static constexpr uint64_t kAuditMarginNs = 200'000;
   static constexpr uint64_t kAuditInstantPeriodNs = 20'000'000;
+  // ... and audits nothing this soon after its start or a configuration
+  // change: processes see a new daemon, or that their GPU became shared,
+  // within a few pacer ticks, and until then run ungated in good faith.
+  static constexpr uint64_t kAuditGraceNs = 200'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -243,6 +247,7 @@ class GpuScheduler {
     std::vector<std::pair<uint64_t, uint64_t>> uses;  // (instant, busy), the first few (held mode's audit)
   };
   bool measured_charging_ = false;
+  uint64_t audit_from_ns_ = 0;  // samples before this instant are not audited
   std::unordered_map<uint32_t, Unattributed> unattributed_;
   std::vector<ProcessUse> readings_;
   uint64_t pass_busy_ = 0;   // measured by this pass's reading, all processes
