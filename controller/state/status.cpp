@@ -592,9 +592,10 @@ std::string status_to_text(const StatusReport& report) {
     if (!time) continue;
     if (i == 0 || rows[i - 1].uuid != rows[i].uuid || !rows[i - 1].gpu->gpu_time) {
       std::string how = time->measured ? "as NVML's samples measure it (gpu_time_charging = \"measured\")"
-                        : time->sample_period_ns != 0
+                        : time->sample_period_ns >= 1'000'000
                             ? fmt::format("as held, audited by NVML's samples (one every {})",
                                           format_duration_ns(time->sample_period_ns))
+                        : time->sample_period_ns != 0 ? "as held, audited by NVML's samples (none seen yet)"
                             : "as held (no NVML samples)";
       out += fmt::format("charging on {}: GPU time {}\n", rows[i].uuid, how);
     }
