@@ -6,6 +6,8 @@
 #include <exception>
 #include <string>
 
+#include <sys/resource.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -47,6 +49,17 @@ int run(int argc, char** argv) {
   setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 1);
   unsetenv("CUDA_VISIBLE_DEVICES");
   if (check) return check_config(options);
+  // Each tenant costs the daemon a few descriptors per GPU (its ledger, its
+  // usage file, the scheduler's copy): the soft limit's usual 1024 runs out
+  // at a few hundred tenants. Take what the hard limit allows (the systemd
+  // unit sets LimitNOFILE; docs/operations.md).
+  if (struct rlimit nofile {}; getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    const rlim_t soft = nofile.rlim_cur;
+    nofile.rlim_cur = nofile.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &nofile) != 0)
+      fmt::print(stderr, "fracgpud: cannot raise the descriptor limit from {} to {}: it stays {}\n", soft,
+                 nofile.rlim_max, soft);
+  }
 
   Daemon daemon(options, make_daemon_logger());
   if (const int rc = daemon.start(); rc != kExitOk) return rc;
