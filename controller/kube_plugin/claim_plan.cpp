@@ -226,8 +226,12 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
     if (gpu.share < 1.0 && limit != limits.end() && limit->second != "share") {
       const std::string& text = limit->second;
       char* end = nullptr;
-      const double value = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0' || !std::isfinite(value) || value < gpu.share - 1e-9 || value > 1.0) {
+      // A plain decimal fraction only: strtod also takes hex floats
+      // ("0x1p-1"), exponents, signs, "inf" and leading blanks.
+      const bool decimal = !text.empty() && text.find_first_not_of("0123456789.") == std::string::npos &&
+                           std::count(text.begin(), text.end(), '.') <= 1 && text != ".";
+      const double value = decimal ? std::strtod(text.c_str(), &end) : -1;
+      if (!decimal || *end != '\0' || !std::isfinite(value) || value < gpu.share - 1e-9 || value > 1.0) {
         *error = fmt::format("{}: {}: limit \"{}\" must be \"share\" or a fraction from the share ({}) to 1", who,
                              gpu.uuid, text, gpu.share);
         return std::nullopt;

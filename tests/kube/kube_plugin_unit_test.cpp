@@ -164,6 +164,12 @@ TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
   EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", "0.25")}))
                 .find(": limit \"0.25\" must be \"share\" or a fraction from the share (0.5) to 1"),
             std::string::npos);
+  for (const char* odd : {"0x1p-1", "6e-1", " 0.6", "+0.6", "inf", "0.6.1", "."})
+    EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", odd)}))
+                  .find(std::string(": limit \"") + odd + "\" must be \"share\" or a fraction"),
+              std::string::npos)
+        << odd;
+  EXPECT_DOUBLE_EQ(plan_ok(claim({result("gpu-0", half)}, {gpu_config("FromClaim", "0.75")})).gpus.at(0).limit.value_or(0), 0.75);
   EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {gpu_config("FromClaim", 1.0)})).find(".limit must be a string"),
             std::string::npos);
   json wrong_kind = gpu_config("FromClaim", "share");
