@@ -214,6 +214,26 @@ TEST(ApiBook, SharesAndMemoryOfConfigAndApiTenantsAddUp) {
                                 over, book_of(over)));
 }
 
+// A GPU's time is shared among at most 64 tenants: a create past that is
+// refused, naming the GPU (never a tenant left unscheduled).
+TEST(ApiBook, NoMoreTenantsOnAGpuThanItsTimeCanBeSharedAmong) {
+  ApiTenants api;
+  const NodeConfig c0 = config();  // one config tenant on GPU 0
+  for (int t = 0; t < 63; ++t) {
+    const std::string name = "dra-" + std::to_string(t);
+    api[name] = resolved(spec(name, {{{"uuid", kUuid0}, {"share", 0.001}, {"memory", 512 * kMiB}}}), c0);
+  }
+  const NodeConfig c = config(kConfig, &api);
+  const std::vector<GpuBook> book = book_of(c);
+  EXPECT_EQ(book[0].tenants, 64u);
+  const auto problem = capacity_problem(
+      resolved(spec("one-more", {{{"uuid", kUuid0}, {"share", 0.001}, {"memory", 512 * kMiB}}}), c), c, book);
+  ASSERT_TRUE(problem);
+  EXPECT_EQ(*problem, std::string(kUuid0) + ": it has 64 tenants already, the most one GPU's time is shared among");
+  // Another GPU has room.
+  EXPECT_FALSE(capacity_problem(resolved(spec("one-more", {gpu(kUuid1, 0.1)}), c), c, book));
+}
+
 TEST(ApiBook, SameSpecOrWhatDiffers) {
   const NodeConfig c = config();
   const ApiTenant a = resolved(spec("a", {gpu(kUuid0, 0.25)}), c);

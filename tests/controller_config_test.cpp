@@ -234,6 +234,20 @@ TEST(ConfigErrors, MemoryQuotasAboveTheGpuWithoutOvercommit) {
                   .ok());
 }
 
+// A GPU's time is shared among at most 64 tenants (its arbiter's table):
+// the 65th is refused where it is written, never left unscheduled.
+TEST(ConfigErrors, MoreTenantsOnAGpuThanItsTimeCanBeSharedAmong) {
+  const auto tenant = [](int t) {
+    return "[[tenant]]\nname = \"t" + std::to_string(t) + "\"\ngpus = 0.01\ndevices = [0]\nmemory = { \"0\" = \"1GiB\" }\n";
+  };
+  std::string text = kGpu0;
+  for (int t = 0; t < 64; ++t) text += tenant(t);
+  EXPECT_TRUE(parse(text).ok()) << "64 fit";
+  text += tenant(64);
+  // Five lines per tenant after the two of [[gpu]]: the 65th's gpus is on line 3 + 64 * 5 + 2.
+  expect_error(text, 3 + 64 * 5 + 2, "GPU 0 would have more than 64 tenants (API tenants included)");
+}
+
 TEST(ConfigErrors, ExplicitQuotaAboveTheGpusMemory) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"a\"\n[tenant.memory]\n\"0\" = \"81GiB\"\n", 6,
                "memory quota 81 GiB on GPU 0 is above the GPU's memory (80 GiB)");

@@ -1714,6 +1714,36 @@ TEST_F(GpuTimeTest, SampledAuditChargesAProcessWithoutTheInterposerToItsTenant) 
   EXPECT_LE(cheat, 0.64);
 }
 
+// Tenants come and go (in Kubernetes every claim is a new tenant): after 64
+// tenants have filled a GPU's table of GPU-time rows and gone, two new ones
+// are scheduled there (a 0.1 cap beside 0.9 holds), because the rows of
+// tenants that are gone are freed. (Before: no row was ever freed, and the
+// new tenants ran ungoverned, 0.5 / 0.5.)
+TEST_F(GpuTimeTest, TenantsThatComeAndGoNeverExhaustAGpusTable) {
+  std::vector<TenantSpec> many;
+  for (int t = 0; t < 64; ++t) many.push_back({"gone" + std::to_string(t), "0.01", "[0]", ""});
+  write_config(many);
+  start_daemon();
+  write_config({{"small", "0.1", "[0]", ""}, {"big", "0.9", "[0]", ""}});
+  kill(daemon_, SIGHUP);
+  for (const char* t : {"small", "big"})
+    ASSERT_TRUE(wait_for([&] { return fs::exists(root_ + "/tenants/" + t + "/gputime-0"); }, 10000)) << t;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  start_load("small", load_args("1000", 6));
+  start_load("big", load_args("1000", 6));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const Sample a = sample(1);
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  const Sample b = sample(1);
+  const double small = busy_share(a, b, "small", 0), big = busy_share(a, b, "big", 0);
+  printf("after 64 tenants came and went: small (0.1) %.3f, big (0.9) %.3f\n", small, big);
+  EXPECT_NEAR(small, 0.1, 0.02);
+  EXPECT_NEAR(big, 0.9, 0.02);
+  auto status = status_by_tenant();
+  EXPECT_TRUE(status["small"]["gpu_time"].is_object()) << status["small"].dump();
+  finish_loads();
+}
+
 TEST_F(GpuTimeTest, HeldChargingLosesToTheFalseDrainCheat) {
   const double honest = false_drain();
   EXPECT_LT(honest, 0.45) << "held mode resists the cheat: the measured-mode test proves nothing";

@@ -302,6 +302,7 @@ std::vector<GpuBook> book_of(const NodeConfig& config, std::string_view except) 
     for (const Grant& grant : tenant.grants) {
       GpuBook& b = book[grant.gpu];
       (api ? b.api_ppm : b.config_ppm) += grant.share_ppm;
+      b.tenants += 1;
       uint64_t& memory = api ? b.api_memory : b.config_memory;
       // An unlimited quota holds the whole GPU.
       memory = grant.memory_quota > UINT64_MAX - memory ? UINT64_MAX : memory + grant.memory_quota;
@@ -317,6 +318,9 @@ std::optional<std::string> capacity_problem(const ApiTenant& tenant, const NodeC
       const ManagedGpu& gpu = config.gpus[g];
       if (gpu.uuid_bytes != grant.uuid) continue;
       const GpuBook& b = book[g];
+      if (b.tenants >= kMaxTenantsPerGpu)
+        return fmt::format("{}: it has {} tenants already, the most one GPU's time is shared among", gpu.uuid,
+                           b.tenants);
       if (grant.share_ppm > b.free_ppm())
         return fmt::format("{}: share {} asked, {} free (config tenants {}, API tenants {})", gpu.uuid,
                            share_text(grant.share_ppm), share_text(b.free_ppm()), share_text(b.config_ppm),

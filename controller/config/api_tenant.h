@@ -55,6 +55,7 @@ nlohmann::json spec_json(const ApiTenant& tenant);
 struct GpuBook {
   uint32_t config_ppm = 0;
   uint32_t api_ppm = 0;  // draining tenants included: they keep their capacity
+  uint32_t tenants = 0;  // tenants with a grant on it, config and API (draining included)
   uint64_t config_memory = 0;
   uint64_t api_memory = 0;
 

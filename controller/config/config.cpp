@@ -828,6 +828,7 @@ class Parser {
   void reserve_api_tenants() {
     api_ppm_.assign(gpus_.size(), 0);
     api_memory_.assign(gpus_.size(), 0);
+    api_tenants_.assign(gpus_.size(), 0);
     api_share_holders_.assign(gpus_.size(), "");
     api_memory_holders_.assign(gpus_.size(), "");
     if (api_ == nullptr) return;
@@ -849,6 +850,7 @@ class Parser {
         if (const auto problem = memory_quota_problem(grant.memory, gpu)) error_in(where, 0, *problem);
         api_ppm_[g] += grant.share_ppm;
         api_memory_[g] += grant.memory;
+        api_tenants_[g] += 1;
         api_share_holders_[g] += fmt::format("{}\"{}\" {}", api_share_holders_[g].empty() ? "" : ", ", name,
                                              format_gpus(grant.share_ppm));
         api_memory_holders_[g] += fmt::format("{}API tenant \"{}\" {}", api_memory_holders_[g].empty() ? "" : ", ",
@@ -1051,9 +1053,15 @@ class Parser {
     std::vector<uint64_t> total = api_memory_;
     std::vector<std::string> holders = api_memory_holders_;
     std::vector<bool> reported(gpus_.size(), false);
+    std::vector<uint32_t> count = api_tenants_;
     for (TenantDraft& draft : tenants_) {
       if (!draft.valid) continue;
       for (const Grant& g : draft.tenant.grants) {
+        if (++count[g.gpu] == kMaxTenantsPerGpu + 1)
+          error_in(fmt::format("tenant \"{}\"", draft.tenant.name), line_of_gpus(draft),
+                   fmt::format("GPU {} would have more than {} tenants (API tenants included), the most one GPU's "
+                               "time is shared among",
+                               gpus_[g.gpu].gpu.index, kMaxTenantsPerGpu));
         total[g.gpu] += g.memory_quota;
         holders[g.gpu] += fmt::format("{}{} {}", holders[g.gpu].empty() ? "" : ", ", draft.tenant.name,
                                       format_size(g.memory_quota));
@@ -1085,6 +1093,7 @@ class Parser {
   // Per [[gpu]]: what API tenants hold, and who ("\"dra-1\" 0.5, ...").
   std::vector<uint32_t> api_ppm_;
   std::vector<uint64_t> api_memory_;
+  std::vector<uint32_t> api_tenants_;  // API tenants with a grant on each GPU
   std::vector<std::string> api_share_holders_;
   std::vector<std::string> api_memory_holders_;
 };

@@ -16,6 +16,11 @@
 
 namespace fracgpu::controller {
 
+// Tenants with a grant on one GPU, at most: the rows of its GPU-time
+// arbiter (gputime::kMaxTenants, which the scheduler asserts equal). A
+// create or config past it is refused; rows of tenants gone are reused.
+inline constexpr uint32_t kMaxTenantsPerGpu = 64;
+
 struct ManagedGpu;
 
 // 1 to 63 of a-z, 0-9, '_', '.', '-', starting with a letter or digit: the

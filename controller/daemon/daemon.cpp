@@ -691,6 +691,12 @@ void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, con
 void Daemon::apply_gpu_time(const NodeConfig& config) {
   const uint64_t slice_ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(config.daemon.time_slice).count());
+  // Tenants with live processes (the daemon's count): their GPU-time rows
+  // stay theirs even where they are no longer configured.
+  std::set<std::string> in_use;
+  for (const auto& [name, open] : ledgers_)
+    if (std::any_of(open.host_pids.begin(), open.host_pids.end(), [](int32_t pid) { return pid > 0; }))
+      in_use.insert(name);
   for (const ManagedGpu& gpu : config.gpus) {
     GpuArbiter* arbiter = open_arbiter(gpu);
     if (arbiter == nullptr) continue;
@@ -709,7 +715,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
         tenants.push_back(std::move(t));
       }
     }
-    arbiter->scheduler->configure(tenants, slice_ns);
+    arbiter->scheduler->configure(tenants, slice_ns, in_use);
     arbiter->scheduler->set_measured_charging(config.daemon.gpu_time_measured);
     arbiter->scheduler->start();
   }

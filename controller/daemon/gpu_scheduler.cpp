@@ -16,9 +16,13 @@
 
 #include <fmt/format.h>
 
+#include "config/tenant_rules.h"
 #include "sigbus_guard.h"
 
 namespace fracgpu::controller {
+
+static_assert(kMaxTenantsPerGpu == gputime::kMaxTenants, "admission and the arbiter's table must agree");
+
 namespace {
 
 using gputime::kPpm;
@@ -202,15 +206,54 @@ void GpuScheduler::release_usage(Row& r) {
   r.alive.reset();
 }
 
-void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns) {
+// A row whose tenant is gone, back to unused: the scheduler's state and the
+// file's (name, figures, grant) cleared, so the next tenant bound to it
+// starts from nothing. Only rows nobody can still act on are freed: no
+// process of the tenant is alive (the daemon's count, by record locks) and
+// its grant is idle.
+void GpuScheduler::free_row(uint32_t t) {
+  Row& r = rows_[t];
+  release_usage(r);
+  r = Row{};
+  r.gseq = seq_;
+  gputime::TenantTime& f = seg_.tenants[t];
+  f.state.store(gputime::kTenantUnused, std::memory_order_release);
+  memset(f.name, 0, sizeof f.name);
+  for (std::atomic<uint32_t>* field : {&f.share_ppm, &f.limit_ppm, &f.achieved_1s_ppm, &f.achieved_10s_ppm, &f.flags,
+                                       &f.waiting_processes, &f.missed_deadlines})
+    field->store(0, std::memory_order_relaxed);
+  for (std::atomic<uint64_t>* field : {&f.vtime, &f.used_ns, &f.throttled_ns, &f.cap_tat_ns, &f.slices, &f.measured_ns,
+                                       &f.held_ns, &f.out_of_grant_ns, &f.out_of_grant_samples})
+    field->store(0, std::memory_order_relaxed);
+  publish_grant(t, false);
+  for (auto& [at, used] : samples_) used[t] = 0;
+}
+
+void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns,
+                             const std::set<std::string>& in_use) {
   std::lock_guard lock(mutex_);
   bool changed = false;
+  // First free the rows of tenants that are gone, so the new ones find room.
+  std::set<std::string> listed_names;
+  for (const SchedulerTenant& t : tenants) listed_names.insert(t.name);
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    const Row& r = rows_[t];
+    if (!r.bound || listed_names.contains(r.name) || in_use.contains(r.name) || r.gstate != gputime::kGrantIdle)
+      continue;
+    note(false, fmt::format("{}: tenant \"{}\" is gone: its row of the GPU-time table is free again", label_, r.name));
+    free_row(t);
+    changed = true;
+  }
   std::array<bool, gputime::kMaxTenants> listed{};
   for (const SchedulerTenant& t : tenants) {
     const int index = gputime::bind_tenant(seg_, t.name.c_str());
     if (index < 0) {
-      note(true, fmt::format("{}: more than {} tenants: tenant \"{}\" gets no GPU time there", label_,
-                             gputime::kMaxTenants, t.name));
+      // Admission keeps configured tenants within the table; what is left
+      // are tenants gone from the config whose processes still run.
+      note(true, fmt::format("{}: all {} rows of its GPU-time table are taken (by tenants configured here, or gone "
+                             "with processes still running): tenant \"{}\" is not scheduled there, and its "
+                             "processes run that GPU ungoverned until a row is free",
+                             label_, gputime::kMaxTenants, t.name));
       continue;
     }
     Row& r = rows_[index];

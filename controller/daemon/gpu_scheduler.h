@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <string>
 #include <thread>
@@ -99,8 +100,13 @@ class GpuScheduler {
   // damaged), and starts with no holder under a grant number above every
   // earlier one. Call once, before anything else.
   void adopt(uint64_t now);
-  // The tenants with a share of this GPU now; rows of others are retired.
-  void configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns);
+  // The tenants with a share of this GPU now; rows of others are retired,
+  // and the rows of tenants that are gone (neither listed nor named in
+  // `in_use`: the daemon's tenants that still have live processes) are
+  // freed for new tenants, so tenants that come and go never exhaust the
+  // file's kMaxTenants rows.
+  void configure(const std::vector<SchedulerTenant>& tenants, uint64_t slice_ns,
+                 const std::set<std::string>& in_use = {});
   // The meter that measured mode charges by (nullptr: held mode). The
   // scheduler owns it and calls it on its own thread.
   void set_meter(std::unique_ptr<UsageMeter> meter);
@@ -191,6 +197,7 @@ class GpuScheduler {
   };
 
   void release_usage(Row& r);
+  void free_row(uint32_t t);
   bool slot_alive(Row& r, uint32_t s, uint64_t now);
   void observe(Row& r, uint64_t now);
   // Slots of the holder that entered the current grant and have neither
