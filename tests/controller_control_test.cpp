@@ -460,6 +460,31 @@ TEST_F(ControlTest, DeletingATenantWithAProcessDrainsIt) {
   EXPECT_TRUE(create("drain", {gpu(kUuid1, 0.5)}).ok);  // the name is free again
 }
 
+// Capacity is released when the tenant's last process is gone, by the
+// kernel's word (the record locks its processes hold), never by what the
+// tenant wrote: a tenant that truncates its own usage file before its last
+// process ends is still deleted. (Before: its processes could no longer be
+// counted, and it stayed draining, its capacity booked, until a restart.)
+TEST_F(ControlTest, ATenantThatTruncatesItsUsageFileIsStillDeletedWhenItsLastProcessEnds) {
+  start_daemon();
+  ASSERT_TRUE(create("drain", {gpu(kUuid1, 0.5, 1 * kGiB)}).ok);
+  const std::string barrier = tmp_ / "barrier";
+  fs::create_directories(barrier);
+  const std::string log = tmp_ / "running.log";
+  const pid_t running = spawn_probe("drain", {"init", "primary", "1", "alloc", "100MiB", "barrier", barrier, "hold"}, log);
+  ASSERT_TRUE(eventually([&] { return fs::exists(barrier + "/ready-" + std::to_string(running)); }, 20s))
+      << read_file(log);
+  ASSERT_EQ(call({{"op", "delete"}, {"name", "drain"}}).body["state"], "draining");
+  ASSERT_EQ(truncate((tenant_dir("drain") + "/usage").c_str(), 0), 0) << strerror(errno);
+  std::this_thread::sleep_for(500ms);
+  EXPECT_TRUE(fs::exists(tenant_dir("drain"))) << "its process still runs";
+  EXPECT_EQ(call({{"op", "get"}, {"name", "drain"}}).body["tenant"]["processes"], 1) << "counted by its lock";
+  kill_and_reap(running);
+  ASSERT_TRUE(eventually([&] { return !fs::exists(tenant_dir("drain")); }, 10s)) << read_file(log_path_);
+  EXPECT_EQ(call({{"op", "node"}}).body["node"]["gpus"][1]["api_share"], 0.0);
+  EXPECT_TRUE(create("drain2", {gpu(kUuid1, 1.0)}).ok) << "the whole GPU is free again";
+}
+
 TEST_F(ControlTest, DrainingSurvivesADaemonRestart) {
   start_daemon();
   ASSERT_TRUE(create("drain", {gpu(kUuid1, 0.5, 1 * kGiB)}).ok);

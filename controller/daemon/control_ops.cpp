@@ -87,19 +87,18 @@ bool Daemon::save_api_tenants(const ApiTenants& next, std::string* error) {
 int Daemon::live_processes(const std::string& name) const {
   const auto it = ledgers_.find(name);
   if (it == ledgers_.end()) return 0;  // no ledger this daemon could open: nobody attached through it
-  if (it->second.ledger.usage == nullptr) return -1;
-  const ledger::TenantLedger& l = it->second.ledger;
-  const ledger::UsageSegment& usage = *l.usage;
+  // The kernel's word, not the tenant's: a live process holds its slot's
+  // record lock, whatever the usage file (the tenant's to write, truncate or
+  // scramble) now says; when the last one is gone, every lock is. So every
+  // slot's lock is probed, not the slots the file lists, on the file the
+  // processes locked (kept open while the ledger is corrupt).
+  ledger::TenantLedger probe;
+  probe.usage_fd = it->second.ledger.usage_fd >= 0 ? it->second.ledger.usage_fd : it->second.corrupt_locks.get();
+  if (probe.usage_fd < 0) return -1;
   int live = 0;
-  // A fault (the tenant shrank the file) tells nothing: the next pass marks it corrupt.
-  const bool read = shm::sigbus_guarded([&] {
-    const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), ledger::kMaxSlots);
-    for (uint32_t s = 0; s < high; ++s)
-      if (usage.slots[s].state.load(std::memory_order_acquire) != ledger::kSlotFree &&
-          ledger::slot_owner_pid(l, s) != 0)
-        ++live;
-  });
-  return read ? live : -1;
+  for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
+    if (ledger::slot_owner_pid(probe, s) != 0) ++live;
+  return live;
 }
 
 bool Daemon::finish_delete(const std::string& name) {

@@ -868,6 +868,7 @@ bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
     ledger::close_ledger(&open.ledger);
     open.ledger = fresh;
     open.corrupt.clear();
+    open.corrupt_locks = UniqueFd();
     log_->log(open.corrupt_logged ? spdlog::level::info : spdlog::level::debug,
               "tenant \"{}\": {} is valid again; reclaiming resumes", name, usage_path);
   }
@@ -906,6 +907,8 @@ void Daemon::mark_corrupt(const std::string& name, OpenLedger& open, const std::
             "tenant \"{}\": {}/{} {}: its ledger is corrupt; nothing is reclaimed there until it is valid again "
             "(checked every pass)",
             name, open.dir, ledger::kUsageFileName, why);
+  if (open.ledger.usage_fd >= 0 && open.corrupt_locks.get() < 0)
+    open.corrupt_locks = UniqueFd(fcntl(open.ledger.usage_fd, F_DUPFD_CLOEXEC, 0));
   ledger::close_usage(&open.ledger);
   open.corrupt = why;
 }

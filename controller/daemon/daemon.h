@@ -123,6 +123,10 @@ class Daemon {
     // It is unmapped (ledger.usage is null) and re-validated every pass;
     // nothing is reclaimed in it meanwhile.
     std::string corrupt;
+    // While it is corrupt: the file it was (a descriptor kept from before),
+    // for counting its processes by their record locks, which a live process
+    // holds whatever became of the file's contents or name.
+    UniqueFd corrupt_locks;
     // When a corruption was last logged as an error: a tenant flipping its
     // file back and forth gets one error a minute, the rest at debug.
     uint64_t corrupt_logged_ns = 0;
