@@ -53,19 +53,35 @@ def now_ns() -> int:
 
 
 # --------------------------------------------------------------------------
-# sample
+# the simulated driver's counters, and PID:TENANT arguments
 
 
-def cmd_sample(args) -> int:
-    lib = ctypes.CDLL(args.lib)
+def sim_counters(path):
+    """simcuda_busy_ns(device, pid) and simcuda_device_busy_ns(device) from the simulated driver at `path`."""
+    lib = ctypes.CDLL(path)
     busy = lib.simcuda_busy_ns
     busy.restype, busy.argtypes = ctypes.c_uint64, [ctypes.c_int, ctypes.c_int]
     device_busy = lib.simcuda_device_busy_ns
     device_busy.restype, device_busy.argtypes = ctypes.c_uint64, [ctypes.c_int]
+    return busy, device_busy
+
+
+def parse_procs(specs):
+    """["PID:TENANT", ...] -> [(pid, tenant), ...]"""
     procs = []
-    for spec in args.procs:
+    for spec in specs:
         pid, _, tenant = spec.partition(":")
         procs.append((int(pid), tenant))
+    return procs
+
+
+# --------------------------------------------------------------------------
+# sample
+
+
+def cmd_sample(args) -> int:
+    busy, device_busy = sim_counters(args.lib)
+    procs = parse_procs(args.procs)
     interval = int(args.interval * 1e9)
     end = args.start_ns + int(args.seconds * 1e9) + interval
     t = args.start_ns
@@ -90,15 +106,8 @@ def cmd_sample(args) -> int:
 def cmd_watch(args) -> int:
     import subprocess
 
-    lib = ctypes.CDLL(args.lib)
-    busy = lib.simcuda_busy_ns
-    busy.restype, busy.argtypes = ctypes.c_uint64, [ctypes.c_int, ctypes.c_int]
-    device_busy = lib.simcuda_device_busy_ns
-    device_busy.restype, device_busy.argtypes = ctypes.c_uint64, [ctypes.c_int]
-    procs = []
-    for spec in args.procs:
-        pid, _, tenant = spec.partition(":")
-        procs.append((int(pid), tenant))
+    busy, device_busy = sim_counters(args.lib)
+    procs = parse_procs(args.procs)
     tenants = list(dict.fromkeys(t for _, t in procs))
 
     def truth():
