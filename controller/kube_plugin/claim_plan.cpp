@@ -245,6 +245,8 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
 
 }  // namespace
 
+std::string kubelet_request_name(const std::string& request) { return parent_request(request); }
+
 json tenant_spec(const ClaimPlan& plan) {
   json gpus = json::array();
   for (const PlannedGpu& gpu : plan.gpus) {

@@ -66,6 +66,10 @@ struct ClaimPlan {
 // A UID the plugin accepts in file names and tenant names: 1 to 58 of
 // [a-z0-9-] (Kubernetes UIDs are 36), starting with a letter or digit.
 bool valid_claim_uid(const std::string& uid);
+// The request name the kubelet matches a container's claims against: a
+// result's request with the subrequest of a prioritized list (firstAvailable:
+// "gpu/quarter") taken off, as the upstream helper library hands it back.
+std::string kubelet_request_name(const std::string& request);
 
 // "dra-<uid>".
 std::string tenant_name(const std::string& uid);

@@ -46,7 +46,9 @@ class DraService final : public dra::DRAPlugin::Service {
       for (size_t i = 0; i < result.devices.size(); ++i) {
         const PreparedDevice& d = result.devices[i];
         dra::Device* device = out.add_devices();
-        device->add_request_names(d.request);
+        // The kubelet hands a device to a container whose claim names this
+        // request; a subrequest of a prioritized list would match none.
+        device->add_request_names(kubelet_request_name(d.request));
         device->set_pool_name(d.pool);
         device->set_device_name(d.device);
         for (const std::string& id : result.cdi_ids[i]) device->add_cdi_device_ids(id);

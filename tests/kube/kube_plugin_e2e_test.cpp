@@ -434,6 +434,32 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
 // Unprepared while a process of the pod still runs: the tenant drains (the
 // process keeps its quota, its capacity stays booked), the spec and the
 // record go, and the daemon removes the tenant once the process is gone.
+// A claim with a prioritized list (firstAvailable): the allocator records
+// the result's request as "<request>/<subrequest>". The kubelet hands a
+// device to a container whose claim names the request ("gpu"): the plugin
+// gives that name back, the subrequest taken off, and a GpuConfig naming
+// either applies.
+TEST_F(KubePluginE2E, AFirstAvailableSubrequestIsReportedAsItsRequest) {
+  start_plugin();
+  json config = {{"source", "FromClaim"},
+                 {"requests", json::array({"gpu/quarter"})},
+                 {"opaque",
+                  {{"driver", "gpu.fracgpu.io"},
+                   {"parameters", {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}, {"limit", "0.5"}}}}}};
+  const auto claim =
+      write_claim(12, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}}, "gpu/quarter")}, json::array({config}));
+  const auto response = prepare({claim});
+  const auto& prepared = response.claims().at(claim.uid);
+  ASSERT_EQ(prepared.error(), "");
+  ASSERT_EQ(prepared.devices_size(), 1);
+  ASSERT_EQ(prepared.devices(0).request_names_size(), 1);
+  EXPECT_EQ(prepared.devices(0).request_names(0), "gpu");
+  const control::Reply got = call({{"op", "get"}, {"name", "dra-" + claim.uid}});
+  ASSERT_TRUE(got.ok) << got.error;
+  EXPECT_EQ(got.body["tenant"]["gpus"][0]["share"], 0.25);
+  EXPECT_EQ(got.body["tenant"]["gpus"][0]["limit"], 0.5) << "the config naming the subrequest applies";
+}
+
 TEST_F(KubePluginE2E, UnprepareWithALiveProcessDrainsTheTenant) {
   start_plugin();
   const auto claim = write_claim(16, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});

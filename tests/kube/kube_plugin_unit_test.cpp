@@ -137,6 +137,16 @@ TEST(ClaimPlan, AWholeGpuHasNoLimit) {
   EXPECT_FALSE(plan.gpus[0].limit);
 }
 
+// The kubelet matches request names against a container's claims: a
+// subrequest of a prioritized list is handed back as its request.
+TEST(ClaimPlan, TheKubeletGetsTheRequestNotTheSubrequest) {
+  EXPECT_EQ(kubelet_request_name("gpu/quarter"), "gpu");
+  EXPECT_EQ(kubelet_request_name("gpu"), "gpu");
+  const ClaimPlan plan = plan_ok(claim({result("gpu-1", {{"share", "250m"}}, "gpu/quarter")}));
+  ASSERT_EQ(plan.devices.size(), 1u);
+  EXPECT_EQ(plan.devices[0].request, "gpu/quarter") << "the record keeps the allocator's name";
+}
+
 TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
   const json half = {{"memory", "20Gi"}, {"share", "500m"}};
   EXPECT_EQ(plan_error(claim({result("gpu-0", half)}, {}, "another-uid")),
