@@ -694,9 +694,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
   // Tenants with live processes (the daemon's count): their GPU-time rows
   // stay theirs even where they are no longer configured.
   std::set<std::string> in_use;
-  for (const auto& [name, open] : ledgers_)
-    if (std::any_of(open.host_pids.begin(), open.host_pids.end(), [](int32_t pid) { return pid > 0; }))
-      in_use.insert(name);
+  for (const auto& [pid, name] : tenant_processes()) in_use.insert(name);
   for (const ManagedGpu& gpu : config.gpus) {
     GpuArbiter* arbiter = open_arbiter(gpu);
     if (arbiter == nullptr) continue;
@@ -763,7 +761,6 @@ void Daemon::tick_gpu_time(uint64_t now) {
     std::set<uint32_t> unknown;
     for (auto& [uuid, arbiter] : arbiters_)
       for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.insert(pid);
-    const std::map<int32_t, std::string> owners = tenant_processes();
     // Each entry is checked again once a second: gone (or its PID reused),
     // or unattributed then, it is forgotten.
     for (auto it = outside_gate_.begin(); it != outside_gate_.end();) {
@@ -776,6 +773,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
       const bool gone = process_start_time(static_cast<int32_t>(it->first)) != o.start_time;
       it = o.tenant.empty() || gone ? outside_gate_.erase(it) : std::next(it);
     }
+    const std::map<int32_t, std::string> owners = unknown.empty() ? std::map<int32_t, std::string>{} : tenant_processes();
     for (const uint32_t pid : unknown) {
       if (outside_gate_.contains(pid) || outside_gate_.size() >= 4096 || owners.contains(static_cast<int32_t>(pid)))
         continue;

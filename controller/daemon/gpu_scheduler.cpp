@@ -489,12 +489,11 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
   r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);
   r.out_of_grant = gputime::saturating_add(r.out_of_grant, busy);
   r.out_of_grant_samples += 1;
-  uint32_t holders_then = 0;
+  std::bitset<gputime::kMaxTenants> holders_then;
   for (uint32_t h = 0; h < gputime::kMaxTenants; ++h)
-    if (h != t && rows_[h].active && held_at(rows_[h], at, &known) && known) ++holders_then;
-  for (uint32_t h = 0; h < gputime::kMaxTenants && holders_then > 0; ++h)
-    if (h != t && rows_[h].active && held_at(rows_[h], at, &known) && known)
-      rows_[h].credit = std::min(rows_[h].credit + busy / holders_then, kSecond);
+    holders_then[h] = h != t && rows_[h].active && held_at(rows_[h], at, &known) && known;
+  for (uint32_t h = 0; h < gputime::kMaxTenants; ++h)
+    if (holders_then[h]) rows_[h].credit = std::min(rows_[h].credit + busy / holders_then.count(), kSecond);
 }
 
 // Reads the meter (every kMeterIntervalNs) and files each process's GPU
