@@ -420,9 +420,7 @@ class GpuTimeTest : public ::testing::Test {
     start_load("capped", load_args("50,5000", 5, "0"));
     start_load("open", load_args("50,5000", 5, "1"));
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    const Sample a = sample(2);
-    std::this_thread::sleep_for(std::chrono::seconds(4));
-    const Sample b = sample(2);
+    const auto [a, b] = span(2, 4000);
     const double capped = busy_share(a, b, "capped", 0), open = busy_share(a, b, "open", 1);
     printf("alone: capped at 0.3 used %.3f, work-conserving used %.3f\n", capped, open);
     EXPECT_LE(capped, 0.32);
@@ -466,9 +464,7 @@ class GpuTimeTest : public ::testing::Test {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     });
-    const Sample a = sample(1);
-    std::this_thread::sleep_for(std::chrono::seconds(6));
-    const Sample b = sample(1);
+    const auto [a, b] = span(1, 6000);
     if (meter_) {
       auto status = status_by_tenant();
       for (const char* t : {"honest", "cheat"}) printf("  %s: %s\n", t, status[t]["gpu_time"].dump().c_str());
@@ -513,9 +509,7 @@ class GpuTimeTest : public ::testing::Test {
     start_load("honest", load_args("1000", 9.5));
     cheat();
     std::this_thread::sleep_for(std::chrono::seconds(1));
-    const Sample a = sample(1);
-    std::this_thread::sleep_for(std::chrono::seconds(7));
-    const Sample b = sample(1);
+    const auto [a, b] = span(1, 7000);
     const double honest = busy_share(a, b, "honest", 0), cheating = busy_share(a, b, "cheat", 0);
     if (meter_) {
       auto status = status_by_tenant();
@@ -694,13 +688,19 @@ class GpuTimeTest : public ::testing::Test {
     if (!sample_ms_.empty()) expect_timeline_shares(samples, device, expected, kSecond, kSecond, 0.10);
   }
 
+  // A sample now and one `ms` milliseconds later: the span a share is
+  // measured over.
+  std::pair<Sample, Sample> span(int devices, int ms) const {
+    Sample a = sample(devices);
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return {std::move(a), sample(devices)};
+  }
+
   // Share of wall time the tenant's processes used on `device` over the
   // next `ms` milliseconds.
   double measure(const std::string& tenant, int device, int ms) {
-    const Sample a = sample(device + 1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-    const Sample b = sample(device + 1);
-    return static_cast<double>(tenant_busy(a, b, tenant, device)) / static_cast<double>(b.t - a.t);
+    const auto [a, b] = span(device + 1, ms);
+    return busy_share(a, b, tenant, device);
   }
 
   // How the first load's kernels ran on `device` between `after_ms` and
@@ -1466,9 +1466,7 @@ TEST_F(GpuTimeTest, GarbageInATenantsRequestsTakesNothingFromAnother) {
       ++writes;
     }
   });
-  const Sample a = sample(1);
-  std::this_thread::sleep_for(std::chrono::seconds(6));
-  const Sample b = sample(1);
+  const auto [a, b] = span(1, 6000);
   stop.store(true);
   scribbler.join();
   const double length = static_cast<double>(b.t - a.t);
@@ -1785,9 +1783,7 @@ TEST_F(GpuTimeTest, TenantsThatComeAndGoNeverExhaustAGpusTable) {
   start_load("small", load_args("1000", 6));
   start_load("big", load_args("1000", 6));
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  const Sample a = sample(1);
-  std::this_thread::sleep_for(std::chrono::seconds(4));
-  const Sample b = sample(1);
+  const auto [a, b] = span(1, 4000);
   const double small = busy_share(a, b, "small", 0), big = busy_share(a, b, "big", 0);
   printf("after 64 tenants came and went: small (0.1) %.3f, big (0.9) %.3f\n", small, big);
   EXPECT_NEAR(small, 0.1, 0.02);
