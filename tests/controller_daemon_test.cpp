@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,28 @@ TEST_F(DaemonTest, CreatesLedgersWithTheConfiguredQuotas) {
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
   ledger::close_ledger(&alice);
   ledger::close_ledger(&bob);
+}
+
+// A few descriptors per tenant and GPU: the daemon takes what the hard
+// limit allows, whatever soft limit it was started with.
+TEST_F(DaemonTest, RaisesItsDescriptorLimitToTheHardLimit) {
+  struct rlimit saved {};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max <= 256) GTEST_SKIP() << "hard limit " << saved.rlim_max << ": nothing to raise to";
+  struct rlimit low = saved;
+  low.rlim_cur = 256;
+  write_config(config(run_dir_, "0.5"));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  daemon_ = start_daemon();  // inherits the low soft limit
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  const pid_t daemon = daemon_;
+  std::string soft, line;
+  std::istringstream limits(read_file("/proc/" + std::to_string(daemon) + "/limits"));
+  while (std::getline(limits, line))
+    if (line.rfind("Max open files", 0) == 0) soft = line;
+  const std::string hard = saved.rlim_max == RLIM_INFINITY ? "unlimited" : std::to_string(saved.rlim_max);
+  EXPECT_NE(soft.find(" " + hard + " "), std::string::npos) << soft;
+  EXPECT_EQ(soft.find(" 256 "), std::string::npos) << soft;
 }
 
 TEST_F(DaemonTest, SighupChangesAQuotaInPlaceInAnotherProcesssMapping) {

@@ -361,6 +361,23 @@ TEST_F(SchedulerTest, AMissedDeadlineBlocksTheTenantUntilItShowsProgress) {
 
 // A grant nobody needs any more ends at once: the process that entered it
 // reported its drain (as at exit) and nobody of the tenant asks.
+// ... but a grant given up before kIdleNs costs kIdleNs: the hand-over it
+// provokes idles the GPU for everyone, and a tenant reporting drains it has
+// not done could otherwise provoke them as often as it likes.
+TEST_F(SchedulerTest, AGrantGivenUpAtOnceCostsTheIdleTime) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  want(1, b);
+  pass();
+  ASSERT_TRUE(granted_to(0));
+  ASSERT_TRUE(enter(0, a));
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word()));
+  pass(1 * kMs);
+  EXPECT_TRUE(granted_to(1));
+  EXPECT_EQ(row(0).held_ns.load(), 1 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), gputime::kIdleNs) << "held 1 ms, charged 2";
+}
+
 TEST_F(SchedulerTest, AGrantEndsAtOnceWhenItsProcessesAreDone) {
   const int a = spawn(0), b = spawn(1);
   want(0, a);
