@@ -356,7 +356,10 @@ struct RingSample {
 // 1 ms lets writers in flight finish); the ring is the newest kRingSamples
 // of them whose bins are all still in the bin ring (not older than
 // kSampleBins ms, and the slot not reused by a newer bin). Oldest first.
-std::vector<RingSample> ring_samples(int dev, uint64_t period_ms, Attribution attribution) {
+// Only those stamped after `newer_than_us` are computed (what a call with
+// that lastSeenTimeStamp asks for): polled every few ms, that is one or none.
+std::vector<RingSample> ring_samples(int dev, uint64_t period_ms, Attribution attribution,
+                                     unsigned long long newer_than_us) {
   using simcuda::kBinNs;
   using simcuda::kSampleBins;
   const simcuda::SampleBins& b = simcuda::S()->sample_bins[dev];
@@ -373,6 +376,7 @@ std::vector<RingSample> ring_samples(int dev, uint64_t period_ms, Attribution at
   for (uint64_t k = (now_ms - 1) / period_ms; k >= 1 && out.size() < kRingSamples; --k) {
     const uint64_t t = k * period_ms;
     if (t - period_ms + kSampleBins <= now_ms) break;  // its oldest bin has left the ring
+    if (t * 1000 + offset_us <= newer_than_us) break;    // older ones are older still
     bool gone = false;
     uint64_t busy = 0;
     for (uint64_t m = t - period_ms; m < t; ++m) busy += busy_of(m, &gone);
@@ -440,7 +444,7 @@ std::vector<ProcessRecord> sampled_processes(int dev, const SamplingMode& mode, 
   };
   std::vector<Acc> acc;
   unsigned long long named = 0;
-  for (const RingSample& s : ring_samples(dev, mode.period_ms, mode.attribution)) {
+  for (const RingSample& s : ring_samples(dev, mode.period_ms, mode.attribution, last_seen)) {
     if (s.stamp_us <= last_seen || !s.named) continue;
     ++named;
     auto it = std::find_if(acc.begin(), acc.end(), [&](const Acc& a) { return a.pid == s.pid; });
@@ -680,7 +684,7 @@ nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, 
   }
   SamplingMode mode = sampling_mode();
   if (mode.period_ms == 0) mode.period_ms = kExactModeDeviceSampleMs;
-  std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution);
+  std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution, lastSeenTimeStamp);
   std::erase_if(ring, [&](const RingSample& s) { return s.stamp_us <= lastSeenTimeStamp || s.busy_pct == 0; });
   if (ring.empty()) {
     *sampleCount = 0;
