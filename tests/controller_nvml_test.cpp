@@ -151,13 +151,13 @@ TEST(NvmlConfig, MemoryAuditKeysAreValidatedWithFileAndLine) {
   ASSERT_TRUE(defaults.ok());
   EXPECT_EQ(defaults.config->daemon.memory_audit.action, controller::MemoryAuditAction::kTerminate);
   EXPECT_EQ(defaults.config->daemon.memory_audit.grace, 1s);
-  EXPECT_EQ(defaults.config->daemon.memory_audit.tolerance_per_process, 512ull << 20);
+  EXPECT_EQ(defaults.config->daemon.memory_audit.tolerance, 512ull << 20);
   const auto good = parse("memory_audit_interval = \"100ms\"\nmemory_grace = \"0s\"\nmemory_tolerance = \"1GiB\"\n"
                           "memory_audit_action = \"report\"");
   ASSERT_TRUE(good.ok()) << (good.errors.empty() ? "" : good.errors[0].to_string());
   EXPECT_EQ(good.config->daemon.memory_audit.interval, 100ms);
   EXPECT_EQ(good.config->daemon.memory_audit.grace, 0s);
-  EXPECT_EQ(good.config->daemon.memory_audit.tolerance_per_process, 1ull << 30);
+  EXPECT_EQ(good.config->daemon.memory_audit.tolerance, 1ull << 30);
   EXPECT_EQ(good.config->daemon.memory_audit.action, controller::MemoryAuditAction::kReport);
 
   const auto bad = parse("memory_audit_action = \"stop\"\nmemory_grace = \"90s\"\nmemory_tolerance = -1");
@@ -265,11 +265,20 @@ class NvmlDaemonTest : public ::testing::Test {
   // fracgpu_probe without the interposer in a container of `tenant`'s: a
   // private mount namespace with the tenant's directory mounted into it, as
   // docs/containers.md does. Its environment names no tenant.
+  // With several tenants: a container with several claims, each mounted at
+  // a path of its own.
   pid_t in_container(const std::string& name, const std::string& tenant, const std::vector<std::string>& commands) {
-    const std::string mount_point = tmp_ / ("container-" + name);
-    fs::create_directories(mount_point);
-    std::string script = "mount --bind '" + run_dir_ + "/tenants/" + tenant + "' '" + mount_point + "' && exec '" +
-                         PROBE_PATH + "'";
+    return in_container(name, std::vector<std::string>{tenant}, commands);
+  }
+  pid_t in_container(const std::string& name, const std::vector<std::string>& tenants,
+                     const std::vector<std::string>& commands) {
+    std::string script;
+    for (const std::string& tenant : tenants) {
+      const std::string mount_point = tmp_ / ("container-" + name) + "/" + tenant;
+      fs::create_directories(mount_point);
+      script += "mount --bind '" + run_dir_ + "/tenants/" + tenant + "' '" + mount_point + "' && ";
+    }
+    script += std::string("exec '") + PROBE_PATH + "'";
     for (const std::string& c : commands) script += " " + c;
     return spawn({"/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c", script}, environment(true),
                  tmp_ / (name + ".log"));
@@ -593,6 +602,110 @@ TEST_F(NvmlDaemonTest, MemoryAuditCountsAnUnchargedProcessInTheTenantsContainer)
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
   EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
   EXPECT_TRUE(log_contains("(fracgpu_probe, tenant \"alice\") uses")) << daemon_log();  // the bypass audit agrees
+}
+
+// One tolerance per tenant and GPU, whatever its process count: twelve
+// processes of alice's container (no interposer), 704 MiB each by the
+// driver's count (8.25 GiB), pass her 8 GiB quota by more than the 128 MiB
+// tolerance. With a tolerance per process (quota + 12 x 128 MiB = 9.5 GiB)
+// they all stayed; now the largest goes, and the rest fit.
+TEST_F(NvmlDaemonTest, MemoryAuditAllowsOneTolerancePerTenantWhateverItsProcessCount) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container view to test";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  std::vector<pid_t> many;
+  for (int i = 0; i < 12; ++i) {
+    const std::string name = "many-" + std::to_string(i);
+    many.push_back(in_container(name, "alice", {"init", "primary", "0", "alloc", "640MiB", "hold"}));
+  }
+  for (int i = 0; i < 12; ++i)
+    ASSERT_TRUE(eventually([&] { return probe_says("many-" + std::to_string(i), "holding="); }, 10s))
+        << probe_output("many-" + std::to_string(i));
+  ASSERT_TRUE(eventually([&] { return log_contains("terminated process"); }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds 8.25 GiB on GPU 0 (" + kUuid + ") by the driver's "
+                           "count in 12 process(es)"))
+      << daemon_log();
+  std::this_thread::sleep_for(500ms);  // several more passes: nothing more to do
+  int alive = 0;
+  for (const pid_t pid : many) alive += waitpid(pid, nullptr, WNOHANG) == 0;
+  EXPECT_EQ(alive, 11) << daemon_log();  // 11 x 704 MiB = 7.56 GiB fits
+}
+
+// Every GPU is audited, not only those a tenant has a grant on: alice's
+// container, without the interposer, opens GPU 1 (no grant of hers, not
+// even managed) and holds 1 GiB there. Her quota there is 0.
+TEST_F(NvmlDaemonTest, MemoryAuditActsOnAGpuTheTenantHasNoGrantOn) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container view to test";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  const pid_t other = in_container("other", "alice", {"init", "primary", "1", "alloc", "1GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("other", "holding="); })) << probe_output("other");
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(other, &status, WNOHANG) == other; }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains("over a GPU it has no grant on")) << daemon_log();
+}
+
+// A container with two claims: alice's (GPU 0) and bob's (GPU 1) tenant
+// directories are both mounted in it. A process there holding 9 GiB on
+// GPU 0 without the interposer is counted against alice, the one of its
+// tenants with a grant on GPU 0, and stopped. (It used to be nobody's.)
+TEST_F(NvmlDaemonTest, MemoryAuditCountsAProcessWithTwoTenantsMountsAgainstTheGpusTenant) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container view to test";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  write_file(config_path_, read_file(config_path_) +
+                               "[[gpu]]\nindex = 1\n[[tenant]]\nname = \"bob\"\ngpus = 0.5\ndevices = [1]\n");
+  set_faults("");
+  start_daemon();
+  const pid_t both = in_container("both", std::vector<std::string>{"alice", "bob"},
+                                  {"init", "primary", "0", "alloc", "9GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("both", "holding="); })) << probe_output("both");
+  EXPECT_EQ(controller::tenants_mounted_in(std::to_string(both), run_dir_), (std::set<std::string>{"alice", "bob"}));
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(both, &status, WNOHANG) == both; }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
+  EXPECT_FALSE(log_contains("memory audit: tenant \"bob\" holds")) << daemon_log();
+}
+
+// An operator's resize never kills and never frees what is still held:
+// carol (4 GiB on GPU 0) holds about 3 GiB when her quota is lowered to
+// 1 GiB, then when GPU 0 is taken from her altogether. Her process lives
+// through both, and the memory it holds stays booked (dave's 7 GiB does not
+// fit beside alice's 8 GiB and carol's 3 GiB) until it is freed.
+TEST_F(NvmlDaemonTest, AResizeBelowWhatATenantHoldsKillsNothingAndFreesNothingStillHeld) {
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  write_file(config_path_, read_file(config_path_) + "[[gpu]]\nindex = 1\n");
+  set_faults("");
+  start_daemon();
+  auto [rc, out] = cli({"tenant", "create", "carol", "--gpu", kUuid + ":share=0.25:memory=4GiB"});
+  ASSERT_EQ(rc, 0) << out;
+  const pid_t carol = probe("carol", {"init", "primary", "0", "alloc", "3GiB", "hold"}, true, run_dir_ + "/tenants/carol");
+  ASSERT_TRUE(eventually([&] { return probe_says("carol", "holding="); })) << probe_output("carol");
+
+  std::tie(rc, out) = cli({"tenant", "resize", "carol", "--gpu", kUuid + ":share=0.25:memory=1GiB"});
+  ASSERT_EQ(rc, 0) << out;
+  std::this_thread::sleep_for(1000ms);  // many audit passes, well past the grace
+  EXPECT_EQ(waitpid(carol, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_FALSE(log_contains("terminated process")) << daemon_log();
+  std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
+  EXPECT_EQ(rc, 4) << out;
+  EXPECT_NE(out.find("still held past shrunk quotas"), std::string::npos) << out;
+
+  std::tie(rc, out) = cli({"tenant", "resize", "carol", "--gpu", kUuid2 + ":share=0.25:memory=1GiB"});
+  ASSERT_EQ(rc, 0) << out;
+  std::this_thread::sleep_for(1000ms);
+  EXPECT_EQ(waitpid(carol, nullptr, WNOHANG), 0) << daemon_log();
+  std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
+  EXPECT_EQ(rc, 4) << out;
+
+  // Freed: the capacity comes back.
+  kill_and_reap(carol);
+  ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
+  std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
+  EXPECT_EQ(rc, 0) << out;
 }
 
 // memory_audit_action = "report": the overuse is shown (health.json, status)

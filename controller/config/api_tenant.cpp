@@ -290,7 +290,9 @@ uint32_t GpuBook::free_ppm() const {
 }
 
 uint64_t GpuBook::free_memory(uint64_t gpu_memory) const {
-  const uint64_t held = config_memory + api_memory;
+  // Saturating: an unlimited quota books UINT64_MAX.
+  uint64_t held = config_memory;
+  for (const uint64_t more : {api_memory, shrunk_memory}) held = more > UINT64_MAX - held ? UINT64_MAX : held + more;
   return held >= gpu_memory ? 0 : gpu_memory - held;
 }
 
@@ -326,9 +328,11 @@ std::optional<std::string> capacity_problem(const ApiTenant& tenant, const NodeC
                            share_text(grant.share_ppm), share_text(b.free_ppm()), share_text(b.config_ppm),
                            share_text(b.api_ppm));
       if (!config.daemon.allow_overcommit && grant.memory > b.free_memory(gpu.memory_bytes))
-        return fmt::format("{}: memory {} asked, {} free of its {} (config tenants {}, API tenants {})", gpu.uuid,
+        return fmt::format("{}: memory {} asked, {} free of its {} (config tenants {}, API tenants {}{})", gpu.uuid,
                            format_size(grant.memory), format_size(b.free_memory(gpu.memory_bytes)),
-                           format_size(gpu.memory_bytes), format_size(b.config_memory), format_size(b.api_memory));
+                           format_size(gpu.memory_bytes), format_size(b.config_memory), format_size(b.api_memory),
+                           b.shrunk_memory == 0 ? std::string()
+                                                : ", still held past shrunk quotas " + format_size(b.shrunk_memory));
     }
   }
   return std::nullopt;

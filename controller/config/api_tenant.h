@@ -58,6 +58,9 @@ struct GpuBook {
   uint32_t tenants = 0;  // tenants with a grant on it, config and API (draining included)
   uint64_t config_memory = 0;
   uint64_t api_memory = 0;
+  // Memory still held past a shrink, beyond the shrunk tenants' new quotas
+  // (the daemon adds it: Daemon::capacity_book): booked until it is freed.
+  uint64_t shrunk_memory = 0;
 
   uint32_t free_ppm() const;
   uint64_t free_memory(uint64_t gpu_memory) const;  // 0 when overcommitted

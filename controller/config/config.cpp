@@ -438,7 +438,7 @@ class Parser {
     if (auto grace = get_duration(t, "memory_grace", where, std::chrono::microseconds{0}, kMaxMemoryGrace))
       m.grace = *grace;
     if (const toml::node* n = t.get("memory_tolerance"))
-      if (auto bytes = get_size(*n, "memory_tolerance", where, /*allow_zero=*/true)) m.tolerance_per_process = *bytes;
+      if (auto bytes = get_size(*n, "memory_tolerance", where, /*allow_zero=*/true)) m.tolerance = *bytes;
     if (auto action = get_string(t, "memory_audit_action", where)) {
       if (auto parsed = parse_memory_audit_action(*action))
         m.action = *parsed;

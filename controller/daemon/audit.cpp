@@ -129,18 +129,23 @@ std::set<std::string> tenants_mounted_in(const std::string& pid, const std::stri
 }
 
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir) {
-  if (const std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())
-    return mounted.size() == 1 ? *mounted.begin() : std::string();
+  const std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
+  return tenants.size() == 1 ? *tenants.begin() : std::string();
+}
+
+std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,
+                                      const std::string& run_dir) {
+  if (std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())
+    return mounted;
   // The daemon's own namespace is the host's (or its pod's): a process there
   // is in no tenant's container, whoever else runs there.
   const std::string ns = mount_namespace_of(pid);
   if (ns.empty() || ns == mount_namespace_of(static_cast<int32_t>(getpid()))) return {};
-  std::string found;
-  for (const auto& [other, tenant] : charged) {
-    if (tenant == found || mount_namespace_of(other) != ns) continue;
-    if (!found.empty()) return {};  // several tenants share it: nothing can be told
-    found = tenant;
-  }
+  // Several tenants' verified processes in one mount namespace are one
+  // container with several claims: each of them is named.
+  std::set<std::string> found;
+  for (const auto& [other, tenant] : charged)
+    if (!found.contains(tenant) && mount_namespace_of(other) == ns) found.insert(tenant);
   return found;
 }
 

@@ -89,6 +89,13 @@ std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
 // neither tells exactly one tenant. So a process can never get another
 // tenant denied or charged by naming it, nor by running beside it on the host.
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir);
+// The same evidence, every tenant it names: each tenant mounted in the
+// process's container (a container with several claims has several), or
+// the tenants whose verified processes share its mount namespace (one
+// container: mount namespaces are never shared between containers). Empty
+// when nothing ties it to a tenant.
+std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,
+                                      const std::string& run_dir);
 
 // Tenants whose directory under `run_dir` is mounted into the mount
 // namespace of `pid` (see attribute_process). "self" reads the caller's.

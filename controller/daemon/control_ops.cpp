@@ -159,7 +159,7 @@ json Daemon::tenant_state(const Tenant& tenant) const {
 }
 
 json Daemon::node_state() {
-  const std::vector<GpuBook> book = book_of(*config_);
+  const std::vector<GpuBook> book = capacity_book();
   json gpus = json::array();
   for (size_t g = 0; g < config_->gpus.size(); ++g) {
     const ManagedGpu& gpu = config_->gpus[g];
@@ -239,7 +239,7 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
     }
   }
   // Beside every other tenant (itself too, for a resize, but as it was).
-  if (const auto problem = capacity_problem(*tenant, *config_, book_of(*config_, name)))
+  if (const auto problem = capacity_problem(*tenant, *config_, capacity_book(name)))
     return failure(proto::code::kNoCapacity, "", *problem);
 
   ApiTenants next = api_tenants_;

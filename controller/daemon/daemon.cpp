@@ -560,6 +560,7 @@ Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
 }
 
 void Daemon::apply(const NodeConfig& config) {
+  note_shrinks(config);
   std::set<std::string> wanted;
   for (const Tenant& tenant : config.tenants) {
     wanted.insert(tenant.name);
@@ -925,6 +926,7 @@ void Daemon::tick() {
   }
   tick_gpu_time(now);
   check_gpus(now);
+  if (memory_auditor_ == nullptr) settle_shrinks();  // else after each memory audit, by the driver's count
   remove_drained();
   if (std::string why; metrics_.died(&why))
     log_->error("metrics: the endpoint's process {}; metrics are off until the next reload", why);
@@ -977,7 +979,9 @@ void Daemon::check_gpus(uint64_t now) {
     ran = true;
   }
   if (memory_audit) {
-    ran |= memory_auditor_->check(owners, memory_quotas(), config_->daemon.memory_audit, config_->daemon.run_dir);
+    ran |= memory_auditor_->check(memory_owners(), memory_quotas(), config_->daemon.memory_audit,
+                                  config_->daemon.run_dir);
+    settle_shrinks();
     next_memory_audit_ns_ = now + ns(config_->daemon.memory_audit.interval);
   }
   if (ran) {
@@ -1002,11 +1006,106 @@ std::map<int32_t, std::string> Daemon::tenant_processes() const {
 std::vector<TenantQuota> Daemon::memory_quotas() const {
   std::vector<TenantQuota> quotas;
   if (!config_) return quotas;
+  std::set<std::pair<std::string, std::string>> listed;
   for (const Tenant& tenant : config_->tenants)
-    for (const Grant& grant : tenant.grants)
-      if (grant.memory_quota != ledger::kUnlimited)
-        quotas.push_back({tenant.name, config_->gpus[grant.gpu].uuid, grant.memory_quota});
+    for (const Grant& grant : tenant.grants) {
+      const std::string& uuid = config_->gpus[grant.gpu].uuid;
+      uint64_t quota = grant.memory_quota;
+      if (const auto s = shrunk_.find({tenant.name, uuid}); s != shrunk_.end()) quota = std::max(quota, s->second);
+      quotas.push_back({tenant.name, uuid, quota});
+      listed.emplace(tenant.name, uuid);
+    }
+  // A GPU a resize dropped: what is still held there.
+  for (const auto& [key, bytes] : shrunk_)
+    if (!listed.contains(key)) quotas.push_back({key.first, key.second, bytes});
   return quotas;
+}
+
+ProcessOwners Daemon::memory_owners() const {
+  ProcessOwners owners;
+  for (const auto& [name, open] : ledgers_)
+    for (const int32_t pid : open.host_pids)
+      if (pid > 0) owners[pid].insert(name);
+  return owners;
+}
+
+namespace {
+// What a grant books of its GPU's memory: an unlimited quota, all of it.
+uint64_t booked_memory(const Grant& grant, const ManagedGpu& gpu) {
+  return grant.memory_quota == ledger::kUnlimited ? gpu.memory_bytes : grant.memory_quota;
+}
+}  // namespace
+
+void Daemon::note_shrinks(const NodeConfig& config) {
+  std::map<std::pair<std::string, std::string>, uint64_t> next;
+  for (const Tenant& tenant : config.tenants)
+    for (const Grant& grant : tenant.grants)
+      next[{tenant.name, config.gpus[grant.gpu].uuid}] = booked_memory(grant, config.gpus[grant.gpu]);
+  for (const auto& [key, before] : applied_quotas_) {
+    const auto now = next.find(key);
+    const uint64_t after = now == next.end() ? 0 : now->second;
+    // Nothing can be held by a tenant with no process (0); -1: cannot be told, so kept.
+    if (after >= before || live_processes(key.first) == 0) continue;
+    uint64_t& may_hold = shrunk_[key];
+    if (may_hold >= before) continue;
+    may_hold = before;
+    log_->info("tenant \"{}\": memory on GPU {} {} {}; what its processes hold there stays theirs, and booked, "
+               "until they free it (new charges see the new quota now)",
+               key.first, key.second, now == next.end() ? "no longer granted, was" : "quota lowered from",
+               now == next.end() ? format_size(before) : format_size(before) + " to " + format_size(after));
+  }
+  applied_quotas_ = std::move(next);
+}
+
+void Daemon::settle_shrinks() {
+  if (shrunk_.empty()) return;
+  const bool by_driver = memory_auditor_ != nullptr && memory_auditor_->held_complete();
+  for (auto it = shrunk_.begin(); it != shrunk_.end();) {
+    const auto& [tenant, uuid] = it->first;
+    uint64_t held = 0;
+    if (live_processes(tenant) == 0) {
+      held = 0;
+    } else if (by_driver) {
+      const auto h = memory_auditor_->held().find(it->first);
+      held = h == memory_auditor_->held().end() ? 0 : h->second;
+    } else if (const auto open = ledgers_.find(tenant); open != ledgers_.end() && open->second.ledger.usage != nullptr) {
+      // No NVML: the tenant's own charges are all there is to go by, read
+      // guarded (the tenant may shrink its usage file under us).
+      uint8_t bytes[16];
+      const int entry = ledger::parse_gpu_uuid_text(uuid, bytes) ? ledger::find_gpu(open->second.ledger, bytes) : -1;
+      const ledger::UsageSegment& usage = *open->second.ledger.usage;
+      if (entry >= 0 && !shm::sigbus_guarded([&] { held = ledger::tenant_used(usage, static_cast<uint32_t>(entry)); })) {
+        ++it;  // the next pass finds it corrupt (usage_usable)
+        continue;
+      }
+    } else {
+      ++it;  // cannot be told now
+      continue;
+    }
+    const auto quota = applied_quotas_.find(it->first);
+    const uint64_t now_allowed = quota == applied_quotas_.end() ? 0 : quota->second;
+    it->second = std::min(it->second, held);
+    if (it->second > now_allowed) {
+      ++it;
+      continue;
+    }
+    log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
+    it = shrunk_.erase(it);
+  }
+}
+
+std::vector<GpuBook> Daemon::capacity_book(std::string_view except) const {
+  std::vector<GpuBook> book = book_of(*config_, except);
+  for (const auto& [key, may_hold] : shrunk_) {
+    if (key.first == except) continue;
+    for (size_t g = 0; g < config_->gpus.size(); ++g) {
+      if (config_->gpus[g].uuid != key.second) continue;
+      const auto quota = applied_quotas_.find(key);
+      const uint64_t booked = quota == applied_quotas_.end() ? 0 : quota->second;
+      if (may_hold > booked) book[g].shrunk_memory += may_hold - booked;
+    }
+  }
+  return book;
 }
 
 void Daemon::apply_unavailable() {

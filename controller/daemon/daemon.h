@@ -210,8 +210,27 @@ class Daemon {
     std::string tenant;
   };
   std::map<uint32_t, OutsideGate> outside_gate_;
-  // Every finite memory quota of the config, by tenant and GPU.
+  // Every grant's memory quota, by tenant and GPU, each raised to what the
+  // tenant may still hold there after a shrink (shrunk_).
   std::vector<TenantQuota> memory_quotas() const;
+  // Host PID -> every tenant whose slot it holds (a process of a container
+  // with several claims holds one in each).
+  ProcessOwners memory_owners() const;
+
+  // An operator's resize that lowers a tenant's quota on a GPU, or drops the
+  // GPU, must neither kill the memory its processes hold nor free capacity
+  // they still use (docs/security.md). So the old quota stays what the tenant
+  // may hold there, and stays booked, until the driver's count falls: each
+  // memory audit lowers it to what is held, and it goes once that fits the
+  // new quota. Only new charges see the new quota at once.
+  // (tenant, GPU uuid) -> bytes the tenant may still hold there.
+  std::map<std::pair<std::string, std::string>, uint64_t> shrunk_;
+  // Each tenant's quota per GPU as last applied, to see a shrink coming.
+  std::map<std::pair<std::string, std::string>, uint64_t> applied_quotas_;
+  void note_shrinks(const NodeConfig& config);
+  void settle_shrinks();
+  // book_of(), plus what shrunk tenants still hold past their quota.
+  std::vector<GpuBook> capacity_book(std::string_view except = {}) const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health
   // probe's and the audit's findings (deny), so new processes see them.
   void apply_unavailable();

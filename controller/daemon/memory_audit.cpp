@@ -28,21 +28,30 @@ const char* memory_audit_action_name(MemoryAuditAction action) {
 MemoryAuditor::MemoryAuditor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log)
     : nvml_(nvml), log_(log), gpus_(gpus) {}
 
-bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const std::vector<TenantQuota>& quotas,
+bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQuota>& quotas,
                           const MemoryAuditSettings& settings, const std::string& run_dir) {
   if (nvml_ == nullptr) return false;
   const Nvml::Api& api = nvml_->api();
   const uint64_t now = ledger::monotonic_ns();
   const uint64_t grace_ns = static_cast<uint64_t>(settings.grace.count()) * 1000;
   std::set<std::pair<std::string, std::string>> over_now;
+  // For the mount-namespace rule of process_tenants: one tenant per PID is enough.
+  std::map<int32_t, std::string> charged;
+  for (const auto& [pid, tenants] : owners) charged.emplace(pid, *tenants.begin());
+  held_.clear();
+  held_complete_ = true;
   for (const DiscoveredGpu& gpu : gpus_) {
-    bool any_quota = false;
-    for (const TenantQuota& q : quotas) any_quota |= q.gpu_uuid == gpu.uuid;
-    if (!any_quota) continue;
+    // Every GPU, granted or not: on a GPU a tenant has no grant on, its quota is 0.
+    std::map<std::string, uint64_t> quota_here;
+    for (const TenantQuota& q : quotas)
+      if (q.gpu_uuid == gpu.uuid) quota_here[q.tenant] = q.quota;
     nvmlDevice_t handle = nullptr;
-    if (api.get_handle_by_uuid(gpu.uuid.c_str(), &handle) != NVML_SUCCESS) continue;  // health reports it
     std::vector<Nvml::Process> processes;
-    if (nvml_->compute_processes(handle, &processes) != NVML_SUCCESS) continue;
+    if (api.get_handle_by_uuid(gpu.uuid.c_str(), &handle) != NVML_SUCCESS ||  // health reports it
+        nvml_->compute_processes(handle, &processes) != NVML_SUCCESS) {
+      held_complete_ = false;
+      continue;
+    }
     // Each process on this GPU, by tenant: verified owners first, then
     // uncharged processes in a tenant's container. Its start time is read
     // first: the process found to be the tenant's is the one (PID, start
@@ -56,28 +65,32 @@ bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const st
       const auto pid = static_cast<int32_t>(p.pid);
       const uint64_t start_time = pid > 1 ? process_start_time(pid) : 0;
       if (start_time == 0) continue;  // gone, or not visible here (the bypass audit says so)
-      std::string tenant;
-      if (auto it = owners.find(pid); it != owners.end())
-        tenant = it->second;
-      else
-        tenant = attribute_process(pid, owners, run_dir);
-      if (!tenant.empty()) by_tenant[tenant].push_back({p, start_time});
+      const auto it = owners.find(pid);
+      const std::set<std::string> tenants = it != owners.end() ? it->second : process_tenants(pid, charged, run_dir);
+      // Tied to several tenants: counted against those with a grant here,
+      // or, if none has one, against every one of them.
+      std::set<std::string> granted;
+      for (const std::string& t : tenants)
+        if (quota_here.contains(t)) granted.insert(t);
+      for (const std::string& t : granted.empty() ? tenants : granted) by_tenant[t].push_back({p, start_time});
     }
-    for (const TenantQuota& q : quotas) {
-      if (q.gpu_uuid != gpu.uuid) continue;
-      std::vector<Held>& mine = by_tenant[q.tenant];
+    for (auto& [tenant, mine] : by_tenant) {
+      const auto found = quota_here.find(tenant);
+      const uint64_t quota = found == quota_here.end() ? 0 : found->second;
       uint64_t used = 0;
       for (const Held& h : mine) used += h.p.used_bytes;
-      const uint64_t allowed = q.quota + settings.tolerance_per_process * mine.size();
-      const auto key = std::make_pair(q.tenant, gpu.uuid);
+      const auto key = std::make_pair(tenant, gpu.uuid);
+      if (used > 0) held_[key] = used;
+      if (quota == ledger::kUnlimited) continue;
+      const uint64_t allowed = quota > UINT64_MAX - settings.tolerance ? UINT64_MAX : quota + settings.tolerance;
       if (used <= allowed) continue;
       over_now.insert(key);
       Over& o = over_[key];
       MemoryOveruse& r = o.report;
-      r.tenant = q.tenant;
+      r.tenant = tenant;
       r.gpu_index = gpu.index;
       r.gpu_uuid = gpu.uuid;
-      r.quota = q.quota;
+      r.quota = quota;
       r.allowed = allowed;
       r.used = used;
       r.processes = static_cast<uint32_t>(mine.size());
@@ -85,16 +98,17 @@ bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const st
         o.since_ns = now;
         r.since_unix = static_cast<uint64_t>(time(nullptr));
         r.action = "over (within grace)";
-        log_.warn("memory audit: tenant \"{}\" holds {} on GPU {} ({}) by the driver's count, over its quota {} "
-                  "plus tolerance ({} allowed for {} process(es)); acting ({}) if it lasts {} ms",
-                  q.tenant, format_size(used), gpu.index, gpu.uuid, format_size(q.quota), format_size(allowed),
-                  mine.size(), memory_audit_action_name(settings.action), settings.grace.count() / 1000);
+        log_.warn("memory audit: tenant \"{}\" holds {} on GPU {} ({}) by the driver's count in {} process(es), "
+                  "over {} ({} allowed: quota {} plus the tolerance); acting ({}) if it lasts {} ms",
+                  tenant, format_size(used), gpu.index, gpu.uuid, mine.size(),
+                  found == quota_here.end() ? "a GPU it has no grant on" : "its quota", format_size(allowed),
+                  format_size(quota), memory_audit_action_name(settings.action), settings.grace.count() / 1000);
         continue;
       }
       if (now - o.since_ns < grace_ns) continue;
       if (settings.action == MemoryAuditAction::kReport) {
         if (r.action != "reported")
-          log_.warn("memory audit: tenant \"{}\" still over on GPU {}: {} held, {} allowed: reported", q.tenant,
+          log_.warn("memory audit: tenant \"{}\" still over on GPU {}: {} held, {} allowed: reported", tenant,
                     gpu.uuid, format_size(used), format_size(allowed));
         r.action = "reported";
         continue;
@@ -103,24 +117,23 @@ bool MemoryAuditor::check(const std::map<int32_t, std::string>& owners, const st
       // process attributed above (same start time) when it is signalled.
       std::sort(mine.begin(), mine.end(), [](const Held& a, const Held& b) { return a.p.used_bytes > b.p.used_bytes; });
       std::string killed;
-      uint64_t left = used, allowed_left = allowed;
+      uint64_t left = used;
       for (const Held& h : mine) {
-        if (left <= allowed_left) break;
+        if (left <= allowed) break;
         const auto pid = static_cast<int32_t>(h.p.pid);
         if (process_start_time(pid) != h.start_time) {
-          log_.warn("memory audit: process {} of tenant \"{}\" exited before it could be terminated", pid, q.tenant);
+          log_.warn("memory audit: process {} of tenant \"{}\" exited before it could be terminated", pid, tenant);
           continue;
         }
         if (kill(pid, SIGKILL) != 0) {
-          log_.warn("memory audit: cannot terminate process {} of tenant \"{}\": {}", pid, q.tenant, strerror(errno));
+          log_.warn("memory audit: cannot terminate process {} of tenant \"{}\": {}", pid, tenant, strerror(errno));
           continue;
         }
         killed += fmt::format(" {}", pid);
         left -= std::min(left, h.p.used_bytes);
-        allowed_left -= std::min(allowed_left, settings.tolerance_per_process);
         log_.warn("memory audit: tenant \"{}\" over its quota on GPU {} ({} held, {} allowed): terminated process {} "
                   "(SIGKILL, {} by the driver's count)",
-                  q.tenant, gpu.uuid, format_size(used), format_size(allowed), pid, format_size(h.p.used_bytes));
+                  tenant, gpu.uuid, format_size(used), format_size(allowed), pid, format_size(h.p.used_bytes));
       }
       if (!killed.empty()) r.action = "terminated" + killed;
     }

@@ -10,12 +10,21 @@
 // tenant's processes on that GPU, largest first, until the rest fit (the
 // node's other tenants come first: they were promised that memory).
 //
+// The tolerance is one per tenant and GPU, never one per process: a tenant
+// that runs more processes must not get more memory. Every GPU is audited,
+// not only those the tenant has a grant on: on a GPU without one its quota
+// is 0, so memory held there (a process without the interposer, opening a
+// device it was never granted) is acted on like any other overuse.
+//
 // Which processes are the tenant's is decided from what the kernel says, never
 // from what the tenant wrote: the host PIDs the daemon itself found holding
 // the record locks of the tenant's slots, and uncharged processes in the
 // tenant's container (attribute_process in audit.h). A process that dropped
 // its slot (closed its usage file, so its record lock went) still counts if
-// the kernel ties it to the tenant's container.
+// the kernel ties it to the tenant's container. A process tied to several
+// tenants (a container with two claims: two slots, or two tenant mounts) is
+// counted on a GPU against those of its tenants with a grant there, or, when
+// none has one, against all of them: it is never left out.
 #pragma once
 
 #include <sys/types.h>
@@ -48,19 +57,25 @@ struct MemoryAuditSettings {
   // How long a tenant may stay over before the action (`memory_grace`): an
   // allocation racing a free, or a process exiting, is not an overuse.
   std::chrono::microseconds grace{1'000'000};
-  // Per process, what the driver may hold beyond what fracgpu charges
-  // (`memory_tolerance`): the context's real footprint past the configured
-  // context_memory, allocation rounding. Not measured on a real GPU yet.
-  uint64_t tolerance_per_process = 512ull << 20;
+  // Per tenant and GPU, what the driver may hold beyond the quota
+  // (`memory_tolerance`): the real context footprint past the configured
+  // context_memory, allocation rounding. Not per process: more processes buy
+  // no more memory, so context_memory must be the real footprint for a
+  // many-process tenant to fit. Not measured on a real GPU yet.
+  uint64_t tolerance = 512ull << 20;
   MemoryAuditAction action = MemoryAuditAction::kTerminate;  // `memory_audit_action`
 };
 
-// One tenant's memory quota on one GPU, and its processes as the daemon knows them.
+// One tenant's memory quota on one GPU (ledger::kUnlimited: not audited).
+// A tenant with no entry for a GPU has quota 0 there.
 struct TenantQuota {
   std::string tenant;
   std::string gpu_uuid;
   uint64_t quota = 0;
 };
+
+// Host PID -> the tenants the daemon verified it as (one per slot it holds).
+using ProcessOwners = std::map<int32_t, std::set<std::string>>;
 
 // A tenant over its quota on a GPU (reported in health.json and status).
 struct MemoryOveruse {
@@ -68,7 +83,7 @@ struct MemoryOveruse {
   int gpu_index = 0;
   std::string gpu_uuid;
   uint64_t quota = 0;
-  uint64_t allowed = 0;    // quota + processes x tolerance
+  uint64_t allowed = 0;    // quota + tolerance
   uint64_t used = 0;       // what NVML says the tenant's processes hold
   uint32_t processes = 0;
   uint64_t since_unix = 0;
@@ -80,12 +95,18 @@ class MemoryAuditor {
   // `nvml` may be null: then check() finds nothing.
   MemoryAuditor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log);
 
-  // One pass. `owners`: host PID -> tenant for every process the daemon
-  // verified as a tenant's (its slot's record-lock holder); `quotas`: every
-  // finite quota. Returns true if the overuses changed.
-  bool check(const std::map<int32_t, std::string>& owners, const std::vector<TenantQuota>& quotas,
+  // One pass. `owners`: every process the daemon verified as a tenant's
+  // (its slots' record-lock holder); `quotas`: every grant of every tenant.
+  // Returns true if the overuses changed.
+  bool check(const ProcessOwners& owners, const std::vector<TenantQuota>& quotas,
              const MemoryAuditSettings& settings, const std::string& run_dir);
   const std::vector<MemoryOveruse>& overuses() const { return overuses_; }
+  // What each tenant's processes held on each GPU at the last pass, by the
+  // driver's count, (tenant, GPU uuid) -> bytes; pairs holding nothing are
+  // absent. False when the last pass could not read some GPU's processes
+  // (then absence proves nothing).
+  const std::map<std::pair<std::string, std::string>, uint64_t>& held() const { return held_; }
+  bool held_complete() const { return held_complete_; }
 
  private:
   struct Over {
@@ -97,6 +118,8 @@ class MemoryAuditor {
   std::vector<DiscoveredGpu> gpus_;
   std::map<std::pair<std::string, std::string>, Over> over_;  // (tenant, GPU uuid)
   std::vector<MemoryOveruse> overuses_;
+  std::map<std::pair<std::string, std::string>, uint64_t> held_;
+  bool held_complete_ = false;
 };
 
 }  // namespace fracgpu::controller
