@@ -401,6 +401,101 @@ TEST_F(ControlTest, ReloadLeavesApiTenantsAndIsRefusedWhenItCollides) {
   EXPECT_TRUE(call({{"op", "get"}, {"name", "api1"}}).body["tenant"]["source"] == "api");
 }
 
+// On Kubernetes the config is rebuilt from the node's GPUs at each start: a
+// GPU that failed is gone from it, and an admin's [[tenant]] may take an API
+// tenant's name. The daemon must still come up (it used to exit 2, and the
+// API that could repair it needs the daemon): it places what fits, reports
+// the rest as unplaced, and the API repairs them.
+TEST_F(ControlTest, AStartWithAGoneGpuOrATakenNameComesUpAndTheApiRepairsIt) {
+  start_daemon();
+  ASSERT_TRUE(create("api1", {gpu(kUuid1, 0.5)}).ok);
+  ASSERT_TRUE(create("api2", {gpu(kUuid0, 0.25)}).ok);
+  stop_daemon();
+  write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir_ +
+                               "\"\nreap_interval_ms = 50\nmetrics_address = \"off\"\n"
+                               "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n" + kAlice +
+                               "[[tenant]]\nname = \"api2\"\ngpus = 0.1\ndevices = [0]\n");
+  start_daemon();
+  EXPECT_TRUE(log_contains("API tenant \"api1\" cannot be placed")) << read_file(log_path_);
+  EXPECT_TRUE(log_contains("API tenant \"api2\" cannot be placed")) << read_file(log_path_);
+  control::Reply got = call({{"op", "get"}, {"name", "api1"}});
+  ASSERT_TRUE(got.ok) << got.body.dump();
+  EXPECT_EQ(got.body["tenant"]["state"], "unplaced") << got.body.dump();
+  EXPECT_NE(got.body["tenant"]["unplaced_reason"].get<std::string>().find("not a configured [[gpu]] any more"),
+            std::string::npos)
+      << got.body.dump();
+  EXPECT_EQ(policy_of("alice", kUuid0).share_ppm, 500'000u);  // the rest of the node runs
+  EXPECT_EQ(policy_of("api2", kUuid0).share_ppm, 100'000u);   // the config's api2
+
+  // Repaired through the API: api1 resized onto a GPU the node has; the
+  // API's api2 deleted, leaving the config's tenant of that name alone.
+  control::Reply resized = create("api1", {gpu(kUuid0, 0.25)}, "resize");
+  ASSERT_TRUE(resized.ok) << resized.body.dump();
+  EXPECT_EQ(policy_of("api1", kUuid0).share_ppm, 250'000u);
+  control::Reply deleted = call({{"op", "delete"}, {"name", "api2"}});
+  ASSERT_TRUE(deleted.ok) << deleted.body.dump();
+  EXPECT_EQ(deleted.body["state"], "deleted");
+  EXPECT_EQ(policy_of("api2", kUuid0).share_ppm, 100'000u);
+  control::Reply list = call({{"op", "list"}});
+  ASSERT_TRUE(list.ok);
+  for (const auto& t : list.body["tenants"]) EXPECT_NE(t["state"], "unplaced") << list.body.dump();
+  // And the next start needs no repair.
+  stop_daemon();
+  start_daemon();
+  EXPECT_EQ(policy_of("api1", kUuid0).share_ppm, 250'000u);
+}
+
+// The admission budget's figures (control_ops.cpp: 4 descriptors a tenant,
+// 2 a granted GPU) must hold: 60 tenants, each on both GPUs, cost the daemon
+// no more than 60 x (4 + 2 x 2) descriptors.
+TEST_F(ControlTest, ATenantCostsTheDaemonNoMoreDescriptorsThanItsBudget) {
+  start_daemon();
+  const auto descriptors = [&] {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(daemon_) + "/fd")) n += !e.path().empty();
+    return n;
+  };
+  const size_t before = descriptors();
+  for (int i = 0; i < 60; ++i) {
+    const control::Reply r = create("fd-" + std::to_string(i), {gpu(kUuid0, 0.005), gpu(kUuid1, 0.005)});
+    ASSERT_TRUE(r.ok) << r.body.dump();
+  }
+  const size_t after = descriptors();
+  printf("60 tenants on 2 GPUs: %zu descriptors (%.2f a tenant)\n", after - before, (after - before) / 60.0);
+  EXPECT_LE(after - before, 60u * (4 + 2 * 2));
+}
+
+// With few descriptors (a hard limit of 400, so 256 kept free leaves room
+// for a few dozen tenants), creates are refused clearly before anything
+// breaks: every tenant answered `ok` has its ledger, the daemon keeps
+// answering, and a delete makes room again.
+TEST_F(ControlTest, CreatesAreRefusedBeforeTheDaemonRunsOutOfDescriptors) {
+  daemon_ = spawn({"/usr/bin/prlimit", "--nofile=400:400", FRACGPUD_PATH, "--config", config_path_}, log_path_);
+  ASSERT_TRUE(eventually([&] { return log_contains("control API: listening on"); }, 10s)) << read_file(log_path_);
+  int created = 0;
+  control::Reply refused;
+  for (int i = 0; i < 200; ++i) {
+    const control::Reply r = create("fd-" + std::to_string(i), {gpu(kUuid0, 0.004)});
+    if (!r.ok) {
+      refused = r;
+      break;
+    }
+    ++created;
+    ASSERT_GT(policy_of("fd-" + std::to_string(i), kUuid0).share_ppm, 0u) << "answered ok without a ledger";
+  }
+  ASSERT_GT(created, 5);
+  ASSERT_FALSE(refused.ok) << "200 tenants fitted in 400 descriptors";
+  EXPECT_EQ(refused.body["code"], "no_capacity") << refused.body.dump();
+  EXPECT_NE(refused.body["error"].get<std::string>().find("descriptors"), std::string::npos) << refused.body.dump();
+  EXPECT_FALSE(log_contains("Too many open files")) << read_file(log_path_);
+  EXPECT_TRUE(call({{"op", "list"}}).ok);
+  ASSERT_TRUE(call({{"op", "delete"}, {"name", "fd-0"}}).ok);
+  ASSERT_TRUE(call({{"op", "delete"}, {"name", "fd-1"}}).ok);
+  const control::Reply again = create("fd-again", {gpu(kUuid0, 0.004)});
+  EXPECT_TRUE(again.ok) << again.body.dump();
+  EXPECT_EQ(kill(daemon_, 0), 0);
+}
+
 TEST_F(ControlTest, AnApiTenantsProcessSeesItsQuotaThroughTheInterposer) {
   start_daemon();
   ASSERT_TRUE(create("q", {gpu(kUuid1, 0.25, 1 * kGiB)}).ok);

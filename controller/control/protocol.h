@@ -64,6 +64,10 @@ inline constexpr const char* kSourceApi = "api";
 inline constexpr const char* kSourceConfig = "config";
 inline constexpr const char* kStateActive = "active";
 inline constexpr const char* kStateDraining = "draining";
+// Kept (api-tenants.json) but not placed: its GPU is gone from the config, it
+// no longer fits, or a [[tenant]] took its name. "unplaced_reason" says which;
+// a resize that fits, or a delete, repairs it.
+inline constexpr const char* kStateUnplaced = "unplaced";
 
 // SPEC limits.
 inline constexpr size_t kMinSpecGpus = 1;

@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,6 +59,39 @@ std::optional<std::string> requested_name(const json& request, json* error) {
 
 double fraction(uint32_t ppm) { return static_cast<double>(ppm) / kPpmPerGpu; }
 
+// Descriptors: what a new tenant costs the daemon (measured: its ledger's
+// directory, policy and usage files, and per granted GPU the scheduler's
+// mapping of its usage file and its arbiter link; the test
+// ATenantCostsTheDaemonNoMoreDescriptorsThanItsBudget keeps these true), and
+// what stays free for everything else (control connections, NVML, logs,
+// the metrics endpoint, a reload's reads).
+constexpr size_t kDescriptorsPerTenant = 4;
+constexpr size_t kDescriptorsPerGrant = 2;
+constexpr size_t kDescriptorsKeptFree = 256;
+
+size_t open_descriptors() {
+  std::error_code ec;
+  size_t n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec))
+    ++n;
+  return n;
+}
+
+// Why the daemon cannot take one more tenant with `grants` GPUs without
+// running short of descriptors; nullopt when it can.
+std::optional<std::string> descriptor_problem(size_t grants) {
+  struct rlimit nofile {};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) != 0 || nofile.rlim_cur == RLIM_INFINITY) return std::nullopt;
+  const size_t open = open_descriptors();
+  const size_t needed = open + kDescriptorsPerTenant + kDescriptorsPerGrant * grants + kDescriptorsKeptFree;
+  if (needed <= nofile.rlim_cur) return std::nullopt;
+  return fmt::format("fracgpud has {} of its {} descriptors open; a tenant takes {} more, and {} are kept for the "
+                     "daemon's own work: no more tenants on this node until some are deleted or the limit is raised "
+                     "(LimitNOFILE, docs/operations.md)",
+                     open, nofile.rlim_cur, kDescriptorsPerTenant + kDescriptorsPerGrant * grants, kDescriptorsKeptFree);
+}
+
 std::string who(const ControlPeer& peer) { return fmt::format("uid {} (pid {})", peer.uid, peer.pid); }
 
 }  // namespace
@@ -73,7 +108,8 @@ ControlAccess Daemon::control_access() const {
 
 void Daemon::merge_api_tenants() {
   std::erase_if(config_->tenants, [](const Tenant& t) { return t.source == TenantSource::kApi; });
-  for (const auto& [name, tenant] : api_tenants_) config_->tenants.push_back(tenant_of(tenant, *config_));
+  for (const auto& [name, tenant] : api_tenants_)
+    if (!unplaced_.contains(name)) config_->tenants.push_back(tenant_of(tenant, *config_));
 }
 
 bool Daemon::save_api_tenants(const ApiTenants& next, std::string* error) {
@@ -115,10 +151,12 @@ bool Daemon::finish_delete(const std::string& name) {
   apply(*config_);
   const auto it = ledgers_.find(name);
   if (it == ledgers_.end()) {
+    unplaced_.erase(name);
     // Its directory was refused at adoption (logged then): not ours to remove.
     log_->info("tenant \"{}\" deleted; its ledger directory was left alone", name);
     return true;
   }
+  unplaced_.erase(name);
   ledger::close_ledger(&it->second.ledger);
   ledgers_.erase(it);
   if (!remove_tenant_dir(run_.tenants.get(), config_->daemon.run_dir + "/" + kTenantsDirName, name, &error)) {
@@ -155,6 +193,26 @@ json Daemon::tenant_state(const Tenant& tenant) const {
           {"gpus", std::move(gpus)},
           {"count_managed", tenant.count_managed},
           {"processes", std::max(live_processes(tenant.name), 0)},
+          {"annotations", std::move(annotations)}};
+}
+
+json Daemon::unplaced_state(const std::string& name) const {
+  const ApiTenant& tenant = api_tenants_.at(name);
+  json gpus = json::array();
+  for (const ApiGrant& grant : tenant.gpus)
+    gpus.push_back({{"uuid", format_gpu_uuid(grant.uuid)},
+                    {"share", fraction(grant.share_ppm)},
+                    {"limit", fraction(grant.limit_ppm)},
+                    {"memory", grant.memory}});
+  json annotations = json::object();
+  for (const auto& [k, v] : tenant.annotations) annotations[k] = v;
+  return {{"name", name},
+          {"source", proto::kSourceApi},
+          {"state", tenant.draining ? proto::kStateDraining : proto::kStateUnplaced},
+          {"unplaced_reason", unplaced_.at(name)},
+          {"gpus", std::move(gpus)},
+          {"count_managed", tenant.count_managed},
+          {"processes", std::max(live_processes(name), 0)},
           {"annotations", std::move(annotations)}};
 }
 
@@ -219,6 +277,12 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
                    fmt::format("name: tenant \"{}\" is draining (deleted while processes were alive); it can be "
                                "created again once they are gone",
                                name));
+  const auto unplaced = unplaced_.find(name);
+  if (!resize && unplaced != unplaced_.end())
+    return failure(proto::code::kConflict, "name",
+                   fmt::format("name: tenant \"{}\" exists but is not placed ({}); resize it to a spec that fits, or "
+                               "delete it",
+                               name, unplaced->second));
   if (!resolve_api_tenant(&*tenant, *config_, &error)) return failure(error);
 
   if (!resize && held != api_tenants_.end()) {
@@ -228,7 +292,7 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
                      fmt::format("name: tenant \"{}\" exists with another spec: {}", name, difference));
     return {{"ok", true}, {"created", false}, {"tenant", tenant_state(*config_->find_tenant(name))}};
   }
-  if (resize && spec_difference(*tenant, held->second).empty())
+  if (resize && unplaced == unplaced_.end() && spec_difference(*tenant, held->second).empty())
     return {{"ok", true}, {"tenant", tenant_state(*config_->find_tenant(name))}};
   if (!resize && health_ != nullptr) {
     for (size_t i = 0; i < tenant->gpus.size(); ++i) {
@@ -241,15 +305,42 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
   // Beside every other tenant (itself too, for a resize, but as it was).
   if (const auto problem = capacity_problem(*tenant, *config_, capacity_book(name)))
     return failure(proto::code::kNoCapacity, "", *problem);
+  // Refused clearly here rather than made a tenant whose ledger cannot be opened.
+  if (const size_t more = tenant->gpus.size() - (resize ? std::min(held->second.gpus.size(), tenant->gpus.size()) : 0);
+      (!resize || more > 0) && descriptor_problem(more)) {
+    const std::string why = *descriptor_problem(more);
+    log_->warn("control: {} tenant \"{}\" for {} refused: {}", resize ? "resize" : "create", name, who(peer), why);
+    return failure(proto::code::kNoCapacity, "", why);
+  }
 
   ApiTenants next = api_tenants_;
   next[name] = *tenant;
   std::string why;
+  // An unplaced tenant that now fits is placed by this resize.
+  std::optional<std::string> was_unplaced;
+  if (unplaced != unplaced_.end()) {
+    was_unplaced = unplaced->second;
+    unplaced_.erase(unplaced);
+  }
   if (!save_api_tenants(next, &why)) {
+    if (was_unplaced) unplaced_[name] = *was_unplaced;
     log_->error("control: {} tenant \"{}\" for {} refused: {}", resize ? "resize" : "create", name, who(peer), why);
     return failure(proto::code::kInternal, "", fmt::format("cannot record the tenant: {}", why));
   }
   apply(*config_);
+  if (!resize && !ledgers_.contains(name)) {
+    // Its ledger could not be made (adopt logged why): a tenant on paper
+    // only, whose processes would find nothing. Undone; the client is told.
+    ApiTenants back = api_tenants_;
+    back.erase(name);
+    if (std::string undo; save_api_tenants(back, &undo))
+      apply(*config_);
+    else
+      log_->error("tenant \"{}\": cannot undo its record either: {}", name, undo);
+    log_->error("control: create tenant \"{}\" for {} failed: its ledger cannot be made (above)", name, who(peer));
+    return failure(proto::code::kInternal, "",
+                   fmt::format("tenant \"{}\": its ledger cannot be made (see fracgpud's log); not created", name));
+  }
   log_->info("control: tenant \"{}\" {} for {}", name, resize ? "resized" : "created", who(peer));
   json reply = {{"ok", true}};
   if (!resize) reply["created"] = true;
@@ -262,12 +353,27 @@ json Daemon::delete_tenant(const json& request, const ControlPeer& peer) {
   const std::optional<std::string> name = requested_name(request, &error);
   if (!name) return error;
   const Tenant* tenant = config_->find_tenant(*name);
-  if (tenant != nullptr && tenant->source == TenantSource::kConfig)
+  if (tenant != nullptr && tenant->source == TenantSource::kConfig && !unplaced_.contains(*name))
     return failure(proto::code::kConflict, "name",
                    fmt::format("name: \"{}\" is a tenant of the config file {}; remove it there", *name,
                                config_->source));
   const auto held = api_tenants_.find(*name);
   if (held == api_tenants_.end()) return {{"ok", true}, {"state", proto::delete_state::kAbsent}};
+  if (unplaced_.contains(*name)) {
+    // Never placed by this daemon: only the record goes. A ledger directory
+    // of that name (its own from before, or a config tenant's that took the
+    // name) is left as it is.
+    ApiTenants next = api_tenants_;
+    next.erase(*name);
+    std::string why;
+    if (!save_api_tenants(next, &why)) {
+      log_->error("control: delete tenant \"{}\" for {} refused: {}", *name, who(peer), why);
+      return failure(proto::code::kInternal, "", fmt::format("cannot record the deletion: {}", why));
+    }
+    unplaced_.erase(*name);
+    log_->info("control: unplaced tenant \"{}\" deleted for {}", *name, who(peer));
+    return {{"ok", true}, {"state", proto::delete_state::kDeleted}};
+  }
   if (!held->second.draining) {
     // Draining is committed before processes are counted: a process that
     // attaches after the count sees the mark and is refused, so none can
@@ -311,15 +417,21 @@ std::string Daemon::handle_control(const std::string& line, const ControlPeer& p
       json error;
       const std::optional<std::string> name = requested_name(request, &error);
       const Tenant* tenant = name ? config_->find_tenant(*name) : nullptr;
-      reply = !name              ? error
-              : tenant == nullptr ? failure(proto::code::kNotFound, "name", fmt::format("name: no tenant \"{}\"", *name))
-                                  : json{{"ok", true}, {"tenant", tenant_state(*tenant)}};
+      if (!name)
+        reply = error;
+      else if (tenant != nullptr)
+        reply = {{"ok", true}, {"tenant", tenant_state(*tenant)}};
+      else if (unplaced_.contains(*name))
+        reply = {{"ok", true}, {"tenant", unplaced_state(*name)}};
+      else
+        reply = failure(proto::code::kNotFound, "name", fmt::format("name: no tenant \"{}\"", *name));
     } else if (*op == proto::op::kList) {
       std::vector<const Tenant*> sorted;
       for (const Tenant& t : config_->tenants) sorted.push_back(&t);
       std::sort(sorted.begin(), sorted.end(), [](const Tenant* a, const Tenant* b) { return a->name < b->name; });
       json tenants = json::array();
       for (const Tenant* t : sorted) tenants.push_back(tenant_state(*t));
+      for (const auto& [unplaced, why] : unplaced_) tenants.push_back(unplaced_state(unplaced));
       reply = {{"ok", true}, {"tenants", std::move(tenants)}};
     } else if (*op == proto::op::kNode) {
       reply = {{"ok", true}, {"node", node_state()}};

@@ -246,6 +246,9 @@ int Daemon::start() {
   if (options_.log_level) set_log_level(*log_, *options_.log_level);
   discovery_ = discover_gpus(options_.cuda_library.c_str(), options_.nvml_library.c_str());
   ConfigResult result = load_placed_config(&api_tenants_);
+  // API tenants that no longer fit (a GPU gone, a name taken) must not keep
+  // the whole node down: the daemon comes up without them, and says so.
+  if (!result.ok() && !api_tenants_.empty()) result = load_placing_what_fits(api_tenants_, /*placed_stay=*/false);
   if (!result.ok()) {
     print_errors(result, discovery_);
     return kExitBadConfig;
@@ -295,6 +298,56 @@ ConfigResult Daemon::load_placed_config(ApiTenants* api_loaded) const {
   }
   for (const std::string& warning : moved) log_->warn("{}", warning);
   return result;
+}
+
+ConfigResult Daemon::load_placed_config_with(const ApiTenants& api) const {
+  std::vector<std::string> moved;
+  ConfigResult result;
+  if (pid_fd_ < 0) {
+    result = load_placed(options_.config_path, discovery_, nullptr, &api, nullptr, &moved);
+  } else {
+    const PriorPlacement running = running_placement();
+    result = load_placed(options_.config_path, discovery_, &running, &api, nullptr, &moved);
+  }
+  for (const std::string& warning : moved) log_->warn("{}", warning);
+  return result;
+}
+
+ConfigResult Daemon::load_placing_what_fits(const ApiTenants& api, bool placed_stay) {
+  ConfigResult all = load_placed_config_with(api);
+  if (all.ok()) {
+    unplaced_.clear();
+    return all;
+  }
+  // Placed tenants stay placed (a reload never unplaces a running tenant:
+  // it is refused instead); the others are tried.
+  ApiTenants fits, candidates;
+  for (const auto& [name, tenant] : api) (placed_stay && !unplaced_.contains(name) ? fits : candidates)[name] = tenant;
+  if (candidates.empty()) return all;
+  ConfigResult best = load_placed_config_with(fits);
+  if (!best.ok()) return all;  // not the candidates' fault: every error
+  // One at a time, in name order: each that fits beside the config and those
+  // before it is placed; the rest wait, kept.
+  std::map<std::string, std::string> unplaced;
+  for (const auto& [name, tenant] : candidates) {
+    ApiTenants trial = fits;
+    trial[name] = tenant;
+    ConfigResult tried = load_placed_config_with(trial);
+    if (tried.ok()) {
+      fits = std::move(trial);
+      best = std::move(tried);
+      continue;
+    }
+    std::string why;
+    for (const ConfigError& e : tried.errors) why += (why.empty() ? "" : "; ") + e.to_string();
+    if (!unplaced_.contains(name) || unplaced_.at(name) != why)
+      log_->error("API tenant \"{}\" cannot be placed: {}. It is kept, not placed: its processes get no GPU. "
+                  "`fracgpu tenant resize` to a spec that fits, or `fracgpu tenant delete`, repairs it",
+                  name, why);
+    unplaced.emplace(name, std::move(why));
+  }
+  unplaced_ = std::move(unplaced);
+  return best;
 }
 
 // From the ledgers held open, never by re-opening them (see load_placed).
@@ -1150,7 +1203,7 @@ void Daemon::apply_unavailable() {
 
 bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
-  ConfigResult result = load_placed_config(nullptr);
+  ConfigResult result = load_placing_what_fits(api_tenants_, /*placed_stay=*/true);
   if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
     result.errors.push_back({options_.config_path, result.config->daemon.run_dir_line,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",

@@ -138,6 +138,17 @@ class Daemon {
   // With the API tenants (api_tenants_, or at start <run_dir>/api-tenants.json
   // into *api_loaded) beside the config's.
   ConfigResult load_placed_config(ApiTenants* api_loaded) const;
+  // The same with these API tenants instead of api_tenants_.
+  ConfigResult load_placed_config_with(const ApiTenants& api) const;
+  // load_placed_config(), and when only API tenants keep the config from
+  // loading (a GPU gone from the config, a [[tenant]] that took an API
+  // tenant's name, capacity that shrank), the config with every API tenant
+  // that still fits; the others are left in unplaced_ with the reason, so
+  // the daemon comes up, says which it cannot place, and the control API
+  // can repair them. `api`: all API tenants, placed or not. `placed_stay`
+  // (a reload): only tenants already unplaced may stay out; if a placed one
+  // no longer fits, the result is the failure.
+  ConfigResult load_placing_what_fits(const ApiTenants& api, bool placed_stay);
   PriorPlacement running_placement() const;
   void record_placement(const NodeConfig& config);
   // Starts, restarts or stops the metrics endpoint to match the config.
@@ -178,6 +189,7 @@ class Daemon {
   bool finish_delete(const std::string& name);
   void remove_drained();
   nlohmann::json tenant_state(const Tenant& tenant) const;
+  nlohmann::json unplaced_state(const std::string& name) const;  // an API tenant in unplaced_
   nlohmann::json node_state();
   nlohmann::json create_tenant(const nlohmann::json& request, bool resize, const ControlPeer& peer);
   nlohmann::json delete_tenant(const nlohmann::json& request, const ControlPeer& peer);
@@ -252,6 +264,8 @@ class Daemon {
   std::unique_ptr<Auditor> auditor_;
   std::unique_ptr<MemoryAuditor> memory_auditor_;
   ApiTenants api_tenants_;  // the control API's tenants, as persisted
+  // API tenants kept but not placed (load_placing_what_fits): name -> why.
+  std::map<std::string, std::string> unplaced_;
   ControlServer control_;
   // `node` replies: its generation moves whenever the reply would differ.
   uint64_t node_generation_ = 0;
