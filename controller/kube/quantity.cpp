@@ -167,6 +167,8 @@ int64_t Quantity::value() const { return ceil_to(nano_, kNanoPerUnit); }
 int64_t Quantity::milli_value() const { return ceil_to(nano_, 1'000'000); }
 int64_t Quantity::micro_value() const { return ceil_to(nano_, 1'000); }
 
+int64_t Quantity::micro_value_floor() const { return -ceil_to(-nano_, 1'000); }
+
 std::string Quantity::decimal() const {
   __int128 whole = nano_ / kNanoPerUnit;
   __int128 fraction = nano_ % kNanoPerUnit;

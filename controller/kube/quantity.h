@@ -27,6 +27,10 @@ class Quantity {
   int64_t value() const;
   int64_t milli_value() const;
   int64_t micro_value() const;
+  // Rounded down to millionths: a booking in millionths that never passes
+  // one in billionths (the scheduler's): shares of several claims on a GPU,
+  // each rounded down, still add up to no more than it booked.
+  int64_t micro_value_floor() const;
   // A stable form for comparing quantities written differently ("1" and
   // "1000m", "80Gi" and "85899345920"): plain decimal, no suffix.
   std::string decimal() const;

@@ -194,9 +194,13 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
         }
         memory = static_cast<uint64_t>(q->value());
       } else {
-        const int64_t micro = q->micro_value();
+        // Down, not up: the scheduler booked billionths, fracgpud books
+        // millionths, and three claims of 0.333333333 rounded up would book
+        // more than the whole GPU, and the last be refused.
+        const int64_t micro = q->micro_value_floor();
         if (micro <= 0 || micro > 1'000'000) {
-          *error = fmt::format("{}: {}: share {} is not above 0 and at most 1", who, uuid, q->decimal());
+          *error = fmt::format("{}: {}: share {} is not from a millionth (the finest share fracgpud books) to 1", who,
+                               uuid, q->decimal());
           return std::nullopt;
         }
         share = static_cast<double>(micro) / kMicro;

@@ -147,6 +147,23 @@ TEST(ClaimPlan, TheKubeletGetsTheRequestNotTheSubrequest) {
   EXPECT_EQ(plan.devices[0].request, "gpu/quarter") << "the record keeps the allocator's name";
 }
 
+// The scheduler books consumed shares in billionths, fracgpud in
+// millionths: rounded down, so that claims the scheduler fitted on a GPU
+// always fit in fracgpud too (three thirds rounded up were 1.000002, and the
+// third claim was refused).
+TEST(ClaimPlan, SharesAreRoundedDownToTheMillionthsFracgpudBooks) {
+  double sum = 0;
+  for (int i = 0; i < 3; ++i) {
+    const ClaimPlan plan = plan_ok(claim({result("gpu-0", {{"share", "333333333n"}})}));
+    ASSERT_EQ(plan.gpus.size(), 1u);
+    EXPECT_DOUBLE_EQ(plan.gpus[0].share, 0.333333);
+    sum += plan.gpus[0].share;
+  }
+  EXPECT_LE(sum, 1.0);
+  EXPECT_DOUBLE_EQ(plan_ok(claim({result("gpu-0", {{"share", "1999n"}})})).gpus[0].share, 0.000001);
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"share", "999n"}})})).find("is not from a millionth"), std::string::npos);
+}
+
 TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
   const json half = {{"memory", "20Gi"}, {"share", "500m"}};
   EXPECT_EQ(plan_error(claim({result("gpu-0", half)}, {}, "another-uid")),
@@ -166,7 +183,7 @@ TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
   EXPECT_NE(plan_error(claim({result("gpu-0", {{"memory", "20 GB"}})}))
                 .find("consumedCapacity.memory \"20 GB\" is not a quantity"),
             std::string::npos);
-  EXPECT_NE(plan_error(claim({result("gpu-0", {{"share", "1500m"}})})).find(": share 1.5 is not above 0 and at most 1"),
+  EXPECT_NE(plan_error(claim({result("gpu-0", {{"share", "1500m"}})})).find(": share 1.5 is not from a millionth (the finest share fracgpud books) to 1"),
             std::string::npos);
   EXPECT_NE(
       plan_error(claim({result("gpu-0", {{"memory", "100Gi"}})})).find("is not within the GPU's 85899345920 bytes"),

@@ -42,6 +42,9 @@ TEST(KubeQuantity, ParsesTheApiGrammar) {
   EXPECT_EQ(q("2E").value(), 2'000'000'000'000'000'000);  // E alone is exa
   EXPECT_EQ(q("1u").micro_value(), 1);
   EXPECT_EQ(q("1500n").micro_value(), 2);  // rounded up, as Value() and MilliValue() do
+  EXPECT_EQ(q("1500n").micro_value_floor(), 1);
+  EXPECT_EQ(q("2000n").micro_value_floor(), 2);
+  EXPECT_EQ(q("-1500n").micro_value_floor(), -2);
   EXPECT_EQ(q("500m").value(), 1);
   EXPECT_EQ(q("0.0000000001").micro_value(), 1);  // finer than 1n: rounded up to 1n
   // Written differently, the same value.
