@@ -6,6 +6,7 @@
 // NodePrepareResources / NodeUnprepareResources on the socket GetInfo named).
 // A "container" is a process in a private mount namespace with the CDI
 // spec's mounts and environment applied by this test.
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -715,6 +716,67 @@ TEST_F(KubePluginE2E, UninstallDeletesTheNodesSlices) {
   args.push_back("--uninstall");
   EXPECT_EQ(wait_exit(spawn(args, log), 30s), 0) << read_file(log);
   EXPECT_TRUE(slice_devices().is_null());
+}
+
+// Every claim is a new tenant: a GPU's GPU-time table that churn could
+// exhaust would leave every later claim there unlimited (it did after 64).
+// 100 claims prepared and unprepared on GPU 0, then one of 0.1: capped at
+// 0.1 alone (its limit is its share), by the simulated driver's own count.
+TEST_F(KubePluginE2E, AHundredClaimsComeAndGoAndTheNextIsStillCapped) {
+  start_plugin();
+  for (int n = 0; n < 100; ++n) {
+    const auto claim = write_claim(100 + n, {result("gpu-0", {{"memory", "1Gi"}, {"share", "10m"}})});
+    ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "") << "claim " << n;
+    ASSERT_EQ(unprepare(claim), "") << "claim " << n;
+  }
+  ASSERT_TRUE(eventually([&] { return api_tenants().empty(); }, 10s));
+  const auto capped = write_claim(300, {result("gpu-0", {{"memory", "1Gi"}, {"share", "100m"}})});
+  ASSERT_EQ(prepare({capped}).claims().at(capped.uid).error(), "");
+
+  const std::string state = tmp_ / "sim-state";
+  setenv("SIMCUDA_STATE", state.c_str(), 1);
+  setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
+  void* sim = dlopen((std::string(SIMCUDA_DIR) + "/libcuda.so.1").c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(sim, nullptr) << dlerror();
+  auto busy_ns = reinterpret_cast<uint64_t (*)(int, int)>(dlsym(sim, "simcuda_busy_ns"));
+  ASSERT_NE(busy_ns, nullptr);
+  const std::string log = tmp_ / "load.log";
+  const pid_t load = spawn({LOAD_PATH, "devices=0", "kernels_us=1000", "seconds=4"}, log,
+                           {"SIMCUDA_STATE=" + state, std::string("LD_PRELOAD=") + FRACGPU_LIB,
+                            "FRACGPU_TENANT_DIR=" + run_dir_ + "/tenants/dra-" + capped.uid});
+  children_.push_back(load);
+  std::this_thread::sleep_for(1500ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t b0 = busy_ns(0, load);
+  std::this_thread::sleep_for(2s);
+  const uint64_t b1 = busy_ns(0, load);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double share = static_cast<double>(b1 - b0) / 1e9 / wall;
+  printf("the 101st claim's tenant, capped at 0.1, alone: %.3f of GPU 0\n", share);
+  EXPECT_EQ(wait_exit(load, 20s), 0) << read_file(log);
+  EXPECT_GE(share, 0.05) << read_file(log);
+  EXPECT_LE(share, 0.15) << read_file(log) << read_file(daemon_log_);
+  dlclose(sim);
+}
+
+// A tenant that truncates its own usage file (its container may write it)
+// before its pod ends must not keep its capacity booked: the claim's
+// unprepare drains it, and once its process is gone, by the kernel's count
+// of record locks, the tenant goes and the next claim gets the capacity.
+TEST_F(KubePluginE2E, ATenantThatTruncatesItsUsageStillGoesWhenItsLastProcessDoes) {
+  start_plugin();
+  const auto claim = write_claim(20, {result("gpu-0", {{"memory", "8Gi"}, {"share", "750m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  const std::string dir = run_dir_ + "/tenants/dra-" + claim.uid;
+  const pid_t process = spawn_tenant_process(dir, 0, 64ull << 20);
+  ASSERT_GT(process, 0);
+  children_.push_back(process);
+  ASSERT_EQ(truncate((dir + "/usage").c_str(), 0), 0) << strerror(errno);
+  EXPECT_EQ(unprepare(claim), "");
+  kill_and_reap(process);
+  EXPECT_TRUE(eventually([&] { return api_tenants().empty(); }, 10s)) << read_file(daemon_log_);
+  const auto next = write_claim(21, {result("gpu-0", {{"memory", "8Gi"}, {"share", "750m"}})});
+  EXPECT_EQ(prepare({next}).claims().at(next.uid).error(), "");
 }
 
 }  // namespace
