@@ -14,13 +14,17 @@
 #include <cstdlib>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "controller_test_util.h"
 #include "ledger.h"
+#include "daemon/log_limit.h"
 #include "daemon/metrics.h"
 #include "config/placement.h"
 #include "state/status.h"
@@ -491,6 +495,32 @@ TEST(RenderMetrics, LabelValuesAreEscapedPerTheTextFormat) {
             std::string::npos)
       << text;
   EXPECT_EQ(text.find('\x1b'), std::string::npos);
+}
+
+// The daemon's log is bounded whatever a tenant provokes: a burst, then a
+// steady rate; what is dropped is counted and said once lines pass again.
+// Debug lines (asked for) are not limited.
+TEST(DaemonLog, IsRateLimitedAndSaysWhatItDropped) {
+  uint64_t now = 0;
+  std::ostringstream captured;
+  auto out = std::make_shared<spdlog::sinks::ostream_sink_st>(captured);
+  auto limited = std::make_shared<controller::RateLimitedSink>(out, 100, 10, [&] { return now; });
+  spdlog::logger log("t", limited);
+  log.set_level(spdlog::level::trace);
+  log.set_pattern("%l: %v");
+  for (int i = 0; i < 1000; ++i) log.warn("flood {}", i);
+  for (int i = 0; i < 50; ++i) log.debug("asked for {}", i);
+  EXPECT_EQ(limited->dropped_total(), 900u);
+  now += 1'000'000'000;  // one second: 10 more lines
+  for (int i = 0; i < 20; ++i) log.error("later {}", i);
+  const std::string text = captured.str();
+  size_t lines = 0;
+  for (char c : text) lines += c == '\n';
+  EXPECT_EQ(lines, 100u + 50u + 1u + 10u) << text.substr(0, 400);
+  EXPECT_NE(text.find("warning: log rate limit: 900 line(s) dropped"), std::string::npos);
+  EXPECT_NE(text.find("debug: asked for 49"), std::string::npos);
+  EXPECT_EQ(text.find("flood 100\n"), std::string::npos);
+  EXPECT_EQ(limited->dropped_total(), 910u);
 }
 
 }  // namespace

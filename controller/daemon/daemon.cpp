@@ -18,6 +18,7 @@
 
 #include "config/placement.h"
 #include "control/protocol.h"
+#include "daemon/log_limit.h"
 #include "safe_file.h"
 #include "sigbus_guard.h"
 #include "state/status.h"
@@ -74,7 +75,9 @@ sigset_t daemon_signals() {
 }  // namespace
 
 std::shared_ptr<spdlog::logger> make_daemon_logger() {
-  auto log = std::make_shared<spdlog::logger>("fracgpud", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  auto limited = std::make_shared<RateLimitedSink>(std::make_shared<spdlog::sinks::stderr_sink_st>(), kLogBurst,
+                                                   kLogLinesPerSecond);
+  auto log = std::make_shared<spdlog::logger>("fracgpud", std::move(limited));
   log->set_pattern("%Y-%m-%d %H:%M:%S.%e %l: %v");
   log->flush_on(spdlog::level::trace);  // stderr may be a file or a pipe to journald
   return log;
