@@ -694,6 +694,15 @@ TEST_F(NvmlDaemonTest, AResizeBelowWhatATenantHoldsKillsNothingAndFreesNothingSt
   EXPECT_EQ(rc, 4) << out;
   EXPECT_NE(out.find("still held past shrunk quotas"), std::string::npos) << out;
 
+  // A daemon killed and started again remembers it.
+  kill_and_reap(daemon_);
+  start_daemon();
+  std::this_thread::sleep_for(1000ms);
+  EXPECT_EQ(waitpid(carol, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_TRUE(log_contains("1 shrunk quota(s) read back")) << daemon_log();
+  std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
+  EXPECT_EQ(rc, 4) << out;
+
   std::tie(rc, out) = cli({"tenant", "resize", "carol", "--gpu", kUuid2 + ":share=0.25:memory=1GiB"});
   ASSERT_EQ(rc, 0) << out;
   std::this_thread::sleep_for(1000ms);

@@ -18,6 +18,7 @@
 
 #include "config/placement.h"
 #include "control/protocol.h"
+#include "config/tenant_rules.h"
 #include "daemon/log_limit.h"
 #include "safe_file.h"
 #include "sigbus_guard.h"
@@ -271,6 +272,7 @@ int Daemon::start() {
                discovery_.nvml_problem);
   if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
+  load_shrinks();
   apply(*config_);
   if (!api_tenants_.empty()) log_->info("{} tenant(s) of the control API re-created", api_tenants_.size());
   apply_metrics();
@@ -1097,6 +1099,7 @@ void Daemon::note_shrinks(const NodeConfig& config) {
   for (const Tenant& tenant : config.tenants)
     for (const Grant& grant : tenant.grants)
       next[{tenant.name, config.gpus[grant.gpu].uuid}] = booked_memory(grant, config.gpus[grant.gpu]);
+  bool changed = false;
   for (const auto& [key, before] : applied_quotas_) {
     const auto now = next.find(key);
     const uint64_t after = now == next.end() ? 0 : now->second;
@@ -1105,16 +1108,19 @@ void Daemon::note_shrinks(const NodeConfig& config) {
     uint64_t& may_hold = shrunk_[key];
     if (may_hold >= before) continue;
     may_hold = before;
+    changed = true;
     log_->info("tenant \"{}\": memory on GPU {} {} {}; what its processes hold there stays theirs, and booked, "
                "until they free it (new charges see the new quota now)",
                key.first, key.second, now == next.end() ? "no longer granted, was" : "quota lowered from",
                now == next.end() ? format_size(before) : format_size(before) + " to " + format_size(after));
   }
   applied_quotas_ = std::move(next);
+  if (changed) save_shrinks();
 }
 
 void Daemon::settle_shrinks() {
   if (shrunk_.empty()) return;
+  const size_t before = shrunk_.size();
   const bool by_driver = memory_auditor_ != nullptr && memory_auditor_->held_complete();
   for (auto it = shrunk_.begin(); it != shrunk_.end();) {
     const auto& [tenant, uuid] = it->first;
@@ -1148,6 +1154,46 @@ void Daemon::settle_shrinks() {
     log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
     it = shrunk_.erase(it);
   }
+  if (shrunk_.size() != before) save_shrinks();
+}
+
+namespace {
+constexpr const char* kShrunkFileName = "shrunk-quotas.json";
+}  // namespace
+
+void Daemon::save_shrinks() {
+  nlohmann::json held = nlohmann::json::array();
+  for (const auto& [key, bytes] : shrunk_) held.push_back({{"tenant", key.first}, {"gpu", key.second}, {"bytes", bytes}});
+  const std::string text = nlohmann::json{{"version", 1}, {"held", std::move(held)}}.dump(2) + "\n";
+  if (std::string error; !write_run_file(config_->daemon.run_dir, "", kShrunkFileName, text, &error))
+    log_->warn("{}: a restart would forget what shrunk tenants may still hold", error);
+}
+
+void Daemon::load_shrinks() {
+  std::string why;
+  bool missing = false;
+  const std::optional<std::string> text = read_file_at(run_.root.get(), config_->daemon.run_dir, kShrunkFileName,
+                                                       geteuid(), kMaxRunFileBytes, &why, &missing);
+  if (!text) {
+    if (!missing) log_->warn("{}; shrunk quotas are enforced as they are now", why);
+    return;
+  }
+  const nlohmann::json doc = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  const auto held = doc.is_object() ? doc.find("held") : doc.end();
+  if (held == doc.end() || !held->is_array() || doc.value("version", 0) != 1) {
+    log_->warn("{}/{}: not a file of shrunk quotas; ignored", config_->daemon.run_dir, kShrunkFileName);
+    return;
+  }
+  for (const nlohmann::json& e : *held) {
+    uint8_t uuid[16];
+    if (!e.is_object() || !e.value("tenant", nlohmann::json()).is_string() ||
+        !valid_tenant_name(e["tenant"].get<std::string>()) || !e.value("gpu", nlohmann::json()).is_string() ||
+        !ledger::parse_gpu_uuid_text(e["gpu"].get<std::string>(), uuid) ||
+        !e.value("bytes", nlohmann::json()).is_number_unsigned())
+      continue;
+    shrunk_[{e["tenant"].get<std::string>(), e["gpu"].get<std::string>()}] = e["bytes"].get<uint64_t>();
+  }
+  if (!shrunk_.empty()) log_->info("{} shrunk quota(s) read back: what those tenants hold stays theirs", shrunk_.size());
 }
 
 std::vector<GpuBook> Daemon::capacity_book(std::string_view except) const {

@@ -241,6 +241,11 @@ class Daemon {
   std::map<std::pair<std::string, std::string>, uint64_t> applied_quotas_;
   void note_shrinks(const NodeConfig& config);
   void settle_shrinks();
+  // shrunk_ survives a restart in <run_dir>/shrunk-quotas.json (the run
+  // dir's, never a tenant's), written when an entry comes or goes, read at
+  // start: a restart must not turn an allowance into a kill.
+  void save_shrinks();
+  void load_shrinks();
   // book_of(), plus what shrunk tenants still hold past their quota.
   std::vector<GpuBook> capacity_book(std::string_view except = {}) const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health
