@@ -332,7 +332,34 @@ struct SlicePublisher::Existing {
   std::string resource_version;
   int64_t generation = 0;
   json devices;
+  json owner_references = json::array();
 };
+
+json SlicePublisher::owner_references() const {
+  // The Node as the slice's controlling owner, as the upstream helper sets
+  // it: the garbage collector deletes the slice when the node object goes.
+  if (node_uid_.empty()) return json::array();
+  return json::array(
+      {{{"apiVersion", "v1"}, {"kind", "Node"}, {"name", node_name_}, {"uid", node_uid_}, {"controller", true}}});
+}
+
+void SlicePublisher::learn_node_uid() {
+  if (!node_uid_.empty()) return;
+  HttpResult result = api_.get("/api/v1/nodes/" + escape_query_value(node_name_));
+  const json node = result.ok() ? json::parse(result.body, nullptr, false) : json();
+  const std::string uid = node.is_object() ? metadata_string(node, "uid") : std::string();
+  if (!uid.empty() && metadata_string(node, "name") == node_name_) {
+    node_uid_ = uid;
+    log_->info("node {}: uid {}; its ResourceSlice is owned by it (deleted with the node)", escape_terminal(node_name_),
+               escape_terminal(uid));
+    return;
+  }
+  if (!node_uid_warned_)
+    log_->warn("node {}: cannot read its uid ({}): the ResourceSlice is published without an owner, so it outlives a "
+               "deleted node; RBAC must allow get on nodes (deploy/rbac.yaml). Asked again at each publish",
+               escape_terminal(node_name_), result.ok() ? "no uid in the answer" : result.error);
+  node_uid_warned_ = true;
+}
 
 SlicePublisher::SlicePublisher(ApiClient& api, std::string node_name, std::shared_ptr<spdlog::logger> log,
                                SliceOptions options)
@@ -380,6 +407,7 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current) {
   for (int attempt = 0; attempt <= kMaxConflictRetries; ++attempt) {
     int64_t generation = std::max(generation_, current->generation) + 1;
     json slice = slice_object(node_name_, generation, devices);
+    if (const json owners = owner_references(); !owners.empty()) slice["metadata"]["ownerReferences"] = owners;
     HttpResult result;
     if (current->present) {
       slice["metadata"]["resourceVersion"] = current->resource_version;
@@ -442,6 +470,7 @@ bool SlicePublisher::publish(const json& node) {
     }
     const json& devices = desired["spec"]["devices"];
 
+    learn_node_uid();
     std::vector<json> slices;
     if (!list_node_slices(&slices)) return false;
     Existing ours;
@@ -459,6 +488,7 @@ bool SlicePublisher::publish(const json& node) {
         ours.resource_version = metadata_string(slice, "resourceVersion");
         ours.generation = pool_generation_of(slice);
         ours.devices = slice["spec"].contains("devices") ? slice["spec"]["devices"] : json::array();
+        if (slice["metadata"].contains("ownerReferences")) ours.owner_references = slice["metadata"]["ownerReferences"];
       } else {
         stale.push_back(name);
       }
@@ -482,7 +512,9 @@ bool SlicePublisher::publish(const json& node) {
 
     // Unchanged, and no other slice of the pool newer: consumers use only the
     // slices of a pool's highest generation.
+    // A slice written before the node's uid was known gets its owner now.
     bool unchanged = ours.present && ours.generation >= highest_generation &&
+                     (node_uid_.empty() || ours.owner_references == owner_references()) &&
                      ((ours.resource_version == last_resource_version_ && last_devices_ == devices) ||
                       normalized_devices(ours.devices) == normalized_devices(devices));
     if (unchanged) {

@@ -92,6 +92,9 @@ class SlicePublisher {
   struct Existing;
   bool list_node_slices(std::vector<nlohmann::json>* slices);
   bool write_slice(const nlohmann::json& devices, Existing* current);
+  // GET /api/v1/nodes/<node>: its uid, once (needs RBAC get on nodes).
+  void learn_node_uid();
+  nlohmann::json owner_references() const;  // [] while the uid is unknown
 
   ApiClient& api_;
   std::string node_name_;
@@ -106,6 +109,8 @@ class SlicePublisher {
   std::string last_resource_version_;
   int64_t generation_ = 0;
   std::vector<std::string> last_left_out_;
+  std::string node_uid_;
+  bool node_uid_warned_ = false;
 };
 
 }  // namespace fracgpu::kube

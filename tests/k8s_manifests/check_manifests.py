@@ -64,7 +64,8 @@ TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 PRIVILEGED_CONTAINER = "fracgpud"
 # Exactly what the plugin may do (rbac.yaml).
 PLUGIN_RULES = {("resource.k8s.io", "resourceclaims"): {"get"},
-                ("resource.k8s.io", "resourceslices"): {"get", "list", "create", "update", "delete"}}
+                ("resource.k8s.io", "resourceslices"): {"get", "list", "create", "update", "delete"},
+                ("", "nodes"): {"get"}}  # its own node's uid, for the slice's owner reference
 
 
 class Report:

@@ -50,6 +50,12 @@ Control, at run time (loopback, no authentication):
                       [{"method", "path", "status",
                        "authorized"}], for counting attempts
   GET  /fake/slices   every stored ResourceSlice
+  POST /fake/delete-node {"name": NODE}: the node object is deleted and, as
+                      the garbage collector does, every slice whose
+                      ownerReferences name its uid
+
+Nodes (GET /api/v1/nodes/NAME) all exist, each with a uid stable for its
+name, until deleted.
 
 Also: fake_apiserver.py --check-slice FILE... validates ResourceSlice JSON
 files and prints the errors (exit 1 if any).
@@ -344,11 +350,45 @@ def _validate_device(device, path, errors):
                 _validate_request_policy(parsed[0], cap["requestPolicy"], cpath + ".requestPolicy", errors)
 
 
+def node_uid(name):
+    """A node's uid in this stand-in: stable for its name."""
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "node." + name))
+
+
+def validate_owner_references(meta, errors):
+    """metadata.ownerReferences as the API server's ObjectMeta validation checks them."""
+    refs = meta.get("ownerReferences")
+    if refs is None:
+        return
+    if not isinstance(refs, list):
+        errors.append("metadata.ownerReferences: must be a list")
+        return
+    controllers = 0
+    for i, ref in enumerate(refs):
+        where = "metadata.ownerReferences[%d]" % i
+        if not isinstance(ref, dict):
+            errors.append(where + ": must be an object")
+            continue
+        for key in ("apiVersion", "kind", "name", "uid"):
+            if not isinstance(ref.get(key), str) or not ref.get(key):
+                errors.append("%s.%s: Required value" % (where, key))
+        for key in ("controller", "blockOwnerDeletion"):
+            if key in ref and not isinstance(ref[key], bool):
+                errors.append("%s.%s: must be a boolean" % (where, key))
+        controllers += 1 if ref.get("controller") is True else 0
+        unknown = set(ref) - {"apiVersion", "kind", "name", "uid", "controller", "blockOwnerDeletion"}
+        if unknown:
+            errors.append("%s: unknown field(s) %s" % (where, ", ".join(sorted(unknown))))
+    if controllers > 1:
+        errors.append("metadata.ownerReferences: Only one reference can have Controller set to true")
+
+
 def validate_resource_slice(obj):
     """The reasons the v1 API would refuse `obj` (empty: valid)."""
     errors = []
     if not isinstance(obj, dict):
         return ["must be an object"]
+    validate_owner_references(obj.get("metadata") or {}, errors)
     _unknown(obj, _SLICE_FIELDS, "", errors)
     if obj.get("apiVersion") != "resource.k8s.io/v1" or obj.get("kind") != "ResourceSlice":
         errors.append("apiVersion/kind: must be resource.k8s.io/v1 ResourceSlice")
@@ -435,6 +475,7 @@ class State:
         self.failures = []  # dicts: method, regex, status, count, retry_after, message
         self.requests = []
         self.tokens = list(args.token or [])
+        self.deleted_nodes = set()  # names of nodes deleted through /fake/delete-node
         self.log_seq = 0
         for spec in args.fail or []:
             parts = spec.split(":")
@@ -597,12 +638,26 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, list(st.requests))
             elif method == "GET" and path == "/fake/slices":
                 self.send_json(200, list(st.slices.values()))
+            elif method == "POST" and path == "/fake/delete-node":
+                # The node object goes, and the garbage collector deletes
+                # what it owns (ownerReferences naming its uid).
+                name = (body or {}).get("name", "")
+                st.deleted_nodes.add(name)
+                uid = node_uid(name)
+                owned = [n for n, obj in st.slices.items()
+                         if any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])]
+                for n in owned:
+                    st.log_write("delete", n, 200, None, st.slices.pop(n))
+                self.send_json(200, {"ok": True, "collected": owned})
             else:
                 self.send_status(404, "NotFound", "no such control path")
 
     def route(self, method, path, body):
         url = urllib.parse.urlsplit(path)
         parts = [p for p in url.path.split("/") if p]
+        if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4 and method == "GET":
+            self.get_node(urllib.parse.unquote(parts[3]))
+            return
         query = urllib.parse.parse_qs(url.query)
         prefix = [p for p in API_PREFIX.split("/") if p]
         if parts[:len(prefix)] != prefix:
@@ -623,6 +678,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.delete_slice(rest[1])
         else:
             self.send_status(404, "NotFound", "the server could not find the requested resource")
+
+    # -- Nodes: every node exists (with a stable uid) until deleted.
+    def get_node(self, name):
+        with self.state.lock:
+            gone = name in self.state.deleted_nodes
+        if gone or not _dns_subdomain(name):
+            self.send_status(404, "NotFound", 'nodes "%s" not found' % name)
+            return
+        self.send_json(200, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": node_uid(name)}})
 
     # -- ResourceClaims
     def get_claim(self, namespace, name):

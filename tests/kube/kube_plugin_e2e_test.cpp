@@ -779,4 +779,31 @@ TEST_F(KubePluginE2E, ATenantThatTruncatesItsUsageStillGoesWhenItsLastProcessDoe
   EXPECT_EQ(prepare({next}).claims().at(next.uid).error(), "");
 }
 
+// The slice names its node as its controlling owner (the upstream helper
+// library does the same), with the node's uid read from the API server, so
+// deleting the node deletes the slice: it no longer lingers for a node that
+// is gone. The stand-in API server validates owner references as the real
+// one does and plays the garbage collector.
+TEST_F(KubePluginE2E, TheSliceIsOwnedByItsNodeAndGoesWithIt) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  json slice;
+  for (const json& s : json::parse(api_control_->get("/fake/slices").body))
+    if (s["spec"]["nodeName"] == kNode) slice = s;
+  ASSERT_TRUE(slice.is_object());
+  const json& owners = slice["metadata"]["ownerReferences"];
+  ASSERT_TRUE(owners.is_array() && owners.size() == 1) << slice.dump();
+  EXPECT_EQ(owners[0]["apiVersion"], "v1");
+  EXPECT_EQ(owners[0]["kind"], "Node");
+  EXPECT_EQ(owners[0]["name"], kNode);
+  EXPECT_EQ(owners[0]["controller"], true);
+  EXPECT_FALSE(owners[0].value("uid", std::string()).empty()) << slice.dump();
+
+  // Collected only if the uid is the node's (the stand-in's GC matches on it).
+  const kube::HttpResult deleted = api_control_->post("/fake/delete-node", {{"name", kNode}});
+  ASSERT_TRUE(deleted.ok()) << deleted.error;
+  EXPECT_EQ(json::parse(deleted.body)["collected"].size(), 1u) << deleted.body;
+  EXPECT_TRUE(slice_devices().is_null());
+}
+
 }  // namespace
