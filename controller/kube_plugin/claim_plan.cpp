@@ -159,6 +159,16 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
           fmt::format("{}: {} is in pool \"{}\", not this node's ({})", who, field, str(result, "pool"), node_name);
       return std::nullopt;
     }
+    // Admin access (monitoring a device others use) books no capacity in
+    // the scheduler, and fracgpu has no tenant that holds none: a tenant made
+    // from it would take a whole GPU's quota and share, and a process outside
+    // any tenant is what the bypass audit stops. Refused, saying so.
+    if (const auto admin = result.find("adminAccess"); admin != result.end() && admin->is_boolean() && admin->get<bool>()) {
+      *error = fmt::format("{}: {} asks for admin access to {}, which fracgpu does not support (no tenant can hold a GPU "
+                           "without booking part of it)",
+                           who, field, str(result, "device"));
+      return std::nullopt;
+    }
     const std::string device = str(result, "device");
     auto found = node_gpus.find(device);
     if (found == node_gpus.end()) {

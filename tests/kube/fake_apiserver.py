@@ -383,11 +383,42 @@ def validate_owner_references(meta, errors):
         errors.append("metadata.ownerReferences: Only one reference can have Controller set to true")
 
 
+# The resource.k8s.io/v1 schema of the Kubernetes version under test, as
+# kubernetes-validate ships it (scripts/install-deps.sh installs it): every
+# slice the plugin writes is checked against it too, strictly (unknown
+# fields refused), so a shape the real API server's schema refuses fails a
+# test even where the hand-written checks below miss it. Without the
+# package only the hand-written checks run (said once on stderr).
+SCHEMA_VERSION = "1.36.0"
+_schema_warned = []
+
+
+def schema_errors(obj):
+    try:
+        import kubernetes_validate.utils as kv
+    except ImportError as e:
+        if not _schema_warned:
+            sys.stderr.write("fake_apiserver: kubernetes-validate not importable (%s): schema checks off\n" % e)
+            _schema_warned.append(True)
+        return []
+    try:
+        kv.validate(obj, SCHEMA_VERSION, strict=True)
+    except kv.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        return ["%s: %s (schema of Kubernetes %s)" % (path or "(object)", e.message, SCHEMA_VERSION)]
+    except kv.SchemaNotFoundError as e:
+        return ["no schema: %s" % e]
+    except Exception as e:  # what the real server would refuse as undecodable, not a crash here
+        return ["(object): not valid: %r" % (e,)]
+    return []
+
+
 def validate_resource_slice(obj):
     """The reasons the v1 API would refuse `obj` (empty: valid)."""
     errors = []
     if not isinstance(obj, dict):
         return ["must be an object"]
+    errors += schema_errors(obj)
     validate_owner_references(obj.get("metadata") or {}, errors)
     _unknown(obj, _SLICE_FIELDS, "", errors)
     if obj.get("apiVersion") != "resource.k8s.io/v1" or obj.get("kind") != "ResourceSlice":

@@ -112,6 +112,33 @@ TEST(ClaimPlan, OtherDriversResultsAreIgnored) {
   EXPECT_EQ(plan.devices.size(), 1u);
 }
 
+// Shapes the allocator writes that the plugin must read right: several
+// results for one request (count: 2) on two GPUs, each with the shareID of a
+// consumable-capacity allocation, beside another driver's result.
+TEST(ClaimPlan, SeveralResultsOfOneRequestWithShareIdsAreOneTenant) {
+  json a = result("gpu-0", {{"memory", "8Gi"}, {"share", "250m"}});
+  a["shareID"] = "3f2e1d0c-aaaa-4bbb-8ccc-000000000001";
+  json b = result("gpu-2", {{"memory", "8Gi"}, {"share", "250m"}});
+  b["shareID"] = "3f2e1d0c-aaaa-4bbb-8ccc-000000000002";
+  const ClaimPlan plan = plan_ok(claim({a, result("nic-0", nullptr, "gpu", kNode, "nic.example.com"), b}));
+  ASSERT_EQ(plan.gpus.size(), 2u);
+  ASSERT_EQ(plan.devices.size(), 2u);
+  EXPECT_EQ(plan.devices[0].share_id, "3f2e1d0c-aaaa-4bbb-8ccc-000000000001");
+  EXPECT_EQ(plan.devices[1].share_id, "3f2e1d0c-aaaa-4bbb-8ccc-000000000002");
+  for (const auto& g : plan.gpus) EXPECT_DOUBLE_EQ(g.share, 0.25);
+}
+
+// Admin access books nothing in the scheduler: refused, never made a tenant
+// that would take the whole GPU.
+TEST(ClaimPlan, AnAdminAccessResultIsRefusedClearly) {
+  json admin = result("gpu-1");
+  admin["adminAccess"] = true;
+  EXPECT_NE(plan_error(claim({admin})).find("asks for admin access to gpu-1, which fracgpu does not support"),
+            std::string::npos);
+  admin["adminAccess"] = false;
+  EXPECT_EQ(plan_ok(claim({admin})).gpus.size(), 1u);
+}
+
 TEST(ClaimPlan, TheClaimsConfigWinsOverTheClasss) {
   const json consumed = {{"memory", "16Gi"}, {"share", "250m"}};
   // Class says "share", claim says 1.0: the claim's, whatever the order.
