@@ -806,4 +806,34 @@ TEST_F(KubePluginE2E, TheSliceIsOwnedByItsNodeAndGoesWithIt) {
   EXPECT_TRUE(slice_devices().is_null());
 }
 
+// The shapes a real allocator writes besides the plain one: two results of
+// one request (count: 2) with consumable-capacity shareIDs, a result of
+// another driver in the same claim, and admin access. The kubelet gets back
+// fracgpu's devices only, each with its shareID; admin access is refused.
+TEST_F(KubePluginE2E, EveryResultShapeOfTheAllocatorIsPreparedOrRefusedClearly) {
+  start_plugin();
+  json a = result("gpu-0", {{"memory", "2Gi"}, {"share", "250m"}});
+  a["shareID"] = "00000000-aaaa-4bbb-8ccc-000000000001";
+  json b = result("gpu-1", {{"memory", "2Gi"}, {"share", "250m"}});
+  b["shareID"] = "00000000-aaaa-4bbb-8ccc-000000000002";
+  json other = {{"request", "nic"}, {"driver", "nic.example.com"}, {"pool", kNode}, {"device", "eth1"}};
+  const auto claim = write_claim(30, {a, other, b});
+  const auto response = prepare({claim});
+  const auto& prepared = response.claims().at(claim.uid);
+  ASSERT_EQ(prepared.error(), "");
+  ASSERT_EQ(prepared.devices_size(), 2);
+  EXPECT_EQ(prepared.devices(0).share_id(), "00000000-aaaa-4bbb-8ccc-000000000001");
+  EXPECT_EQ(prepared.devices(1).share_id(), "00000000-aaaa-4bbb-8ccc-000000000002");
+  const control::Reply got = call({{"op", "get"}, {"name", "dra-" + claim.uid}});
+  ASSERT_TRUE(got.ok) << got.error;
+  EXPECT_EQ(got.body["tenant"]["gpus"].size(), 2u) << got.body.dump();
+
+  json admin = result("gpu-2");
+  admin["adminAccess"] = true;
+  const auto monitor = write_claim(31, {admin});
+  const std::string error = prepare({monitor}).claims().at(monitor.uid).error();
+  EXPECT_NE(error.find("admin access"), std::string::npos) << error;
+  EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+}
+
 }  // namespace
