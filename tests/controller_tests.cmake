@@ -120,3 +120,7 @@ target_compile_definitions(reload_kill_test PRIVATE
   SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>")
 add_dependencies(reload_kill_test fracgpud simcuda)
 gtest_discover_tests(reload_kill_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 180)
+
+# `fracgpud --version` names the release (what an admin checks in the image).
+add_test(NAME fracgpud_version COMMAND $<TARGET_FILE:fracgpud> --version)
+set_tests_properties(fracgpud_version PROPERTIES PASS_REGULAR_EXPRESSION "^fracgpud ${PROJECT_VERSION}\n$")

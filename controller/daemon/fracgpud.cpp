@@ -28,9 +28,12 @@ int run(int argc, char** argv) {
   app.add_option("-c,--config", options.config_path, "Node config (TOML)")->required();
   app.add_flag("--check", check, "Validate the config against this node's GPUs and exit (0: valid, 1: invalid)");
   app.add_option("--log-level", level, "trace, debug, info, warn or error (overrides [daemon] log_level)");
+  app.set_version_flag("--version", "fracgpud " FRACGPU_VERSION);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);
