@@ -1110,6 +1110,27 @@ TEST_F(InterposeTest, TwoClaimsInOneProcessChargeEachGpuToTheTenantGrantingIt) {
   close_ledger(&bob);
 }
 
+// Fork with two tenants: the child attaches to both again, with slots of its
+// own (record locks are not inherited), and its charges on each GPU go to
+// that GPU's tenant beside the parent's.
+TEST_F(InterposeTest, TwoClaimsAForkedChildChargesEachGpuToItsTenantInSlotsOfItsOwn) {
+  const int a = grant(kUuid0, 1 * kGiB);
+  TenantLedger bob = two_claims(root_, kUuid1, 2 * kGiB);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "600MiB", "fork", "init", "primary", "0", "alloc", "200MiB",
+                         "alloc", "200MiB", "primary", "1", "alloc", "1GiB"},
+                        {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
+  EXPECT_EQ(r["fork_child_exit"], "0");
+  // The child's second 200 MiB did not fit beside the parent's 600 MiB and both contexts.
+  EXPECT_NE(r.out.find("alloc=0\nalloc=2\nprimary=0\nalloc=0\n"), std::string::npos) << r.out;
+  uint64_t bytes = 0;
+  EXPECT_EQ(reclaim_settled(daemon_, -1, &bytes), 2);  // the parent's slot and the child's
+  EXPECT_EQ(bytes, 2 * kContextBytes + 800 * kMiB);
+  EXPECT_EQ(used(a), 0u);
+  EXPECT_EQ(reclaim_settled(bob, -1, &bytes), 2);
+  EXPECT_EQ(bytes, kContextBytes + 1 * kGiB);
+  close_ledger(&bob);
+}
+
 // Two tenants of one process granting the same GPU: whose quota and time it
 // would use cannot be told, so the GPU is refused (CUDA_ERROR_NOT_PERMITTED,
 // one log line); the process's other GPUs are not affected.
