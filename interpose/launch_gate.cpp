@@ -53,6 +53,8 @@ constexpr uint64_t kDownConfirmNs = 10'000'000;
 // arbiter was refused as corrupt or foreign. Launches on it fail.
 enum GpuStatus : int { kUnknown = 0, kUnmetered = 1, kReady = 2, kRefused = 3 };
 constexpr uint64_t kRefusedRetryNs = 100'000'000;  // a refused GPU is looked at again at most this often
+constexpr int kFirstRefusalRetries = 5;              // ... and, the first time, this many times more
+constexpr uint64_t kFirstRefusalPauseNs = 10'000'000;  // this far apart
 
 struct GpuTime {
   std::atomic<int> status{kUnknown};
@@ -385,7 +387,15 @@ int ensure_gpu(int gpu) {
   if (before == kUnknown || (before == kRefused && now >= g.retry_ns)) {
     if (!g_atfork_done.exchange(true)) pthread_atfork(nullptr, nullptr, on_fork_child);
     char why[1400] = {};
-    const int opened = open_gpu(gpu, why, sizeof why);
+    int opened = open_gpu(gpu, why, sizeof why);
+    // The daemon links a tenant's arbiter a moment before it gives the
+    // tenant its row, and rewrites a damaged header within a pass: a first
+    // refusal is looked at again for a while before it stands.
+    for (int again = 0; opened == kRefused && before == kUnknown && again < kFirstRefusalRetries; ++again) {
+      struct timespec pause {0, static_cast<long>(kFirstRefusalPauseNs)};
+      nanosleep(&pause, nullptr);
+      opened = open_gpu(gpu, why, sizeof why);
+    }
     const unsigned entry = entry_of(gpu);
     const char* tenant = tenant_of(gpu).ledger.policy->tenant;
     if (opened == kReady) {
