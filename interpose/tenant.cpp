@@ -80,11 +80,14 @@ void on_fork_child() {
 using DirName = char[1024];
 
 // The entries of the claims directory that may be tenant directories (not
-// "." or "..", nor hidden), the kMaxTenants first by name: their number, and
-// in *seen how many there were. No allocation (attach may run anywhere): the
-// directory is read with getdents64 into a buffer on the stack.
-int claim_directories(const char* parent, DirName* out, int* seen) {
+// "." or "..", nor hidden), the `capacity` (at most kMaxTenants) first by
+// name: their number, and in *seen how many there were. No allocation
+// (attach may run anywhere): the directory is read with getdents64 into a
+// buffer on the stack.
+int claim_directories(const char* parent, DirName* out, int capacity, int* seen) {
   *seen = 0;
+  if (capacity > kMaxTenants) capacity = kMaxTenants;
+  if (capacity <= 0) return 0;
   const int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return 0;
   char names[kMaxTenants][256];
@@ -100,10 +103,10 @@ int claim_directories(const char* parent, DirName* out, int* seen) {
       // Directories (a container's mount points), or links to them.
       if (d->d_type != DT_DIR && d->d_type != DT_LNK && d->d_type != DT_UNKNOWN) continue;
       ++*seen;
-      // Insertion into the sorted kMaxTenants first names.
-      int i = count < kMaxTenants ? count++ : kMaxTenants;
-      if (i == kMaxTenants && strcmp(d->d_name, names[kMaxTenants - 1]) >= 0) continue;
-      if (i == kMaxTenants) i = kMaxTenants - 1;
+      // Insertion into the sorted `capacity` first names.
+      int i = count < capacity ? count++ : capacity;
+      if (i == capacity && strcmp(d->d_name, names[capacity - 1]) >= 0) continue;
+      if (i == capacity) i = capacity - 1;
       for (; i > 0 && strcmp(d->d_name, names[i - 1]) < 0; --i) memcpy(names[i], names[i - 1], sizeof names[i]);
       snprintf(names[i], sizeof names[i], "%s", d->d_name);
     }
@@ -136,14 +139,13 @@ int tenant_directories(DirName* out) {
   const char* claims = getenv("FRACGPU_CLAIMS_DIR");
   if (claims == nullptr || claims[0] == '\0') claims = "/run/fracgpu/claims";
   int seen = 0;
-  count += claim_directories(claims, out + count, &seen);
-  if (count > kMaxTenants) count = kMaxTenants;
-  if (seen > count)
+  const int found = claim_directories(claims, out + count, kMaxTenants - count, &seen);
+  if (seen > found)
     log_line(LogLevel::kError,
-             "%s holds %d claims' tenant directories: attached to the first %d by name only; the GPUs of the others "
-             "are refused",
-             claims, seen, count);
-  return count;
+             "%s holds %d claims' tenant directories: attached to the first %d by name only (at most %d tenants); "
+             "the GPUs of the others are refused",
+             claims, seen, found, kMaxTenants);
+  return count + found;
 }
 
 TenantMode unmanaged_mode() {

@@ -1150,6 +1150,34 @@ TEST_F(InterposeTest, TwoClaimsGrantingOneGpuAreRefusedThatGpu) {
   close_ledger(&bob);
 }
 
+// At most 8 tenant directories per process: with 9 claims, the first 8 by
+// name are attached, the process says so once, and the GPU only the ninth
+// grants is refused (never let through). The first 8 grant nothing here.
+TEST_F(InterposeTest, NineClaimsAttachTheFirstEightAndRefuseTheNinthsGpu) {
+  fs::create_directories(root_ + "/claims");
+  for (int t = 0; t < 9; ++t) {
+    const std::string name = "claim-" + std::to_string(t);
+    const std::string dir = root_ + "/tenants/" + name;
+    fs::create_directories(dir);
+    TenantLedger l;
+    char err[256] = {};
+    ASSERT_EQ(open_ledger(dir.c_str(), AccessMode::kDaemon, name.c_str(), &l, err, sizeof err), LedgerError::kOk) << err;
+    if (t == 8) {
+      uint8_t bytes[16];
+      uuid_bytes(kUuid0, bytes);
+      fracgpu::testing::grant_gpu(l, bytes, 1 * kGiB, kContextBytes, kCountManagedMemory);
+    }
+    close_ledger(&l);
+    fs::create_directory_symlink(dir, root_ + "/claims/" + name);
+  }
+  ProbeResult r = probe({"init", "primary", "0"}, {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
+  EXPECT_EQ(r["init"], kSuccess);
+  EXPECT_EQ(r["primary"], kOutOfMemory);  // as any GPU no tenant of the process grants
+  EXPECT_NE(r.err.find("holds 9 claims' tenant directories: attached to the first 8 by name only"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("device 0 is granted to none of this process's 8 tenants"), std::string::npos) << r.err;
+}
+
 TenantLedger two_claims(const std::string& root, const char* bob_uuid, uint64_t bob_quota) {
   TenantLedger bob;
   char err[256] = {};
