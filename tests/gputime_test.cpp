@@ -26,6 +26,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -1892,10 +1893,11 @@ TEST_F(GpuTimeTest, TwoClaimsInOneProcessAreEachGovernedByTheirOwnTenantsArbiter
   start_load_with("a+b", load_args("50,5000", 5, "0,1"), env);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const auto [x, y] = span(2, 4000);
-  const double gpu0 = busy_share(x, y, "a+b", 0), gpu1 = busy_share(x, y, "a+b", 1);
-  printf("one process, two claims: GPU 0 (a, 0.3) %.3f, GPU 1 (b, 0.6) %.3f\n", gpu0, gpu1);
-  EXPECT_NEAR(gpu0, 0.3, 0.03);
-  EXPECT_NEAR(gpu1, 0.6, 0.03);
+  for (const auto& [gpu, tenant, cap] : {std::tuple{0, "a", 0.3}, std::tuple{1, "b", 0.6}}) {
+    const double got = busy_share(x, y, "a+b", gpu);
+    printf("one process, two claims: GPU %d, tenant %s capped at %.1f: %.3f\n", gpu, tenant, cap, got);
+    EXPECT_NEAR(got, cap, 0.03) << "GPU " << gpu << " is tenant " << tenant << "'s";
+  }
   finish_loads();
   const std::string& err = loads_[0].err;
   EXPECT_NE(err.find("attached to tenant \"a\""), std::string::npos) << err;
