@@ -1,7 +1,7 @@
 // The launch gate and the pacer (see launch_gate.h, shm/gputime.h, docs/sm-time.md).
 //
 // The daemon schedules; this process only asks and reports. Per GPU entry
-// of the tenant it tracks whether the GPU is metered (shared with another
+// of each of its tenants (tenant.h) it tracks whether the GPU is metered (shared with another
 // tenant, or capped below a whole GPU), which grant of the daemon's it
 // entered, and whether its launches may go now ("open": its tenant holds
 // the GPU and it entered that grant, or the daemon is down and the GPU runs
@@ -48,7 +48,13 @@ constexpr int kMaxContexts = 8;                      // contexts per GPU the pac
 // not a daemon gone.
 constexpr uint64_t kDownConfirmNs = 10'000'000;
 
-enum GpuStatus : int { kUnknown = 0, kUnmetered = 1, kReady = 2 };
+// kRefused: the GPU's time is scheduled (its arbiter exists) but not for
+// our tenant: the daemon gave the tenant no row there (refused it), or the
+// arbiter was refused as corrupt or foreign. Launches on it fail.
+enum GpuStatus : int { kUnknown = 0, kUnmetered = 1, kReady = 2, kRefused = 3 };
+constexpr uint64_t kRefusedRetryNs = 100'000'000;  // a refused GPU is looked at again at most this often
+constexpr int kFirstRefusalRetries = 5;              // ... and, the first time, this many times more
+constexpr uint64_t kFirstRefusalPauseNs = 10'000'000;  // this far apart
 
 struct GpuTime {
   std::atomic<int> status{kUnknown};
@@ -69,9 +75,10 @@ struct GpuTime {
   CUcontext contexts[kMaxContexts] = {};
   CUdevice context_device[kMaxContexts] = {};
   std::atomic<int> context_count{0};
+  uint64_t retry_ns = 0;  // kRefused: when to look again (under g_setup_lock)
 };
 
-GpuTime g_gpus[ledger::kMaxGpus];
+GpuTime g_gpus[kMaxTenantGpus];
 pthread_mutex_t g_setup_lock = PTHREAD_MUTEX_INITIALIZER;   // setting up GPU entries, starting the pacer
 pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER; // contexts lists vs draining them
 std::atomic<bool> g_pacer_started{false};
@@ -86,13 +93,18 @@ void bump_gate() {
   } while (!g_launch_gate.compare_exchange_weak(gate, next, std::memory_order_acq_rel));
 }
 
+// True if some GPU needs the launch gate: metered, or refused (a pass must
+// never carry a thread's launches onto it).
 bool any_metered() {
-  for (const GpuTime& g : g_gpus)
-    if (g.status.load(std::memory_order_acquire) == kReady && g.metered.load(std::memory_order_acquire)) return true;
+  for (const GpuTime& g : g_gpus) {
+    const int status = g.status.load(std::memory_order_acquire);
+    if (status == kRefused || (status == kReady && g.metered.load(std::memory_order_acquire))) return true;
+  }
   return false;
 }
 
-// The gate word as the metering of all GPUs requires: 0 if none is metered.
+// The gate word as the metering of all GPUs requires: 0 if none is metered
+// (or refused).
 void refresh_gate() {
   if (!any_metered()) {
     g_launch_gate.store(0, std::memory_order_release);
@@ -250,7 +262,9 @@ void go_unshared_locked(int gpu) {
   g.open.store(true, std::memory_order_release);
   bump_gate();
   // An error, shown by default: the tenant's share is not enforced meanwhile.
-  log_line(LogLevel::kError, "GPU entry %d: fracgpud is not scheduling GPU time: running unshared until it is back", gpu);
+  log_line(LogLevel::kError,
+           "GPU entry %u of tenant \"%s\": fracgpud is not scheduling GPU time: running unshared until it is back",
+           entry_of(gpu), tenant_of(gpu).ledger.policy->tenant);
 }
 
 void back_to_shared_locked(int gpu) {
@@ -259,47 +273,57 @@ void back_to_shared_locked(int gpu) {
   g.unshared.store(false, std::memory_order_release);
   g.open.store(false, std::memory_order_release);
   bump_gate();
-  log_line(LogLevel::kInfo, "GPU entry %d: fracgpud schedules GPU time again: asking for the GPU", gpu);
+  log_line(LogLevel::kInfo, "GPU entry %u of tenant \"%s\": fracgpud schedules GPU time again: asking for the GPU",
+           entry_of(gpu), tenant_of(gpu).ledger.policy->tenant);
 }
 
 // ---- setting up a GPU entry ----
 
-bool open_gpu(int gpu) {
+// What opening a GPU entry's arbiter found: kReady (opened, our row found),
+// kUnmetered (no arbiter: nothing schedules this GPU's time) or kRefused;
+// why, in `why`, for the caller to log.
+int open_gpu(int gpu, char* why, size_t why_len) {
   GpuTime& g = g_gpus[gpu];
+  const TenantState& tenant = tenant_of(gpu);
   char path[1100];
-  snprintf(path, sizeof path, "%s/gputime-%d", g_tenant.dir, gpu);
+  snprintf(path, sizeof path, "%s/gputime-%u", tenant.dir, entry_of(gpu));
   char err[512] = {};
   const ledger::GpuEntry policy = gpu_policy(gpu);
   Arbiter arbiter;
   // Read-only: the daemon alone writes it (and the file is 0644).
   ledger::LedgerError e = gputime::open_arbiter(path, false, true, policy.uuid, &arbiter, err, sizeof err);
   if (e == ledger::LedgerError::kMissing) {
-    // An older daemon, or a GPU granted before the arbiter existed: memory
-    // quotas still hold, GPU time is not shared.
-    log_line(LogLevel::kWarn, "no GPU-time arbiter for GPU entry %d (%s): its time is not shared", gpu, path);
-    return false;
+    // The daemon links every granted GPU's arbiter into the tenant's
+    // directory; none there is an older daemon, or one that could not set
+    // it up (its log says so). Nothing schedules this GPU's time.
+    snprintf(why, why_len,
+             "no GPU-time arbiter (%s): fracgpud does not schedule this GPU's time (an older daemon, or one that "
+             "could not set the arbiter up: see its log); launches on it run ungoverned, memory quotas still hold",
+             path);
+    return kUnmetered;
   }
   if (e != ledger::LedgerError::kOk) {
-    log_line(LogLevel::kError, "GPU-time arbiter refused (%s): %s; its time is not shared",
-             ledger::ledger_error_name(e), err);
-    return false;
+    snprintf(why, why_len, "GPU-time arbiter refused (%s): %s", ledger::ledger_error_name(e), err);
+    return kRefused;
   }
-  const int row = gputime::find_tenant(*arbiter.seg, g_tenant.ledger.policy->tenant);
+  const int row = gputime::find_tenant(*arbiter.seg, tenant.ledger.policy->tenant);
   if (row < 0) {
-    log_line(LogLevel::kWarn, "%s does not list tenant \"%s\": its time is not shared", path,
-             g_tenant.ledger.policy->tenant);
+    // The daemon gives every tenant granted the GPU a row, unless its table
+    // is full: a tenant without one is one it cannot schedule.
+    snprintf(why, why_len, "%s does not list tenant \"%s\": fracgpud cannot schedule its time on this GPU", path,
+             tenant.ledger.policy->tenant);
     gputime::close_arbiter(&arbiter);
-    return false;
+    return kRefused;
   }
   g.arbiter = arbiter;
   g.row = static_cast<uint32_t>(row);
-  g.request = &g_tenant.ledger.usage->gputime[gpu][g_tenant.slot];
+  g.request = &tenant.ledger.usage->gputime[entry_of(gpu)][tenant.slot];
   // Nothing asked, nothing entered yet (claim_slot cleared the row; a
   // process re-opening its GPU entries clears what it said before).
   g.request->want_since_ns.store(0, std::memory_order_relaxed);
   g.request->entered_grant.store(0, std::memory_order_relaxed);
   g.request->drained_grant.store(0, std::memory_order_relaxed);
-  return true;
+  return kReady;
 }
 
 void* pacer_main(void*);
@@ -338,6 +362,7 @@ void on_fork_child() {
     g.dead_since.store(0, std::memory_order_relaxed);
     g.waiting.store(0, std::memory_order_relaxed);
     g.accounted_ns = 0;
+    g.retry_ns = 0;
     pthread_mutex_init(&g.transition, nullptr);
     g.context_count.store(0, std::memory_order_relaxed);
   }
@@ -347,19 +372,54 @@ void on_fork_child() {
   g_launch_gate.store(kGateUnset, std::memory_order_release);
 }
 
-// The entry's status, setting it up on first use.
+// The entry's status, setting it up on first use, and looking again (at most
+// every kRefusedRetryNs) while it is refused: the daemon may give the tenant
+// a row, or repair its arbiter.
 int ensure_gpu(int gpu) {
   GpuTime& g = g_gpus[gpu];
   const int status = g.status.load(std::memory_order_acquire);
-  if (status != kUnknown) return status;
-  pthread_mutex_lock(&g_setup_lock);
-  if (g.status.load(std::memory_order_relaxed) == kUnknown) {
+  if (status != kUnknown && status != kRefused) [[likely]]
+    return status;
+  if (status == kRefused && pthread_mutex_trylock(&g_setup_lock) != 0) return kRefused;
+  if (status == kUnknown) pthread_mutex_lock(&g_setup_lock);
+  const int before = g.status.load(std::memory_order_relaxed);
+  const uint64_t now = gputime::monotonic_ns();
+  if (before == kUnknown || (before == kRefused && now >= g.retry_ns)) {
     if (!g_atfork_done.exchange(true)) pthread_atfork(nullptr, nullptr, on_fork_child);
-    if (open_gpu(gpu)) {
+    char why[1400] = {};
+    int opened = open_gpu(gpu, why, sizeof why);
+    // The daemon links a tenant's arbiter a moment before it gives the
+    // tenant its row, and rewrites a damaged header within a pass: a first
+    // refusal is looked at again for a while before it stands.
+    for (int again = 0; opened == kRefused && before == kUnknown && again < kFirstRefusalRetries; ++again) {
+      struct timespec pause {0, static_cast<long>(kFirstRefusalPauseNs)};
+      nanosleep(&pause, nullptr);
+      opened = open_gpu(gpu, why, sizeof why);
+    }
+    const unsigned entry = entry_of(gpu);
+    const char* tenant = tenant_of(gpu).ledger.policy->tenant;
+    if (opened == kReady) {
       g.metered.store(compute_metered(gpu), std::memory_order_relaxed);
       g.status.store(kReady, std::memory_order_release);
       start_pacer();
+      if (before == kRefused) {
+        log_line(LogLevel::kInfo, "GPU entry %u of tenant \"%s\": fracgpud schedules its time now: launches allowed",
+                 entry, tenant);
+        refresh_gate();
+      }
+    } else if (opened == kRefused) {
+      g.retry_ns = now + kRefusedRetryNs;
+      if (before == kUnknown) {
+        // Never let through: a tenant the scheduler cannot schedule would
+        // take the GPU's time from those it does.
+        log_line(LogLevel::kError,
+                 "GPU entry %u of tenant \"%s\": kernel launches refused (CUDA_ERROR_NOT_PERMITTED): %s", entry,
+                 tenant, why);
+        g.status.store(kRefused, std::memory_order_release);
+        refresh_gate();
+      }
     } else {
+      log_line(LogLevel::kWarn, "GPU entry %u of tenant \"%s\": %s", entry, tenant, why);
       g.status.store(kUnmetered, std::memory_order_release);
     }
   }
@@ -488,7 +548,7 @@ void* pacer_main(void*) {
     // grant, so that a revocation wakes us at once rather than at the tick.
     const GpuTimeSegment* sleep_on = nullptr;
     uint32_t sleep_turn = 0;
-    for (int gpu = 0; gpu < static_cast<int>(ledger::kMaxGpus); ++gpu) {
+    for (int gpu = 0; gpu < kMaxTenantGpus; ++gpu) {
       GpuTime& g = g_gpus[gpu];
       if (g.status.load(std::memory_order_acquire) != kReady) continue;
       if (refresh) {
@@ -542,11 +602,11 @@ __attribute__((destructor)) void release_on_exit() {
 
 }  // namespace
 
-void wait_for_gpu(CUstream stream) {
+CUresult wait_for_gpu(CUstream stream) {
   if (!load_real_driver() || tenant_mode() != TenantMode::kManaged) {
     g_launch_gate.store(0, std::memory_order_release);  // nothing is metered in this process
     t_launch_pass = 0;
-    return;
+    return CUDA_SUCCESS;
   }
   if (g_launch_gate.load(std::memory_order_acquire) == kGateUnset) {
     // First launch in the process: nothing metered until a GPU says so.
@@ -558,10 +618,17 @@ void wait_for_gpu(CUstream stream) {
   int gpu = kNotGranted;
   // Read the gate before deciding: a change after this read makes the pass stale.
   const uint64_t gate = g_launch_gate.load(std::memory_order_acquire);
-  if (!current_gpu_entry(&ctx, &device, &gpu) || gpu < 0) return;  // the driver or the memory hooks decide
-  if (ensure_gpu(gpu) != kReady) {
+  if (!current_gpu_entry(&ctx, &device, &gpu)) return CUDA_SUCCESS;  // the driver reports it
+  // Not granted: the memory hooks refused its context; two tenants grant it: refused.
+  if (gpu < 0) return device_denied(device) ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
+  const int status = ensure_gpu(gpu);
+  if (status == kRefused) {
+    t_launch_pass = ~0ull;  // every launch comes back here
+    return CUDA_ERROR_NOT_PERMITTED;
+  }
+  if (status != kReady) {
     t_launch_pass = gate;
-    return;
+    return CUDA_SUCCESS;
   }
   GpuTime& g = g_gpus[gpu];
   if (!g.metered.load(std::memory_order_acquire)) {
@@ -574,14 +641,14 @@ void wait_for_gpu(CUstream stream) {
         g_launch_gate.compare_exchange_strong(seen, 0, std::memory_order_acq_rel))
       seen = 0;
     t_launch_pass = seen;
-    return;
+    return CUDA_SUCCESS;
   }
   if (g_launch_gate.load(std::memory_order_acquire) == 0) refresh_gate();
   note_context(g, ctx, device);
   if (!g.open.load(std::memory_order_acquire)) {
     // Work captured into a graph does not run now; blocking would only stall
     // the capture. It is governed when the graph is launched.
-    if (stream_is_capturing(stream)) return;
+    if (stream_is_capturing(stream)) return CUDA_SUCCESS;
     wait_for_turn(gpu);
   }
   g.activity.fetch_add(1, std::memory_order_relaxed);
@@ -594,19 +661,19 @@ void wait_for_gpu(CUstream stream) {
   // may be never once its process neither holds nor waits for the GPU.
   const uint64_t word = g_launch_gate.load(std::memory_order_acquire);
   t_launch_pass = g.open.load(std::memory_order_acquire) ? word : ~0ull;
+  return CUDA_SUCCESS;
 }
 
-void wait_for_gpu_of_stream(CUstream stream) {
+CUresult wait_for_gpu_of_stream(CUstream stream) {
   CUcontext ctx = nullptr;
   if (stream == nullptr || g_driver.cuStreamGetCtx == nullptr || g_driver.cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS ||
-      g_driver.cuCtxPushCurrent_v2 == nullptr || g_driver.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) {
-    wait_for_gpu(stream);
-    return;
-  }
-  wait_for_gpu(stream);
+      g_driver.cuCtxPushCurrent_v2 == nullptr || g_driver.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS)
+    return wait_for_gpu(stream);
+  const CUresult result = wait_for_gpu(stream);
   CUcontext popped = nullptr;
   g_driver.cuCtxPopCurrent_v2(&popped);
   invalidate_launch_pass();
+  return result;
 }
 
 void gputime_forget_context(CUcontext ctx) {

@@ -30,14 +30,17 @@ inline bool launch_may_pass() {
   return g_launch_gate.load(std::memory_order_acquire) == t_launch_pass;
 }
 
-// Slow path: returns once this thread may launch into `stream` of the
-// current context (its process holds that context's GPU, or the GPU is not
-// metered, or the stream is capturing a graph and nothing will run). Never
-// fails: problems make the launch pass, never block it forever.
-void wait_for_gpu(CUstream stream);
+// Slow path: returns CUDA_SUCCESS once this thread may launch into `stream`
+// of the current context (its process holds that context's GPU, or the GPU
+// is not metered, or the stream is capturing a graph and nothing will run).
+// CUDA_ERROR_NOT_PERMITTED, for the launch to return, where the GPU's time
+// is scheduled but not for this tenant (the daemon gave it no row in the
+// GPU's arbiter, or the arbiter was refused), or two tenants of the process
+// grant the GPU. Never blocks forever.
+CUresult wait_for_gpu(CUstream stream);
 
 // Like wait_for_gpu, for a stream of any context (multi-device launches).
-void wait_for_gpu_of_stream(CUstream stream);
+CUresult wait_for_gpu_of_stream(CUstream stream);
 
 // A context is about to be destroyed (or a device's primary context
 // released or reset): the pacer must stop draining it.

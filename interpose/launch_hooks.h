@@ -15,11 +15,14 @@
 namespace fracgpu::interpose {
 
 // The real function, or CUDA_ERROR_NOT_FOUND if the driver lacks it (the
-// gate never loads the driver on the fast path: a pass implies it is loaded).
+// gate never loads the driver on the fast path: a pass implies it is loaded),
+// or the gate's refusal.
 #define FRACGPU_LAUNCH(id, stream, ...)                                  \
   do {                                                                   \
-    if (!launch_may_pass()) [[unlikely]]                                 \
-      wait_for_gpu(stream);                                              \
+    if (!launch_may_pass()) [[unlikely]] {                               \
+      const CUresult refused = wait_for_gpu(stream);                     \
+      if (refused != CUDA_SUCCESS) return refused;                       \
+    }                                                                    \
     auto fn = real<id>();                                                \
     return fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;       \
   } while (0)
@@ -50,7 +53,8 @@ CUresult launch_cooperative(CUfunction f, unsigned int grid_x, unsigned int grid
 // (docs/sm-time.md).
 template <HookId id>
 CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned int device_count, unsigned int flags) {
-  for (unsigned int i = 0; launches != nullptr && i < device_count; ++i) wait_for_gpu_of_stream(launches[i].hStream);
+  for (unsigned int i = 0; launches != nullptr && i < device_count; ++i)
+    if (const CUresult refused = wait_for_gpu_of_stream(launches[i].hStream); refused != CUDA_SUCCESS) return refused;
   auto fn = real<id>();
   return fn != nullptr ? fn(launches, device_count, flags) : CUDA_ERROR_NOT_FOUND;
 }
@@ -60,7 +64,8 @@ CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned 
 template <HookId id>
 CUresult graph_launch(CUgraphExec graph, CUstream stream) {
   if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]] {
-    if (!launch_may_pass()) wait_for_gpu(stream);
+    if (!launch_may_pass())
+      if (const CUresult refused = wait_for_gpu(stream); refused != CUDA_SUCCESS) return refused;
     return run_with_graph_memory(graph, stream, real<id>());
   }
   FRACGPU_LAUNCH(id, stream, graph, stream);

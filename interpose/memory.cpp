@@ -12,21 +12,21 @@
 namespace fracgpu::interpose {
 
 bool record_pointer(uint64_t key, const ChargeRecord& record) {
-  if (g_tenant.pointers.insert(key, record)) [[likely]]
+  if (g_pointers.insert(key, record)) [[likely]]
     return true;
   FRACGPU_LOG_ONCE(LogLevel::kError, "allocation table full: further allocations are refused");
   return false;
 }
 
 bool record_handle(uint64_t key, const ChargeRecord& record) {
-  if (g_tenant.handles.insert(key, record)) [[likely]]
+  if (g_handles.insert(key, record)) [[likely]]
     return true;
   FRACGPU_LOG_ONCE(LogLevel::kError, "handle table full: further arrays, VMM handles and contexts are refused");
   return false;
 }
 
-bool forget_pointer(uint64_t key, ChargeRecord* out) { return g_tenant.pointers.remove(key, out); }
-bool forget_handle(uint64_t key, ChargeRecord* out) { return g_tenant.handles.remove(key, out); }
+bool forget_pointer(uint64_t key, ChargeRecord* out) { return g_pointers.remove(key, out); }
+bool forget_handle(uint64_t key, ChargeRecord* out) { return g_handles.remove(key, out); }
 
 void release_context_records(uint64_t ctx) {
   // Destroying a context frees its linear, managed and array memory; VMM
@@ -36,8 +36,8 @@ void release_context_records(uint64_t ctx) {
                               r.kind == ChargeKind::kArray || r.kind == ChargeKind::kMipmapped);
   };
   auto give_back = [](const ChargeRecord& r) { unreserve(static_cast<int>(r.gpu), r.bytes); };
-  g_tenant.pointers.remove_if(belongs, give_back);
-  g_tenant.handles.remove_if(belongs, give_back);
+  g_pointers.remove_if(belongs, give_back);
+  g_handles.remove_if(belongs, give_back);
 }
 
 bool settle(int gpu, uint64_t reserved, uint64_t actual) {
@@ -271,7 +271,7 @@ bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64
   // Only the two fields needed, from one copy of the policy (a common path).
   uint32_t state = ledger::kGpuUnused;
   uint64_t quota = 0;
-  if (!ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
+  if (!read_committed_gpu(gpu, [&](const ledger::GpuPolicy& e) {
         state = e.state.load(std::memory_order_acquire);
         quota = e.memory_quota.load(std::memory_order_acquire);
       }))
@@ -286,7 +286,7 @@ bool tenant_memory_view(int gpu, uint64_t real_free, uint64_t real_total, uint64
     *total_bytes = real_total;
     return false;
   }
-  const uint64_t used = ledger::tenant_used(*g_tenant.ledger.usage, static_cast<uint32_t>(gpu));
+  const uint64_t used = ledger::tenant_used(*tenant_of(gpu).ledger.usage, entry_of(gpu));
   *total_bytes = quota;
   *free_bytes = std::min(used >= quota ? 0 : quota - used, real_free);
   return true;

@@ -13,13 +13,13 @@ namespace {
 // Charges with the ledger directly, not through reserve(): a refusal there
 // settles every pool, which would wait for the settle this thread is running.
 bool charge_now(int gpu, uint64_t bytes) {
-  return gpu >= 0 && ledger::try_charge(g_tenant.ledger, static_cast<uint32_t>(gpu),
-                                        static_cast<uint32_t>(g_tenant.slot), bytes);
+  return gpu >= 0 && ledger::try_charge(tenant_of(gpu).ledger, entry_of(gpu),
+                                        static_cast<uint32_t>(tenant_of(gpu).slot), bytes);
 }
 
 void charge_anyway(int gpu, uint64_t bytes) {
   if (gpu >= 0 && bytes != 0)
-    ledger::force_charge(*g_tenant.ledger.usage, static_cast<uint32_t>(gpu), static_cast<uint32_t>(g_tenant.slot),
+    ledger::force_charge(*tenant_of(gpu).ledger.usage, entry_of(gpu), static_cast<uint32_t>(tenant_of(gpu).slot),
                          bytes);
 }
 

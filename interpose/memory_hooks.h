@@ -185,7 +185,7 @@ CUresult mem_alloc_managed(CUdeviceptr* dptr, size_t bytes, unsigned int flags) 
   int gpu;
   if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0) return FRACGPU_PASS(id, dptr, bytes, flags);
   uint32_t policy_flags = 0;
-  if (gpu >= 0 && ledger::read_committed_entry(g_tenant.ledger, static_cast<uint32_t>(gpu), [&](const ledger::GpuPolicy& e) {
+  if (gpu >= 0 && read_committed_gpu(gpu, [&](const ledger::GpuPolicy& e) {
         policy_flags = e.flags.load(std::memory_order_acquire);
       }) && !(policy_flags & ledger::kCountManagedMemory))
     return FRACGPU_PASS(id, dptr, bytes, flags);
@@ -591,6 +591,7 @@ CUresult ctx_create(CUcontext* ctx, Args... args) {
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx, args...);
   const CUdevice device = last_of(args...);
   const int gpu = gpu_entry_for_device(device);
+  if (gpu < 0 && device_denied(device)) return kDenied;  // two tenants grant it
   if (ctx == nullptr) return FRACGPU_PASS(id, ctx, args...);
   const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory : 0;
   if (!reserve(gpu, footprint)) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -664,6 +665,7 @@ CUresult primary_ctx_retain(CUcontext* ctx, CUdevice device) {
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, ctx, device);
   if (ctx == nullptr || device < 0 || device >= kMaxDevices) return FRACGPU_PASS(id, ctx, device);
   const int gpu = gpu_entry_for_device(device);
+  if (gpu < 0 && device_denied(device)) return kDenied;  // two tenants grant it
   if (!primary_retain_charge(device, gpu)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, device);
   note_contexts_changed();

@@ -22,8 +22,9 @@
 //   (nvmlDeviceGetAccountingPids/Stats): NVML's own, filtered to the tenant's
 //   processes and renumbered to this namespace's PIDs (see keep_own).
 //
-// The NVML device is matched to the tenant's GPU entry by UUID (the real
-// nvmlDeviceGetUUID), never by index. None of this is a hot path, but the
+// The NVML device is matched to the GPU entry of the tenant granting it by
+// UUID (the real nvmlDeviceGetUUID), never by index; "the tenant" is that
+// one (a process with several tenants: docs/architecture.md). None of this is a hot path, but the
 // user's process rules hold: no exit, NVML errors returned, log once.
 #include "nvml_hooks.h"
 
@@ -101,14 +102,14 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
   }
   // Anything but a GPU's UUID (MIG devices' "MIG-..." included) is not a GPU we grant.
   uint8_t uuid[16];
-  *gpu = ledger::parse_gpu_uuid_text(text, uuid) ? ledger::find_gpu(g_tenant.ledger, uuid) : kNotGranted;
+  *gpu = ledger::parse_gpu_uuid_text(text, uuid) ? gpu_for_uuid(uuid) : kNotGranted;
   return Scope::kTenant;
 }
 
 // The tenant's memory on GPU entry `gpu`; false: no quota, keep the real figures.
 bool tenant_memory(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* total, uint64_t* free, uint64_t* used) {
   if (!tenant_memory_view(gpu, real_free, real_total, free, total)) return false;
-  *used = gpu < 0 || *total == 0 ? 0 : std::min(ledger::tenant_used(*g_tenant.ledger.usage, static_cast<uint32_t>(gpu)), *total);
+  *used = gpu < 0 || *total == 0 ? 0 : std::min(ledger::tenant_used(*tenant_of(gpu).ledger.usage, entry_of(gpu)), *total);
   return true;
 }
 
@@ -121,8 +122,8 @@ struct OwnProcess {
 // a record lock's holder in the asker's namespace (0 if it is not visible
 // there); nobody holding it means the owner is gone and only awaits
 // reclaiming. A process cannot see its own lock, so our own slot is getpid().
-int32_t local_pid_of_slot(const ledger::TenantLedger& ledger, uint32_t s) {
-  return static_cast<int>(s) == g_tenant.slot ? getpid() : ledger::slot_owner_pid(ledger, s);
+int32_t local_pid_of_slot(const TenantState& tenant, uint32_t s) {
+  return static_cast<int>(s) == tenant.slot ? getpid() : ledger::slot_owner_pid(tenant.ledger, s);
 }
 
 // The tenant's live processes holding a charge on GPU entry `gpu`, with PIDs
@@ -130,14 +131,15 @@ int32_t local_pid_of_slot(const ledger::TenantLedger& ledger, uint32_t s) {
 // cannot see (another container of the same tenant) are counted in `used`
 // but not listed: there is no PID to show for them here.
 unsigned own_processes(int gpu, OwnProcess* rows) {
-  const ledger::TenantLedger& ledger = g_tenant.ledger;
+  const TenantState& tenant = tenant_of(gpu);
+  const ledger::TenantLedger& ledger = tenant.ledger;
   const uint32_t high = std::min(ledger.usage->slot_high_water.load(std::memory_order_acquire), ledger::kMaxSlots);
   unsigned n = 0;
   for (uint32_t s = 0; s < high; ++s) {
     if (ledger.usage->slots[s].state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
-    const uint64_t bytes = ledger.usage->charges[gpu][s].load(std::memory_order_relaxed);
+    const uint64_t bytes = ledger.usage->charges[entry_of(gpu)][s].load(std::memory_order_relaxed);
     if (bytes == 0) continue;
-    const int32_t pid = local_pid_of_slot(ledger, s);
+    const int32_t pid = local_pid_of_slot(tenant, s);
     if (pid > 0) rows[n++] = {static_cast<unsigned>(pid), bytes};
   }
   return n;
@@ -223,15 +225,16 @@ struct PidPair {
   unsigned local;
 };
 
-unsigned own_host_pids(PidPair* pairs) {
-  const ledger::TenantLedger& ledger = g_tenant.ledger;
+unsigned own_host_pids(int gpu, PidPair* pairs) {
+  const TenantState& tenant = tenant_of(gpu);
+  const ledger::TenantLedger& ledger = tenant.ledger;
   const uint32_t high = std::min(ledger.usage->slot_high_water.load(std::memory_order_acquire), ledger::kMaxSlots);
   unsigned n = 0;
   for (uint32_t s = 0; s < high; ++s) {
     const ledger::ProcessSlot& slot = ledger.usage->slots[s];
     if (slot.state.load(std::memory_order_acquire) != ledger::kSlotLive) continue;
     const int32_t host = slot.host_pid.load(std::memory_order_relaxed);
-    const int32_t local = local_pid_of_slot(ledger, s);
+    const int32_t local = local_pid_of_slot(tenant, s);
     if (host > 0 && local > 0) pairs[n++] = {static_cast<unsigned>(host), static_cast<unsigned>(local)};
   }
   return n;
@@ -241,9 +244,9 @@ unsigned own_host_pids(PidPair* pairs) {
 // of the tenant's processes, renumbered to this namespace's PIDs, in order;
 // returns how many.
 template <class Record, class PidOf>
-unsigned keep_own(Record* records, unsigned n, PidOf pid_of) {
+unsigned keep_own(int gpu, Record* records, unsigned n, PidOf pid_of) {
   PidPair pairs[ledger::kMaxSlots];
-  const unsigned own = own_host_pids(pairs);
+  const unsigned own = own_host_pids(gpu, pairs);
   unsigned kept = 0;
   for (unsigned i = 0; i < n; ++i) {
     const PidPair* match = std::find_if(pairs, pairs + own, [&](const PidPair& p) { return p.host == pid_of(records[i]); });
@@ -260,7 +263,7 @@ unsigned keep_own(Record* records, unsigned n, PidOf pid_of) {
 nvmlReturn_t own_samples(nvmlReturn_t real_result, int gpu, unsigned int* count,
                          nvmlProcessUtilizationSample_t* samples) {
   if (real_result != NVML_SUCCESS) return real_result;  // sizes: the real count is an upper bound
-  *count = gpu >= 0 ? keep_own(samples, *count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
+  *count = gpu >= 0 ? keep_own(gpu, samples, *count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
   return *count > 0 ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
@@ -314,7 +317,7 @@ nvmlReturn_t nvml_processes_utilization_info(nvmlDevice_t device, nvmlProcessesU
   const nvmlReturn_t result = q.real(device, info);
   if (q.scope == Scope::kReal || result != NVML_SUCCESS) return result;
   unsigned& count = info->processSamplesCount;
-  count = q.gpu >= 0 ? keep_own(info->procUtilArray, count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
+  count = q.gpu >= 0 ? keep_own(q.gpu, info->procUtilArray, count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
   return count > 0 ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
@@ -326,7 +329,7 @@ nvmlReturn_t nvml_accounting_pids(nvmlDevice_t device, unsigned int* count, unsi
   if (q.scope == Scope::kRefused) return q.error;
   const nvmlReturn_t result = q.real(device, count, pids);
   if (q.scope == Scope::kReal || result != NVML_SUCCESS) return result;  // sizes: an upper bound
-  *count = q.gpu >= 0 ? keep_own(pids, *count, [](unsigned& pid) -> unsigned& { return pid; }) : 0;
+  *count = q.gpu >= 0 ? keep_own(q.gpu, pids, *count, [](unsigned& pid) -> unsigned& { return pid; }) : 0;
   return NVML_SUCCESS;
 }
 
@@ -337,7 +340,7 @@ nvmlReturn_t nvml_accounting_stats(nvmlDevice_t device, unsigned int pid, nvmlAc
   if (q.scope == Scope::kRefused) return q.error;
   if (q.scope == Scope::kReal) return q.real(device, pid, stats);
   PidPair pairs[ledger::kMaxSlots];
-  const unsigned own = q.gpu >= 0 ? own_host_pids(pairs) : 0;
+  const unsigned own = q.gpu >= 0 ? own_host_pids(q.gpu, pairs) : 0;
   const PidPair* match = std::find_if(pairs, pairs + own, [&](const PidPair& p) { return p.local == pid; });
   if (match == pairs + own) return NVML_ERROR_NOT_FOUND;  // NVML's answer for a PID it holds no record of
   return q.real(device, match->host, stats);

@@ -494,6 +494,28 @@ TEST_F(NvmlDaemonTest, AuditDenyRefusesTheTenantsNewProcessesUntilTheBypassEnds)
   EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
 }
 
+// A container with two claims has two tenants' directories mounted: a
+// process there without the interposer, on GPU 0, is the tenant's whose
+// policy holds GPU 0 (alice's), not bob's (GPU 1), and the bypass audit's
+// deny acts on alice alone. (Before: two tenants mounted told nothing, and
+// nobody was denied: "tenant unknown".)
+TEST_F(NvmlDaemonTest, AuditDenyActsOnTheTenantOfTheGpuForAProcessWithTwoClaims) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container to attribute it by";
+  write_config("deny");
+  write_file(config_path_, read_file(config_path_) +
+                               "[[gpu]]\nindex = 1\n[[tenant]]\nname = \"bob\"\ngpus = 0.5\ndevices = [1]\n");
+  set_faults("");
+  start_daemon();
+  const pid_t bypass = in_container("bypass", std::vector<std::string>{"alice", "bob"},
+                                    {"init", "primary", "0", "alloc", "32MiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuBypassDenied; }, 3000ms)) << daemon_log();
+  EXPECT_EQ(alice_mark().second, static_cast<uint32_t>(bypass));
+  EXPECT_TRUE(log_contains("audit: process " + std::to_string(bypass) + " (fracgpu_probe, tenant \"alice\") uses"))
+      << daemon_log();
+  EXPECT_FALSE(log_contains("tenant \"bob\" denied")) << daemon_log();
+  kill_and_reap(bypass);
+}
+
 // A bypassing process's environment is its own to write: naming another
 // tenant there must not get that tenant denied. Only where the process
 // runs (beside which tenant's processes) counts.

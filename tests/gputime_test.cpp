@@ -26,12 +26,14 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "gputime.h"
+#include "policy_util.h"
 #include "simcuda.h"
 
 namespace fs = std::filesystem;
@@ -219,11 +221,16 @@ class GpuTimeTest : public ::testing::Test {
   }
 
   void start_load(const std::string& tenant, std::vector<std::string> args, bool preload = true) {
+    start_load_with(tenant, std::move(args), environment(tenant, preload));
+  }
+
+  // A load with the environment given, shown as `tenant`.
+  void start_load_with(const std::string& tenant, std::vector<std::string> args, const std::vector<std::string>& env) {
     Load l;
     l.tenant = tenant;
     l.args = args;
     l.out_path = root_ + "/load-" + std::to_string(++loads_started_) + ".out";
-    l.pid = spawn(LOAD_PATH, args, environment(tenant, preload), &l.err_fd, l.out_path);
+    l.pid = spawn(LOAD_PATH, args, env, &l.err_fd, l.out_path);
     ASSERT_GT(l.pid, 0);
     loads_.push_back(l);
   }
@@ -248,27 +255,34 @@ class GpuTimeTest : public ::testing::Test {
   void finish_loads() {
     const uint64_t deadline = now_ns() + 60 * kSecond;
     for (Load& l : loads_) {
-      int status = 0;
-      while (waitpid(l.pid, &status, WNOHANG) == 0) {
-        if (now_ns() > deadline) {
-          ADD_FAILURE() << "load of " << l.tenant << " (pid " << l.pid << ") hung:" << thread_states(l.pid);
-          kill(l.pid, SIGKILL);
-          waitpid(l.pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      std::string err;
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(l.err_fd, buf, sizeof buf)) > 0) err.append(buf, static_cast<size_t>(n));
-      close(l.err_fd);
-      l.out = read_file(l.out_path);
-      l.err = err;
+      const int status = finish_load(l, deadline);
       EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-          << "load of " << l.tenant << " failed (" << status << "): " << err;
-      l.pid = -1;
+          << "load of " << l.tenant << " failed (" << status << "): " << l.err;
     }
+  }
+
+  // Waits for one load until `deadline` (then describes, kills and reports
+  // it), reads its output: its wait status.
+  int finish_load(Load& l, uint64_t deadline) {
+    int status = 0;
+    while (waitpid(l.pid, &status, WNOHANG) == 0) {
+      if (now_ns() > deadline) {
+        ADD_FAILURE() << "load of " << l.tenant << " (pid " << l.pid << ") hung:" << thread_states(l.pid);
+        kill(l.pid, SIGKILL);
+        waitpid(l.pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::string err;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(l.err_fd, buf, sizeof buf)) > 0) err.append(buf, static_cast<size_t>(n));
+    close(l.err_fd);
+    l.out = read_file(l.out_path);
+    l.err = err;
+    l.pid = -1;
+    return status;
   }
 
   // Starts a load, waits for it to end (it must exit 0), and forgets it:
@@ -918,10 +932,12 @@ TEST_F(GpuTimeTest, ALimitAboveTheShareCapsThereAndMovesOnReload) {
 }
 
 // A corrupt arbiter is refused by the tenant's process with a message; the
-// process neither crashes nor blocks (its GPU time is simply not shared),
-// and the daemon keeps running and writes the arbiter whole again. The
+// process neither crashes nor blocks, and its launches on that GPU fail
+// (CUDA_ERROR_NOT_PERMITTED: never let through ungoverned); the daemon keeps
+// running and writes the arbiter whole again, after which a load runs. The
 // daemon is held stopped while the load opens the file: its next pass would
-// repair the header, and the refusal is what is tested here.
+// repair the header, and the refusal is what is tested here. (Before: the
+// refused arbiter's GPU ran ungoverned.)
 TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
   write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[0]", ""}});
   start_daemon();
@@ -933,9 +949,10 @@ TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
   ASSERT_EQ(pwrite(fd, junk, sizeof junk, 0), static_cast<ssize_t>(sizeof junk));
   close(fd);
   start_load("a", load_args("1000", 1.5));
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  ASSERT_EQ(loads_.size(), 1u);
+  const int status = finish_load(loads_[0], now_ns() + 10 * kSecond);
   ASSERT_EQ(kill(daemon_, SIGCONT), 0);
-  finish_loads();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << ": " << loads_[0].err;
   EXPECT_TRUE(wait_for([&] {
     gputime::Arbiter repaired;
     char err[256] = {};
@@ -945,11 +962,70 @@ TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
     gputime::close_arbiter(&repaired);
     return true;
   }, 2000)) << "the daemon did not write the arbiter whole again";
-  ASSERT_EQ(loads_.size(), 1u);
-  EXPECT_NE(loads_[0].err.find("GPU-time arbiter refused"), std::string::npos) << loads_[0].err;
-  EXPECT_NE(loads_[0].out.find("launches_0="), std::string::npos) << loads_[0].out;
-  EXPECT_EQ(loads_[0].out.find("launches_0=0\n"), std::string::npos) << "the load never launched";
+  EXPECT_NE(loads_[0].err.find("kernel launches refused (CUDA_ERROR_NOT_PERMITTED): GPU-time arbiter refused"),
+            std::string::npos)
+      << loads_[0].err;
+  EXPECT_NE(loads_[0].err.find("cuLaunchKernel"), std::string::npos) << loads_[0].err;
+  EXPECT_NE(loads_[0].err.find("(800)"), std::string::npos) << loads_[0].err;
   EXPECT_EQ(kill(daemon_, 0), 0) << "the daemon died";
+  // Repaired: a new process of the tenant launches.
+  loads_.clear();
+  start_load("a", load_args("1000", 0.5));
+  finish_loads();
+  EXPECT_EQ(loads_[0].out.find("launches_0=0\n"), std::string::npos) << "the load never launched";
+}
+
+// A GPU whose time the daemon schedules (the arbiter is linked into the
+// tenant's directory) but not the tenant's: no row of the arbiter's table is
+// the tenant's, as when the daemon found the table full. Its kernel launches
+// there fail with CUDA_ERROR_NOT_PERMITTED and one log line saying why; they
+// never run ungoverned. A GPU with no arbiter at all (nothing schedules its
+// time) still runs, and the log says so. (Before: both ran ungoverned, with a
+// warning that the time "is not shared".)
+TEST_F(GpuTimeTest, ATenantTheSchedulerHasNoRowForIsRefusedItsLaunches) {
+  // Played by the test, no daemon: tenant "norow" granted GPU 0, whose
+  // arbiter lists nobody; tenant "nosched" granted GPU 1, with no arbiter.
+  for (const auto& [name, uuid] : {std::pair{"norow", kUuids[0]}, std::pair{"nosched", kUuids[1]}}) {
+    const std::string dir = root_ + "/tenants/" + name;
+    fs::create_directories(dir);
+    ledger::TenantLedger l;
+    char err[256] = {};
+    ASSERT_EQ(ledger::open_ledger(dir.c_str(), ledger::AccessMode::kDaemon, name, &l, err, sizeof err),
+              ledger::LedgerError::kOk)
+        << err;
+    uint8_t bytes[16];
+    ASSERT_TRUE(ledger::parse_gpu_uuid_text(uuid, bytes));
+    ASSERT_EQ(fracgpu::testing::grant_gpu(l, bytes, ledger::kUnlimited), 0);
+    ledger::close_ledger(&l);
+    if (std::string(name) != "norow") continue;
+    gputime::Arbiter arbiter;
+    ASSERT_EQ(gputime::open_arbiter((dir + "/gputime-0").c_str(), true, false, bytes, &arbiter, err, sizeof err),
+              ledger::LedgerError::kOk)
+        << err;
+    ASSERT_LT(gputime::bind_tenant(*arbiter.seg, "somebody-else"), static_cast<int>(gputime::kMaxTenants));
+    gputime::close_arbiter(&arbiter);
+  }
+  start_load("norow", load_args("1000", 1, "0"));
+  std::vector<std::string> warn = environment("nosched", true);
+  warn.push_back("FRACGPU_LOG=warn");  // the no-arbiter line is a warning
+  start_load_with("nosched", load_args("1000", 0.5, "1"), warn);
+  const uint64_t deadline = now_ns() + 20 * kSecond;
+  const int refused = finish_load(loads_[0], deadline);
+  EXPECT_TRUE(WIFEXITED(refused) && WEXITSTATUS(refused) == 1) << refused << ": " << loads_[0].err;
+  const std::string& err = loads_[0].err;
+  const size_t said = err.find("GPU entry 0 of tenant \"norow\": kernel launches refused (CUDA_ERROR_NOT_PERMITTED): ");
+  EXPECT_NE(said, std::string::npos) << err;
+  EXPECT_NE(err.find("does not list tenant \"norow\": fracgpud cannot schedule its time on this GPU"), std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("kernel launches refused", err.find('\n', said)), std::string::npos)
+      << "said more than once: " << err;
+  EXPECT_NE(err.find("cuLaunchKernel"), std::string::npos) << err;
+  EXPECT_NE(err.find("(800)"), std::string::npos) << err;
+  EXPECT_EQ(busy_ns_(0, loads_[0].pid), 0u) << "a kernel ran";
+  const int ran = finish_load(loads_[1], deadline);
+  EXPECT_TRUE(WIFEXITED(ran) && WEXITSTATUS(ran) == 0) << ran << ": " << loads_[1].err;
+  EXPECT_NE(loads_[1].err.find("fracgpud does not schedule this GPU's time"), std::string::npos) << loads_[1].err;
+  EXPECT_EQ(loads_[1].out.find("launches_1=0\n"), std::string::npos) << "the load never launched";
 }
 
 TEST_F(GpuTimeTest, ANewcomerGetsItsShareWithinHalfASecond) {
@@ -1650,10 +1726,13 @@ TEST_F(GpuTimeTest, TenantsMapTheArbiterReadOnlyAndSurviveItsOverwrite) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(pwrite(fd, junk.data() + 64, junk.size() - 64, 64), static_cast<ssize_t>(junk.size() - 64));  // header kept
   close(fd);
+  // It finds no row of its tenant's there: its launches are refused, at once.
   loads_.clear();
   start_load("a", load_args("1000", 1));
-  finish_loads();
-  EXPECT_EQ(loads_[0].out.find("launches_0=0\n"), std::string::npos) << "the load never launched";
+  const int refused = finish_load(loads_[0], now_ns() + 10 * kSecond);
+  EXPECT_TRUE(WIFEXITED(refused) && WEXITSTATUS(refused) == 1) << refused << ": " << loads_[0].err;
+  EXPECT_NE(loads_[0].err.find("kernel launches refused (CUDA_ERROR_NOT_PERMITTED)"), std::string::npos)
+      << loads_[0].err;
 }
 
 }  // namespace
@@ -1791,6 +1870,38 @@ TEST_F(GpuTimeTest, TenantsThatComeAndGoNeverExhaustAGpusTable) {
   auto status = status_by_tenant();
   EXPECT_TRUE(status["small"]["gpu_time"].is_object()) << status["small"].dump();
   finish_loads();
+}
+
+// A container with two claims (docs/kubernetes.md): tenant "a" capped at
+// 0.3 of GPU 0, tenant "b" at 0.6 of GPU 1, each claim's tenant directory at
+// its own path under the claims directory (here links; in a container, bind
+// mounts) and no FRACGPU_TENANT. One process loading both GPUs is held to
+// a's cap on GPU 0 and b's on GPU 1: each GPU's launches are gated by the
+// arbiter of the tenant granting it, with that tenant's row. (Before: no
+// tenant was found, and with FRACGPU_UNMANAGED=deny nothing ran.)
+TEST_F(GpuTimeTest, TwoClaimsInOneProcessAreEachGovernedByTheirOwnTenantsArbiter) {
+  write_config({{"a", "0.3", "[0]", ""}, {"b", "0.6", "[1]", ""}});
+  start_daemon();
+  fs::create_directories(root_ + "/claims");
+  fs::create_directory_symlink(root_ + "/tenants/a", root_ + "/claims/0c1d-claim-a");
+  fs::create_directory_symlink(root_ + "/tenants/b", root_ + "/claims/7e2f-claim-b");
+  std::vector<std::string> env = environment("a", true);
+  std::erase(env, std::string("FRACGPU_TENANT=a"));
+  env.push_back("FRACGPU_CLAIMS_DIR=" + root_ + "/claims");
+  env.push_back("FRACGPU_UNMANAGED=deny");
+  env.push_back("FRACGPU_LOG=info");
+  start_load_with("a+b", load_args("50,5000", 5, "0,1"), env);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto [x, y] = span(2, 4000);
+  for (const auto& [gpu, tenant, cap] : {std::tuple{0, "a", 0.3}, std::tuple{1, "b", 0.6}}) {
+    const double got = busy_share(x, y, "a+b", gpu);
+    printf("one process, two claims: GPU %d, tenant %s capped at %.1f: %.3f\n", gpu, tenant, cap, got);
+    EXPECT_NEAR(got, cap, 0.03) << "GPU " << gpu << " is tenant " << tenant << "'s";
+  }
+  finish_loads();
+  const std::string& err = loads_[0].err;
+  EXPECT_NE(err.find("attached to tenant \"a\""), std::string::npos) << err;
+  EXPECT_NE(err.find("attached to tenant \"b\""), std::string::npos) << err;
 }
 
 TEST_F(GpuTimeTest, HeldChargingLosesToTheFalseDrainCheat) {

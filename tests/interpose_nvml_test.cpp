@@ -213,6 +213,23 @@ TEST_F(NvmlInTenantTest, MemoryShowsTheQuotaAndTheUsageOfAllTheTenantsProcesses)
   EXPECT_EQ(get(real, "mem_dlsym_0_used"), std::to_string(everyone));
 }
 
+// A process with two tenants (two claims of one container, each tenant's
+// directory under the claims directory): each GPU is shown as the tenant
+// granting it sees it, alice's 1 GiB on GPU 0, bob's 2 GiB on GPU 1.
+TEST_F(NvmlInTenantTest, WithTwoClaimsEachGpuShowsItsOwnTenantsQuota) {
+  grant("alice", 0, 1 * kGiB);
+  grant("bob", 1, 2 * kGiB);
+  const std::string claims = root_ / "claims";
+  std::filesystem::create_directories(claims);
+  std::filesystem::create_directory_symlink(tenant_dir("alice"), claims + "/claim-a");
+  std::filesystem::create_directory_symlink(tenant_dir("bob"), claims + "/claim-b");
+  std::vector<std::string> e = env("");
+  e.push_back("FRACGPU_CLAIMS_DIR=" + claims);
+  const Values v = nvml({"init", "mem", "0", kPaths[0], "mem", "1", kPaths[0]}, e);
+  EXPECT_EQ(get(v, "mem_" + std::string(kPaths[0]) + "_0_total"), std::to_string(1 * kGiB));
+  EXPECT_EQ(get(v, "mem_" + std::string(kPaths[0]) + "_1_total"), std::to_string(2 * kGiB));
+}
+
 TEST_F(NvmlInTenantTest, ProcessListsShowOnlyTheTenantsOwnProcesses) {
   two_tenants();
   std::vector<std::string> args = {"init", "which", "nvmlDeviceGetComputeRunningProcesses_v3"};

@@ -1070,6 +1070,129 @@ TEST_F(InterposeTest, TwoProcessesOfOneTenantShareTheQuota) {
   kill_held(first);
 }
 
+// A container with two claims (docs/kubernetes.md): each claim's tenant
+// directory at its own path under the claims directory (here links to the
+// tenants' directories; in a container, bind mounts), no FRACGPU_TENANT_DIR.
+// Returns bob's ledger (the daemon's side), bob granting `bob_uuid`.
+TenantLedger two_claims(const std::string& root, const char* bob_uuid, uint64_t bob_quota);
+
+// One process, two tenants: alice grants GPU 0 (1 GiB), bob GPU 1 (2 GiB).
+// Each device's context and allocations are charged to the tenant granting
+// it, in that tenant's ledger and slot, and stopped by that tenant's quota.
+// (Before: only FRACGPU_TENANT_DIR or /run/fracgpu/tenant were looked at,
+// so neither tenant was found, and with FRACGPU_UNMANAGED=deny nothing ran.)
+TEST_F(InterposeTest, TwoClaimsInOneProcessChargeEachGpuToTheTenantGrantingIt) {
+  const int a = grant(kUuid0, 1 * kGiB);
+  TenantLedger bob = two_claims(root_, kUuid1, 2 * kGiB);
+  const std::vector<std::string> env = {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims",
+                                        "FRACGPU_UNMANAGED=deny"};
+  Held h = probe_and_hold({"init", "primary", "0", "alloc", "900MiB", "alloc", "100MiB", "primary", "1", "alloc",
+                           "1536MiB", "alloc", "512MiB", "info", "total", "0"},
+                          env);
+  // GPU 0: 64 MiB context + 900 MiB fit alice's 1 GiB, 100 MiB more do not;
+  // GPU 1: 64 MiB + 1.5 GiB fit bob's 2 GiB, 512 MiB more do not.
+  EXPECT_NE(h.seen.out.find("init=0\nprimary=0\nalloc=0\nalloc=2\nprimary=0\nalloc=0\nalloc=2\n"), std::string::npos)
+      << h.seen.out;
+  EXPECT_EQ(h.seen.num("total"), 2 * kGiB);  // the current device, 1: bob's quota
+  EXPECT_EQ(h.seen.num("free"), 2 * kGiB - kContextBytes - 1536 * kMiB);
+  EXPECT_EQ(h.seen.num("device_total"), 1 * kGiB);  // device 0: alice's
+  EXPECT_EQ(used(a), kContextBytes + 900 * kMiB);
+  EXPECT_EQ(tenant_used(*bob.usage, 0), kContextBytes + 1536 * kMiB);
+  EXPECT_EQ(sim_used(0), kContextBytes + 900 * kMiB);
+  EXPECT_EQ(sim_used(1), kContextBytes + 1536 * kMiB);
+  kill_held(h);
+  // A slot in each ledger, both given back once reclaimed.
+  uint64_t bytes = 0;
+  EXPECT_EQ(reclaim_settled(daemon_, -1, &bytes), 1);
+  EXPECT_EQ(bytes, kContextBytes + 900 * kMiB);
+  EXPECT_EQ(reclaim_settled(bob, -1, &bytes), 1);
+  EXPECT_EQ(bytes, kContextBytes + 1536 * kMiB);
+  close_ledger(&bob);
+}
+
+// Fork with two tenants: the child attaches to both again, with slots of its
+// own (record locks are not inherited), and its charges on each GPU go to
+// that GPU's tenant beside the parent's.
+TEST_F(InterposeTest, TwoClaimsAForkedChildChargesEachGpuToItsTenantInSlotsOfItsOwn) {
+  const int a = grant(kUuid0, 1 * kGiB);
+  TenantLedger bob = two_claims(root_, kUuid1, 2 * kGiB);
+  ProbeResult r = probe({"init", "primary", "0", "alloc", "600MiB", "fork", "init", "primary", "0", "alloc", "200MiB",
+                         "alloc", "200MiB", "primary", "1", "alloc", "1GiB"},
+                        {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
+  EXPECT_EQ(r["fork_child_exit"], "0");
+  // The child's second 200 MiB did not fit beside the parent's 600 MiB and both contexts.
+  EXPECT_NE(r.out.find("alloc=0\nalloc=2\nprimary=0\nalloc=0\n"), std::string::npos) << r.out;
+  uint64_t bytes = 0;
+  EXPECT_EQ(reclaim_settled(daemon_, -1, &bytes), 2);  // the parent's slot and the child's
+  EXPECT_EQ(bytes, 2 * kContextBytes + 800 * kMiB);
+  EXPECT_EQ(used(a), 0u);
+  EXPECT_EQ(reclaim_settled(bob, -1, &bytes), 2);
+  EXPECT_EQ(bytes, kContextBytes + 1 * kGiB);
+  close_ledger(&bob);
+}
+
+// Two tenants of one process granting the same GPU: whose quota and time it
+// would use cannot be told, so the GPU is refused (CUDA_ERROR_NOT_PERMITTED,
+// one log line); the process's other GPUs are not affected.
+TEST_F(InterposeTest, TwoClaimsGrantingOneGpuAreRefusedThatGpu) {
+  grant(kUuid0, 1 * kGiB);
+  grant(kUuid1, 1 * kGiB);
+  TenantLedger bob = two_claims(root_, kUuid0, 2 * kGiB);
+  ProbeResult r = probe({"init", "primary", "0", "primary", "0", "primary", "1", "alloc", "100MiB"},
+                        {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
+  EXPECT_NE(r.out.find("init=0\nprimary=800\nprimary=800\nprimary=0\nalloc=0\n"), std::string::npos) << r.out;
+  const size_t said = r.err.find("device 0 is granted to two tenants of this process");
+  EXPECT_NE(said, std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("device 0 is granted to two tenants", said + 1), std::string::npos)
+      << "logged more than once: " << r.err;
+  EXPECT_NE(r.err.find("\"alice\""), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("\"bob\""), std::string::npos) << r.err;
+  close_ledger(&bob);
+}
+
+// At most 8 tenant directories per process: with 9 claims, the first 8 by
+// name are attached, the process says so once, and the GPU only the ninth
+// grants is refused (never let through). The first 8 grant nothing here.
+TEST_F(InterposeTest, NineClaimsAttachTheFirstEightAndRefuseTheNinthsGpu) {
+  fs::create_directories(root_ + "/claims");
+  for (int t = 0; t < 9; ++t) {
+    const std::string name = "claim-" + std::to_string(t);
+    const std::string dir = root_ + "/tenants/" + name;
+    fs::create_directories(dir);
+    TenantLedger l;
+    char err[256] = {};
+    ASSERT_EQ(open_ledger(dir.c_str(), AccessMode::kDaemon, name.c_str(), &l, err, sizeof err), LedgerError::kOk) << err;
+    if (t == 8) {
+      uint8_t bytes[16];
+      uuid_bytes(kUuid0, bytes);
+      fracgpu::testing::grant_gpu(l, bytes, 1 * kGiB, kContextBytes, kCountManagedMemory);
+    }
+    close_ledger(&l);
+    fs::create_directory_symlink(dir, root_ + "/claims/" + name);
+  }
+  ProbeResult r = probe({"init", "primary", "0"}, {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
+  EXPECT_EQ(r["init"], kSuccess);
+  EXPECT_EQ(r["primary"], kOutOfMemory);  // as any GPU no tenant of the process grants
+  EXPECT_NE(r.err.find("holds 9 claims' tenant directories: attached to the first 8 by name only"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("device 0 is granted to none of this process's 8 tenants"), std::string::npos) << r.err;
+}
+
+TenantLedger two_claims(const std::string& root, const char* bob_uuid, uint64_t bob_quota) {
+  TenantLedger bob;
+  char err[256] = {};
+  const std::string dir = root + "/tenants/bob";
+  fs::create_directories(dir);
+  EXPECT_EQ(open_ledger(dir.c_str(), AccessMode::kDaemon, "bob", &bob, err, sizeof err), LedgerError::kOk) << err;
+  uint8_t bytes[16];
+  uuid_bytes(bob_uuid, bytes);
+  fracgpu::testing::grant_gpu(bob, bytes, bob_quota, kContextBytes, kCountManagedMemory);
+  fs::create_directories(root + "/claims");
+  fs::create_directory_symlink(root + "/tenants/alice", root + "/claims/3f0c-claim-a");
+  fs::create_directory_symlink(dir, root + "/claims/9e1d-claim-b");
+  return bob;
+}
+
 // The hooks' common paths make no system calls: under strace, the calls a
 // process makes beyond what it makes without the interposer must not grow
 // with the number of allocations (only attaching costs any).

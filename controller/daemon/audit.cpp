@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "common/text_escape.h"
+#include "ledger.h"  // shm/: which GPUs a mounted tenant holds
 
 namespace fracgpu::controller {
 namespace fs = std::filesystem;
@@ -128,8 +129,35 @@ std::set<std::string> tenants_mounted_in(const std::string& pid, const std::stri
   return tenants;
 }
 
-std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir) {
-  const std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
+namespace {
+
+// Of `tenants`, those whose policy (read-only) has an entry for the GPU `uuid`.
+std::set<std::string> tenants_holding_gpu(const std::set<std::string>& tenants, const std::string& run_dir,
+                                          const std::string& uuid) {
+  std::set<std::string> holding;
+  uint8_t bytes[16];
+  if (!ledger::parse_gpu_uuid_text(uuid, bytes)) return holding;
+  for (const std::string& name : tenants) {
+    const std::string dir = run_dir + "/tenants/" + name;
+    ledger::TenantLedger l;
+    char err[256] = {};
+    if (ledger::open_ledger(dir.c_str(), ledger::AccessMode::kReadOnly, nullptr, &l, err, sizeof err) !=
+        ledger::LedgerError::kOk)
+      continue;
+    if (ledger::find_gpu(l, bytes) >= 0) holding.insert(name);
+    ledger::close_ledger(&l);
+  }
+  return holding;
+}
+
+}  // namespace
+
+std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir,
+                              const std::string& gpu_uuid) {
+  std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
+  // A container with several claims has several tenants (docs/kubernetes.md):
+  // on a GPU, its process is the one's among them whose policy holds that GPU.
+  if (tenants.size() > 1 && !gpu_uuid.empty()) tenants = tenants_holding_gpu(tenants, run_dir, gpu_uuid);
   return tenants.size() == 1 ? *tenants.begin() : std::string();
 }
 
@@ -220,7 +248,7 @@ bool Auditor::audit(const std::map<int32_t, std::string>& charged, AuditAction a
       f.pid = pid;
       f.comm = read_proc(pid, "comm");
       while (!f.comm.empty() && f.comm.back() == '\n') f.comm.pop_back();
-      f.tenant = attribute_process(pid, charged, run_dir);
+      f.tenant = attribute_process(pid, charged, run_dir, gpu.uuid);
       f.claimed = claimed_tenant_of_process(pid, run_dir);
       f.first_seen_unix = static_cast<uint64_t>(time(nullptr));
       f.action = "reported";

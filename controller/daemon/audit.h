@@ -88,7 +88,10 @@ std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
 // host's: processes outside containers are in no tenant's). Empty when
 // neither tells exactly one tenant. So a process can never get another
 // tenant denied or charged by naming it, nor by running beside it on the host.
-std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir);
+// Given `gpu_uuid` (the GPU the process was seen on), of several tenants (a
+// container with several claims) the one whose policy holds that GPU.
+std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir,
+                              const std::string& gpu_uuid = {});
 // The same evidence, every tenant it names: each tenant mounted in the
 // process's container (a container with several claims has several), or
 // the tenants whose verified processes share its mount namespace (one

@@ -252,7 +252,7 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
       // are tenants gone from the config whose processes still run.
       note(true, fmt::format("{}: all {} rows of its GPU-time table are taken (by tenants configured here, or gone "
                              "with processes still running): tenant \"{}\" is not scheduled there, and its "
-                             "processes run that GPU ungoverned until a row is free",
+                             "processes' kernel launches there are refused until a row is free",
                              label_, gputime::kMaxTenants, t.name));
       continue;
     }

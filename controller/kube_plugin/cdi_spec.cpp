@@ -21,16 +21,19 @@ std::vector<std::string> cdi_device_ids(const ClaimPlan& plan, const PreparedDev
   return ids;
 }
 
+std::string container_tenant_dir(const std::string& uid) { return fmt::format("{}/{}", kContainerClaimsDir, uid); }
+
 json build_cdi_spec(const ClaimPlan& plan, const std::string& host_tenant_dir, const CdiOptions& options) {
   auto mount = [](const std::string& host, const std::string& container, const char* mode) {
     return json{{"hostPath", host}, {"containerPath", container}, {"options", {mode, "nosuid", "nodev", "bind"}}};
   };
-  json edits = {{"env",
-                 {"LD_PRELOAD=" + options.library_container_path,
-                  std::string("FRACGPU_TENANT_DIR=") + kContainerTenantDir, "FRACGPU_UNMANAGED=deny"}},
+  // Every claim of a container adds these edits: only paths of this claim's
+  // own, and variables with the same value in every claim, so that no
+  // claim's edit replaces another's.
+  const std::string tenant_dir = container_tenant_dir(plan.claim.uid);
+  json edits = {{"env", {"LD_PRELOAD=" + options.library_container_path, "FRACGPU_UNMANAGED=deny"}},
                 {"mounts",
-                 {mount(host_tenant_dir, kContainerTenantDir, "ro"),
-                  mount(host_tenant_dir + "/usage", std::string(kContainerTenantDir) + "/usage", "rw"),
+                 {mount(host_tenant_dir, tenant_dir, "ro"), mount(host_tenant_dir + "/usage", tenant_dir + "/usage", "rw"),
                   mount(options.library_host_path, options.library_container_path, "ro")}}};
   if (options.device_nodes == kDeviceNodesHost) {
     json nodes = json::array();

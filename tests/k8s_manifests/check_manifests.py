@@ -835,7 +835,7 @@ def mutations(docs, resource_slice):
                half_gpu_requests(lambda r: r.update(memory="20000Mi")),
                resource_slice, "memory 20000Mi would be booked as 20224Mi")
         yield ("a constraint on an attribute the plugin does not publish",
-               edit("deploy/examples/two", "ResourceClaimTemplate",
+               edit("deploy/examples/two-and-a-half", "ResourceClaimTemplate",
                     lambda d: d["spec"]["spec"]["devices"]["constraints"][0].update(
                         distinctAttribute="gpu.fracgpu.io/serial")),
                resource_slice, "the plugin publishes no such attribute")

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -273,21 +274,69 @@ class KubePluginE2E : public ::testing::Test {
     return nullptr;
   }
 
-  // Runs the probe (tests/probe) as a container of the claim would run:
-  // a private mount namespace whose /run is a tmpfs, the CDI spec's mounts
-  // bound in (read-only ones remounted so) and its environment set.
-  // Returns the probe's output.
-  // Where mount namespaces are not permitted, the spec's environment is
-  // applied with the host's paths instead (FRACGPU_TENANT_DIR at the tenant
-  // directory, LD_PRELOAD at the interposer), and the test says so.
+  // The container edits of the claims' CDI devices, applied one claim after
+  // the other as the container runtime applies them (the CDI library's
+  // container-edits.go): a mount replaces any earlier one at the same
+  // containerPath, a variable replaces any earlier one of the same name, and
+  // the mounts end ordered by the depth of their containerPath (parents
+  // first, stable).
+  json container_edits(const std::vector<std::string>& uids) const {
+    json mounts = json::array(), env = json::array();
+    for (const std::string& uid : uids) {
+      const json spec = json::parse(read_file(cdi_spec_path(uid)));
+      const json& edits = spec["devices"][0]["containerEdits"];
+      for (const json& m : edits["mounts"]) {
+        json kept = json::array();
+        for (const json& old : mounts)
+          if (old["containerPath"] != m["containerPath"]) kept.push_back(old);
+        kept.push_back(m);
+        mounts = std::move(kept);
+      }
+      for (const json& e : edits["env"]) {
+        const std::string text = e, name = text.substr(0, text.find('='));
+        bool replaced = false;
+        for (json& old : env)
+          if (old.get<std::string>().substr(0, old.get<std::string>().find('=')) == name) {
+            old = e;
+            replaced = true;
+          }
+        if (!replaced) env.push_back(e);
+      }
+    }
+    std::vector<json> ordered(mounts.begin(), mounts.end());
+    const auto depth = [](const json& m) {
+      const std::string path = m["containerPath"];
+      return std::count(path.begin(), path.end(), '/');
+    };
+    std::stable_sort(ordered.begin(), ordered.end(), [&](const json& a, const json& b) { return depth(a) < depth(b); });
+    return {{"mounts", ordered}, {"env", env}};
+  }
+
+  // Runs the probe (tests/probe) as a container of the claim would run.
   std::string run_in_container(const std::string& uid, const std::vector<std::string>& probe_commands) {
-    const json spec = json::parse(read_file(cdi_spec_path(uid)));
-    const json& edits = spec["devices"][0]["containerEdits"];
+    return run_in_container(container_edits({uid}), probe_commands);
+  }
+
+  // Runs the probe as a container with these container edits would run: a
+  // private mount namespace whose /run is a tmpfs, the edits' mounts bound
+  // in (read-only ones remounted so) and their environment set. Returns the
+  // probe's output.
+  // Where mount namespaces are not permitted, the claims' directories are
+  // shown to the interposer through links in a directory of the test's
+  // (FRACGPU_CLAIMS_DIR), LD_PRELOAD at the interposer, and the test says so.
+  std::string run_in_container(const json& edits, const std::vector<std::string>& probe_commands) {
     if (!can_make_containers()) {
       std::cerr << "note: unshare -m is not permitted here; the probe runs with the spec's host paths\n";
+      const std::string view = tmp_ / "claims-view";
+      fs::remove_all(view);
+      fs::create_directories(view);
+      for (const json& m : edits["mounts"]) {
+        const std::string path = m["containerPath"];
+        if (path.starts_with(std::string(kube_plugin::kContainerClaimsDir) + "/") && fs::is_directory(m["hostPath"]))
+          fs::create_directory_symlink(m["hostPath"].get<std::string>(), view + path.substr(path.rfind('/')));
+      }
       std::vector<std::string> env{"SIMCUDA_STATE=" + (tmp_ / "sim-state"), "FRACGPU_UNMANAGED=deny",
-                                   std::string("LD_PRELOAD=") + FRACGPU_LIB,
-                                   "FRACGPU_TENANT_DIR=" + edits["mounts"][0]["hostPath"].get<std::string>()};
+                                   std::string("LD_PRELOAD=") + FRACGPU_LIB, "FRACGPU_CLAIMS_DIR=" + view};
       std::vector<std::string> args{PROBE_PATH};
       args.insert(args.end(), probe_commands.begin(), probe_commands.end());
       const std::string log = tmp_ / "container.log";
@@ -429,6 +478,49 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
   EXPECT_FALSE(call({{"op", "get"}, {"name", "dra-" + claim.uid}}).ok);
   EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
   EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+  EXPECT_TRUE(api_tenants().empty());
+}
+
+// A pod with two fracgpu claims, both in one container: one claim of 2 GiB
+// of GPU 0, one of 4 GiB of GPU 1. The runtime applies both claims' CDI
+// edits to the container (a later mount at the same path replaces an earlier
+// one, a later variable of the same name too): each claim's tenant directory
+// keeps a path of its own, no variable differs between the claims, and a
+// process of the container reaches both tenants, each GPU held to its own
+// claim's quota. (Before: both claims mounted their tenant at
+// /run/fracgpu/tenant and set FRACGPU_TENANT_DIR to it, so the second claim's
+// replaced the first's, and the first claim's GPU was refused.)
+TEST_F(KubePluginE2E, TwoClaimsInOneContainerReachBothTenants) {
+  start_plugin();
+  const auto first = write_claim(10, {result("gpu-0", {{"memory", "2Gi"}, {"share", "500m"}})});
+  const auto second = write_claim(11, {result("gpu-1", {{"memory", "4Gi"}, {"share", "500m"}})});
+  const auto response = prepare({first, second});
+  ASSERT_EQ(response.claims().at(first.uid).error(), "");
+  ASSERT_EQ(response.claims().at(second.uid).error(), "");
+
+  const json edits = container_edits({first.uid, second.uid});
+  for (const auto* claim : {&first, &second}) {
+    const json spec = json::parse(read_file(cdi_spec_path(claim->uid)));
+    for (const json& m : spec["devices"][0]["containerEdits"]["mounts"])
+      EXPECT_NE(std::find(edits["mounts"].begin(), edits["mounts"].end(), m), edits["mounts"].end())
+          << claim->uid << "'s mount " << m.dump() << " was replaced: " << edits["mounts"].dump();
+    for (const json& e : spec["devices"][0]["containerEdits"]["env"])
+      EXPECT_NE(std::find(edits["env"].begin(), edits["env"].end(), e), edits["env"].end())
+          << claim->uid << "'s " << e << " was replaced: " << edits["env"].dump();
+  }
+
+  // A process of the container sees each GPU's quota and is held to it.
+  const std::string out = run_in_container(
+      edits, {"init", "primary", "0", "info", "alloc", "3GiB", "primary", "1", "info", "alloc", "3GiB"});
+  const size_t gpu0 = out.find("init=0\nprimary=0\ninfo=0\n");
+  EXPECT_NE(gpu0, std::string::npos) << out;
+  EXPECT_NE(out.find("\ntotal=" + std::to_string(2 * kGiB) + "\nalloc=2\n", gpu0), std::string::npos) << out;
+  const size_t gpu1 = out.find("alloc=2\nprimary=0\ninfo=0\n");
+  EXPECT_NE(gpu1, std::string::npos) << out;
+  EXPECT_NE(out.find("\ntotal=" + std::to_string(4 * kGiB) + "\nalloc=0\n", gpu1), std::string::npos) << out;
+
+  EXPECT_EQ(unprepare(first), "");
+  EXPECT_EQ(unprepare(second), "");
   EXPECT_TRUE(api_tenants().empty());
 }
 
@@ -685,11 +777,14 @@ TEST_F(KubePluginE2E, TwoAndAHalfGpusAreOneTenant) {
   EXPECT_TRUE(api_tenants().empty());
 }
 
+// Both claims' devices in one podman container (the plugin's own specs).
 TEST_F(KubePluginE2E, TheCdiSpecIsValidAndRunsInPodman) {
   library_container_path_ = "/usr/lib/fracgpu/libfracgpu.so";  // where podman_cdi_test.sh looks for it
   start_plugin();
   const auto claim = write_claim(9, {result("gpu-1", {{"memory", "1Gi"}, {"share", "250m"}})});
+  const auto other = write_claim(12, {result("gpu-2", {{"memory", "1Gi"}, {"share", "250m"}})});
   ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  ASSERT_EQ(prepare({other}).claims().at(other.uid).error(), "");
   const std::string log = tmp_ / "validate.log";
   EXPECT_EQ(wait_exit(spawn({PYTHON3, VALIDATE_CDI, cdi_spec_path(claim.uid)}, log), 30s), 0) << read_file(log);
   // A spec broken on purpose is caught (the check can fail).
@@ -700,7 +795,8 @@ TEST_F(KubePluginE2E, TheCdiSpecIsValidAndRunsInPodman) {
 
   const std::string podman_log = tmp_ / "podman.log";
   const int rc = wait_exit(
-      spawn({"/bin/bash", PODMAN_CDI_TEST, "--spec-dir", cdi_dir_, "--id", "gpu.fracgpu.io/claim=" + claim.uid},
+      spawn({"/bin/bash", PODMAN_CDI_TEST, "--spec-dir", cdi_dir_, "--id", "gpu.fracgpu.io/claim=" + claim.uid, "--id",
+             "gpu.fracgpu.io/claim=" + other.uid},
             podman_log),
       120s);
   if (rc == 77) GTEST_SKIP() << read_file(podman_log);

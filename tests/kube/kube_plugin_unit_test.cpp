@@ -268,13 +268,13 @@ TEST(CdiSpec, TheContainerGetsTheRecipeAndNothingElse) {
   ASSERT_EQ(spec["devices"].size(), 1u);
   EXPECT_EQ(spec["devices"][0]["name"], kUid);
   const json& edits = spec["devices"][0]["containerEdits"];
-  EXPECT_EQ(edits["env"], json({"LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_TENANT_DIR=/run/fracgpu/tenant",
-                                "FRACGPU_UNMANAGED=deny"}));
+  // No variable that would differ between two claims of one container.
+  EXPECT_EQ(edits["env"], json({"LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_UNMANAGED=deny"}));
   const json mounts = {{{"hostPath", "/run/fracgpu/tenants/dra-" + kUid},
-                        {"containerPath", "/run/fracgpu/tenant"},
+                        {"containerPath", "/run/fracgpu/claims/" + kUid},
                         {"options", {"ro", "nosuid", "nodev", "bind"}}},
                        {{"hostPath", "/run/fracgpu/tenants/dra-" + kUid + "/usage"},
-                        {"containerPath", "/run/fracgpu/tenant/usage"},
+                        {"containerPath", "/run/fracgpu/claims/" + kUid + "/usage"},
                         {"options", {"rw", "nosuid", "nodev", "bind"}}},
                        {{"hostPath", "/host/lib/libfracgpu.so"},
                         {"containerPath", "/usr/lib/fracgpu/libfracgpu.so"},

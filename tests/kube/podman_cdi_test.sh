@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Runs a container with a fracgpu claim's CDI device in podman and checks,
+# Runs a container with fracgpu claims' CDI devices in podman and checks,
 # inside it, what a tenant container must see (docs/kubernetes.md,
 # docs/security.md): LD_PRELOAD naming the interposer, which is there and
-# read-only; FRACGPU_TENANT_DIR and FRACGPU_UNMANAGED; the tenant's directory
-# read-only at /run/fracgpu/tenant with exactly the host directory's files;
-# its usage file alone writable; nothing else of the run dir.
+# read-only; FRACGPU_UNMANAGED, and no FRACGPU_TENANT_DIR; each claim's
+# tenant directory read-only at /run/fracgpu/claims/<claim UID> with exactly
+# the host directory's files; its usage file alone writable; nothing else of
+# the run dir. With several claims, every claim's directory is there: no
+# claim's mounts replaced another's.
 #
-# Usage: podman_cdi_test.sh [--spec-dir DIR --id CDI_ID | --broken-spec]
-#   --spec-dir, --id: a CDI spec dir and device the kubelet plugin wrote
+# Usage: podman_cdi_test.sh [--spec-dir DIR --id CDI_ID [--id CDI_ID...] | --broken-spec | --two-claims]
+#   --spec-dir, --id: a CDI spec dir and devices the kubelet plugin wrote
 #     (e.g. /var/run/cdi and gpu.fracgpu.io/claim=<uid>). Without them the
 #     test writes a spec of the plugin's shape for a made-up claim.
 #   --broken-spec: that made-up spec with the tenant directory mounted
 #     read-write; succeeds only if the checks reject it (they can fail).
+#   --two-claims: two made-up claims' specs, both given to one container.
 #
 # Needs root, podman, busybox-static (the container's image is made from it:
 # no registry is reached) and mount namespaces. The spec directory is shown
@@ -23,17 +26,19 @@ SKIP=77
 skip() { echo "SKIPPED: $*"; exit "$SKIP"; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-spec_dir= cdi_id= broken=false
+spec_dir= cdi_ids=() broken=false claims=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     --spec-dir) spec_dir=$2; shift 2 ;;
-    --id) cdi_id=$2; shift 2 ;;
+    --id) cdi_ids+=("$2"); shift 2 ;;
     --broken-spec) broken=true; shift ;;
-    *) echo "usage: $0 [--spec-dir DIR --id CDI_ID | --broken-spec]" >&2; exit 2 ;;
+    --two-claims) claims=2; shift ;;
+    *) echo "usage: $0 [--spec-dir DIR --id CDI_ID [--id CDI_ID...] | --broken-spec | --two-claims]" >&2; exit 2 ;;
   esac
 done
-[[ -z $spec_dir && -z $cdi_id ]] || [[ -n $spec_dir && -n $cdi_id ]] || fail "--spec-dir and --id go together"
-[[ $broken == false || -z $spec_dir ]] || fail "--broken-spec makes its own spec"
+[[ -z $spec_dir && ${#cdi_ids[@]} -eq 0 ]] || [[ -n $spec_dir && ${#cdi_ids[@]} -gt 0 ]] ||
+  fail "--spec-dir and --id go together"
+[[ ($broken == false && $claims == 1) || -z $spec_dir ]] || fail "--broken-spec and --two-claims make their own specs"
 
 [[ $(id -u) -eq 0 ]] || skip "needs root (rootful podman, mount namespaces)"
 command -v podman >/dev/null || skip "podman is not installed (Debian: apt-get install podman)"
@@ -58,33 +63,33 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# ---- The spec: the plugin's, or one of its shape (k8s contract) ----
+# ---- The specs: the plugin's, or of its shape (k8s contract) ----
 if [[ -z $spec_dir ]]; then
-  uid=0f6b2c1e-8d4a-4c55-9a61-3f2b7c9e0d14
-  tenant_dir=$tmp/run/tenants/dra-$uid
-  mkdir -p "$tenant_dir" "$tmp/lib"
-  printf 'policy\n' >"$tenant_dir/policy"
-  printf 'usage\n' >"$tenant_dir/usage"
-  # Another tenant's directory beside it: the container must not see it.
+  spec_dir=$tmp/cdi
+  mkdir -p "$spec_dir" "$tmp/lib"
+  # Another tenant's directory beside them: the container must not see it.
   mkdir -p "$tmp/run/tenants/dra-other" && printf 'secret\n' >"$tmp/run/tenants/dra-other/usage"
   printf 'not a real interposer\n' >"$tmp/lib/libfracgpu.so"
-  spec_dir=$tmp/cdi
-  cdi_id=gpu.fracgpu.io/claim=$uid
   tenant_mode=ro
   $broken && tenant_mode=rw
-  mkdir -p "$spec_dir"
-  cat >"$spec_dir/gpu.fracgpu.io-claim_$uid.json" <<EOF
+  for uid in 0f6b2c1e-8d4a-4c55-9a61-3f2b7c9e0d14 7c3a9e52-1b6d-4f08-8e27-5d4c1a2b3f60; do
+    [[ ${#cdi_ids[@]} -lt $claims ]] || break
+    tenant_dir=$tmp/run/tenants/dra-$uid
+    mkdir -p "$tenant_dir"
+    printf 'policy\n' >"$tenant_dir/policy"
+    printf 'usage\n' >"$tenant_dir/usage"
+    cdi_ids+=("gpu.fracgpu.io/claim=$uid")
+    cat >"$spec_dir/gpu.fracgpu.io-claim_$uid.json" <<EOF
 {
   "cdiVersion": "0.6.0",
   "kind": "gpu.fracgpu.io/claim",
   "devices": [{
     "name": "$uid",
     "containerEdits": {
-      "env": ["LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_TENANT_DIR=/run/fracgpu/tenant",
-              "FRACGPU_UNMANAGED=deny"],
+      "env": ["LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so", "FRACGPU_UNMANAGED=deny"],
       "mounts": [
-        {"hostPath": "$tenant_dir", "containerPath": "/run/fracgpu/tenant", "options": ["$tenant_mode", "nosuid", "nodev", "bind"]},
-        {"hostPath": "$tenant_dir/usage", "containerPath": "/run/fracgpu/tenant/usage",
+        {"hostPath": "$tenant_dir", "containerPath": "/run/fracgpu/claims/$uid", "options": ["$tenant_mode", "nosuid", "nodev", "bind"]},
+        {"hostPath": "$tenant_dir/usage", "containerPath": "/run/fracgpu/claims/$uid/usage",
          "options": ["rw", "nosuid", "nodev", "bind"]},
         {"hostPath": "$tmp/lib/libfracgpu.so", "containerPath": "/usr/lib/fracgpu/libfracgpu.so",
          "options": ["ro", "nosuid", "nodev", "bind"]}
@@ -93,27 +98,35 @@ if [[ -z $spec_dir ]]; then
   }]
 }
 EOF
+  done
 fi
 [[ -d $spec_dir ]] || fail "$spec_dir is not a directory"
-# The device's host tenant directory and the version, from the spec naming it.
-read -r spec_file spec_version host_tenant_dir < <(python3 - "$spec_dir" "$cdi_id" <<'PY'
-import json, pathlib, sys
-spec_dir, cdi_id = pathlib.Path(sys.argv[1]), sys.argv[2]
-kind, _, name = cdi_id.partition("=")
-for path in sorted(spec_dir.glob("*.json")):
-    spec = json.loads(path.read_text())
-    if spec.get("kind") != kind:
-        continue
-    for device in spec.get("devices", []):
-        if device.get("name") == name:
-            mounts = device.get("containerEdits", {}).get("mounts", [])
-            tenant = [m["hostPath"] for m in mounts if m.get("containerPath") == "/run/fracgpu/tenant"]
-            print(path, spec.get("cdiVersion"), tenant[0] if tenant else "-")
-            sys.exit(0)
-sys.exit(f"no spec in {spec_dir} has device {cdi_id}")
+# Each device's claim directory, from the spec naming it: "<name in
+# /run/fracgpu/claims> <host directory>" lines; the specs' newest version.
+spec_version=$(python3 - "$spec_dir" "$tmp/claims.txt" "${cdi_ids[@]}" <<'PY'
+import json, pathlib, re, sys
+spec_dir, out, ids = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+version, lines = [0, 0, 0], []
+for cdi_id in ids:
+    kind, _, name = cdi_id.partition("=")
+    for path in sorted(spec_dir.glob("*.json")):
+        spec = json.loads(path.read_text())
+        device = [d for d in spec.get("devices", []) if d.get("name") == name]
+        if spec.get("kind") != kind or not device:
+            continue
+        version = max(version, [int(x) for x in spec.get("cdiVersion", "0.0.0").split(".")])
+        mounts = device[0].get("containerEdits", {}).get("mounts", [])
+        dirs = [m for m in mounts if re.fullmatch(r"/run/fracgpu/claims/[^/]+", m.get("containerPath", ""))]
+        if len(dirs) != 1:
+            sys.exit(f"{path}: {cdi_id} mounts no directory at /run/fracgpu/claims/<name>")
+        lines.append(dirs[0]["containerPath"].rsplit("/", 1)[1] + " " + dirs[0]["hostPath"])
+        break
+    else:
+        sys.exit(f"no spec in {spec_dir} has device {cdi_id}")
+pathlib.Path(out).write_text("".join(line + "\n" for line in lines))
+print(".".join(map(str, version)))
 PY
-) || fail "the spec of $cdi_id"
-[[ $host_tenant_dir != - ]] || fail "$spec_file: $cdi_id mounts nothing at /run/fracgpu/tenant"
+) || fail "the specs of ${cdi_ids[*]}"
 
 # ---- The image: a static busybox, imported from a local tarball ----
 mkdir -p "$tmp/rootfs/bin" "$tmp/rootfs/proc" "$tmp/rootfs/sys" "$tmp/rootfs/dev" "$tmp/rootfs/etc" "$tmp/rootfs/tmp"
@@ -147,15 +160,19 @@ echo "env FRACGPU_TENANT_DIR=$FRACGPU_TENANT_DIR"
 echo "env FRACGPU_UNMANAGED=$FRACGPU_UNMANAGED"
 grep -E " (/run/fracgpu[^ ]*|$LD_PRELOAD) " /proc/mounts | while read -r _ path _ options _; do echo "mount $path ${options%%,*}"; done
 echo "run-dir $(ls -A /run/fracgpu | tr "\n" " ")"
-echo "tenant-dir $(ls -A /run/fracgpu/tenant | tr "\n" " ")"
+echo "claims-dir $(ls -A /run/fracgpu/claims | tr "\n" " ")"
 # Writable: opened for appending, nothing written (test -w is always true
 # for root in busybox, read-only mount or not).
 writable() { (: >>"$1") 2>/dev/null; }
 cat "$LD_PRELOAD" >/dev/null && echo "library readable"
 writable "$LD_PRELOAD" && echo "library writable"
-writable /run/fracgpu/tenant/usage && echo "usage writable"
-writable /run/fracgpu/tenant/policy && echo "policy writable"
-writable /run/fracgpu/tenant/planted && echo "tenant-dir writable"
+for dir in /run/fracgpu/claims/*; do
+  name=${dir##*/}
+  echo "tenant-dir $name $(ls -A "$dir" | tr "\n" " ")"
+  writable "$dir/usage" && echo "usage writable $name"
+  writable "$dir/policy" && echo "policy writable $name"
+  writable "$dir/planted" && echo "tenant-dir writable $name"
+done
 true
 '
 
@@ -172,8 +189,10 @@ run_in_podman() {
     cp "$1"/*.json /run/cdi/
     shift
     exec podman "$@"
-  ' _ "$dir" "${runtime[@]}" run "${run_opts[@]}" --device "$cdi_id" "$image" /bin/sh -c "$inside"
+  ' _ "$dir" "${runtime[@]}" run "${run_opts[@]}" "${devices[@]}" "$image" /bin/sh -c "$inside"
 }
+devices=()
+for id in "${cdi_ids[@]}"; do devices+=(--device "$id"); done
 
 if ! run_in_podman "$spec_dir" >"$tmp/out.log" 2>"$tmp/err.log"; then
   # podman's CDI library may predate the spec's version (Debian 12's podman
@@ -185,7 +204,7 @@ if ! run_in_podman "$spec_dir" >"$tmp/out.log" 2>"$tmp/err.log"; then
      [[ $(printf '%s\n' 0.5.0 "$spec_version" | sort -V | tail -1) != 0.5.0 ]]; then
     newer_than_podman_reads=true
   fi
-  if $newer_than_podman_reads && grep -q '"annotations"' "$spec_file"; then
+  if $newer_than_podman_reads && grep -q '"annotations"' "$spec_dir"/*.json; then
     skip "podman $(podman --version | awk '{print $3}') cannot read CDI spec version $spec_version, and the spec" \
          "uses annotations (0.6.0), so it cannot be checked as 0.5.0"
   fi
@@ -193,11 +212,13 @@ if ! run_in_podman "$spec_dir" >"$tmp/out.log" 2>"$tmp/err.log"; then
     echo "note: podman $(podman --version | awk '{print $3}') cannot read CDI spec version $spec_version" \
          "(\"$(tail -1 "$tmp/err.log")\"); checking the same spec as version 0.5.0, which has the same container edits"
     mkdir -p "$tmp/cdi-0.5.0"
-    sed 's/"cdiVersion": *"[^"]*"/"cdiVersion": "0.5.0"/' "$spec_file" >"$tmp/cdi-0.5.0/$(basename "$spec_file")"
+    for spec_file in "$spec_dir"/*.json; do
+      sed 's/"cdiVersion": *"[^"]*"/"cdiVersion": "0.5.0"/' "$spec_file" >"$tmp/cdi-0.5.0/$(basename "$spec_file")"
+    done
     run_in_podman "$tmp/cdi-0.5.0" >"$tmp/out.log" 2>"$tmp/err.log" ||
-      { cat "$tmp/err.log"; fail "podman run --device $cdi_id (spec as 0.5.0)"; }
+      { cat "$tmp/err.log"; fail "podman run ${devices[*]} (specs as 0.5.0)"; }
   else
-    cat "$tmp/err.log"; fail "podman run --device $cdi_id"
+    cat "$tmp/err.log"; fail "podman run ${devices[*]}"
   fi
 fi
 cat "$tmp/out.log"
@@ -207,19 +228,23 @@ problems=()
 expect() { grep -qxF -- "$1" "$out" || problems+=("expected \"$1\""); }
 refuse() { ! grep -qxF -- "$1" "$out" || problems+=("\"$1\""); }
 expect "env LD_PRELOAD=/usr/lib/fracgpu/libfracgpu.so"
-expect "env FRACGPU_TENANT_DIR=/run/fracgpu/tenant"
+expect "env FRACGPU_TENANT_DIR="
 expect "env FRACGPU_UNMANAGED=deny"
-expect "mount /run/fracgpu/tenant ro"
-expect "mount /run/fracgpu/tenant/usage rw"
 expect "mount /usr/lib/fracgpu/libfracgpu.so ro"
 expect "library readable"
 refuse "library writable"
-expect "usage writable"
-refuse "policy writable"
-refuse "tenant-dir writable"
-expect "run-dir tenant "
-expect "tenant-dir $(LC_ALL=C ls -A "$host_tenant_dir" | tr '\n' ' ')"
-[[ $(grep -c "^mount " "$out") -eq 3 ]] || problems+=("mounts under /run/fracgpu other than the three of the spec")
+expect "run-dir claims "
+expect "claims-dir $(cut -d' ' -f1 "$tmp/claims.txt" | LC_ALL=C sort | tr '\n' ' ')"
+while read -r name host_tenant_dir; do
+  expect "mount /run/fracgpu/claims/$name ro"
+  expect "mount /run/fracgpu/claims/$name/usage rw"
+  expect "usage writable $name"
+  refuse "policy writable $name"
+  refuse "tenant-dir writable $name"
+  expect "tenant-dir $name $(LC_ALL=C ls -A "$host_tenant_dir" | tr '\n' ' ')"
+done <"$tmp/claims.txt"
+[[ $(grep -c "^mount " "$out") -eq $((2 * ${#cdi_ids[@]} + 1)) ]] ||
+  problems+=("mounts under /run/fracgpu other than the specs' (2 per claim, and the interposer)")
 
 if $broken; then
   printf '%s\n' "${problems[@]}" | grep -q "policy writable" ||
@@ -231,4 +256,4 @@ if [[ ${#problems[@]} -gt 0 ]]; then
   printf 'FAIL: inside the container: %s\n' "${problems[@]}" >&2
   exit 1
 fi
-echo "podman run --device $cdi_id: environment and mounts as a tenant container needs them"
+echo "podman run ${devices[*]}: environment and mounts as a tenant container needs them"
