@@ -817,9 +817,11 @@ void Daemon::tick_gpu_time(uint64_t now) {
     // process without the interposer. Whose it is, the kernel says (the
     // tenant directory mounted in its container: attribute_process, as the
     // audits use), never what it claims; its GPU time is its tenant's.
-    std::set<uint32_t> unknown;
+    // PID -> a GPU it was seen on: in a container with several claims, the
+    // process is the tenant's whose policy holds that GPU.
+    std::map<uint32_t, std::string> unknown;
     for (auto& [uuid, arbiter] : arbiters_)
-      for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.insert(pid);
+      for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.emplace(pid, uuid);
     // Each entry is checked again once a second: gone (or its PID reused),
     // or unattributed then, it is forgotten.
     for (auto it = outside_gate_.begin(); it != outside_gate_.end();) {
@@ -833,7 +835,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
       it = o.tenant.empty() || gone ? outside_gate_.erase(it) : std::next(it);
     }
     const std::map<int32_t, std::string> owners = unknown.empty() ? std::map<int32_t, std::string>{} : tenant_processes();
-    for (const uint32_t pid : unknown) {
+    for (const auto& [pid, seen_on] : unknown) {
       if (outside_gate_.contains(pid) || outside_gate_.size() >= 4096 || owners.contains(static_cast<int32_t>(pid)))
         continue;
       const uint64_t start_time = process_start_time(static_cast<int32_t>(pid));
@@ -841,7 +843,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
       OutsideGate& o = outside_gate_[pid];
       o.start_time = start_time;
       o.checked_ns = now;
-      o.tenant = attribute_process(static_cast<int32_t>(pid), owners, config_->daemon.run_dir);
+      o.tenant = attribute_process(static_cast<int32_t>(pid), owners, config_->daemon.run_dir, seen_on);
       if (!o.tenant.empty())
         log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
                    "\"{}\", whose container it is in", pid, o.tenant);
