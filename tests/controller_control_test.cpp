@@ -916,7 +916,20 @@ TEST_F(ControlTest, PipelinedChangesOnEveryConnectionCannotStopTheDaemonsTick) {
         }
       }
     }
-    for (const int fd : fds) close(fd);
+    // Every request sent is answered before the connections close: none is
+    // left for the daemon to serve after the load.
+    const auto drain_end = std::chrono::steady_clock::now() + 10s;
+    for (int c = 0; c < kConnections; ++c) {
+      while (fds[c] >= 0 && awaited[c] > 0 && std::chrono::steady_clock::now() < drain_end) {
+        char buf[65536];
+        struct pollfd p = {fds[c], POLLIN, 0};
+        if (poll(&p, 1, 100) <= 0) continue;
+        const ssize_t n = recv(fds[c], buf, sizeof buf, 0);
+        if (n <= 0) break;
+        awaited[c] -= static_cast<int>(std::count(buf, buf + n, '\n'));
+      }
+      close(fds[c]);
+    }
   });
 
   // Meanwhile: how stale the daemon's heartbeat gets (it is stored at every
@@ -932,6 +945,7 @@ TEST_F(ControlTest, PipelinedChangesOnEveryConnectionCannotStopTheDaemonsTick) {
     }
     return worst;
   };
+  const auto load_started = std::chrono::steady_clock::now();
   const uint64_t stalest_before_kill = stalest(3s);
   kill_and_reap(worker);
   const auto killed = std::chrono::steady_clock::now();
@@ -940,13 +954,14 @@ TEST_F(ControlTest, PipelinedChangesOnEveryConnectionCannotStopTheDaemonsTick) {
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - killed).count();
   const uint64_t stalest_after_kill = stalest(1s);
   const int replies_during = ok_replies.load();
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_started).count();
   stop = true;
   load.join();
 
   const uint64_t worst_ms = std::max(stalest_before_kill, stalest_after_kill) / 1'000'000;
   std::cout << "under load: heartbeat at most " << worst_ms << " ms old, a dead process reclaimed after " << reclaim_ms
-            << " ms, " << replies_during << " resizes answered\n";
-  EXPECT_GT(replies_during, 1000) << "the load did not run";
+            << " ms, " << replies_during << " resizes answered in " << load_s << " s\n";
+  EXPECT_GT(replies_during, 200) << "the load did not run";
   EXPECT_EQ(failed_replies.load(), 0);
   // Ticks every 50 ms; a 2-core machine under this load is allowed a lot.
   EXPECT_LT(worst_ms, 750u) << read_file(log_path_).substr(0, 4000);
