@@ -998,13 +998,23 @@ TEST_F(ControlTest, SlowClientsAreDroppedAndCannotKeepRootOut) {
   const pid_t root_trickler = spawn_trickler(socket_path(), 80);
   children_.push_back(root_trickler);
   std::this_thread::sleep_for(2500ms);
-  for (int i = 0; i < 3; ++i) {
+  const auto timed_call = [&](const json& request, std::chrono::milliseconds* longest) {
     const auto asked = std::chrono::steady_clock::now();
-    const control::Reply r = call({{"op", "create"}, {"tenant", {{"name", "plugin" + std::to_string(i)}, {"gpus", {gpu(kUuid1, 0.1)}}}}}, 5s);
+    const control::Reply r = call(request, 5s);
+    *longest = std::max(*longest, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      std::chrono::steady_clock::now() - asked));
+    return r;
+  };
+  std::chrono::milliseconds longest{0};
+  for (int i = 0; i < 3; ++i) {
+    const control::Reply r = timed_call(
+        {{"op", "create"}, {"tenant", {{"name", "plugin" + std::to_string(i)}, {"gpus", {gpu(kUuid1, 0.1)}}}}},
+        &longest);
     EXPECT_TRUE(r.ok) << r.code << ": " << r.error;
-    EXPECT_LT(std::chrono::steady_clock::now() - asked, 2s);
     std::this_thread::sleep_for(700ms);
   }
+  std::cout << "root beside root's 80 trickling connections: answered within " << longest.count() << " ms\n";
+  EXPECT_LT(longest, 2s);
   kill_and_reap(root_trickler);
 
   // The same by a user of the control group, 80 connections: root gets in
@@ -1018,13 +1028,14 @@ TEST_F(ControlTest, SlowClientsAreDroppedAndCannotKeepRootOut) {
   const pid_t user_trickler = spawn_trickler(socket_path(), 80, std::make_pair(other->uid, other->gid));
   children_.push_back(user_trickler);
   std::this_thread::sleep_for(1500ms);
+  longest = 0ms;
   for (int i = 0; i < 3; ++i) {
-    const auto asked = std::chrono::steady_clock::now();
-    const control::Reply r = call({{"op", "list"}}, 5s);
+    const control::Reply r = timed_call({{"op", "list"}}, &longest);
     EXPECT_TRUE(r.ok) << r.code << ": " << r.error;
-    EXPECT_LT(std::chrono::steady_clock::now() - asked, 1s);
     std::this_thread::sleep_for(500ms);
   }
+  std::cout << "root beside another user's 80 trickling connections: answered within " << longest.count() << " ms\n";
+  EXPECT_LT(longest, 1s);
 }
 
 TEST_F(ControlTest, AReloadThatTakesAUsersAccessAwayRefusesItsOpenConnection) {
