@@ -14,7 +14,8 @@
 // the connections it did not reach; a connection has control::kRequestTimeout
 // from its connect or its last reply to complete a request (trickled bytes
 // do not extend it), or it is dropped; and the 64 connections are shared so
-// that root and the daemon's user (the kubelet plugin) always get one.
+// that root and the daemon's user (the kubelet plugin) get one whatever
+// other users hold, and whatever stalled connections anyone holds.
 #pragma once
 
 #include <sys/stat.h>
