@@ -111,7 +111,7 @@ std::string tenants_table(const json& tenants) {
 
 int exit_code_of(const control::Reply& reply) {
   if (reply.ok) return kTenantOk;
-  if (reply.code == proto::code::kUnreachable) return kTenantUnreachable;
+  if (reply.code == proto::code::kUnreachable || reply.code == proto::code::kBusy) return kTenantUnreachable;
   if (reply.code == proto::code::kDenied) return kTenantDenied;
   if (reply.code == proto::code::kNotFound) return kTenantNotFound;
   if (reply.code == proto::code::kInternal) return kStatusInternal;

@@ -16,7 +16,7 @@ namespace fracgpu::controller {
 // `fracgpu tenant` exit codes, besides kStatusUsage (64) and
 // kStatusInternal (70) of status.h.
 inline constexpr int kTenantOk = 0;
-inline constexpr int kTenantUnreachable = 1;  // fracgpud could not be reached (not running? --run-dir?)
+inline constexpr int kTenantUnreachable = 1;  // fracgpud could not be reached (not running? --run-dir? busy?)
 inline constexpr int kTenantRefused = 4;      // refused: invalid, exists, conflict, no_capacity, unavailable
 inline constexpr int kTenantNotFound = 5;     // get or resize of a tenant that does not exist
 inline constexpr int kTenantDenied = 6;       // this user may not use the control API

@@ -7,9 +7,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string_view>
+#include <thread>
 
 #include "control/protocol.h"
 
@@ -66,21 +68,8 @@ bool wait_for(int fd, short events, Clock::time_point deadline, std::string* why
   }
 }
 
-}  // namespace
-
-std::string socket_path_in(const std::string& run_dir) { return run_dir + "/" + kSocketName; }
-
-Reply call(const std::string& socket_path, const nlohmann::json& request, std::chrono::milliseconds timeout) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  std::string payload;
-  try {
-    payload = request.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  } catch (const std::exception& e) {
-    return unreachable(socket_path, std::string("cannot encode the request: ") + e.what());
-  }
-  payload += '\n';
-  if (payload.size() > kMaxRequestBytes) return unreachable(socket_path, "request longer than 64 KiB");
-
+// One connection, one request (`payload`, its newline included), one reply.
+Reply call_once(const std::string& socket_path, const std::string& payload, Clock::time_point deadline) {
   // A path too long for sun_path is reached through its directory: the
   // kernel resolves /proc/self/fd/N/<name> like the path itself.
   std::string connect_path = socket_path;
@@ -182,6 +171,31 @@ Reply call(const std::string& socket_path, const nlohmann::json& request, std::c
   }
   reply.body = std::move(body);
   return reply;
+}
+
+}  // namespace
+
+std::string socket_path_in(const std::string& run_dir) { return run_dir + "/" + kSocketName; }
+
+Reply call(const std::string& socket_path, const nlohmann::json& request, std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  std::string payload;
+  try {
+    payload = request.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const std::exception& e) {
+    return unreachable(socket_path, std::string("cannot encode the request: ") + e.what());
+  }
+  payload += '\n';
+  if (payload.size() > kMaxRequestBytes) return unreachable(socket_path, "request longer than 64 KiB");
+  // Busy: refused before the request was read, so asked again, a little
+  // later each time, while the timeout allows.
+  auto pause = std::chrono::milliseconds(10);
+  for (;;) {
+    Reply reply = call_once(socket_path, payload, deadline);
+    if (reply.code != code::kBusy || Clock::now() + pause >= deadline) return reply;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(200));
+  }
 }
 
 }  // namespace fracgpu::control

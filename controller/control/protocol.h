@@ -19,10 +19,11 @@ namespace fracgpu::control {
 inline constexpr const char* kSocketName = "control.sock";
 
 // Framing. A request is at most kMaxRequestBytes including its newline; a
-// client that sends more without a newline, or nothing for kIdleTimeout,
-// is dropped.
+// client that sends more without a newline is dropped, and so is one that
+// has not sent a whole request kRequestTimeout after it connected or after
+// its last reply (however many bytes it trickled meanwhile).
 inline constexpr size_t kMaxRequestBytes = 64u << 10;
-inline constexpr std::chrono::milliseconds kIdleTimeout{5000};
+inline constexpr std::chrono::milliseconds kRequestTimeout{5000};
 // The most a client reads of one reply (a list of every tenant on a node is
 // far below it; a peer sending more is not the daemon).
 inline constexpr size_t kMaxReplyBytes = 16u << 20;
@@ -46,6 +47,10 @@ inline constexpr const char* kNoCapacity = "no_capacity";  // not enough unalloc
 inline constexpr const char* kNotFound = "not_found";      // get/resize of an absent tenant
 inline constexpr const char* kUnavailable = "unavailable"; // create on a GPU fenced by the health probe
 inline constexpr const char* kDenied = "denied";           // peer not allowed on the socket
+// Every connection its user may have is taken: sent as the connection is
+// closed, before any request of it was read, so asking again is safe
+// (call() does, until its timeout).
+inline constexpr const char* kBusy = "busy";
 inline constexpr const char* kInternal = "internal";       // anything else (the daemon logs it)
 // Never sent by the daemon: the client's own verdict when it could not
 // connect, send, or read a whole well-formed reply in time.

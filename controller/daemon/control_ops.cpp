@@ -6,8 +6,9 @@
 // A change is made in this order, so that a crash anywhere leaves nothing a
 // client was told about undone: the new set of API tenants is written to
 // <run_dir>/api-tenants.json (whole or not at all); then it is merged into
-// the config and applied like a reload (one policy commit for the node);
-// then the client hears of it.
+// the config and applied like a reload (one policy commit for the node, for
+// all the creates and resizes the control server handled in one pass:
+// commit_control_changes); then the client hears of it.
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -327,20 +328,24 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
     log_->error("control: {} tenant \"{}\" for {} refused: {}", resize ? "resize" : "create", name, who(peer), why);
     return failure(proto::code::kInternal, "", fmt::format("cannot record the tenant: {}", why));
   }
-  apply(*config_);
-  if (!resize && !ledgers_.contains(name)) {
-    // Its ledger could not be made (adopt logged why): a tenant on paper
-    // only, whose processes would find nothing. Undone; the client is told.
+  // The node is applied once for all the changes of a pass
+  // (commit_control_changes), but a new tenant's ledger is made now: one
+  // that cannot be made is refused here, never answered ok.
+  if (!resize && adopt(name, /*create=*/true) == nullptr) {
+    // A tenant on paper only, whose processes would find nothing (adopt
+    // logged why). Undone; the client is told.
     ApiTenants back = api_tenants_;
     back.erase(name);
-    if (std::string undo; save_api_tenants(back, &undo))
-      apply(*config_);
-    else
+    if (std::string undo; !save_api_tenants(back, &undo))
       log_->error("tenant \"{}\": cannot undo its record either: {}", name, undo);
     log_->error("control: create tenant \"{}\" for {} failed: its ledger cannot be made (above)", name, who(peer));
     return failure(proto::code::kInternal, "",
                    fmt::format("tenant \"{}\": its ledger cannot be made (see fracgpud's log); not created", name));
   }
+  // What a shrunk tenant still holds stays booked from now, not from the
+  // commit: the next request of this pass books against it.
+  if (resize) note_shrinks(*config_);
+  control_changes_pending_ = true;
   log_->info("control: tenant \"{}\" {} for {}", name, resize ? "resized" : "created", who(peer));
   json reply = {{"ok", true}};
   if (!resize) reply["created"] = true;
@@ -398,6 +403,12 @@ json Daemon::delete_tenant(const json& request, const ControlPeer& peer) {
              live < 0 ? std::string("its processes cannot be counted (usage file unreadable)")
                       : fmt::format("{} process(es) alive", live));
   return {{"ok", true}, {"state", proto::delete_state::kDraining}};
+}
+
+void Daemon::commit_control_changes() {
+  if (!control_changes_pending_) return;
+  control_changes_pending_ = false;
+  apply(*config_);
 }
 
 std::string Daemon::handle_control(const std::string& line, const ControlPeer& peer) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -20,10 +21,22 @@ namespace {
 
 namespace proto = fracgpu::control;
 
-constexpr uint64_t kIdleNs = static_cast<uint64_t>(proto::kIdleTimeout.count()) * 1'000'000;
+constexpr uint64_t kRequestTimeoutNs = static_cast<uint64_t>(proto::kRequestTimeout.count()) * 1'000'000;
+
+uint64_t monotonic_now_ns() {
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
 
 std::string error_reply(const char* code, const std::string& message) {
   return nlohmann::json{{"ok", false}, {"code", code}, {"error", message}}.dump() + "\n";
+}
+
+std::string denied_message(const ControlPeer& peer) {
+  return fmt::format("uid {} (gid {}) may not use fracgpud's control API: it is for root, the daemon's user and "
+                     "[daemon] control_group",
+                     peer.uid, peer.gid);
 }
 
 // Best effort, for a connection about to be closed: its buffer is empty,
@@ -36,7 +49,7 @@ void send_and_close(int fd, const std::string& line) {
 }  // namespace
 
 bool ControlAccess::allows(uid_t uid, gid_t gid) const {
-  if (uid == 0 || uid == daemon_uid) return true;
+  if (privileged(uid)) return true;
   if (!group) return false;
   return gid == *group || std::find(members.begin(), members.end(), uid) != members.end();
 }
@@ -103,9 +116,11 @@ bool ControlServer::start(const DaemonRunDir& run, const ControlAccess& access, 
 
 bool ControlServer::set_access(const ControlAccess& access, std::string* error) {
   if (listen_fd_ < 0) return false;
-  if (!apply_access(root_fd_, proto::kSocketName, access, error)) return false;
+  // The peers are checked against the new rules even if the file keeps its
+  // old mode: both gates must let a client through.
   access_ = access;
-  return true;
+  for (Connection& c : connections_) c.denied = !access_.allows(c.peer.uid, c.peer.gid);
+  return apply_access(root_fd_, proto::kSocketName, access, error);
 }
 
 void ControlServer::stop() {
@@ -137,10 +152,62 @@ uint64_t ControlServer::next_deadline() const {
   uint64_t next = accept_paused_until_ns_ != 0 ? accept_paused_until_ns_ : UINT64_MAX;
   for (const Connection& c : connections_) {
     // Requests already buffered (beyond one pass's share) are served at once.
-    if (c.out.empty() && !c.closing && c.in.find('\n') != std::string::npos) return 0;
+    if (c.out.empty() && !c.closing && c.has_request()) return 0;
     next = std::min(next, c.deadline_ns);
   }
   return next;
+}
+
+bool ControlServer::evict_stalled(uint64_t now_ns, const std::function<bool(const Connection&)>& eligible) {
+  Connection* victim = nullptr;
+  bool gone = false;
+  for (Connection& c : connections_) {
+    // One with replies unread has been served: its deadline deals with it.
+    if (!eligible(c) || c.closing || !c.out.empty()) continue;
+    if (!read_available(c)) {  // the peer went away: its place is free now
+      victim = &c;
+      gone = true;
+      break;
+    }
+    // Its whole request may be waiting unread: then it is not stalled.
+    if (c.has_request()) continue;
+    if (victim == nullptr || c.deadline_ns < victim->deadline_ns) victim = &c;
+  }
+  if (victim == nullptr || (!gone && victim->deadline_ns + kStalledNs > now_ns + kRequestTimeoutNs)) return false;
+  // It never completed a request since its last reply: nothing it asked was done, so it may simply ask again.
+  send_and_close(victim->fd, error_reply(proto::code::kBusy, "connection closed to make room for another: every "
+                                                             "connection was taken and this one sent no whole "
+                                                             "request in time"));
+  connections_.erase(connections_.begin() + (victim - connections_.data()));
+  return true;
+}
+
+bool ControlServer::admit(const ControlPeer& peer, uint64_t now_ns, std::string* why) {
+  if (!access_.privileged(peer.uid)) {
+    size_t of_user = 0, of_others = 0;
+    for (const Connection& c : connections_) {
+      of_user += c.peer.uid == peer.uid;
+      of_others += !access_.privileged(c.peer.uid);
+    }
+    if (of_user >= kMaxConnectionsPerUser &&
+        !evict_stalled(now_ns, [&](const Connection& c) { return c.peer.uid == peer.uid; })) {
+      *why = fmt::format("uid {} has {} connections open already: try again", peer.uid, kMaxConnectionsPerUser);
+      return false;
+    }
+    if (of_others >= kMaxConnections - kReservedConnections &&
+        !evict_stalled(now_ns, [&](const Connection& c) { return !access_.privileged(c.peer.uid); })) {
+      *why = fmt::format("too many connections open ({}, the rest kept for root): try again",
+                         kMaxConnections - kReservedConnections);
+      return false;
+    }
+  }
+  const bool privileged = access_.privileged(peer.uid);
+  if (connections_.size() >= kMaxConnections &&
+      !evict_stalled(now_ns, [&](const Connection& c) { return privileged || !access_.privileged(c.peer.uid); })) {
+    *why = fmt::format("too many connections open ({}): try again", kMaxConnections);
+    return false;
+  }
+  return true;
 }
 
 void ControlServer::accept_new(uint64_t now_ns) {
@@ -162,22 +229,19 @@ void ControlServer::accept_new(uint64_t now_ns) {
       ::close(fd);
       continue;
     }
-    if (!access_.allows(cred.uid, cred.gid)) {
-      send_and_close(fd, error_reply(proto::code::kDenied,
-                                     fmt::format("uid {} (gid {}) may not use fracgpud's control API: it is for root, "
-                                                 "the daemon's user and [daemon] control_group",
-                                                 cred.uid, cred.gid)));
+    const ControlPeer peer{cred.pid, cred.uid, cred.gid};
+    if (!access_.allows(peer.uid, peer.gid)) {
+      send_and_close(fd, error_reply(proto::code::kDenied, denied_message(peer)));
       continue;
     }
-    if (connections_.size() >= kMaxConnections) {
-      send_and_close(fd, error_reply(proto::code::kInternal,
-                                     fmt::format("too many connections open ({}): try again", kMaxConnections)));
+    if (std::string why; !admit(peer, now_ns, &why)) {
+      send_and_close(fd, error_reply(proto::code::kBusy, why));
       continue;
     }
     Connection c;
     c.fd = fd;
-    c.peer = {cred.pid, cred.uid, cred.gid};
-    c.deadline_ns = now_ns + kIdleNs;
+    c.peer = peer;
+    c.deadline_ns = now_ns + kRequestTimeoutNs;
     connections_.push_back(std::move(c));
   }
 }
@@ -187,7 +251,7 @@ bool ControlServer::flush(Connection& c, uint64_t now_ns) {
     const ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       c.out.erase(0, static_cast<size_t>(n));
-      c.deadline_ns = now_ns + kIdleNs;
+      c.deadline_ns = now_ns + kRequestTimeoutNs;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -196,33 +260,39 @@ bool ControlServer::flush(Connection& c, uint64_t now_ns) {
   return true;
 }
 
-bool ControlServer::serve_one(Connection& c, uint64_t now_ns, const Handler& handler) {
-  if (!flush(c, now_ns)) return false;
-  if (!c.out.empty()) return now_ns < c.deadline_ns;  // the client reads no reply: wait, not past the deadline
-  if (c.closing) return false;
-
-  bool peer_done = false;
-  // Read what is there, but never hold more than one request's bound.
-  while (c.in.find('\n') == std::string::npos && c.in.size() < proto::kMaxRequestBytes) {
+bool ControlServer::read_available(Connection& c) {
+  while (!c.has_request() && c.in.size() < proto::kMaxRequestBytes) {
     char buf[16384];
     const size_t room = std::min(sizeof buf, proto::kMaxRequestBytes - c.in.size());
     const ssize_t n = ::recv(c.fd, buf, room, MSG_DONTWAIT);
     if (n > 0) {
       c.in.append(buf, static_cast<size_t>(n));
-      c.deadline_ns = now_ns + kIdleNs;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    peer_done = true;  // end of file, or an error: answer what came whole, then close
-    break;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
   }
+  return true;
+}
 
-  for (int served = 0; served < kRequestsPerPass; ++served) {
+bool ControlServer::take_requests(Connection& c, uint64_t now_ns, const Handler& handler) {
+  // Replies of earlier passes first (they are committed); a client that
+  // reads none gets no more served.
+  if (!flush(c, now_ns) || !c.out.empty() || c.closing) return false;
+  // End of file or an error: answer what came whole, then close.
+  if (!read_available(c)) c.closing = true;
+  bool handled = false;
+  for (int served = 0; served < kRequestsPerPass && c.has_request(); ++served) {
     const size_t newline = c.in.find('\n');
-    if (newline == std::string::npos) break;
     const std::string line = c.in.substr(0, newline);
     c.in.erase(0, newline + 1);
+    c.deadline_ns = now_ns + kRequestTimeoutNs;
+    if (c.denied) {
+      c.out += error_reply(proto::code::kDenied, denied_message(c.peer) + " (access withdrawn by a reload)");
+      c.in.clear();
+      c.closing = true;
+      break;
+    }
     std::string reply;
     try {
       reply = handler(line, c.peer);
@@ -232,30 +302,49 @@ bool ControlServer::serve_one(Connection& c, uint64_t now_ns, const Handler& han
     }
     c.out += reply;
     c.out += '\n';
+    handled = true;
   }
-  if (c.in.find('\n') == std::string::npos && c.in.size() >= proto::kMaxRequestBytes) {
+  if (!c.has_request() && c.in.size() >= proto::kMaxRequestBytes) {
     c.out += error_reply(proto::code::kInvalid, fmt::format("request longer than {} bytes without a newline: "
                                                             "connection closed",
                                                             proto::kMaxRequestBytes));
     c.in.clear();
     c.closing = true;
   }
-  if (peer_done) c.closing = true;
-  if (!flush(c, now_ns)) return false;
-  if (c.closing && c.out.empty()) return false;
-  return now_ns < c.deadline_ns;
+  return handled;
 }
 
-void ControlServer::serve(uint64_t now_ns, const Handler& handler) {
+bool ControlServer::finish(Connection& c, uint64_t now_ns) {
+  if (!flush(c, now_ns)) return false;
+  if (c.closing) return !c.out.empty() && now_ns < c.deadline_ns;
+  // A request it sent whole waits for a later pass, not for the deadline.
+  return now_ns < c.deadline_ns || c.has_request();
+}
+
+void ControlServer::serve(uint64_t now_ns, uint64_t stop_ns, const Handler& handler, const Commit& commit) {
   if (listen_fd_ < 0) return;
   accept_new(now_ns);
+  stop_ns = std::min(stop_ns, now_ns + kPassBudgetNs);
+  // Handle requests, from where the last pass stopped, until the time is up.
+  const size_t count = connections_.size();
+  bool handled = false;
+  size_t reached = 0;
+  for (; reached < count; ++reached) {
+    if (handled && monotonic_now_ns() >= stop_ns) break;
+    handled |= take_requests(connections_[(next_served_ + reached) % count], now_ns, handler);
+  }
+  next_served_ = count == 0 ? 0 : (next_served_ + reached) % count;
+  if (handled) commit();
+  // Only now are their replies sent.
+  const uint64_t after = monotonic_now_ns();
   for (size_t i = 0; i < connections_.size();) {
-    if (serve_one(connections_[i], now_ns, handler)) {
+    if (finish(connections_[i], after)) {
       ++i;
       continue;
     }
     ::close(connections_[i].fd);
     connections_.erase(connections_.begin() + static_cast<ptrdiff_t>(i));
+    if (next_served_ > i) --next_served_;
   }
 }
 

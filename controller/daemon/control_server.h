@@ -5,11 +5,17 @@
 //
 // Everything here runs on the daemon's main thread, between ticks, and
 // never blocks it: every descriptor is non-blocking, a connection's bytes
-// are read as they come and kept until a newline, and a client that stalls
-// (sends nothing, or reads no reply, for control::kIdleTimeout) or sends
-// more than control::kMaxRequestBytes without a newline is dropped. So
-// requests run one at a time, in the same thread as reloads and ticks: two
-// creates racing for the last capacity are decided in order.
+// are read as they come and kept until a newline. Requests run one at a
+// time, in the same thread as reloads and ticks: two creates racing for the
+// last capacity are decided in order.
+//
+// No client can hold the loop: a pass handles requests for a bounded time
+// (kPassBudgetNs, and never past the next tick), resuming next pass with
+// the connections it did not reach; a connection has control::kRequestTimeout
+// from its connect or its last reply to complete a request (trickled bytes
+// do not extend it), or it is dropped; and the 64 connections are shared so
+// that root and the daemon's user (the kubelet plugin) get one whatever
+// other users hold, and whatever stalled connections anyone holds.
 #pragma once
 
 #include <sys/stat.h>
@@ -36,6 +42,8 @@ struct ControlAccess {
   std::vector<uid_t> members;
 
   bool allows(uid_t uid, gid_t gid) const;
+  // Root or the daemon's user: the connections kept back are theirs.
+  bool privileged(uid_t uid) const { return uid == 0 || uid == daemon_uid; }
 };
 
 // A connected peer, as SO_PEERCRED gave it at connect().
@@ -49,12 +57,28 @@ class ControlServer {
  public:
   // One request line (without its newline) -> the reply object's JSON text.
   using Handler = std::function<std::string(const std::string& line, const ControlPeer& peer)>;
+  // Called once a pass, after its requests were handled and before any of
+  // their replies is sent: the daemon commits what they changed there, so
+  // no reply tells of a change not yet in force.
+  using Commit = std::function<void()>;
 
-  // Most connections open at once; beyond, a new one is told so and closed.
+  // Most connections open at once.
   static constexpr size_t kMaxConnections = 64;
+  // Of those, the ones only root and the daemon's user may take: the
+  // kubelet plugin gets in whatever other users hold.
+  static constexpr size_t kReservedConnections = 8;
+  // Most connections of one user other than root and the daemon's.
+  static constexpr size_t kMaxConnectionsPerUser = 16;
+  // With every connection taken, a new one replaces the connection that has
+  // waited longest for a whole request, once that wait is this long (a
+  // client that sends its request as it connects never waits this long).
+  static constexpr uint64_t kStalledNs = 1'000'000'000;
   // Most requests of one connection served per pass, so one client's
-  // pipelined requests cannot hold the loop.
+  // pipelined requests cannot crowd out the others'.
   static constexpr int kRequestsPerPass = 16;
+  // Most time a pass spends handling requests (at least one is handled):
+  // then the daemon ticks if due, and the rest wait for the next pass.
+  static constexpr uint64_t kPassBudgetNs = 10'000'000;
 
   ControlServer() = default;
   ~ControlServer();
@@ -65,7 +89,9 @@ class ControlServer {
   // there), sets its mode (0600, or 0660 with the group), listens, and
   // renames it to <run_dir>/control.sock, replacing a stale one.
   bool start(const DaemonRunDir& run, const ControlAccess& access, std::string* error);
-  // A reload's new access rules: the socket's group and mode follow.
+  // A reload's new access rules: the socket's group and mode follow, and
+  // every open connection's peer is checked again: one no longer allowed
+  // is refused (`denied`) at its next request and closed.
   bool set_access(const ControlAccess& access, std::string* error);
   // Closes every connection and removes the socket (if still ours).
   void stop();
@@ -77,8 +103,10 @@ class ControlServer {
   // UINT64_MAX if none is open.
   uint64_t next_deadline() const;
   // Accepts, reads, answers and writes whatever is ready now, and drops
-  // connections past their deadline. Never blocks.
-  void serve(uint64_t now_ns, const Handler& handler);
+  // connections past their deadline. Handles requests until kPassBudgetNs
+  // has passed or `stop_ns` (CLOCK_MONOTONIC, the next tick) has come,
+  // whichever is first, but at least one. Never blocks.
+  void serve(uint64_t now_ns, uint64_t stop_ns, const Handler& handler, const Commit& commit);
 
   size_t connections() const { return connections_.size(); }
 
@@ -88,12 +116,28 @@ class ControlServer {
     ControlPeer peer;
     std::string in;
     std::string out;
+    // Connect, last request taken or last reply bytes sent, plus
+    // control::kRequestTimeout; bytes received do not move it.
     uint64_t deadline_ns = 0;
     bool closing = false;  // close once `out` is written
+    bool denied = false;   // a reload took its peer's access away
+    bool has_request() const { return in.find('\n') != std::string::npos; }
   };
   void accept_new(uint64_t now_ns);
-  // False when the connection is to be dropped now.
-  bool serve_one(Connection& c, uint64_t now_ns, const Handler& handler);
+  // Room for a new connection of `peer`, making it by replacing a stalled
+  // connection where the limits allow; false (with *why) if there is none.
+  bool admit(const ControlPeer& peer, uint64_t now_ns, std::string* why);
+  // Closes the connection that has waited longest for a whole request among
+  // those `eligible` says, if it has waited kStalledNs. True if one was.
+  bool evict_stalled(uint64_t now_ns, const std::function<bool(const Connection&)>& eligible);
+  // Reads what is there, never more than one request's bound. False when
+  // the peer is done (end of file or an error).
+  bool read_available(Connection& c);
+  // Handles up to kRequestsPerPass whole requests; their replies go to
+  // `out`, unsent. True if any was handled.
+  bool take_requests(Connection& c, uint64_t now_ns, const Handler& handler);
+  // Writes what it can of `out`; false when the connection is to be dropped now.
+  bool finish(Connection& c, uint64_t now_ns);
   bool flush(Connection& c, uint64_t now_ns);
   bool apply_access(int dirfd, const char* name, const ControlAccess& access, std::string* error);
 
@@ -104,6 +148,7 @@ class ControlServer {
   ControlAccess access_;
   std::vector<Connection> connections_;
   uint64_t accept_paused_until_ns_ = 0;  // accept() failed for want of resources: not before then
+  size_t next_served_ = 0;  // where the next pass starts, after the last connection a pass reached
 };
 
 }  // namespace fracgpu::controller

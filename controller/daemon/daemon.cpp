@@ -1295,6 +1295,7 @@ int Daemon::run() {
   const ControlServer::Handler handler = [this](const std::string& line, const ControlPeer& peer) {
     return handle_control(line, peer);
   };
+  const ControlServer::Commit commit = [this] { commit_control_changes(); };
   std::vector<struct pollfd> fds;
   for (;;) {
     const uint64_t now = monotonic_ns();
@@ -1328,7 +1329,8 @@ int Daemon::run() {
       close_all();
       return kExitOk;
     }
-    control_.serve(monotonic_ns(), handler);
+    // Never past the next tick: the audits and reaping keep their period.
+    control_.serve(monotonic_ns(), next_tick, handler, commit);
   }
 }
 

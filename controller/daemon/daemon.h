@@ -193,6 +193,11 @@ class Daemon {
   nlohmann::json node_state();
   nlohmann::json create_tenant(const nlohmann::json& request, bool resize, const ControlPeer& peer);
   nlohmann::json delete_tenant(const nlohmann::json& request, const ControlPeer& peer);
+  // Applies the book once for every create and resize of a pass of the
+  // control server, after the pass and before its replies are sent
+  // (ControlServer::Commit): one commit, not one per request.
+  void commit_control_changes();
+  bool control_changes_pending_ = false;
 
   // GPU time (docs/sm-time.md): one arbiter per managed GPU, its tenant
   // table kept in step with the config, linked into each tenant directory.
