@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
   api->set_retry_policy(retries);
   kube::SliceOptions slice_options;
   slice_options.share_valid_range = share_valid_range;
+  // A fenced GPU stays in the slice with a NoSchedule taint; the publisher
+  // falls back to leaving it out where the API server drops taints.
+  slice_options.taint_fenced = true;
   kube::SlicePublisher publisher(*api, driver_options.node_name, log, slice_options);
   if (uninstall) {
     const bool ok = publisher.remove();

@@ -11,8 +11,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -621,15 +625,45 @@ TEST_F(KubePluginE2E, AClaimWhoseCapacityIsNoLongerFreeIsRefusedClearly) {
   EXPECT_EQ(both.claims().at(good.uid).error(), "");
 }
 
+// Where the API server drops device taints (its gate DRADeviceTaints off, as
+// by default before Kubernetes 1.36), the plugin sees its taint gone from the
+// server's answer and leaves the fenced GPU out of the slice instead.
 TEST_F(KubePluginE2E, AFencedGpuLeavesTheSliceAndReturns) {
+  ASSERT_TRUE(api_control_->post("/fake/feature-gates", {{"DRADeviceTaints", false}}).ok());
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
   write_file(faults_path_, "1 lost\n");
   EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 2 && !find_device(d, "gpu-1"); }))
       << slice_devices().dump();
+  // It did try the taint: a write whose body tainted gpu-1 and whose stored
+  // object has no taint.
+  bool tried = false;
+  for (const json& w : api_->writes()) {
+    if (w["status"] != 200 || !w["body"].is_object()) continue;
+    const json* sent = find_device(w["body"]["spec"]["devices"], "gpu-1");
+    const json* kept = find_device(w["object"]["spec"]["devices"], "gpu-1");
+    if (sent && sent->contains("taints") && kept && !kept->contains("taints")) tried = true;
+  }
+  EXPECT_TRUE(tried);
+  const std::string log = read_file(plugin_log_);
+  const size_t said = log.find("the API server dropped the device taints");
+  EXPECT_NE(said, std::string::npos) << log;
+  EXPECT_EQ(log.find("the API server dropped the device taints", said + 1), std::string::npos) << "said once";
   write_file(faults_path_, "");
   EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 3 && find_device(d, "gpu-1"); }))
       << slice_devices().dump();
+  // Fenced again: left out at once, no second try of the taint.
+  const size_t writes_before = api_->writes().size();
+  write_file(faults_path_, "1 lost\n");
+  EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 2 && !find_device(d, "gpu-1"); }))
+      << slice_devices().dump();
+  const std::vector<json> writes = api_->writes();
+  for (size_t i = writes_before; i < writes.size(); ++i) {
+    if (!writes[i]["body"].is_object()) continue;
+    for (const json& d : writes[i]["body"]["spec"]["devices"]) {
+      EXPECT_FALSE(d.contains("taints")) << d.dump();
+    }
+  }
 }
 
 // Requirement: slices follow the config's tenants. A config tenant added by a
@@ -804,6 +838,46 @@ TEST_F(KubePluginE2E, TheSliceIsOwnedByItsNodeAndGoesWithIt) {
   ASSERT_TRUE(deleted.ok()) << deleted.error;
   EXPECT_EQ(json::parse(deleted.body)["collected"].size(), 1u) << deleted.body;
   EXPECT_TRUE(slice_devices().is_null());
+}
+
+// Requirement (issue 23, 8): a fenced GPU stays in the slice with the taint
+// gpu.fracgpu.io/unhealthy=<reason>:NoSchedule (the scheduler gives it to no
+// new claim), its capacities as before; cleared, the taint goes. The taint's
+// timeAdded (set by the API server) is kept while the fence lasts.
+TEST_F(KubePluginE2E, AFencedGpuIsTaintedNoScheduleAndCleanAgainWhenCleared) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(slice_eventually([](const json& d) {
+    const json* gpu1 = find_device(d, "gpu-1");
+    return d.size() == 3 && gpu1 && gpu1->contains("taints");
+  })) << slice_devices().dump();
+  json devices = slice_devices();
+  const json taints = (*find_device(devices, "gpu-1"))["taints"];
+  ASSERT_EQ(taints.size(), 1u) << taints.dump();
+  EXPECT_EQ(taints[0]["key"], "gpu.fracgpu.io/unhealthy");
+  EXPECT_EQ(taints[0]["value"], "gpu-lost");
+  EXPECT_EQ(taints[0]["effect"], "NoSchedule");
+  EXPECT_FALSE(taints[0].value("timeAdded", std::string()).empty()) << taints.dump();
+  const json& gpu1 = *find_device(devices, "gpu-1");
+  EXPECT_EQ(gpu1["capacity"]["memory"]["value"], std::to_string(16 * kGiB));
+  EXPECT_EQ(gpu1["capacity"]["share"]["value"], "1");
+  EXPECT_EQ(gpu1["attributes"]["uuid"]["string"], kUuids[1]);
+  EXPECT_FALSE(find_device(devices, "gpu-0")->contains("taints"));
+  EXPECT_FALSE(find_device(devices, "gpu-2")->contains("taints"));
+  // While fenced, republishing (every 0.2 s here) writes nothing new.
+  const size_t writes = api_->writes().size();
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_EQ(api_->writes().size(), writes);
+  EXPECT_EQ((*find_device(slice_devices(), "gpu-1"))["taints"], taints);
+  EXPECT_NE(read_file(plugin_log_).find("tainted gpu-1 (gpu.fracgpu.io/unhealthy=gpu-lost):NoSchedule"),
+            std::string::npos)
+      << read_file(plugin_log_);
+
+  write_file(faults_path_, "");
+  EXPECT_TRUE(slice_eventually([](const json& d) {
+    return d.size() == 3 && std::none_of(d.begin(), d.end(), [](const json& x) { return x.contains("taints"); });
+  })) << slice_devices().dump();
 }
 
 }  // namespace
