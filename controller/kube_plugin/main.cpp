@@ -1,6 +1,7 @@
 // fracgpu-kubelet-plugin: the DRA driver gpu.fracgpu.io on one node
 // (docs/kubernetes.md). Publishes the node's ResourceSlice, registers with
-// the kubelet and serves NodePrepareResources / NodeUnprepareResources,
+// the kubelet and serves NodePrepareResources / NodeUnprepareResources and
+// the devices' health stream (NodeWatchResources),
 // until SIGTERM or SIGINT. With --uninstall: deletes the node's slices and exits.
 #include <signal.h>
 
@@ -105,7 +106,8 @@ int main(int argc, char** argv) {
   }
 
   kube_plugin::Driver driver(driver_options, api.get(), log);
-  kube_plugin::PluginServers servers(driver, plugin_dir, registry_dir, log);
+  kube_plugin::DeviceHealthBoard health;
+  kube_plugin::PluginServers servers(driver, health, driver_options.node_name, plugin_dir, registry_dir, log);
   if (!servers.start(&error)) {
     log->error("{}", error);
     return 1;
@@ -115,7 +117,7 @@ int main(int argc, char** argv) {
       publisher,
       {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),
        driver_options.control_timeout},
-      [&driver] { return driver.changes(); }, log);
+      [&driver] { return driver.changes(); }, log, &health);
   slices.start();
 
   int signal_number = 0;

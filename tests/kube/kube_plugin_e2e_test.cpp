@@ -28,6 +28,7 @@
 
 #include "control/client.h"
 #include "controller_test_util.h"
+#include "dra_health_v1alpha1.grpc.pb.h"
 #include "dra_v1.grpc.pb.h"
 #include "kube/kube_test_util.h"
 #include "kube_plugin/driver.h"
@@ -878,6 +879,89 @@ TEST_F(KubePluginE2E, AFencedGpuIsTaintedNoScheduleAndCleanAgainWhenCleared) {
   EXPECT_TRUE(slice_eventually([](const json& d) {
     return d.size() == 3 && std::none_of(d.begin(), d.end(), [](const json& x) { return x.contains("taints"); });
   })) << slice_devices().dump();
+}
+
+// Requirement (issue 23, 8): the kubelet's DRA health stream
+// (v1alpha1.DRAResourceHealth/NodeWatchResources, on the DRA socket): every
+// device of the pool at once, then again at each change: Unhealthy while
+// fenced, Healthy when cleared, Unknown while fracgpud does not answer. The
+// open stream does not hold up prepare calls, and ends cleanly when the plugin stops.
+TEST_F(KubePluginE2E, TheKubeletsHealthStreamFollowsTheFence) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  auto health = v1alpha1::DRAResourceHealth::NewStub(
+      grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto stream = health->NodeWatchResources(&context, v1alpha1::NodeWatchResourcesRequest());
+  using Health = std::map<std::string, std::pair<v1alpha1::HealthStatus, int64_t>>;
+  // The next message, as device -> (health, last_updated_time).
+  auto next = [&](Health* out) {
+    v1alpha1::NodeWatchResourcesResponse response;
+    if (!stream->Read(&response)) return false;
+    out->clear();
+    for (const auto& d : response.devices()) {
+      EXPECT_EQ(d.device().pool_name(), kNode);
+      (*out)[d.device().device_name()] = {d.health(), d.last_updated_time()};
+    }
+    return true;
+  };
+  // Reads until `holds` (each message is the whole pool).
+  auto read_until = [&](const std::function<bool(const Health&)>& holds, Health* out) {
+    while (next(out))
+      if (holds(*out)) return true;
+    return false;
+  };
+  const int64_t started = static_cast<int64_t>(time(nullptr));
+  Health now;
+  ASSERT_TRUE(next(&now)) << "no first message: " << stream->Finish().error_message();
+  ASSERT_EQ(now.size(), 3u);
+  for (const char* d : {"gpu-0", "gpu-1", "gpu-2"}) {
+    ASSERT_TRUE(now.count(d)) << d;
+    EXPECT_EQ(now[d].first, v1alpha1::HEALTHY) << d;
+    EXPECT_GT(now[d].second, started - 60) << d;
+    EXPECT_LE(now[d].second, started + 1) << d;
+  }
+
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(read_until([](const Health& h) { return h.at("gpu-1").first == v1alpha1::UNHEALTHY; }, &now));
+  EXPECT_EQ(now["gpu-0"].first, v1alpha1::HEALTHY);
+  EXPECT_EQ(now["gpu-2"].first, v1alpha1::HEALTHY);
+  const int64_t fenced_at = now["gpu-1"].second;
+  EXPECT_GE(fenced_at, started);
+
+  // A prepare is answered while the stream is open.
+  const auto claim = write_claim(1, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}})});
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  EXPECT_EQ(unprepare(claim), "");
+
+  write_file(faults_path_, "");
+  ASSERT_TRUE(read_until([](const Health& h) { return h.at("gpu-1").first == v1alpha1::HEALTHY; }, &now));
+  EXPECT_GE(now["gpu-1"].second, fenced_at);
+  EXPECT_EQ(now["gpu-0"].first, v1alpha1::HEALTHY);
+
+  // Without the daemon nobody can vouch for the GPUs.
+  stop_daemon();
+  ASSERT_TRUE(read_until(
+      [](const Health& h) {
+        return std::all_of(h.begin(), h.end(), [](const auto& d) { return d.second.first == v1alpha1::UNKNOWN; });
+      },
+      &now));
+  start_daemon();
+  ASSERT_TRUE(read_until(
+      [](const Health& h) {
+        return h.size() == 3 &&
+               std::all_of(h.begin(), h.end(), [](const auto& d) { return d.second.first == v1alpha1::HEALTHY; });
+      },
+      &now));
+
+  // Stopping the plugin ends the stream cleanly, without waiting out the deadline.
+  const auto stopping = std::chrono::steady_clock::now();
+  stop_plugin();
+  while (next(&now)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - stopping, 10s);
 }
 
 }  // namespace
