@@ -131,6 +131,10 @@ class RegistrationService final : public reg::Registration::Service {
     info->set_name(kube::kDriverName);
     info->set_endpoint(endpoint_);
     info->add_supported_versions(kDraServiceVersion);
+    // Newer kubelets open the health stream only for a plugin that names the
+    // service here (older ones just try it on the DRA socket); a kubelet picks
+    // the DRA service it knows from this list and passes over the rest.
+    info->add_supported_versions(kHealthServiceName);
     log_->info("registration: the kubelet asked who we are (endpoint {})", endpoint_);
     return grpc::Status::OK;
   }

@@ -3,8 +3,9 @@
 //   <registry-dir>/gpu.fracgpu.io-reg.sock  pluginregistration.Registration:
 //       GetInfo -> {type "DRAPlugin", name "gpu.fracgpu.io",
 //                   endpoint <plugin-dir>/dra.sock,
-//                   supported_versions ["v1.DRAPlugin"]}
-//       (the kubelet's name for the service k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin);
+//                   supported_versions ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]}
+//       (the kubelet's name for the service k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin,
+//       and the health service's full gRPC name);
 //       NotifyRegistrationStatus -> logged.
 //   <plugin-dir>/dra.sock  k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin:
 //       NodePrepareResources / NodeUnprepareResources, claim by claim

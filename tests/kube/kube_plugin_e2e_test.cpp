@@ -355,8 +355,10 @@ TEST_F(KubePluginE2E, RegistersAndPublishesTheNodesSlice) {
   EXPECT_EQ(info.type(), "DRAPlugin");
   EXPECT_EQ(info.name(), "gpu.fracgpu.io");
   EXPECT_EQ(info.endpoint(), plugin_dir_ + "/dra.sock");
-  ASSERT_EQ(info.supported_versions_size(), 1);
+  ASSERT_EQ(info.supported_versions_size(), 2);
   EXPECT_EQ(info.supported_versions(0), "v1.DRAPlugin");
+  // Newer kubelets watch device health only when the plugin names the service.
+  EXPECT_EQ(info.supported_versions(1), "v1alpha1.DRAResourceHealth");
   struct stat st {};
   ASSERT_EQ(stat((plugin_dir_ + "/dra.sock").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
