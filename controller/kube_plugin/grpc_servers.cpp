@@ -132,8 +132,8 @@ class RegistrationService final : public reg::Registration::Service {
     info->set_endpoint(endpoint_);
     info->add_supported_versions(kDraServiceVersion);
     // Newer kubelets open the health stream only for a plugin that names the
-    // service here (older ones just try it on the DRA socket); a kubelet picks
-    // the DRA service it knows from this list and passes over the rest.
+    // service here (1.34 tries it on any plugin). The kubelet takes the first
+    // DRAPlugin version it knows from this list and passes over other names.
     info->add_supported_versions(kHealthServiceName);
     log_->info("registration: the kubelet asked who we are (endpoint {})", endpoint_);
     return grpc::Status::OK;
@@ -203,8 +203,7 @@ bool PluginServers::start(std::string* error) {
   const std::string endpoint = plugin_dir_ + "/" + kDraSocketName;
   services_.reset(new Services{DraService(driver_), HealthService(health_, pool_, log_),
                                RegistrationService(endpoint, registered_, log_)});
-  // The kubelet looks for the health service on the DRA socket (it is not
-  // named in the registration's supported_versions).
+  // The kubelet calls the health service on the DRA socket: one endpoint.
   dra_server_ = serve({&services_->dra, &services_->health}, endpoint, error);
   if (!dra_server_) return false;
   const std::string reg_path = registry_dir_ + "/" + registration_socket_name();
