@@ -145,7 +145,8 @@ std::optional<json> device_for_gpu(const json& gpu, const json& node, const Slic
     *why = "memory, config_memory or config_share missing or out of range";
     return std::nullopt;
   }
-  if (gpu.contains("fenced") && gpu["fenced"].is_boolean() && gpu["fenced"].get<bool>()) {
+  const bool fenced = gpu.contains("fenced") && gpu["fenced"].is_boolean() && gpu["fenced"].get<bool>();
+  if (fenced && !options.taint_fenced) {
     std::string reason = string_field(gpu, "fence_reason");
     *why = "fenced by the health probe" + (reason.empty() ? "" : ": " + escape_terminal(reason));
     return std::nullopt;
@@ -197,10 +198,58 @@ std::optional<json> device_for_gpu(const json& gpu, const json& node, const Slic
         {"default", milli_quantity(free_milli)},
         {"validRange", {{"min", "1m"}, {"max", milli_quantity(free_milli)}, {"step", "1m"}}}};
   }
-  return json{{"name", device_name(*index)},
-              {"allowMultipleAllocations", true},
-              {"attributes", std::move(attributes)},
-              {"capacity", {{"memory", std::move(memory_capacity)}, {"share", std::move(share_capacity)}}}};
+  json device = {{"name", device_name(*index)},
+                 {"allowMultipleAllocations", true},
+                 {"attributes", std::move(attributes)},
+                 {"capacity", {{"memory", std::move(memory_capacity)}, {"share", std::move(share_capacity)}}}};
+  // NoSchedule: no new claim gets the GPU; claims already allocated keep it
+  // (their pods are not evicted: the daemon already refuses their new
+  // processes there, and the kubelet's health stream shows them Unhealthy).
+  // timeAdded is left to the API server, and carried over from its copy by
+  // SlicePublisher.
+  if (fenced)
+    device["taints"] = json::array(
+        {{{"key", kUnhealthyTaintKey}, {"value", fence_taint_value(string_field(gpu, "fence_reason"))},
+          {"effect", kNoScheduleEffect}}});
+  return device;
+}
+
+bool has_taints(const json& device) {
+  return device.is_object() && device.contains("taints") && device["taints"].is_array() && !device["taints"].empty();
+}
+
+// timeAdded of the server's copy of the same taint (key, value, effect) on the
+// same device, so that an unchanged taint is written back unchanged.
+void carry_taint_times(json& devices, const json& server_devices) {
+  if (!server_devices.is_array()) return;
+  for (json& device : devices) {
+    if (!has_taints(device)) continue;
+    for (const json& theirs : server_devices) {
+      if (!has_taints(theirs) || theirs.value("name", std::string()) != device["name"]) continue;
+      for (json& taint : device["taints"])
+        for (const json& their_taint : theirs["taints"])
+          if (their_taint.is_object() && their_taint.contains("timeAdded") &&
+              their_taint.value("key", std::string()) == taint["key"] &&
+              their_taint.value("value", std::string()) == taint["value"] &&
+              their_taint.value("effect", std::string()) == taint["effect"])
+            taint["timeAdded"] = their_taint["timeAdded"];
+    }
+  }
+}
+
+// Whether a device we wrote with taints came back without them: the API
+// server dropped the field (DRADeviceTaints off), as it drops any field of a
+// disabled feature.
+bool taints_dropped_by_server(const json& written_devices, const json& stored) {
+  if (!stored.is_object() || !stored.contains("spec") || !stored["spec"].is_object() ||
+      !stored["spec"].contains("devices") || !stored["spec"]["devices"].is_array())
+    return false;
+  for (const json& ours : written_devices) {
+    if (!has_taints(ours)) continue;
+    for (const json& theirs : stored["spec"]["devices"])
+      if (theirs.is_object() && theirs.value("name", std::string()) == ours["name"] && !has_taints(theirs)) return true;
+  }
+  return false;
 }
 
 // Devices in a form where the server's rewriting of quantities ("1000m" as
@@ -280,6 +329,19 @@ std::string slice_name(const std::string& node_name) {
 
 std::string device_name(int64_t gpu_index) { return fmt::format("gpu-{}", gpu_index); }
 
+std::string fence_taint_value(const std::string& fence_reason) {
+  std::string lower;
+  for (unsigned char c : fence_reason) lower.push_back(static_cast<char>(std::tolower(c)));
+  auto mentions = [&](std::string_view word) { return lower.find(word) != std::string::npos; };
+  // The daemon's health probe words (controller/daemon/health.cpp): the most
+  // specific first, as a sticky Xid fence may also mention a lost GPU.
+  if (mentions("xid")) return "xid";
+  if (mentions("ecc")) return "ecc-errors";
+  if (mentions("lost") || mentions("cannot find")) return "gpu-lost";
+  if (mentions("cannot be read")) return "sensors-unreadable";
+  return "unhealthy";
+}
+
 json build_resource_slice(const std::string& node_name, const json& node, int64_t pool_generation,
                           const SliceOptions& options, std::vector<std::string>* left_out) {
   auto leave_out = [&](std::string reason) {
@@ -314,10 +376,13 @@ json build_resource_slice(const std::string& node_name, const json& node, int64_
     }
   }
   std::sort(devices.begin(), devices.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  // A slice with a tainted device may hold fewer devices.
+  const bool tainted = std::any_of(devices.begin(), devices.end(), [](const auto& d) { return has_taints(d.second); });
+  const size_t max_devices = tainted ? kMaxDevicesPerSliceWithTaints : kMaxDevicesPerSlice;
   json device_list = json::array();
   for (auto& [index, device] : devices) {
-    if (device_list.size() >= kMaxDevicesPerSlice) {
-      leave_out(fmt::format("{}: more than {} devices in one slice", device["name"].get<std::string>(), kMaxDevicesPerSlice));
+    if (device_list.size() >= max_devices) {
+      leave_out(fmt::format("{}: more than {} devices in one slice", device["name"].get<std::string>(), max_devices));
       continue;
     }
     device_list.push_back(std::move(device));
@@ -403,7 +468,13 @@ bool SlicePublisher::list_node_slices(std::vector<json>* slices) {
   return true;
 }
 
-bool SlicePublisher::write_slice(const json& devices, Existing* current) {
+bool SlicePublisher::taints_in_use() const {
+  std::lock_guard lock(mutex_);
+  return options_.taint_fenced && !taints_dropped_;
+}
+
+bool SlicePublisher::write_slice(const json& devices, Existing* current, bool* taints_dropped) {
+  *taints_dropped = false;
   for (int attempt = 0; attempt <= kMaxConflictRetries; ++attempt) {
     int64_t generation = std::max(generation_, current->generation) + 1;
     json slice = slice_object(node_name_, generation, devices);
@@ -422,6 +493,10 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current) {
       generation_ = generation;
       log_->info("ResourceSlice {}: {} (pool generation {}, {} devices)", slice_name_,
                  current->present ? "updated" : "created", generation, devices.size());
+      current->present = true;
+      current->resource_version = last_resource_version_;
+      current->generation = generation;
+      *taints_dropped = taints_dropped_by_server(devices, written);
       // Without DRAConsumableCapacity (a gate before Kubernetes 1.36) the
       // server drops the fields it does not know, and no pod could share a GPU.
       if (!devices.empty() && written.is_object() && written.contains("spec") &&
@@ -462,13 +537,26 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current) {
 bool SlicePublisher::publish(const json& node) {
   std::lock_guard lock(mutex_);
   try {
+    SliceOptions options = options_;
+    options.taint_fenced = options_.taint_fenced && !taints_dropped_;
     std::vector<std::string> left_out;
-    json desired = build_resource_slice(node_name_, node, 0, options_, &left_out);
+    json desired = build_resource_slice(node_name_, node, 0, options, &left_out);
     if (left_out != last_left_out_) {
       for (const auto& reason : left_out) log_->warn("ResourceSlice {}: left out {}", slice_name_, reason);
       last_left_out_ = left_out;
     }
-    const json& devices = desired["spec"]["devices"];
+    json devices = desired["spec"]["devices"];
+    std::vector<std::string> tainted;
+    for (const json& device : devices)
+      if (has_taints(device))
+        tainted.push_back(fmt::format("{} ({}={})", device["name"].get<std::string>(), kUnhealthyTaintKey,
+                                      device["taints"][0]["value"].get<std::string>()));
+    if (tainted != last_tainted_) {
+      for (const auto& what : tainted)
+        log_->warn("ResourceSlice {}: tainted {}:{}: fenced by the health probe, no new claim gets it", slice_name_,
+                   what, kNoScheduleEffect);
+      last_tainted_ = tainted;
+    }
 
     learn_node_uid();
     std::vector<json> slices;
@@ -495,6 +583,7 @@ bool SlicePublisher::publish(const json& node) {
     }
     // The pool's generation must rise above every slice of it consumers may have seen.
     generation_ = std::max(generation_, highest_generation);
+    carry_taint_times(devices, ours.devices);
 
     // Remove first what would block creating ours.
     bool ok = true;
@@ -521,8 +610,26 @@ bool SlicePublisher::publish(const json& node) {
       generation_ = ours.generation;
       last_resource_version_ = ours.resource_version;
       last_devices_ = devices;
-    } else if (!write_slice(devices, &ours)) {
-      return false;
+    } else {
+      bool dropped = false;
+      if (!write_slice(devices, &ours, &dropped)) return false;
+      if (dropped) {
+        // This API server does not keep device taints (DRADeviceTaints off):
+        // a fenced GPU would look allocatable. Leave fenced GPUs out instead,
+        // for the rest of this run, and rewrite the slice at once.
+        taints_dropped_ = true;
+        last_tainted_.clear();
+        log_->error("ResourceSlice {}: the API server dropped the device taints (feature gate DRADeviceTaints off: "
+                    "alpha, off by default, in Kubernetes 1.33 to 1.35): fenced GPUs are left out of the slice "
+                    "instead, until the plugin restarts",
+                    slice_name_);
+        options.taint_fenced = false;
+        left_out.clear();
+        devices = build_resource_slice(node_name_, node, 0, options, &left_out)["spec"]["devices"];
+        for (const auto& reason : left_out) log_->warn("ResourceSlice {}: left out {}", slice_name_, reason);
+        last_left_out_ = left_out;
+        if (!write_slice(devices, &ours, &dropped)) return false;
+      }
     }
     delete_stale();
     return ok;

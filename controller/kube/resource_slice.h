@@ -2,7 +2,12 @@
 // gpu.fracgpu.io: what it holds, and publishing it through the API server.
 //
 // One pool per node (named after the node), one slice in it, one device per
-// managed, unfenced GPU. Each device allows multiple allocations and carries
+// managed GPU. A GPU the daemon's health probe fenced is either left out or
+// (SliceOptions::taint_fenced) kept with the taint
+// gpu.fracgpu.io/unhealthy=<reason>:NoSchedule, so the scheduler allocates
+// it to no new claim (resource/v1 DeviceTaint; the API server keeps device
+// taints only with its feature gate DRADeviceTaints: alpha, off, in 1.33 to
+// 1.35; beta, on, in 1.36; GA from 1.37). Each device allows multiple allocations and carries
 // two consumable capacities the kube-scheduler books claims against:
 //   memory  bytes the GPU has less what config tenants hold, with a
 //           requestPolicy {default, validRange {min 256Mi, step 256Mi}}
@@ -39,6 +44,11 @@ inline constexpr const char* kResourceApi = "/apis/resource.k8s.io/v1";
 inline constexpr size_t kMaxDevicesPerSlice = 128;
 inline constexpr size_t kMaxAttributesAndCapacities = 32;
 inline constexpr size_t kMaxAttributeStringBytes = 64;
+// resource/v1: ResourceSliceMaxDevicesWithTaintsOrConsumesCounters, DeviceTaintsMaxLength.
+inline constexpr size_t kMaxDevicesPerSliceWithTaints = 64;
+inline constexpr size_t kMaxTaintsPerDevice = 16;
+inline constexpr const char* kUnhealthyTaintKey = "gpu.fracgpu.io/unhealthy";
+inline constexpr const char* kNoScheduleEffect = "NoSchedule";
 
 struct SliceOptions {
   // memory's requestPolicy: validRange min and step, in bytes.
@@ -51,7 +61,16 @@ struct SliceOptions {
   // the whole free share). true: validRange {min 1m, max <value>, step 1m}
   // and default <value>, for clusters where that gate is on.
   bool share_valid_range = false;
+  // A fenced GPU: true, in the slice with the kUnhealthyTaintKey NoSchedule
+  // taint; false, left out.
+  bool taint_fenced = false;
 };
+
+// The taint value for the daemon's fence_reason: a short class of fault
+// ("gpu-lost", "ecc-errors", "xid", "sensors-unreadable", else "unhealthy"),
+// always a valid label value; the full reason is in the daemon's log and
+// `fracgpu status`.
+std::string fence_taint_value(const std::string& fence_reason);
 
 // "<node>-gpu.fracgpu.io", lower case; a node name too long for a DNS-1123
 // subdomain (253) is cut and a hash of the whole name added, so two long
@@ -61,8 +80,8 @@ std::string slice_name(const std::string& node_name);
 std::string device_name(int64_t gpu_index);
 
 // The ResourceSlice JSON for this node from the control API's NODE object
-// (the control API's "node" reply); fenced GPUs left out, and so are
-// GPUs with too little free (memory below min + step, no share left) or a
+// (the control API's "node" reply); fenced GPUs tainted or left out (see
+// SliceOptions::taint_fenced), GPUs with too little free (memory below min + step, no share left) or a
 // malformed entry: each reason is appended to *left_out when given.
 nlohmann::json build_resource_slice(const std::string& node_name, const nlohmann::json& node,
                                     int64_t pool_generation, const SliceOptions& options = {},
@@ -83,6 +102,11 @@ class SlicePublisher {
   // Deletes this node's slices of this driver (uninstall); absent is success.
   bool remove();
 
+  // Whether fenced GPUs are published tainted: the options ask for it and
+  // the API server has not dropped a taint we wrote (then, for the rest of
+  // this run, fenced GPUs are left out instead).
+  bool taints_in_use() const;
+
   // The pool generation last written or found current (0 before any).
   int64_t generation() const;
   // Device name -> GPU UUID of the slice last published (empty before).
@@ -91,7 +115,8 @@ class SlicePublisher {
  private:
   struct Existing;
   bool list_node_slices(std::vector<nlohmann::json>* slices);
-  bool write_slice(const nlohmann::json& devices, Existing* current);
+  // *taints_dropped: the server's copy lacks taints we wrote.
+  bool write_slice(const nlohmann::json& devices, Existing* current, bool* taints_dropped);
   // GET /api/v1/nodes/<node>: its uid, once (needs RBAC get on nodes).
   void learn_node_uid();
   nlohmann::json owner_references() const;  // [] while the uid is unknown
@@ -109,6 +134,8 @@ class SlicePublisher {
   std::string last_resource_version_;
   int64_t generation_ = 0;
   std::vector<std::string> last_left_out_;
+  std::vector<std::string> last_tainted_;
+  bool taints_dropped_ = false;
   std::string node_uid_;
   bool node_uid_warned_ = false;
 };

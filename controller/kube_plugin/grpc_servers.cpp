@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <initializer_list>
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
+#include "dra_health_v1alpha1.grpc.pb.h"
 #include "dra_v1.grpc.pb.h"
 #include "kube/resource_slice.h"
 #include "pluginregistration_v1.grpc.pb.h"
@@ -18,6 +21,7 @@ namespace fracgpu::kube_plugin {
 
 namespace dra = k8s::io::kubelet::pkg::apis::dra::v1;
 namespace reg = pluginregistration;
+namespace health = v1alpha1;
 
 std::string registration_socket_name() { return std::string(kube::kDriverName) + "-reg.sock"; }
 
@@ -76,6 +80,47 @@ class DraService final : public dra::DRAPlugin::Service {
   Driver& driver_;
 };
 
+// The kubelet opens one stream per registered plugin and keeps it open: the
+// whole list at once, then again at every change. The handler holds a gRPC
+// thread while it waits, which the synchronous server replaces, so prepare
+// and unprepare calls are served beside it.
+class HealthService final : public health::DRAResourceHealth::Service {
+ public:
+  HealthService(const DeviceHealthBoard& board, std::string pool, std::shared_ptr<spdlog::logger> log)
+      : board_(board), pool_(std::move(pool)), log_(std::move(log)) {}
+
+  grpc::Status NodeWatchResources(grpc::ServerContext* context, const health::NodeWatchResourcesRequest*,
+                                  grpc::ServerWriter<health::NodeWatchResourcesResponse>* writer) override {
+    log_->info("health: the kubelet watches the devices' health");
+    uint64_t sent = 0;
+    for (;;) {
+      // Woken by a change or by close(); the timeout only notices a kubelet that went away.
+      const DeviceHealthSnapshot now = board_.wait_newer_than(sent, kCancelCheck);
+      if (now.closed) return grpc::Status::OK;
+      if (context->IsCancelled()) return grpc::Status::CANCELLED;
+      if (now.version == sent) continue;
+      health::NodeWatchResourcesResponse response;
+      for (const DeviceHealthEntry& entry : now.devices) {
+        health::DeviceHealth* device = response.add_devices();
+        device->mutable_device()->set_pool_name(pool_);
+        device->mutable_device()->set_device_name(entry.device);
+        device->set_health(entry.state == DeviceHealthState::kHealthy     ? health::HEALTHY
+                           : entry.state == DeviceHealthState::kUnhealthy ? health::UNHEALTHY
+                                                                          : health::UNKNOWN);
+        device->set_last_updated_time(entry.since_unix);
+      }
+      if (!writer->Write(response)) return grpc::Status::CANCELLED;  // the kubelet went away
+      sent = now.version;
+    }
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kCancelCheck{500};
+  const DeviceHealthBoard& board_;
+  std::string pool_;
+  std::shared_ptr<spdlog::logger> log_;
+};
+
 class RegistrationService final : public reg::Registration::Service {
  public:
   RegistrationService(std::string endpoint, std::atomic<bool>& registered, std::shared_ptr<spdlog::logger> log)
@@ -86,6 +131,10 @@ class RegistrationService final : public reg::Registration::Service {
     info->set_name(kube::kDriverName);
     info->set_endpoint(endpoint_);
     info->add_supported_versions(kDraServiceVersion);
+    // Newer kubelets open the health stream only for a plugin that names the
+    // service here (1.34 tries it on any plugin). The kubelet takes the first
+    // DRAPlugin version it knows from this list and passes over other names.
+    info->add_supported_versions(kHealthServiceName);
     log_->info("registration: the kubelet asked who we are (endpoint {})", endpoint_);
     return grpc::Status::OK;
   }
@@ -106,8 +155,9 @@ class RegistrationService final : public reg::Registration::Service {
   std::shared_ptr<spdlog::logger> log_;
 };
 
-// Serves `service` on the Unix socket `path` (a stale file removed first), mode 0600.
-std::unique_ptr<grpc::Server> serve(grpc::Service* service, const std::string& path, std::string* error) {
+// Serves `services` on the Unix socket `path` (a stale file removed first), mode 0600.
+std::unique_ptr<grpc::Server> serve(std::initializer_list<grpc::Service*> services, const std::string& path,
+                                    std::string* error) {
   if (!controller::make_path(path.substr(0, path.rfind('/')), 0750, error)) return nullptr;
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     *error = fmt::format("remove the stale {}: {}", path, std::strerror(errno));
@@ -116,7 +166,7 @@ std::unique_ptr<grpc::Server> serve(grpc::Service* service, const std::string& p
   grpc::ServerBuilder builder;
   int bound = 0;
   builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials(), &bound);
-  builder.RegisterService(service);
+  for (grpc::Service* service : services) builder.RegisterService(service);
   auto server = builder.BuildAndStart();
   if (!server || !bound) {
     *error = "cannot serve gRPC on " + path;
@@ -134,12 +184,15 @@ std::unique_ptr<grpc::Server> serve(grpc::Service* service, const std::string& p
 
 struct PluginServers::Services {
   DraService dra;
+  HealthService health;
   RegistrationService registration;
 };
 
-PluginServers::PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir,
-                             std::shared_ptr<spdlog::logger> log)
+PluginServers::PluginServers(Driver& driver, DeviceHealthBoard& health, std::string pool, std::string plugin_dir,
+                             std::string registry_dir, std::shared_ptr<spdlog::logger> log)
     : driver_(driver),
+      health_(health),
+      pool_(std::move(pool)),
       plugin_dir_(std::move(plugin_dir)),
       registry_dir_(std::move(registry_dir)),
       log_(std::move(log)) {}
@@ -148,16 +201,18 @@ PluginServers::~PluginServers() { stop(); }
 
 bool PluginServers::start(std::string* error) {
   const std::string endpoint = plugin_dir_ + "/" + kDraSocketName;
-  services_.reset(new Services{DraService(driver_), RegistrationService(endpoint, registered_, log_)});
-  dra_server_ = serve(&services_->dra, endpoint, error);
+  services_.reset(new Services{DraService(driver_), HealthService(health_, pool_, log_),
+                               RegistrationService(endpoint, registered_, log_)});
+  // The kubelet calls the health service on the DRA socket: one endpoint.
+  dra_server_ = serve({&services_->dra, &services_->health}, endpoint, error);
   if (!dra_server_) return false;
   const std::string reg_path = registry_dir_ + "/" + registration_socket_name();
-  registration_server_ = serve(&services_->registration, reg_path, error);
+  registration_server_ = serve({&services_->registration}, reg_path, error);
   if (!registration_server_) {
     stop();
     return false;
   }
-  log_->info("serving {} on {}, registration on {}", kDraServiceVersion, endpoint, reg_path);
+  log_->info("serving {} and {} on {}, registration on {}", kDraServiceVersion, kHealthServiceName, endpoint, reg_path);
   return true;
 }
 
@@ -174,6 +229,9 @@ void PluginServers::stop() {
     ::unlink((registry_dir_ + "/" + registration_socket_name()).c_str());
   }
   if (dra_server_) {
+    // Health streams wait on the board, not on gRPC: end them first, or
+    // Shutdown would wait out its grace period and cancel them.
+    health_.close();
     dra_server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
     dra_server_.reset();
     ::unlink((plugin_dir_ + "/" + kDraSocketName).c_str());

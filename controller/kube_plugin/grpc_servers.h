@@ -3,12 +3,16 @@
 //   <registry-dir>/gpu.fracgpu.io-reg.sock  pluginregistration.Registration:
 //       GetInfo -> {type "DRAPlugin", name "gpu.fracgpu.io",
 //                   endpoint <plugin-dir>/dra.sock,
-//                   supported_versions ["v1.DRAPlugin"]}
-//       (the kubelet's name for the service k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin);
+//                   supported_versions ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]}
+//       (the kubelet's name for the service k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin,
+//       and the health service's full gRPC name);
 //       NotifyRegistrationStatus -> logged.
 //   <plugin-dir>/dra.sock  k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin:
 //       NodePrepareResources / NodeUnprepareResources, claim by claim
 //       through Driver; errors are per claim, the call itself succeeds.
+//     and v1alpha1.DRAResourceHealth (the kubelet's gate ResourceHealthStatus):
+//       NodeWatchResources, a stream of every device's health
+//       (DeviceHealthBoard): the whole pool at once, then at each change.
 #pragma once
 
 #include <atomic>
@@ -17,6 +21,7 @@
 
 #include <spdlog/logger.h>
 
+#include "kube_plugin/device_health.h"
 #include "kube_plugin/driver.h"
 
 namespace grpc {
@@ -28,19 +33,23 @@ namespace fracgpu::kube_plugin {
 inline constexpr const char* kPluginType = "DRAPlugin";
 inline constexpr const char* kDraServiceVersion = "v1.DRAPlugin";
 inline constexpr const char* kDraSocketName = "dra.sock";
+inline constexpr const char* kHealthServiceName = "v1alpha1.DRAResourceHealth";
 
 // "<driver>-reg.sock".
 std::string registration_socket_name();
 
 class PluginServers {
  public:
-  PluginServers(Driver& driver, std::string plugin_dir, std::string registry_dir, std::shared_ptr<spdlog::logger> log);
+  // `pool`: the pool the health stream names (the node's name, as the slice's).
+  PluginServers(Driver& driver, DeviceHealthBoard& health, std::string pool, std::string plugin_dir,
+                std::string registry_dir, std::shared_ptr<spdlog::logger> log);
   ~PluginServers();
 
   // Serves the DRA socket first, then the registration socket (the kubelet
   // calls the DRA socket as soon as it has registered). false with *error.
   bool start(std::string* error);
-  // Stops both and removes their sockets (the kubelet then deregisters).
+  // Stops both and removes their sockets (the kubelet then deregisters);
+  // closes the health board, which ends the open health streams.
   void stop();
 
   // Whether the kubelet last said the registration succeeded.
@@ -50,6 +59,8 @@ class PluginServers {
 
  private:
   Driver& driver_;
+  DeviceHealthBoard& health_;
+  std::string pool_;
   std::string plugin_dir_;
   std::string registry_dir_;
   std::shared_ptr<spdlog::logger> log_;

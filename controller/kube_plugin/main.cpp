@@ -1,6 +1,7 @@
 // fracgpu-kubelet-plugin: the DRA driver gpu.fracgpu.io on one node
 // (docs/kubernetes.md). Publishes the node's ResourceSlice, registers with
-// the kubelet and serves NodePrepareResources / NodeUnprepareResources,
+// the kubelet and serves NodePrepareResources / NodeUnprepareResources and
+// the devices' health stream (NodeWatchResources),
 // until SIGTERM or SIGINT. With --uninstall: deletes the node's slices and exits.
 #include <signal.h>
 
@@ -94,6 +95,9 @@ int main(int argc, char** argv) {
   api->set_retry_policy(retries);
   kube::SliceOptions slice_options;
   slice_options.share_valid_range = share_valid_range;
+  // A fenced GPU stays in the slice with a NoSchedule taint; the publisher
+  // falls back to leaving it out where the API server drops taints.
+  slice_options.taint_fenced = true;
   kube::SlicePublisher publisher(*api, driver_options.node_name, log, slice_options);
   if (uninstall) {
     const bool ok = publisher.remove();
@@ -102,7 +106,8 @@ int main(int argc, char** argv) {
   }
 
   kube_plugin::Driver driver(driver_options, api.get(), log);
-  kube_plugin::PluginServers servers(driver, plugin_dir, registry_dir, log);
+  kube_plugin::DeviceHealthBoard health;
+  kube_plugin::PluginServers servers(driver, health, driver_options.node_name, plugin_dir, registry_dir, log);
   if (!servers.start(&error)) {
     log->error("{}", error);
     return 1;
@@ -112,7 +117,7 @@ int main(int argc, char** argv) {
       publisher,
       {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),
        driver_options.control_timeout},
-      [&driver] { return driver.changes(); }, log);
+      [&driver] { return driver.changes(); }, log, &health);
   slices.start();
 
   int signal_number = 0;

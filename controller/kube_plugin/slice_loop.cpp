@@ -1,5 +1,7 @@
 #include "kube_plugin/slice_loop.h"
 
+#include <ctime>
+
 #include "control/client.h"
 #include "control/protocol.h"
 
@@ -9,8 +11,12 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 SliceLoop::SliceLoop(kube::SlicePublisher& publisher, SliceLoopOptions options, std::function<uint64_t()> changes,
-                     std::shared_ptr<spdlog::logger> log)
-    : publisher_(publisher), options_(std::move(options)), changes_(std::move(changes)), log_(std::move(log)) {}
+                     std::shared_ptr<spdlog::logger> log, DeviceHealthBoard* health)
+    : publisher_(publisher),
+      options_(std::move(options)),
+      changes_(std::move(changes)),
+      log_(std::move(log)),
+      health_(health) {}
 
 SliceLoop::~SliceLoop() { stop(); }
 
@@ -43,9 +49,13 @@ void SliceLoop::run() {
       // still booked in the daemon's api-tenants.json.
       if (reply.error != last_error) log_->warn("slices: fracgpud's node: [{}] {}", reply.code, reply.error);
       last_error = reply.error;
+      // The slice may keep offering the GPUs, but whether they are healthy
+      // nobody can say while the daemon is away.
+      if (health_) health_->mark_unknown(std::time(nullptr));
     } else {
       last_error.clear();
       const json node = reply.body.value("node", json());
+      if (health_) health_->update_from_node(node, std::time(nullptr));
       const uint64_t changes = changes_();
       const json generation = node.value("generation", json());
       if (!published || generation != last_generation || changes != last_changes ||

@@ -3,7 +3,10 @@
 // when the daemon's NODE generation moved, when the plugin prepared or
 // unprepared something, after a failed publish, and every --slice-interval
 // in any case (a slice deleted by someone else comes back). A fenced GPU
-// leaves the slice on the next poll, and comes back when the fence clears.
+// is tainted in the slice on the next poll (or leaves it, where the API
+// server drops taints), and is clean again when the fence clears. The same
+// NODE reply feeds the kubelet's health stream (DeviceHealthBoard): fenced
+// GPUs Unhealthy, the others Healthy, all Unknown while the daemon does not answer.
 #pragma once
 
 #include <chrono>
@@ -17,6 +20,7 @@
 #include <spdlog/logger.h>
 
 #include "kube/resource_slice.h"
+#include "kube_plugin/device_health.h"
 
 namespace fracgpu::kube_plugin {
 
@@ -29,9 +33,10 @@ struct SliceLoopOptions {
 
 class SliceLoop {
  public:
-  // `changes` is read each poll: a new value means republish.
+  // `changes` is read each poll: a new value means republish. `health`
+  // (optional) is updated from every poll.
   SliceLoop(kube::SlicePublisher& publisher, SliceLoopOptions options, std::function<uint64_t()> changes,
-            std::shared_ptr<spdlog::logger> log);
+            std::shared_ptr<spdlog::logger> log, DeviceHealthBoard* health = nullptr);
   ~SliceLoop();
   void start();
   void stop();
@@ -43,6 +48,7 @@ class SliceLoop {
   SliceLoopOptions options_;
   std::function<uint64_t()> changes_;
   std::shared_ptr<spdlog::logger> log_;
+  DeviceHealthBoard* health_;
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;

@@ -31,6 +31,7 @@ struct FakeApiServerOptions {
   std::string fixtures;             // ResourceClaims: <fixtures>/<ns>/<name>.json
   bool canonical = true;            // store quantities in the API server's canonical form
   std::string tls_dir;              // reuse certificates (e.g. another server's); default: its own
+  bool device_taints = true;        // false: as with the gate DRADeviceTaints off (taints dropped on write)
 };
 
 class FakeApiServer {
@@ -50,6 +51,7 @@ class FakeApiServer {
     for (const auto& f : options_.fail) args.insert(args.end(), {"--fail", f});
     if (!options_.fixtures.empty()) args.insert(args.end(), {"--fixtures", options_.fixtures});
     if (!options_.canonical) args.push_back("--no-canonical");
+    if (!options_.device_taints) args.insert(args.end(), {"--feature-gates", "DRADeviceTaints=false"});
 
     std::string stderr_path = dir_ + "/stderr";
     pid_ = ::fork();

@@ -40,6 +40,12 @@ Command line
   --no-canonical     keep quantities as written (by default they are stored in
                      the API server's canonical form: "1000m" -> "1",
                      "16000000000" -> "16G", "1024Mi" -> "1Gi").
+  --feature-gates DRADeviceTaints=false
+                     as an API server with that gate off (Kubernetes 1.33 to
+                     1.35 by default): a device's "taints" is dropped from
+                     every ResourceSlice written, before validation, as the
+                     real server drops fields of disabled features. On by
+                     default (as from 1.36).
 
 Control, at run time (loopback, no authentication):
   POST /fake/fail     {"method": "PUT", "path": "resourceslices", "status": 409,
@@ -53,6 +59,8 @@ Control, at run time (loopback, no authentication):
   POST /fake/delete-node {"name": NODE}: the node object is deleted and, as
                       the garbage collector does, every slice whose
                       ownerReferences name its uid
+  POST /fake/feature-gates {"DRADeviceTaints": false}: as --feature-gates,
+                      for the writes from now on
 
 Nodes (GET /api/v1/nodes/NAME) all exist, each with a uid stable for its
 name, until deleted.
@@ -183,20 +191,88 @@ def _dns_subdomain(name, max_length=253):
     return isinstance(name, str) and 0 < len(name) <= max_length and bool(_DNS_SUBDOMAIN_RE.match(name))
 
 
+def _prefix_and_name(text):
+    """"prefix/name" or "name" as (prefix or None, name); None for more than one "/"."""
+    parts = text.split("/")
+    if len(parts) > 2:
+        return None
+    return (parts[0] if len(parts) == 2 else None), parts[-1]
+
+
 def _qualified_name(name):
     if not isinstance(name, str) or not name:
         return "must not be empty"
-    parts = name.split("/")
-    if len(parts) > 2:
+    split = _prefix_and_name(name)
+    if split is None:
         return "must be a C identifier or a domain/C identifier"
-    ident = parts[-1]
-    if len(parts) == 2 and not _dns_subdomain(parts[0], MAX_DOMAIN_LENGTH):
+    domain, ident = split
+    if domain is not None and not _dns_subdomain(domain, MAX_DOMAIN_LENGTH):
         return "the domain must be a DNS subdomain of at most %d characters" % MAX_DOMAIN_LENGTH
     if not _C_IDENTIFIER_RE.match(ident):
         return "must be a C identifier"
     if len(ident) > MAX_ID_LENGTH:
         return "the identifier must be at most %d characters" % MAX_ID_LENGTH
     return None
+
+
+# Label keys and values (apimachinery's IsQualifiedName, IsValidLabelValue).
+_LABEL_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_RFC3339_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
+MAX_LABEL_NAME_LENGTH = 63
+MAX_LABEL_VALUE_LENGTH = 63
+MAX_TAINTS_PER_DEVICE = 16  # resource/v1 DeviceTaintsMaxLength
+# resource/v1 DeviceTaintEffect: NoSchedule, NoExecute, and None (informational) in newer versions.
+TAINT_EFFECTS = {"None", "NoSchedule", "NoExecute"}
+_TAINT_FIELDS = {"key", "value", "effect", "timeAdded"}
+
+
+def _label_name(key):
+    """Why `key` is not a qualified name as label keys are (None: it is)."""
+    if not isinstance(key, str) or not key:
+        return "name part must be non-empty"
+    split = _prefix_and_name(key)
+    if split is None:
+        return "a qualified name must consist of an optional DNS subdomain prefix and '/' and a name"
+    prefix, name = split
+    if prefix is not None and not _dns_subdomain(prefix):
+        return "prefix part must be a DNS subdomain of at most 253 characters"
+    if not name or len(name) > MAX_LABEL_NAME_LENGTH or not _LABEL_NAME_RE.match(name):
+        return ("name part must consist of alphanumeric characters, '-', '_' or '.', start and end with an "
+                "alphanumeric character, and be at most %d characters" % MAX_LABEL_NAME_LENGTH)
+    return None
+
+
+def _validate_taints(taints, path, errors):
+    if not isinstance(taints, list):
+        errors.append(path + ": must be a list")
+        return
+    if len(taints) > MAX_TAINTS_PER_DEVICE:
+        errors.append("%s: Too many: %d: must have at most %d items" % (path, len(taints), MAX_TAINTS_PER_DEVICE))
+        return
+    for i, taint in enumerate(taints):
+        tpath = "%s[%d]" % (path, i)
+        if not isinstance(taint, dict):
+            errors.append(tpath + ": must be an object")
+            continue
+        _unknown(taint, _TAINT_FIELDS, tpath, errors)
+        problem = _label_name(taint.get("key"))
+        if problem:
+            errors.append("%s.key: Invalid value: %r: %s" % (tpath, taint.get("key"), problem))
+        value = taint.get("value", "")
+        if not (isinstance(value, str) and len(value) <= MAX_LABEL_VALUE_LENGTH and _LABEL_VALUE_RE.match(value)):
+            errors.append("%s.value: Invalid value: %r: a valid label value must be at most %d characters of "
+                          "alphanumerics, '-', '_' or '.', starting and ending with an alphanumeric"
+                          % (tpath, value, MAX_LABEL_VALUE_LENGTH))
+        effect = taint.get("effect")
+        if effect is None or effect == "":
+            errors.append(tpath + ".effect: Required value")
+        elif effect not in TAINT_EFFECTS:
+            errors.append("%s.effect: Unsupported value: %r: supported values: %s"
+                          % (tpath, effect, ", ".join('"%s"' % e for e in sorted(TAINT_EFFECTS))))
+        added = taint.get("timeAdded")
+        if added is not None and not (isinstance(added, str) and _RFC3339_RE.match(added)):
+            errors.append("%s.timeAdded: not an RFC 3339 time: %r" % (tpath, added))
 
 
 def _unknown(obj, known, path, errors):
@@ -334,6 +410,8 @@ def _validate_device(device, path, errors):
         elif kind == "version" and not (isinstance(v, str) and len(v) <= MAX_ATTRIBUTE_VALUE_LENGTH
                                         and _SEMVER_RE.match(v)):
             errors.append(apath + ".version: must be a string compatible with semver.org spec 2.0.0: %r" % (v,))
+    if device.get("taints") is not None:
+        _validate_taints(device["taints"], path + ".taints", errors)
     multiple = device.get("allowMultipleAllocations") is True
     for key, cap in capacity.items():
         cpath = "%s.capacity[%s]" % (path, key)
@@ -470,6 +548,24 @@ def validate_resource_slice(obj):
     return errors
 
 
+def drop_disabled_fields(obj, gates):
+    """What the API server does before validating a write: fields of disabled features go."""
+    if gates.get("DRADeviceTaints", True):
+        return
+    for device in ((obj or {}).get("spec") or {}).get("devices") or []:
+        if isinstance(device, dict):
+            device.pop("taints", None)
+
+
+def default_taint_times(obj):
+    """A taint written without timeAdded gets the time of the write."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        for taint in device.get("taints") or []:
+            if taint.get("timeAdded") is None:
+                taint["timeAdded"] = now
+
+
 def canonicalize_slice(obj):
     for device in (obj.get("spec") or {}).get("devices") or []:
         for cap in (device.get("capacity") or {}).values():
@@ -507,6 +603,13 @@ class State:
         self.requests = []
         self.tokens = list(args.token or [])
         self.deleted_nodes = set()  # names of nodes deleted through /fake/delete-node
+        self.feature_gates = {}  # name -> bool; absent: on
+        for spec in args.feature_gates or []:
+            for item in spec.split(","):
+                name, _, value = item.partition("=")
+                if name != "DRADeviceTaints" or value not in ("true", "false"):
+                    sys.exit("--feature-gates %s: only DRADeviceTaints=true|false is known" % item)
+                self.feature_gates[name] = value == "true"
         self.log_seq = 0
         for spec in args.fail or []:
             parts = spec.split(":")
@@ -669,6 +772,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, list(st.requests))
             elif method == "GET" and path == "/fake/slices":
                 self.send_json(200, list(st.slices.values()))
+            elif method == "POST" and path == "/fake/feature-gates":
+                for name, value in (body or {}).items():
+                    if name != "DRADeviceTaints" or not isinstance(value, bool):
+                        self.send_status(400, "BadRequest", "only DRADeviceTaints: true|false is known")
+                        return
+                    st.feature_gates[name] = value
+                self.send_json(200, {"ok": True, "feature_gates": st.feature_gates})
             elif method == "POST" and path == "/fake/delete-node":
                 # The node object goes, and the garbage collector deletes
                 # what it owns (ownerReferences naming its uid).
@@ -780,7 +890,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def create_slice(self, body):
         name = ((body or {}).get("metadata") or {}).get("name")
         with self.state.lock:
-            errors = validate_resource_slice(body)
+            stored = json.loads(json.dumps(body))
+            drop_disabled_fields(stored, self.state.feature_gates)
+            errors = validate_resource_slice(stored)
             if (body or {}).get("metadata", {}).get("resourceVersion"):
                 errors.append("metadata.resourceVersion: must be empty on create")
             if errors:
@@ -790,7 +902,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_status(409, "AlreadyExists", 'resourceslices.resource.k8s.io "%s" already exists' % name)
                 self.state.log_write("create", name, 409, body, None)
                 return
-            obj = json.loads(json.dumps(body))
+            obj = stored
+            default_taint_times(obj)
             if not self.state.args.no_canonical:
                 canonicalize_slice(obj)
             meta = obj["metadata"]
@@ -813,7 +926,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if meta.get("name") != name:
                 self.send_status(400, "BadRequest", "the name of the object does not match the name on the URL")
                 return
-            errors = validate_resource_slice(body)
+            stored = json.loads(json.dumps(body))
+            drop_disabled_fields(stored, self.state.feature_gates)
+            errors = validate_resource_slice(stored)
             for key in ("driver", "nodeName"):
                 if (body.get("spec") or {}).get(key) != current["spec"].get(key):
                     errors.append("spec.%s: field is immutable" % key)
@@ -828,7 +943,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_status(409, "Conflict", message)
                 self.state.log_write("update", name, 409, body, None)
                 return
-            obj = json.loads(json.dumps(body))
+            obj = stored
+            default_taint_times(obj)
             if not self.state.args.no_canonical:
                 canonicalize_slice(obj)
             for key in ("uid", "creationTimestamp"):
@@ -910,6 +1026,7 @@ def main():
     parser.add_argument("--client-ca")
     parser.add_argument("--fail", action="append")
     parser.add_argument("--no-canonical", action="store_true")
+    parser.add_argument("--feature-gates", action="append")
     parser.add_argument("--check-slice", nargs="+", metavar="FILE")
     args = parser.parse_args()
 

@@ -13,7 +13,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,6 +28,7 @@
 
 #include "control/client.h"
 #include "controller_test_util.h"
+#include "dra_health_v1alpha1.grpc.pb.h"
 #include "dra_v1.grpc.pb.h"
 #include "kube/kube_test_util.h"
 #include "kube_plugin/driver.h"
@@ -399,8 +403,10 @@ TEST_F(KubePluginE2E, RegistersAndPublishesTheNodesSlice) {
   EXPECT_EQ(info.type(), "DRAPlugin");
   EXPECT_EQ(info.name(), "gpu.fracgpu.io");
   EXPECT_EQ(info.endpoint(), plugin_dir_ + "/dra.sock");
-  ASSERT_EQ(info.supported_versions_size(), 1);
+  ASSERT_EQ(info.supported_versions_size(), 2);
   EXPECT_EQ(info.supported_versions(0), "v1.DRAPlugin");
+  // Newer kubelets watch device health only when the plugin names the service.
+  EXPECT_EQ(info.supported_versions(1), "v1alpha1.DRAResourceHealth");
   struct stat st {};
   ASSERT_EQ(stat((plugin_dir_ + "/dra.sock").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
@@ -713,15 +719,45 @@ TEST_F(KubePluginE2E, AClaimWhoseCapacityIsNoLongerFreeIsRefusedClearly) {
   EXPECT_EQ(both.claims().at(good.uid).error(), "");
 }
 
+// Where the API server drops device taints (its gate DRADeviceTaints off, as
+// by default before Kubernetes 1.36), the plugin sees its taint gone from the
+// server's answer and leaves the fenced GPU out of the slice instead.
 TEST_F(KubePluginE2E, AFencedGpuLeavesTheSliceAndReturns) {
+  ASSERT_TRUE(api_control_->post("/fake/feature-gates", {{"DRADeviceTaints", false}}).ok());
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
   write_file(faults_path_, "1 lost\n");
   EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 2 && !find_device(d, "gpu-1"); }))
       << slice_devices().dump();
+  // It did try the taint: a write whose body tainted gpu-1 and whose stored
+  // object has no taint.
+  bool tried = false;
+  for (const json& w : api_->writes()) {
+    if (w["status"] != 200 || !w["body"].is_object()) continue;
+    const json* sent = find_device(w["body"]["spec"]["devices"], "gpu-1");
+    const json* kept = find_device(w["object"]["spec"]["devices"], "gpu-1");
+    if (sent && sent->contains("taints") && kept && !kept->contains("taints")) tried = true;
+  }
+  EXPECT_TRUE(tried);
+  const std::string log = read_file(plugin_log_);
+  const size_t said = log.find("the API server dropped the device taints");
+  EXPECT_NE(said, std::string::npos) << log;
+  EXPECT_EQ(log.find("the API server dropped the device taints", said + 1), std::string::npos) << "said once";
   write_file(faults_path_, "");
   EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 3 && find_device(d, "gpu-1"); }))
       << slice_devices().dump();
+  // Fenced again: left out at once, no second try of the taint.
+  const size_t writes_before = api_->writes().size();
+  write_file(faults_path_, "1 lost\n");
+  EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 2 && !find_device(d, "gpu-1"); }))
+      << slice_devices().dump();
+  const std::vector<json> writes = api_->writes();
+  for (size_t i = writes_before; i < writes.size(); ++i) {
+    if (!writes[i]["body"].is_object()) continue;
+    for (const json& d : writes[i]["body"]["spec"]["devices"]) {
+      EXPECT_FALSE(d.contains("taints")) << d.dump();
+    }
+  }
 }
 
 // Requirement: slices follow the config's tenants. A config tenant added by a
@@ -930,6 +966,127 @@ TEST_F(KubePluginE2E, EveryResultShapeOfTheAllocatorIsPreparedOrRefusedClearly) 
   const std::string error = prepare({monitor}).claims().at(monitor.uid).error();
   EXPECT_NE(error.find("admin access"), std::string::npos) << error;
   EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+// Requirement (issue 23, 8): a fenced GPU stays in the slice with the taint
+// gpu.fracgpu.io/unhealthy=<reason>:NoSchedule (the scheduler gives it to no
+// new claim), its capacities as before; cleared, the taint goes. The taint's
+// timeAdded (set by the API server) is kept while the fence lasts.
+TEST_F(KubePluginE2E, AFencedGpuIsTaintedNoScheduleAndCleanAgainWhenCleared) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(slice_eventually([](const json& d) {
+    const json* gpu1 = find_device(d, "gpu-1");
+    return d.size() == 3 && gpu1 && gpu1->contains("taints");
+  })) << slice_devices().dump();
+  json devices = slice_devices();
+  const json taints = (*find_device(devices, "gpu-1"))["taints"];
+  ASSERT_EQ(taints.size(), 1u) << taints.dump();
+  EXPECT_EQ(taints[0]["key"], "gpu.fracgpu.io/unhealthy");
+  EXPECT_EQ(taints[0]["value"], "gpu-lost");
+  EXPECT_EQ(taints[0]["effect"], "NoSchedule");
+  EXPECT_FALSE(taints[0].value("timeAdded", std::string()).empty()) << taints.dump();
+  const json& gpu1 = *find_device(devices, "gpu-1");
+  EXPECT_EQ(gpu1["capacity"]["memory"]["value"], std::to_string(16 * kGiB));
+  EXPECT_EQ(gpu1["capacity"]["share"]["value"], "1");
+  EXPECT_EQ(gpu1["attributes"]["uuid"]["string"], kUuids[1]);
+  EXPECT_FALSE(find_device(devices, "gpu-0")->contains("taints"));
+  EXPECT_FALSE(find_device(devices, "gpu-2")->contains("taints"));
+  // While fenced, republishing (every 0.2 s here) writes nothing new.
+  const size_t writes = api_->writes().size();
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_EQ(api_->writes().size(), writes);
+  EXPECT_EQ((*find_device(slice_devices(), "gpu-1"))["taints"], taints);
+  EXPECT_NE(read_file(plugin_log_).find("tainted gpu-1 (gpu.fracgpu.io/unhealthy=gpu-lost):NoSchedule"),
+            std::string::npos)
+      << read_file(plugin_log_);
+
+  write_file(faults_path_, "");
+  EXPECT_TRUE(slice_eventually([](const json& d) {
+    return d.size() == 3 && std::none_of(d.begin(), d.end(), [](const json& x) { return x.contains("taints"); });
+  })) << slice_devices().dump();
+}
+
+// Requirement (issue 23, 8): the kubelet's DRA health stream
+// (v1alpha1.DRAResourceHealth/NodeWatchResources, on the DRA socket): every
+// device of the pool at once, then again at each change: Unhealthy while
+// fenced, Healthy when cleared, Unknown while fracgpud does not answer. The
+// open stream does not hold up prepare calls, and ends cleanly when the plugin stops.
+TEST_F(KubePluginE2E, TheKubeletsHealthStreamFollowsTheFence) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  auto health = v1alpha1::DRAResourceHealth::NewStub(
+      grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto stream = health->NodeWatchResources(&context, v1alpha1::NodeWatchResourcesRequest());
+  using Health = std::map<std::string, std::pair<v1alpha1::HealthStatus, int64_t>>;
+  // The next message, as device -> (health, last_updated_time).
+  auto next = [&](Health* out) {
+    v1alpha1::NodeWatchResourcesResponse response;
+    if (!stream->Read(&response)) return false;
+    out->clear();
+    for (const auto& d : response.devices()) {
+      EXPECT_EQ(d.device().pool_name(), kNode);
+      (*out)[d.device().device_name()] = {d.health(), d.last_updated_time()};
+    }
+    return true;
+  };
+  // Reads until `holds` (each message is the whole pool).
+  auto read_until = [&](const std::function<bool(const Health&)>& holds, Health* out) {
+    while (next(out))
+      if (holds(*out)) return true;
+    return false;
+  };
+  const int64_t started = static_cast<int64_t>(time(nullptr));
+  Health now;
+  ASSERT_TRUE(next(&now)) << "no first message: " << stream->Finish().error_message();
+  ASSERT_EQ(now.size(), 3u);
+  for (const char* d : {"gpu-0", "gpu-1", "gpu-2"}) {
+    ASSERT_TRUE(now.count(d)) << d;
+    EXPECT_EQ(now[d].first, v1alpha1::HEALTHY) << d;
+    EXPECT_GT(now[d].second, started - 60) << d;
+    EXPECT_LE(now[d].second, started + 1) << d;
+  }
+
+  write_file(faults_path_, "1 lost\n");
+  ASSERT_TRUE(read_until([](const Health& h) { return h.at("gpu-1").first == v1alpha1::UNHEALTHY; }, &now));
+  EXPECT_EQ(now["gpu-0"].first, v1alpha1::HEALTHY);
+  EXPECT_EQ(now["gpu-2"].first, v1alpha1::HEALTHY);
+  const int64_t fenced_at = now["gpu-1"].second;
+  EXPECT_GE(fenced_at, started);
+
+  // A prepare is answered while the stream is open.
+  const auto claim = write_claim(1, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}})});
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  EXPECT_EQ(unprepare(claim), "");
+
+  write_file(faults_path_, "");
+  ASSERT_TRUE(read_until([](const Health& h) { return h.at("gpu-1").first == v1alpha1::HEALTHY; }, &now));
+  EXPECT_GE(now["gpu-1"].second, fenced_at);
+  EXPECT_EQ(now["gpu-0"].first, v1alpha1::HEALTHY);
+
+  // Without the daemon nobody can vouch for the GPUs.
+  stop_daemon();
+  ASSERT_TRUE(read_until(
+      [](const Health& h) {
+        return std::all_of(h.begin(), h.end(), [](const auto& d) { return d.second.first == v1alpha1::UNKNOWN; });
+      },
+      &now));
+  start_daemon();
+  ASSERT_TRUE(read_until(
+      [](const Health& h) {
+        return h.size() == 3 &&
+               std::all_of(h.begin(), h.end(), [](const auto& d) { return d.second.first == v1alpha1::HEALTHY; });
+      },
+      &now));
+
+  // Stopping the plugin ends the stream cleanly, without waiting out the deadline.
+  const auto stopping = std::chrono::steady_clock::now();
+  stop_plugin();
+  while (next(&now)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - stopping, 10s);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "kube_plugin/cdi_spec.h"
 #include "kube_plugin/claim_plan.h"
 #include "kube_plugin/claim_store.h"
+#include "kube_plugin/device_health.h"
 
 using namespace fracgpu::kube_plugin;
 using fracgpu::kube::testing::node_object;
@@ -334,6 +335,46 @@ TEST(ClaimStore, ARecordRoundTripsAndIsBelievedOnlyForItsOwnClaim) {
   EXPECT_FALSE(store.get(kUid, &error));
   EXPECT_EQ(error, "");
   EXPECT_FALSE(store.put(ClaimPlan{{"ns", "n", "../../etc"}, {}, {}}, &error));
+}
+
+// The health stream's board: a version step only on a change, the time a
+// state was first seen kept while it lasts, Unknown while the daemon is away.
+TEST(DeviceHealthBoard, FollowsTheFencesAndMovesOnlyOnChanges) {
+  DeviceHealthBoard board;
+  EXPECT_EQ(board.snapshot().version, 0u);
+  json node = {{"gpus", {{{"index", 0}, {"fenced", false}}, {{"index", 1}, {"fenced", false}}}}};
+  board.update_from_node(node, 100);
+  DeviceHealthSnapshot s = board.snapshot();
+  ASSERT_EQ(s.devices.size(), 2u);
+  EXPECT_EQ(s.devices[1].device, "gpu-1");
+  EXPECT_EQ(s.devices[1].state, DeviceHealthState::kHealthy);
+  EXPECT_EQ(s.devices[1].since_unix, 100);
+  const uint64_t first = s.version;
+  EXPECT_GT(first, 0u);
+  board.update_from_node(node, 101);
+  EXPECT_EQ(board.snapshot().version, first);
+  EXPECT_EQ(board.wait_newer_than(first, std::chrono::milliseconds(1)).version, first);  // timed out
+
+  node["gpus"][1]["fenced"] = true;
+  board.update_from_node(node, 102);
+  s = board.wait_newer_than(first, std::chrono::milliseconds(1));
+  EXPECT_GT(s.version, first);
+  EXPECT_EQ(s.devices[0].since_unix, 100);
+  EXPECT_EQ(s.devices[1].state, DeviceHealthState::kUnhealthy);
+  EXPECT_EQ(s.devices[1].since_unix, 102);
+
+  board.mark_unknown(103);
+  s = board.snapshot();
+  EXPECT_EQ(s.devices[0].state, DeviceHealthState::kUnknown);
+  EXPECT_EQ(s.devices[1].state, DeviceHealthState::kUnknown);
+  node["gpus"].erase(1);
+  board.update_from_node(node, 104);
+  s = board.snapshot();
+  ASSERT_EQ(s.devices.size(), 1u);
+  EXPECT_EQ(s.devices[0].state, DeviceHealthState::kHealthy);
+
+  board.close();
+  EXPECT_TRUE(board.wait_newer_than(s.version, std::chrono::seconds(10)).closed);  // at once
 }
 
 }  // namespace

@@ -347,6 +347,10 @@ TEST(KubeResourceSliceSchema, BuiltSlicesFollowTheV1Rules) {
   expect_conforms(build_resource_slice(kNode, mixed, 1, SliceOptions{.share_valid_range = true}));
   expect_conforms(build_resource_slice(std::string(250, 'n'), node_object(128), 1));
   expect_conforms(build_resource_slice(kNode, node_object(0), 1));
+  json fenced = node_object(64);
+  fenced["gpus"][3]["fenced"] = true;
+  fenced["gpus"][3]["fence_reason"] = "nvmlDeviceGetTemperature: GPU is lost";
+  expect_conforms(build_resource_slice(kNode, fenced, 1, SliceOptions{.taint_fenced = true}));
 }
 
 TEST(KubeResourceSliceSchema, TheValidatorRefusesBrokenSlices) {
@@ -362,6 +366,16 @@ TEST(KubeResourceSliceSchema, TheValidatorRefusesBrokenSlices) {
     expected.push_back(expect);
   };
   broken([](json& s) { s["spec"]["devices"][0]["name"] = "GPU_0"; }, "name: must be a DNS label");
+  broken([](json& s) { s["spec"]["devices"][0]["taints"] = {{{"key", "gpu.fracgpu.io/un healthy"}, {"effect", "NoSchedule"}}}; },
+         "taints[0].key: Invalid value");
+  broken([](json& s) { s["spec"]["devices"][0]["taints"] = {{{"key", "a"}, {"value", "-x"}, {"effect", "NoSchedule"}}}; },
+         "taints[0].value: Invalid value");
+  broken([](json& s) { s["spec"]["devices"][0]["taints"] = {{{"key", "a"}, {"effect", "PreferNoSchedule"}}}; },
+         "taints[0].effect: Unsupported value");
+  broken([](json& s) { s["spec"]["devices"][0]["taints"] = {{{"key", "a"}}}; }, "taints[0].effect: Required value");
+  broken([](json& s) {
+    for (int i = 0; i < 17; ++i) s["spec"]["devices"][0]["taints"].push_back({{"key", "a"}, {"effect", "NoExecute"}});
+  }, "must have at most 16 items");
   broken([](json& s) {
     for (int i = 0; i < 31; ++i) s["spec"]["devices"][0]["attributes"]["extra" + std::to_string(i)] = {{"int", i}};
   }, "must not exceed 32");
@@ -486,6 +500,47 @@ TEST_F(KubeSlicePublisher, FencedGpuLeavesTheSliceAndComesBack) {
   ASSERT_EQ(writes.size(), 1u);
   EXPECT_EQ(writes[0]["body"]["spec"]["devices"].size(), 2u);
   EXPECT_EQ(writes[0]["body"]["spec"]["pool"]["generation"], 3);
+}
+
+TEST(KubeResourceSlice, AFencedGpuIsTaintedWithAShortReason) {
+  json node = node_object(2);
+  node["gpus"][1]["fenced"] = true;
+  node["gpus"][1]["fence_reason"] = "3 uncorrected ECC error(s) since the driver loaded";
+  std::vector<std::string> left_out;
+  json slice = build_resource_slice(kNode, node, 1, SliceOptions{.taint_fenced = true}, &left_out);
+  EXPECT_TRUE(left_out.empty());
+  ASSERT_EQ(slice["spec"]["devices"].size(), 2u);
+  EXPECT_FALSE(slice["spec"]["devices"][0].contains("taints"));
+  EXPECT_EQ(slice["spec"]["devices"][1]["taints"],
+            json::parse(R"([{"key": "gpu.fracgpu.io/unhealthy", "value": "ecc-errors", "effect": "NoSchedule"}])"));
+  EXPECT_EQ(fence_taint_value("nvmlDeviceGetPowerUsage: GPU is lost"), "gpu-lost");
+  EXPECT_EQ(fence_taint_value("NVML cannot find it: Not Found"), "gpu-lost");
+  EXPECT_EQ(fence_taint_value("Xid 79 (fenced since 1700000000; clear with `fracgpu gpu clear GPU-x`)"), "xid");
+  EXPECT_EQ(fence_taint_value("temperature cannot be read: Unknown Error"), "sensors-unreadable");
+  EXPECT_EQ(fence_taint_value(""), "unhealthy");
+}
+
+// The fallback where the API server drops taints is end to end in
+// kube_plugin_e2e (AFencedGpuLeavesTheSliceAndReturns); here the taint's time.
+TEST_F(KubeSlicePublisher, ATaintKeepsTheTimeTheServerGaveIt) {
+  SlicePublisher publisher(*client, kNode, log.logger, SliceOptions{.taint_fenced = true});
+  json node = node_object(2);
+  node["gpus"][1]["fenced"] = true;
+  ASSERT_TRUE(publisher.publish(node)) << log.text();
+  auto writes = new_writes();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_FALSE(writes[0]["body"]["spec"]["devices"][1]["taints"][0].contains("timeAdded"));
+  const json added = writes[0]["object"]["spec"]["devices"][1]["taints"][0]["timeAdded"];
+  ASSERT_TRUE(added.is_string());
+  EXPECT_TRUE(publisher.taints_in_use());
+  // Another change to the slice: the taint goes back with the server's time.
+  node["gpus"][0]["config_share"] = 0.5;
+  ASSERT_TRUE(publisher.publish(node)) << log.text();
+  writes = new_writes();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0]["body"]["spec"]["devices"][1]["taints"][0]["timeAdded"], added);
+  ASSERT_TRUE(publisher.publish(node));
+  EXPECT_TRUE(new_writes().empty());
 }
 
 TEST_F(KubeSlicePublisher, ConflictIsReadAgainAndRetried) {
