@@ -966,6 +966,8 @@ TEST_F(KubePluginE2E, EveryResultShapeOfTheAllocatorIsPreparedOrRefusedClearly) 
   const std::string error = prepare({monitor}).claims().at(monitor.uid).error();
   EXPECT_NE(error.find("admin access"), std::string::npos) << error;
   EXPECT_EQ(api_tenants(), std::vector<std::string>{"dra-" + claim.uid});
+}
+
 // Requirement (issue 23, 8): a fenced GPU stays in the slice with the taint
 // gpu.fracgpu.io/unhealthy=<reason>:NoSchedule (the scheduler gives it to no
 // new claim), its capacities as before; cleared, the taint goes. The taint's
