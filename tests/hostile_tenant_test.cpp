@@ -387,4 +387,51 @@ TEST_F(HostileTenantTest, AProcessWithoutTheInterposerIsChargedToItsTenant) {
   EXPECT_LE(busy - honest, 0.64);
 }
 
+// Memory, as a container sees it (issue: the audit's allowance grew with the
+// tenant's process count, and it never looked at a GPU the tenant had no
+// grant on). The hostile tenant's container runs, without the interposer,
+// twelve processes of 704 MiB each on GPU 0 (8.25 GiB against its 8 GiB
+// quota: within the old quota + 12 x 128 MiB) and one holding 1 GiB on a
+// second GPU it has no grant on. The largest on GPU 0 and the one on GPU 1
+// are stopped; the rest stay; the honest tenant still gets its whole quota.
+TEST_F(HostileTenantTest, ManyProcessesOrAnotherGpuBuyAContainerNoMoreMemory) {
+  devices_ += ";uuid=GPU-0badc0de-0000-4000-8000-000000000002,name=Sim2,mem=16GiB,ctx=64MiB,sms=100";
+  start_daemon();
+  std::string script;
+  for (int i = 0; i < 12; ++i)
+    script += std::string(PROBE_PATH) + " init primary 0 alloc 640MiB hold > " + container_ + "/many-" +
+              std::to_string(i) + ".log 2>&1 & ";
+  script += std::string(PROBE_PATH) + " init primary 1 alloc 1GiB hold > " + container_ + "/other.log 2>&1 & wait";
+  const pid_t mallory = start_container(script, container_ + "/container.log");
+  const auto holding = [&](const std::string& name) {
+    return read_file(container_ + "/" + name + ".log").find("holding=") != std::string::npos;
+  };
+  ASSERT_TRUE(eventually([&] {
+    for (int i = 0; i < 12; ++i)
+      if (!holding("many-" + std::to_string(i))) return false;
+    return holding("other");
+  }, 20s)) << read_file(container_ + "/container.log") << read_file(container_ + "/many-0.log");
+  // Processes the audit stopped, by its log line for each.
+  const auto stopped = [&] {
+    const std::string log = daemon_log();
+    const std::string line = "memory audit: tenant \"mallory\" over its quota on GPU";
+    size_t n = 0;
+    for (size_t at = log.find(line); at != std::string::npos; at = log.find(line, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_TRUE(eventually([&] { return daemon_log_has("over a GPU it has no grant on"); }, 3s)) << daemon_log();
+  EXPECT_TRUE(eventually([&] { return stopped() >= 2; }, 5s)) << daemon_log();
+  std::this_thread::sleep_for(1s);  // more passes: nothing more to stop
+  // The largest on GPU 0 (the other eleven, 7.56 GiB, fit) and the one on GPU 1.
+  EXPECT_EQ(stopped(), 2u) << daemon_log();
+
+  const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
+  const std::string quota_log = root_ + "/quota.out";
+  const pid_t quota = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "8128MiB"}, quota_log,
+                            {preload, "FRACGPU_TENANT=alice"});
+  EXPECT_EQ(wait_exit(quota, 10s), 0) << read_file(quota_log);
+  EXPECT_NE(read_file(quota_log).find("alloc=0\n"), std::string::npos) << read_file(quota_log) << daemon_log();
+  kill_and_reap(mallory);
+}
+
 }  // namespace
