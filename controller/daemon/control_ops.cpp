@@ -307,11 +307,10 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
   if (const auto problem = capacity_problem(*tenant, *config_, capacity_book(name)))
     return failure(proto::code::kNoCapacity, "", *problem);
   // Refused clearly here rather than made a tenant whose ledger cannot be opened.
-  if (const size_t more = tenant->gpus.size() - (resize ? std::min(held->second.gpus.size(), tenant->gpus.size()) : 0);
-      (!resize || more > 0) && descriptor_problem(more)) {
-    const std::string why = *descriptor_problem(more);
-    log_->warn("control: {} tenant \"{}\" for {} refused: {}", resize ? "resize" : "create", name, who(peer), why);
-    return failure(proto::code::kNoCapacity, "", why);
+  const size_t more = tenant->gpus.size() - (resize ? std::min(held->second.gpus.size(), tenant->gpus.size()) : 0);
+  if (const auto why = !resize || more > 0 ? descriptor_problem(more) : std::nullopt) {
+    log_->warn("control: {} tenant \"{}\" for {} refused: {}", resize ? "resize" : "create", name, who(peer), *why);
+    return failure(proto::code::kNoCapacity, "", *why);
   }
 
   ApiTenants next = api_tenants_;

@@ -291,9 +291,12 @@ int Daemon::start() {
 }
 
 ConfigResult Daemon::load_placed_config(ApiTenants* api_loaded) const {
+  return load_placed_config_with(api_loaded != nullptr ? nullptr : &api_tenants_, api_loaded);
+}
+
+ConfigResult Daemon::load_placed_config_with(const ApiTenants* api, ApiTenants* api_loaded) const {
   std::vector<std::string> moved;
   ConfigResult result;
-  const ApiTenants* api = api_loaded != nullptr ? nullptr : &api_tenants_;
   if (pid_fd_ < 0) {
     // start: no lock held yet
     result = load_placed(options_.config_path, discovery_, nullptr, api, api_loaded, &moved);
@@ -305,21 +308,8 @@ ConfigResult Daemon::load_placed_config(ApiTenants* api_loaded) const {
   return result;
 }
 
-ConfigResult Daemon::load_placed_config_with(const ApiTenants& api) const {
-  std::vector<std::string> moved;
-  ConfigResult result;
-  if (pid_fd_ < 0) {
-    result = load_placed(options_.config_path, discovery_, nullptr, &api, nullptr, &moved);
-  } else {
-    const PriorPlacement running = running_placement();
-    result = load_placed(options_.config_path, discovery_, &running, &api, nullptr, &moved);
-  }
-  for (const std::string& warning : moved) log_->warn("{}", warning);
-  return result;
-}
-
 ConfigResult Daemon::load_placing_what_fits(const ApiTenants& api, bool placed_stay) {
-  ConfigResult all = load_placed_config_with(api);
+  ConfigResult all = load_placed_config_with(&api, nullptr);
   if (all.ok()) {
     unplaced_.clear();
     return all;
@@ -329,7 +319,7 @@ ConfigResult Daemon::load_placing_what_fits(const ApiTenants& api, bool placed_s
   ApiTenants fits, candidates;
   for (const auto& [name, tenant] : api) (placed_stay && !unplaced_.contains(name) ? fits : candidates)[name] = tenant;
   if (candidates.empty()) return all;
-  ConfigResult best = load_placed_config_with(fits);
+  ConfigResult best = load_placed_config_with(&fits, nullptr);
   if (!best.ok()) return all;  // not the candidates' fault: every error
   // One at a time, in name order: each that fits beside the config and those
   // before it is placed; the rest wait, kept.
@@ -337,7 +327,7 @@ ConfigResult Daemon::load_placing_what_fits(const ApiTenants& api, bool placed_s
   for (const auto& [name, tenant] : candidates) {
     ApiTenants trial = fits;
     trial[name] = tenant;
-    ConfigResult tried = load_placed_config_with(trial);
+    ConfigResult tried = load_placed_config_with(&trial, nullptr);
     if (tried.ok()) {
       fits = std::move(trial);
       best = std::move(tried);

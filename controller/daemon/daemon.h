@@ -138,8 +138,9 @@ class Daemon {
   // With the API tenants (api_tenants_, or at start <run_dir>/api-tenants.json
   // into *api_loaded) beside the config's.
   ConfigResult load_placed_config(ApiTenants* api_loaded) const;
-  // The same with these API tenants instead of api_tenants_.
-  ConfigResult load_placed_config_with(const ApiTenants& api) const;
+  // The same with the API tenants `api` (null: read from the run dir into
+  // *api_loaded), instead of api_tenants_.
+  ConfigResult load_placed_config_with(const ApiTenants* api, ApiTenants* api_loaded) const;
   // load_placed_config(), and when only API tenants keep the config from
   // loading (a GPU gone from the config, a [[tenant]] that took an API
   // tenant's name, capacity that shrank), the config with every API tenant
