@@ -104,6 +104,10 @@ struct Grant {
   uint64_t memory_quota = 0;
 };
 
+// How urgently a tenant's kernels go on its GPUs (docs/sm-time.md, "Latency
+// tenants"); the values are the arbiter's (gputime::TenantPriority).
+enum class Priority : uint32_t { kNormal = 0, kBatch = 1, kLatency = 2 };
+
 // Where a tenant was defined.
 enum class TenantSource {
   kConfig,  // a [[tenant]] of the node config
@@ -124,6 +128,7 @@ struct Tenant {
   // refused; its capacity stays booked until the last one is gone.
   bool draining = false;
   Annotations annotations;  // API tenants only: the client's, shown as they were given
+  Priority priority = Priority::kNormal;
 };
 
 // One GPU of a tenant created through the control API, as requested and
@@ -145,6 +150,7 @@ struct ApiTenant {
   bool count_managed = true;
   Annotations annotations;
   bool draining = false;
+  Priority priority = Priority::kNormal;
 };
 using ApiTenants = std::map<std::string, ApiTenant, std::less<>>;
 

@@ -59,6 +59,7 @@ struct SchedulerTenant {
   uint32_t limit_ppm = 0;
   int usage_fd = -1;  // the tenant ledger's usage file; borrowed (the scheduler keeps a dup); -1: none
   int entry = -1;     // this GPU's entry in the tenant's policy; -1: none
+  uint32_t priority = gputime::kPriorityNormal;  // gputime::TenantPriority
 };
 
 struct SchedulerMessage {

@@ -54,6 +54,7 @@ inline constexpr const char* kGpuTimeFileName = "gputime";
 inline constexpr const char* kGpusDirName = "gpus";
 inline constexpr uint32_t kPpm = 1'000'000;
 inline constexpr uint64_t kDefaultSliceNs = 20'000'000;
+inline constexpr uint32_t kWaitWindow = 1024;  // waits the TenantTime percentiles are taken over
 
 struct GpuTimeHeader {
   uint64_t magic;           // kGpuTimeMagic
@@ -121,7 +122,12 @@ struct alignas(64) DaemonSection {
   // The driver's sampling period as the meter sees it (the gap between its
   // samples); 0: no meter answers. Held mode audits with it (docs/sm-time.md).
   std::atomic<uint64_t> sample_period_ns;
-  uint64_t reserved[2];
+  // While a latency tenant is active on this GPU (docs/sm-time.md,
+  // "Latency tenants"): how much GPU time a process of any other tenant may
+  // keep queued on it (its own streams' events say what is still in flight;
+  // one launch at least). 0: no pacing, queue as deep as you like.
+  std::atomic<uint64_t> pace_inflight_ns;
+  uint64_t reserved[1];
 };
 static_assert(sizeof(DaemonSection) == 64);
 
@@ -136,6 +142,18 @@ enum TenantTimeState : uint32_t {
   kTenantActive = 1,   // configured with a share of this GPU
   kTenantRetired = 2,  // no longer configured here; keeps its statistics
 };
+
+// TenantTime::priority: how urgently a tenant's work goes on the GPU. The
+// zero value is normal, so an all-zero row is an ordinary tenant.
+enum TenantPriority : uint32_t {
+  kPriorityNormal = 0,
+  kPriorityBatch = 1,    // yields first: a normal or latency tenant within its share takes the GPU from it at once
+  kPriorityLatency = 2,  // within its share, takes the GPU from the others at once; they are paced meanwhile
+};
+// Order of precedence: batch < normal < latency (anything else reads as normal).
+constexpr int priority_rank(uint32_t priority) {
+  return priority == kPriorityBatch ? 0 : priority == kPriorityLatency ? 2 : 1;
+}
 
 // TenantTime::flags, the scheduler's view of the tenant for `fracgpu status`.
 enum TenantTimeFlags : uint32_t {
@@ -171,7 +189,16 @@ struct alignas(64) TenantTime {
   // using while it held no grant (charged to it), and how many samples.
   std::atomic<uint64_t> out_of_grant_ns;
   std::atomic<uint64_t> out_of_grant_samples;
-  uint64_t reserved[10];
+  std::atomic<uint32_t> priority;  // TenantPriority, as configured
+  uint32_t reserved32;
+  // Latency tenants: how long it waited for the GPU, from a process asking
+  // to the grant, as the scheduler saw it, over its last kWaitWindow waits
+  // (percentiles, ns), and how many waits it had in all. 0 for others.
+  std::atomic<uint64_t> wait_p50_ns;
+  std::atomic<uint64_t> wait_p99_ns;
+  std::atomic<uint64_t> wait_p999_ns;
+  std::atomic<uint64_t> waits;
+  uint64_t reserved[5];
 };
 static_assert(sizeof(TenantTime) == 256);
 static_assert(offsetof(TenantTime, name) == 24);
