@@ -754,6 +754,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
       for (const Grant& grant : tenant.grants) {
         if (config.gpus[grant.gpu].uuid != gpu.uuid) continue;
         SchedulerTenant t{tenant.name, grant.share_ppm, grant.limit_ppm};
+        t.priority = static_cast<uint32_t>(tenant.priority);
         if (auto it = ledgers_.find(tenant.name); it != ledgers_.end()) {
           t.entry = ledger::find_gpu(it->second.ledger, gpu.uuid_bytes.data());
           t.usage_fd = it->second.ledger.usage_fd;
