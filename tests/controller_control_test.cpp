@@ -258,6 +258,12 @@ TEST_F(ControlTest, CreateGetListResizeDeleteAndTheLedger) {
   r = call({{"op", "get"}, {"name", "dra-1"}});
   ASSERT_TRUE(r.ok);
   EXPECT_TRUE(r.body["tenant"]["annotations"].empty());  // a resize replaces the spec
+  // A priority alone is a change a resize applies.
+  r = call({{"op", "resize"},
+            {"tenant", {{"name", "dra-1"}, {"gpus", {gpu(kUuid1, 0.5), gpu(kUuid0, 0.25)}}, {"priority", "batch"}}}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["tenant"]["priority"], "batch");
+  EXPECT_NE(read_file(run_dir_ + "/api-tenants.json").find("\"priority\": \"batch\""), std::string::npos);
 
   expect_failure(call({{"op", "get"}, {"name", "nobody"}}), "not_found", "name", "no tenant \"nobody\"");
   expect_failure(create("nobody", {gpu(kUuid1, 0.1)}, "resize"), "not_found", "name", "no tenant \"nobody\" to resize");
