@@ -1943,6 +1943,7 @@ class LatencyTenantTest : public GpuTimeTest {
     BurstFigures inference;
     double inference_busy = 0, training_busy = 0;  // of the GPU over the measured window
     double training_of_leftover = 0;               // training / (1 - inference)
+    std::map<std::string, double> idle;            // GPU idle between kernels, by who ran before and after
   };
 
   // The inference load alone: without the interposer, or as `tenant`.
@@ -1962,10 +1963,22 @@ class LatencyTenantTest : public GpuTimeTest {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     start_load("inf", kInference, preload);
     std::this_thread::sleep_for(std::chrono::seconds(1));
+    const uint64_t first = kernel_log_next_(0);
     const Sample x = sample(1);
     std::this_thread::sleep_for(std::chrono::seconds(4));
     const Sample y = sample(1);
     p.inference_busy = busy_share(x, y, "inf", 0);
+    // Where the GPU idled: the gaps between kernels on the timeline, by who
+    // ran before and after (i: inference, t: training), over the window.
+    const pid_t inf_pid = loads_.back().pid;
+    std::map<std::string, uint64_t> idle;
+    const std::vector<simcuda_kernel_record> log = kernel_log(0, first);
+    for (size_t i = 1; i < log.size(); ++i) {
+      if (log[i].start_ns > y.t || log[i - 1].end_ns < x.t || log[i].start_ns <= log[i - 1].end_ns) continue;
+      const std::string key = std::string(log[i - 1].pid == inf_pid ? "i" : "t") + (log[i].pid == inf_pid ? "i" : "t");
+      idle[key] += log[i].start_ns - log[i - 1].end_ns;
+    }
+    for (const auto& [key, ns] : idle) p.idle[key] = static_cast<double>(ns) / static_cast<double>(y.t - x.t);
     p.training_busy = busy_share(x, y, "train", 0);
     finish_loads();
     p.inference = burst_figures(loads_.back().out);
@@ -1974,6 +1987,11 @@ class LatencyTenantTest : public GpuTimeTest {
     return p;
   }
 
+  static std::string fmt_share(const std::string& key, double share) {
+    char buf[64];
+    snprintf(buf, sizeof buf, " %s->%s %.3f", key.substr(0, 1).c_str(), key.substr(1).c_str(), share);
+    return buf;
+  }
   static void print(const char* what, const BurstFigures& f) {
     printf("%-44s bursts %lld  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  max %.2f ms\n", what, f.bursts, f.p50_us / 1e3,
            f.p99_us / 1e3, f.p999_us / 1e3, f.max_us / 1e3);
@@ -1982,6 +2000,9 @@ class LatencyTenantTest : public GpuTimeTest {
     print(what, p.inference);
     printf("%-44s GPU: inference %.3f, training %.3f = %.3f of what inference leaves\n", "", p.inference_busy,
            p.training_busy, p.training_of_leftover);
+    std::string idle;
+    for (const auto& [key, share] : p.idle) idle += fmt_share(key, share);
+    printf("%-44s GPU idle between kernels (i: inference, t: training):%s\n", "", idle.c_str());
   }
 };
 
