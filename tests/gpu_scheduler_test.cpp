@@ -874,11 +874,12 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
 // queued), for 2 s after it last asked; its waits are published.
 TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   configure(500'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);
-  const int a = spawn(0), b = spawn(1);
+  const int a = spawn(0);
   want(0, a);
   pass();
   ASSERT_TRUE(enter(0, a));
-  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u) << "no latency tenant active yet";
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u) << "no process of the latency tenant yet";
+  const int b = spawn(1);
   EXPECT_EQ(row(1).priority.load(), gputime::kPriorityLatency);
   pass(3 * kMs);
   want(1, b);
@@ -904,9 +905,14 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word_of(1)));
   pass(1 * kMs);
   EXPECT_TRUE(holds(0));
-  // The pace budget stays 2 s after the latency tenant last held or asked.
+  // The pace budget stays while the latency tenant has a live process,
+  // asking or not, and 2 s after its last one is gone.
   ASSERT_TRUE(enter(0, a));
-  pass(1990 * kMs);
+  pass(5000 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs) << "b's process lives";
+  kill_and_reap(processes_[1]);
+  pass(11 * kMs);  // the first pass after the kill finds it dead
+  pass(1980 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs);
   pass(20 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u);

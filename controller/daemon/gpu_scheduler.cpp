@@ -333,6 +333,7 @@ bool GpuScheduler::slot_alive(Row& r, uint32_t s, uint64_t now) {
 void GpuScheduler::observe(Row& r, uint64_t now) {
   r.probe_budget = kProbesPerPass;
   r.wants = false;
+  r.has_live = false;
   r.waiting = 0;
   r.want_since = 0;
   r.last_active = 0;
@@ -384,6 +385,10 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
     v.poll = std::min(v.poll, now);
     v.active = std::min(v.active, now);
     r.last_active = std::max(r.last_active, v.active);
+    // A latency tenant with a live process keeps the others paced, asking
+    // or not: an inference server's first request after a quiet spell must
+    // not find a training queue of seconds ahead of it.
+    if (!r.has_live && gputime::priority_rank(r.priority) == 2 && slot_alive(r, s, now)) r.has_live = true;
     // A want counts while its process renews it: a stopped process's does
     // not keep its tenant asking for grants it cannot take up.
     if (v.want == 0 || now - v.poll >= gputime::kWantFreshNs || !slot_alive(r, s, now)) continue;
@@ -935,7 +940,8 @@ uint64_t GpuScheduler::pass(uint64_t now) {
     observe(r, now);
     check_blocked(r, now);
     anyone_wants_ |= r.wants;
-    if (gputime::priority_rank(r.priority) == 2 && (r.wants || r.gstate != gputime::kGrantIdle)) latency_seen_ns_ = now;
+    if (gputime::priority_rank(r.priority) == 2 && (r.has_live || r.wants || r.gstate != gputime::kGrantIdle))
+      latency_seen_ns_ = now;
   }
   // The floor for tenants coming back from idle: the least virtual time
   // among those that want the GPU and the holder (it only rises).

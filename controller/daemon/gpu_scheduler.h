@@ -90,7 +90,8 @@ class GpuScheduler {
   // within a few pacer ticks, and until then run ungated in good faith.
   static constexpr uint64_t kAuditGraceNs = 200'000'000;
   // Other tenants are paced (gputime::DaemonSection::pace_inflight_ns) while
-  // a latency tenant asked or held the GPU this recently ...
+  // a latency tenant has a live process, or asked or held the GPU, this
+  // recently ...
   static constexpr uint64_t kLatencyActiveNs = 2'000'000'000;
   // ... to keep at most this much GPU time queued (one launch at least).
   static constexpr uint64_t kPaceInflightNs = 1'000'000;
@@ -201,6 +202,7 @@ class GpuScheduler {
     uint32_t high = 0;
     std::array<SlotView, ledger::kMaxSlots> slots{};
     bool wants = false;
+    bool has_live = false;    // latency tenants: a live process (record lock held)
     uint64_t want_since = 0;  // earliest of its live wanting slots, clamped to our clock
     uint32_t waiting = 0;
     uint64_t last_active = 0;
