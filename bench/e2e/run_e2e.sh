@@ -327,6 +327,7 @@ if [[ $only != workloads ]]; then
   mkdir -p "$work/probe"
   write_fracgpud_config "$work/probe" "uuid = \"$uuid\"" inf:0.25:latency train:0.75 >"$work/probe.toml"
   if ! probe=$(env ${fracgpud_env[@]+"${fracgpud_env[@]}"} "$fracgpud" --config "$work/probe.toml" --check 2>&1); then
+    # shellcheck disable=SC2001 # a pattern per line (the file's name), not one substitution
     latency_skipped="this fracgpud refuses a tenant's priority: $(sed 's/^[^ ]*\.toml:[0-9]*: //' <<<"$probe" | head -n 1 | cut -c 1-160)"
     echo "run_e2e.sh: the runs with priority = \"latency\" are left out: $latency_skipped" >&2
   fi
