@@ -283,7 +283,8 @@ def read_group(results: Path, name: str) -> dict | None:
     tenants = {}
     for line in (d / "tenants.tsv").read_text().splitlines() if (d / "tenants.tsv").exists() else []:
         tenant, share, kind, priority = (line.split("\t") + ["", "", "", ""])[:4]
-        tenants[tenant] = {"share": share, "kind": kind, "priority": priority, "result": load_json(d / f"{tenant}.json")}
+        tenants[tenant] = {"share": share, "kind": kind, "priority": priority,
+                           "result": load_json(d / f"{tenant}.json")}
     try:
         start_ns = int((d / "start").read_text().strip())
     except (OSError, ValueError):
