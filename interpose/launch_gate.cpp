@@ -14,15 +14,21 @@
 // daemon's heartbeat. The arbiter itself is mapped read-only.
 #include "launch_gate.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <time.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "gputime.h"  // shm/: the arbiter
 #include "hook_table.h"
+#include "launch_pacing.h"
 #include "log.h"
 #include "tenant.h"
 
@@ -30,7 +36,10 @@ namespace fracgpu::interpose {
 
 std::atomic<uint64_t> g_launch_gate{1};  // 1: not set up yet; real epochs start at 2
 thread_local uint64_t t_launch_pass = 0;
+thread_local int t_paced_gpu = -1;  // the GPU entry of this thread's paced launch (wait_for_gpu -> launch_paced)
+thread_local CUcontext t_paced_ctx = nullptr;
 std::atomic<int> g_threads_in_sync{0};
+std::atomic<bool> g_latency_held{false};
 
 namespace {
 
@@ -42,6 +51,13 @@ constexpr uint64_t kGateUnset = 1;
 constexpr uint64_t kTickNs = 1'000'000;              // pacer period while asking for or holding a GPU
 constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
 constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
+// A latency tenant's process gives its grant back once it has been idle
+// this long (no launch, no thread waiting for the GPU or synchronizing):
+// the others' work waits while it holds the GPU. Its pacer looks this often.
+constexpr uint64_t kLatencyReleaseNs = 40'000;
+constexpr uint64_t kLatencyTickNs = 40'000;
+// What a pace budget from the arbiter may be (a damaged one is clamped).
+constexpr uint64_t kMinPaceNs = 10'000, kMaxPaceNs = 100'000'000;
 constexpr int kMaxContexts = 8;                      // contexts per GPU the pacer drains
 // The daemon counts as down once its heartbeat has looked dead this long:
 // a heartbeat damaged for a moment (the daemon rewrites it every pass) is
@@ -76,9 +92,14 @@ struct GpuTime {
   CUdevice context_device[kMaxContexts] = {};
   std::atomic<int> context_count{0};
   uint64_t retry_ns = 0;  // kRefused: when to look again (under g_setup_lock)
+  LaunchPacer pacer;          // our launches' queue on the GPU, while others' latency asks for it
+  uint64_t idle_since = 0;    // a latency tenant's grant: since when the process is idle (pacer thread only)
 };
 
 GpuTime g_gpus[kMaxTenantGpus];
+// The pacer sleeps on this (a private futex) while it holds a latency
+// tenant's grant, so that a synchronization's return wakes it at once.
+std::atomic<uint32_t> g_pacer_kick{0};
 pthread_mutex_t g_setup_lock = PTHREAD_MUTEX_INITIALIZER;   // setting up GPU entries, starting the pacer
 pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER; // contexts lists vs draining them
 std::atomic<bool> g_pacer_started{false};
@@ -140,6 +161,19 @@ bool daemon_down(GpuTime& g, uint64_t now) {
 bool granted_to_us(const GpuTime& g, uint64_t word) {
   return gputime::grant_valid(word) && gputime::grant_state(word) == gputime::kGranted &&
          gputime::grant_row(word) == g.row;
+}
+
+// Our tenant's priority on this GPU, as the daemon wrote it in our row.
+bool latency_tenant(const GpuTime& g) {
+  return gputime::priority_rank(g.arbiter.seg->tenants[g.row].priority.load(std::memory_order_relaxed)) == 2;
+}
+
+// How much of our work may be queued on the GPU now: 0 (no limit) unless a
+// latency tenant is active there and we are not one.
+uint64_t pace_budget(const GpuTime& g) {
+  const uint64_t budget = g.arbiter.seg->daemon.pace_inflight_ns.load(std::memory_order_relaxed);
+  if (budget == 0 || latency_tenant(g)) return 0;
+  return std::clamp(budget, kMinPaceNs, kMaxPaceNs);
 }
 
 // ---- contexts the pacer drains ----
@@ -231,6 +265,7 @@ bool enter_locked(GpuTime& g, uint64_t word) {
   if (since != 0 && now > since) g.request->waited_ns.fetch_add(now - since, std::memory_order_relaxed);
   g.open.store(true, std::memory_order_release);
   bump_gate();
+  if (latency_tenant(g)) kick_pacer();  // its short ticks start now
   return true;
 }
 
@@ -365,6 +400,8 @@ void on_fork_child() {
     g.retry_ns = 0;
     pthread_mutex_init(&g.transition, nullptr);
     g.context_count.store(0, std::memory_order_relaxed);
+    g.pacer.reset_after_fork();
+    g.idle_since = 0;
   }
   pthread_mutex_init(&g_setup_lock, nullptr);
   pthread_mutex_init(&g_context_lock, nullptr);
@@ -513,6 +550,22 @@ bool pace_gpu(int gpu, uint64_t now) {
                         g.waiting.load(std::memory_order_acquire) > 0 ||
                         g_threads_in_sync.load(std::memory_order_relaxed) > 0;
     if (active) g.request->last_active_ns.store(now, std::memory_order_release);
+    // A latency tenant holds the GPU only while it uses it: idle for
+    // kLatencyReleaseNs, it gives the grant back (after draining, so what
+    // it queued is its own), and the daemon hands the GPU on at once.
+    if (latency_tenant(g)) {
+      if (active) {
+        g.idle_since = 0;
+      } else if (g.idle_since == 0) {
+        g.idle_since = now;
+      } else if (now - g.idle_since >= kLatencyReleaseNs) {
+        g.idle_since = 0;
+        pthread_mutex_lock(&g.transition);
+        if (g.entered.load(std::memory_order_relaxed) == entered) leave_locked(g, true);
+        pthread_mutex_unlock(&g.transition);
+        return false;
+      }
+    }
     if (pthread_mutex_trylock(&g.transition) == 0) {
       account_used(g, now);
       pthread_mutex_unlock(&g.transition);
@@ -548,6 +601,7 @@ void* pacer_main(void*) {
     // grant, so that a revocation wakes us at once rather than at the tick.
     const GpuTimeSegment* sleep_on = nullptr;
     uint32_t sleep_turn = 0;
+    bool latency_grant = false;  // a latency tenant's grant entered: look again soon, to give it back
     for (int gpu = 0; gpu < kMaxTenantGpus; ++gpu) {
       GpuTime& g = g_gpus[gpu];
       if (g.status.load(std::memory_order_acquire) != kReady) continue;
@@ -569,6 +623,7 @@ void* pacer_main(void*) {
       const uint32_t turn = g.arbiter.seg->grant.turn.load(std::memory_order_acquire);
       if (pace_gpu(gpu, gputime::monotonic_ns())) {
         busy = true;
+        latency_grant |= g.entered.load(std::memory_order_relaxed) != 0 && latency_tenant(g);
         if (sleep_on == nullptr) {
           sleep_on = g.arbiter.seg;
           sleep_turn = turn;
@@ -578,11 +633,21 @@ void* pacer_main(void*) {
     if (metering_changed) refresh_gate();
     // Each tick ends every thread's pass: the next launch shows it is active.
     if (busy) bump_gate();
-    if (sleep_on != nullptr) {
+    g_latency_held.store(latency_grant, std::memory_order_relaxed);
+    if (latency_grant) {
+      // Short ticks on our own futex: a synchronization's return wakes us
+      // (kick_pacer); a revocation is seen at the next tick.
+      const uint32_t kick = g_pacer_kick.load(std::memory_order_acquire);
+      struct timespec ts {0, static_cast<long>(kLatencyTickNs)};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
+    } else if (sleep_on != nullptr) {
       gputime::wait_for_turn(*sleep_on, sleep_turn, kTickNs);
     } else {
+      // On our own futex: entering a grant wakes us (a latency tenant's
+      // grant needs the short ticks at once).
+      const uint32_t kick = g_pacer_kick.load(std::memory_order_acquire);
       struct timespec ts {0, static_cast<long>(busy ? kTickNs : kQuietTickNs)};
-      nanosleep(&ts, nullptr);
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
     }
   }
   return nullptr;
@@ -602,7 +667,7 @@ __attribute__((destructor)) void release_on_exit() {
 
 }  // namespace
 
-CUresult wait_for_gpu(CUstream stream) {
+CUresult wait_for_gpu(CUstream stream, bool* paced) {
   if (!load_real_driver() || tenant_mode() != TenantMode::kManaged) {
     g_launch_gate.store(0, std::memory_order_release);  // nothing is metered in this process
     t_launch_pass = 0;
@@ -645,11 +710,27 @@ CUresult wait_for_gpu(CUstream stream) {
   }
   if (g_launch_gate.load(std::memory_order_acquire) == 0) refresh_gate();
   note_context(g, ctx, device);
-  if (!g.open.load(std::memory_order_acquire)) {
-    // Work captured into a graph does not run now; blocking would only stall
-    // the capture. It is governed when the graph is launched.
-    if (stream_is_capturing(stream)) return CUDA_SUCCESS;
-    wait_for_turn(gpu);
+  bool pacing = false;
+  for (;;) {
+    if (!g.open.load(std::memory_order_acquire)) {
+      // Work captured into a graph does not run now; blocking would only stall
+      // the capture. It is governed when the graph is launched.
+      if (stream_is_capturing(stream)) return CUDA_SUCCESS;
+      wait_for_turn(gpu);
+    }
+    // A latency tenant is active on this GPU: keep our queue short (every
+    // launch comes back here while it is). The gate may close while we
+    // wait for room: then wait for the GPU again.
+    const uint64_t budget = paced != nullptr && g.metered.load(std::memory_order_acquire) ? pace_budget(g) : 0;
+    if (budget == 0 || stream_is_capturing(stream)) break;
+    g.pacer.wait_for_room(budget);
+    pacing = true;
+    if (g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
+  }
+  if (pacing) {
+    *paced = true;
+    t_paced_gpu = gpu;
+    t_paced_ctx = ctx;
   }
   g.activity.fetch_add(1, std::memory_order_relaxed);
   // Pass until the pacer's next tick. The word is read *before* `open`: the
@@ -660,8 +741,19 @@ CUresult wait_for_gpu(CUstream stream) {
   // word: a thread launching ungoverned until the word changes again, which
   // may be never once its process neither holds nor waits for the GPU.
   const uint64_t word = g_launch_gate.load(std::memory_order_acquire);
-  t_launch_pass = g.open.load(std::memory_order_acquire) ? word : ~0ull;
+  t_launch_pass = g.open.load(std::memory_order_acquire) && !pacing ? word : ~0ull;
   return CUDA_SUCCESS;
+}
+
+void kick_pacer() {
+  g_pacer_kick.fetch_add(1, std::memory_order_release);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
+
+void paced_launch_done(CUstream stream) {
+  const int gpu = std::exchange(t_paced_gpu, -1);
+  if (gpu < 0 || gpu >= kMaxTenantGpus) return;
+  g_gpus[gpu].pacer.launched(std::exchange(t_paced_ctx, nullptr), stream);
 }
 
 CUresult wait_for_gpu_of_stream(CUstream stream) {
@@ -678,10 +770,12 @@ CUresult wait_for_gpu_of_stream(CUstream stream) {
 
 void gputime_forget_context(CUcontext ctx) {
   forget_contexts([ctx](CUcontext c, CUdevice) { return c == ctx; });
+  for (GpuTime& g : g_gpus) g.pacer.forget(ctx);
 }
 
 void gputime_forget_device(CUdevice device) {
   forget_contexts([device](CUcontext, CUdevice d) { return d == device; });
+  for (GpuTime& g : g_gpus) g.pacer.forget(nullptr);
 }
 
 }  // namespace fracgpu::interpose

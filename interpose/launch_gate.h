@@ -25,6 +25,11 @@ extern std::atomic<uint64_t> g_launch_gate;
 extern thread_local uint64_t t_launch_pass;
 // Threads inside a stream, event or context synchronization right now.
 extern std::atomic<int> g_threads_in_sync;
+// True while this process holds a latency tenant's grant: a synchronization
+// that returns then tells the pacer (kick_pacer), which gives the grant
+// back as soon as the process stays idle (docs/sm-time.md, "Latency tenants").
+extern std::atomic<bool> g_latency_held;
+void kick_pacer();
 
 inline bool launch_may_pass() {
   return g_launch_gate.load(std::memory_order_acquire) == t_launch_pass;
@@ -37,7 +42,13 @@ inline bool launch_may_pass() {
 // is scheduled but not for this tenant (the daemon gave it no row in the
 // GPU's arbiter, or the arbiter was refused), or two tenants of the process
 // grant the GPU. Never blocks forever.
-CUresult wait_for_gpu(CUstream stream);
+// With `paced`: while a latency tenant is active on the GPU and ours is not
+// one, it also waits until little of our work is queued there, and sets
+// *paced: the caller then reports the launch (paced_launch_done) once made.
+CUresult wait_for_gpu(CUstream stream, bool* paced = nullptr);
+// After a launch that wait_for_gpu paced succeeded: tracks it (an event
+// behind it on `stream`).
+void paced_launch_done(CUstream stream);
 
 // Like wait_for_gpu, for a stream of any context (multi-device launches).
 CUresult wait_for_gpu_of_stream(CUstream stream);

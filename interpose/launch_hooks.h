@@ -17,14 +17,23 @@ namespace fracgpu::interpose {
 // The real function, or CUDA_ERROR_NOT_FOUND if the driver lacks it (the
 // gate never loads the driver on the fast path: a pass implies it is loaded),
 // or the gate's refusal.
-#define FRACGPU_LAUNCH(id, stream, ...)                                  \
-  do {                                                                   \
-    if (!launch_may_pass()) [[unlikely]] {                               \
-      const CUresult refused = wait_for_gpu(stream);                     \
-      if (refused != CUDA_SUCCESS) return refused;                       \
-    }                                                                    \
-    auto fn = real<id>();                                                \
-    return fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;       \
+// A paced launch (launch_gate.h: a latency tenant shares the GPU) is
+// tracked once made.
+#define FRACGPU_LAUNCH(id, stream, ...)                                        \
+  do {                                                                         \
+    if (!launch_may_pass()) [[unlikely]] {                                     \
+      bool paced = false;                                                      \
+      const CUresult refused = wait_for_gpu(stream, &paced);                   \
+      if (refused != CUDA_SUCCESS) return refused;                             \
+      if (paced) {                                                             \
+        auto fn = real<id>();                                                  \
+        const CUresult result = fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND; \
+        if (result == CUDA_SUCCESS) paced_launch_done(stream);                 \
+        return result;                                                         \
+      }                                                                        \
+    }                                                                          \
+    auto fn = real<id>();                                                      \
+    return fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;             \
   } while (0)
 
 template <HookId id>

@@ -302,7 +302,8 @@ std::string read_whole(const std::string& path) {
 }
 
 // The configs mutated: the shipped examples, and one that uses every kind
-// of key (both GPU forms, devices, limits, explicit and inline memory tables).
+// of key (both GPU forms, devices, limits, priorities, explicit and inline memory
+// tables).
 std::vector<std::string> seeds() {
   std::vector<std::string> out = {read_whole(FRACGPU_EXAMPLES_DIR "/fracgpud.toml"),
                                   read_whole(FRACGPU_EXAMPLES_DIR "/demo.toml")};
@@ -334,6 +335,7 @@ std::vector<std::string> seeds() {
       "gpus = 1.5\n"
       "devices = [\"" + kUuid1 + "\", 0]\n"
       "limit = 0.75\n"
+      "priority = \"latency\"\n"
       "[tenant.memory]\n"
       "\"0\" = \"4 GiB\"\n"
       "\n"
@@ -341,6 +343,7 @@ std::vector<std::string> seeds() {
       "name = \"bob-2.x\"\n"
       "gpus = 0.25\n"
       "count_managed = false\n"
+      "priority = \"batch\"\n"
       "\n"
       "[[tenant]]\n"
       "name = \"m\"\n"

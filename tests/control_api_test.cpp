@@ -93,6 +93,27 @@ TEST(ApiSpec, EachMistakeNamesItsFieldAndReason) {
   expect_invalid(managed, "count_managed", "must be true or false");
 }
 
+TEST(ApiSpec, PriorityIsLatencyNormalOrBatch) {
+  const auto with = [](json priority) {
+    json s = spec("a", {gpu(kUuid0, 0.5)});
+    s["priority"] = std::move(priority);
+    return s;
+  };
+  SpecError e;
+  const auto absent = parse_api_spec(spec("a", {gpu(kUuid0, 0.5)}), &e);
+  ASSERT_TRUE(absent) << e.message;
+  EXPECT_EQ(absent->priority, Priority::kNormal);
+  for (const char* name : {"latency", "normal", "batch"}) {
+    const auto t = parse_api_spec(with(name), &e);
+    ASSERT_TRUE(t) << e.message;
+    EXPECT_EQ(priority_name(t->priority), name);
+  }
+  expect_invalid(with("urgent"), "priority", "\"urgent\" is not a priority (use latency, normal, batch)");
+  expect_invalid(with("LATENCY"), "priority", "is not a priority");
+  expect_invalid(with(2), "priority", "2 is not a priority");
+  expect_invalid(with(nullptr), "priority", "null is not a priority");
+}
+
 TEST(ApiSpec, AnnotationsAreBoundedPrintableText) {
   const auto with = [](json annotations) {
     json s = spec("a", {gpu(kUuid0, 0.5)});
@@ -246,6 +267,11 @@ TEST(ApiBook, SameSpecOrWhatDiffers) {
             std::string::npos)
       << d;
   EXPECT_NE(d.find(std::string(kUuid1) + " asked, not held"), std::string::npos) << d;
+  json latency = spec("a", {gpu(kUuid0, 0.25)});
+  latency["priority"] = "latency";
+  EXPECT_EQ(spec_difference(resolved(latency, c), a), "priority latency asked, normal held");
+  // The tenant the daemon applies has it.
+  EXPECT_EQ(tenant_of(resolved(latency, c), c).priority, Priority::kLatency);
 }
 
 TEST(ApiFile, RoundTripsAndRefusesDamage) {
@@ -254,9 +280,11 @@ TEST(ApiFile, RoundTripsAndRefusesDamage) {
   json s = spec("dra-1", {gpu(kUuid0, 0.333333), {{"uuid", kUuid1}, {"share", 0.5}, {"limit", 0.75}}});
   s["annotations"] = {{"pod", "ns/p"}};
   s["count_managed"] = false;
+  s["priority"] = "latency";
   api["dra-1"] = resolved(s, c);
   api["dra-2"] = resolved(spec("dra-2", {gpu(kUuid1, 0.1)}), c);
   api["dra-2"].draining = true;
+  api["dra-2"].priority = Priority::kBatch;
   std::string error;
   const auto back = parse_api_tenants_file(api_tenants_file_text(api), &error);
   ASSERT_TRUE(back) << error;
@@ -266,6 +294,14 @@ TEST(ApiFile, RoundTripsAndRefusesDamage) {
   EXPECT_FALSE(back->at("dra-1").count_managed);
   EXPECT_FALSE(back->at("dra-1").draining);
   EXPECT_TRUE(back->at("dra-2").draining);
+  EXPECT_EQ(back->at("dra-1").priority, Priority::kLatency);
+  EXPECT_EQ(back->at("dra-2").priority, Priority::kBatch);
+  // A file written before priorities existed: its tenants are normal.
+  const auto old_file = parse_api_tenants_file(R"({"version": 1, "tenants": [{"name": "x", "gpus": [{"uuid": ")" +
+                                                   std::string(kUuid0) + R"(", "share": 0.5, "memory": 1073741824}]}]})",
+                                               &error);
+  ASSERT_TRUE(old_file) << error;
+  EXPECT_EQ(old_file->at("x").priority, Priority::kNormal);
 
   const auto refused = [&](const std::string& text, const std::string& part) {
     std::string why;
@@ -284,6 +320,21 @@ TEST(ApiFile, RoundTripsAndRefusesDamage) {
   refused(R"({"version": 1, "tenants": [{"name": "x", "state": "gone", "gpus": [{"uuid": ")" + std::string(kUuid0) +
               R"(", "share": 0.5, "memory": 1073741824}]}]})",
           "state must be");
+  refused(R"({"version": 1, "tenants": [{"name": "x", "priority": "urgent", "gpus": [{"uuid": ")" +
+              std::string(kUuid0) + R"(", "share": 0.5, "memory": 1073741824}]}]})",
+          "tenants[0]: priority: \"urgent\" is not a priority");
+}
+
+TEST(ApiConfig, ApiTenantsKeepTheirPriorityInTheConfig) {
+  const NodeConfig c = config();
+  ApiTenants api;
+  json s = spec("dra-1", {gpu(kUuid1, 0.25)});
+  s["priority"] = "latency";
+  api["dra-1"] = resolved(s, c);
+  const NodeConfig with_api = config(kConfig + "priority = \"batch\"\n", &api);
+  ASSERT_NE(with_api.find_tenant("dra-1"), nullptr);
+  EXPECT_EQ(with_api.find_tenant("dra-1")->priority, Priority::kLatency);
+  EXPECT_EQ(with_api.find_tenant("alice")->priority, Priority::kBatch);
 }
 
 // The config as a reload reads it, beside the API tenants it must not move.

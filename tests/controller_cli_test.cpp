@@ -443,12 +443,13 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "charging", "audited",
                                             "sample_period_ns", "measured_ns", "out_of_grant_ns",
                                             "out_of_grant_samples", "held_ns", "throttled_ns", "slices", "holding", "waiting_processes",
-                                            "tenants_sharing", "missed_deadlines", "blocked"}));
+                                            "tenants_sharing", "missed_deadlines", "blocked", "priority"}));
   EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
       "used_ns": 754000000000, "charging": "measured", "audited": false, "sample_period_ns": 0,
       "measured_ns": 700000000000, "out_of_grant_ns": 0, "out_of_grant_samples": 0, "held_ns": 943000000000,
       "throttled_ns": 2500000000, "slices": 42, "holding": true,
-      "waiting_processes": 1, "tenants_sharing": 2, "missed_deadlines": 0, "blocked": false})"));
+      "waiting_processes": 1, "tenants_sharing": 2, "missed_deadlines": 0, "blocked": false,
+      "priority": "normal"})"));
   EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["holding"], false);
@@ -468,6 +469,76 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_NE(out.find("12.6 min"), std::string::npos) << out;
   EXPECT_NE(out.find("holding"), std::string::npos) << out;
   EXPECT_NE(out.find("blocked"), std::string::npos) << out;
+}
+
+// A tenant's priority, and a latency tenant's waits for the GPU, as the
+// daemon's scheduler publishes them in the arbiter.
+TEST_F(CliTest, PriorityAndLatencyWaitsFromTheArbiter) {
+  fill_gpu_time();
+  gputime::TenantTime& alice = tenant_row("alice");
+  alice.priority.store(gputime::kPriorityLatency);
+  alice.wait_p50_ns.store(120'000);        // 120 us
+  alice.wait_p99_ns.store(2'500'000);      // 2.50 ms
+  alice.wait_p999_ns.store(1'500'000'000);  // 1.5 s
+  alice.waits.store(5000);
+  gputime::TenantTime& bob = tenant_row("bob");
+  bob.priority.store(gputime::kPriorityBatch);
+  bob.wait_p50_ns.store(999);  // not a latency tenant's: not shown
+  bob.waits.store(9);
+
+  StatusReport report = collect();
+  const GpuTimeStatus& a = report.tenants[0].gpus.at(0).gpu_time.value();
+  EXPECT_EQ(a.priority, "latency");
+  EXPECT_EQ(a.wait_p50_ns, 120'000u);
+  EXPECT_EQ(a.wait_p99_ns, 2'500'000u);
+  EXPECT_EQ(a.wait_p999_ns, 1'500'000'000u);
+  EXPECT_EQ(a.waits, 5000u);
+  const GpuTimeStatus& b = report.tenants[1].gpus.at(0).gpu_time.value();
+  EXPECT_EQ(b.priority, "batch");
+  EXPECT_EQ(b.waits, 0u);
+
+  const nlohmann::ordered_json ordered = status_to_json(report);
+  const nlohmann::ordered_json& alice_time = ordered["tenants"][0]["gpus"][0]["gpu_time"];
+  EXPECT_EQ(alice_time["priority"], "latency");
+  EXPECT_EQ(alice_time["wait_p50_ns"], 120'000u);
+  EXPECT_EQ(alice_time["wait_p99_ns"], 2'500'000u);
+  EXPECT_EQ(alice_time["wait_p999_ns"], 1'500'000'000u);
+  EXPECT_EQ(alice_time["waits"], 5000u);
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : alice_time.items()) keys.push_back(key);
+  ASSERT_GE(keys.size(), 5u);
+  EXPECT_EQ(std::vector<std::string>(keys.end() - 5, keys.end()),
+            (std::vector<std::string>{"priority", "wait_p50_ns", "wait_p99_ns", "wait_p999_ns", "waits"}));
+  const nlohmann::ordered_json& bob_time = ordered["tenants"][1]["gpus"][0]["gpu_time"];
+  EXPECT_EQ(bob_time["priority"], "batch");
+  EXPECT_FALSE(bob_time.contains("waits"));
+  EXPECT_FALSE(bob_time.contains("wait_p50_ns"));
+
+  const std::string text = status_to_text(report);
+  EXPECT_NE(text.find("alice [latency]"), std::string::npos) << text;
+  EXPECT_NE(text.find("bob [batch]"), std::string::npos) << text;
+  EXPECT_NE(text.find("tenant alice [latency]: waits for the GPU p50 120 us, p99 2.50 ms, p99.9 1.5 s (last 1024 of "
+                      "5000 waits)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("tenant bob [batch]:"), std::string::npos) << text;
+
+  // A latency tenant that has not waited yet says so.
+  alice.waits.store(0);
+  EXPECT_NE(status_to_text(collect()).find("tenant alice [latency]: no wait for the GPU yet"), std::string::npos);
+
+  // A stale or damaged file's unknown value is normal: nothing stands out.
+  alice.priority.store(7);
+  bob.priority.store(0xffffffffu);
+  report = collect();
+  EXPECT_EQ(report.tenants[0].gpus.at(0).gpu_time->priority, "normal");
+  EXPECT_EQ(report.tenants[0].gpus.at(0).gpu_time->waits, 0u);
+  EXPECT_EQ(report.tenants[1].gpus.at(0).gpu_time->priority, "normal");
+  EXPECT_EQ(status_to_json(report)["tenants"][0]["gpus"][0]["gpu_time"]["priority"], "normal");
+  const std::string plain = status_to_text(report);
+  EXPECT_EQ(plain.find("[latency]"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("[batch]"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("[normal]"), std::string::npos) << plain;
 }
 
 // A process that died holding the GPU: its tenant holds the grant until the

@@ -173,6 +173,19 @@ TEST(ConfigErrors, LimitNeedsGpus) {
   EXPECT_TRUE(parse(kGpu0 + "[[tenant]]\nname = \"m\"\n[tenant.memory]\n0 = \"1GiB\"\n").ok());
 }
 
+TEST(ConfigErrors, PriorityIsLatencyNormalOrBatch) {
+  const std::string t = kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.3\n";  // priority on line 6
+  expect_error(t + "priority = \"urgent\"\n", 6,
+               "tenant \"a\": priority \"urgent\" is not a priority (use latency, normal, batch)");
+  expect_error(t + "priority = \"Latency\"\n", 6, "priority \"Latency\" is not a priority");  // case-sensitive
+  expect_error(t + "priority = \"\"\n", 6, "priority \"\" is not a priority");
+  expect_error(t + "priority = 2\n", 6, "tenant \"a\": priority must be a string, not an integer");
+  expect_error(t + "priorty = \"batch\"\n", 6, "unknown key \"priorty\" (did you mean \"priority\"?)");
+  const ConfigResult r = parse(t + "priority = \"high\"\n");
+  ASSERT_EQ(r.errors.size(), 1u);  // one error, and no config
+  EXPECT_FALSE(r.config.has_value());
+}
+
 TEST(ConfigErrors, DuplicateTenantName) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"alice\"\ngpus = 0.1\n[[tenant]]\nname = \"alice\"\ngpus = 0.1\n", 7,
                "tenant \"alice\": duplicate tenant name (first defined at line 3)");
@@ -332,7 +345,7 @@ TEST(ConfigErrors, AllErrorsAreCollectedInLineOrder) {
   EXPECT_EQ(r.errors[2].line, 6);
   EXPECT_EQ(r.errors[3].line, 11);
   EXPECT_EQ(r.errors[3].to_string(), "test.toml:11: tenant \"ok\": unknown key \"colour\" (known keys: name, gpus, "
-                                     "devices, count_managed, memory, limit)");
+                                     "devices, count_managed, memory, limit, priority)");
 }
 
 TEST(ConfigErrors, UnreadableFile) {
@@ -435,6 +448,32 @@ TEST(ConfigGood, AnExplicitLimitCapsOnlyTheFractionalPiece) {
   // The limit changes nothing else: the memory quota still follows the share.
   EXPECT_EQ(big.grants[2].memory_quota, 40 * kGiB);
   EXPECT_EQ(r.config->tenants[1].grants[0].memory_quota, 20 * kGiB);
+}
+
+TEST(ConfigGood, PriorityDefaultsToNormal) {
+  const ConfigResult r = parse(kGpu0 +
+                               "[[tenant]]\nname = \"l\"\ngpus = 0.25\npriority = \"latency\"\n"
+                               "[[tenant]]\nname = \"n\"\ngpus = 0.25\npriority = \"normal\"\n"
+                               "[[tenant]]\nname = \"b\"\ngpus = 0.25\npriority = \"batch\"\n"
+                               "[[tenant]]\nname = \"d\"\ngpus = 0.25\n");
+  ASSERT_TRUE(r.ok()) << r.errors.at(0).to_string();
+  EXPECT_EQ(r.config->find_tenant("l")->priority, Priority::kLatency);
+  EXPECT_EQ(r.config->find_tenant("n")->priority, Priority::kNormal);
+  EXPECT_EQ(r.config->find_tenant("b")->priority, Priority::kBatch);
+  EXPECT_EQ(r.config->find_tenant("d")->priority, Priority::kNormal);
+  // A memory-only tenant may have one too: it takes idle time as the others do.
+  EXPECT_TRUE(parse(kGpu0 + "[[tenant]]\nname = \"m\"\npriority = \"batch\"\nmemory = { \"0\" = \"1GiB\" }\n").ok());
+}
+
+TEST(ConfigGood, PriorityNamesAndStoredValues) {
+  for (const Priority p : {Priority::kLatency, Priority::kNormal, Priority::kBatch}) {
+    EXPECT_EQ(parse_priority(priority_name(p)), p);
+    EXPECT_EQ(priority_of_stored(static_cast<uint32_t>(p)), p);
+  }
+  EXPECT_FALSE(parse_priority("LATENCY"));
+  // What an arbiter file may hold when stale or damaged reads as normal.
+  EXPECT_EQ(priority_of_stored(3), Priority::kNormal);
+  EXPECT_EQ(priority_of_stored(0xffffffffu), Priority::kNormal);
 }
 
 TEST(ConfigGood, TimeSlice) {

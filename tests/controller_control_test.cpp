@@ -215,6 +215,7 @@ TEST_F(ControlTest, CreateGetListResizeDeleteAndTheLedger) {
   EXPECT_EQ(t["state"], "active");
   EXPECT_EQ(t["processes"], 0);
   EXPECT_EQ(t["annotations"]["pod"], "default/train");
+  EXPECT_EQ(t["priority"], "normal");  // not asked for: the default
   ASSERT_EQ(t["gpus"].size(), 1u);
   EXPECT_EQ(t["gpus"][0]["uuid"], kUuid1);
   EXPECT_EQ(t["gpus"][0]["index"], 1);
@@ -257,6 +258,12 @@ TEST_F(ControlTest, CreateGetListResizeDeleteAndTheLedger) {
   r = call({{"op", "get"}, {"name", "dra-1"}});
   ASSERT_TRUE(r.ok);
   EXPECT_TRUE(r.body["tenant"]["annotations"].empty());  // a resize replaces the spec
+  // A priority alone is a change a resize applies.
+  r = call({{"op", "resize"},
+            {"tenant", {{"name", "dra-1"}, {"gpus", {gpu(kUuid1, 0.5), gpu(kUuid0, 0.25)}}, {"priority", "batch"}}}});
+  ASSERT_TRUE(r.ok) << r.body.dump();
+  EXPECT_EQ(r.body["tenant"]["priority"], "batch");
+  EXPECT_NE(read_file(run_dir_ + "/api-tenants.json").find("\"priority\": \"batch\""), std::string::npos);
 
   expect_failure(call({{"op", "get"}, {"name", "nobody"}}), "not_found", "name", "no tenant \"nobody\"");
   expect_failure(create("nobody", {gpu(kUuid1, 0.1)}, "resize"), "not_found", "name", "no tenant \"nobody\" to resize");
@@ -286,6 +293,8 @@ TEST_F(ControlTest, RequestsAreValidatedFieldByField) {
   expect_failure(call({{"name", "a"}}), "invalid", "op", "missing");
   expect_failure(call({{"op", "create"}}), "invalid", "tenant", "missing");
   expect_failure(call({{"op", "get"}, {"name", "../../etc"}}), "invalid", "name", "is invalid");
+  expect_failure(call({{"op", "create"}, {"tenant", {{"name", "a"}, {"gpus", {gpu(kUuid1, 0.5)}}, {"priority", "high"}}}}),
+                 "invalid", "priority", "\"high\" is not a priority (use latency, normal, batch)");
   // Nothing was made by any of them.
   EXPECT_FALSE(fs::exists(tenant_dir("a")));
   EXPECT_FALSE(fs::exists(run_dir_ + "/api-tenants.json"));
@@ -377,13 +386,16 @@ TEST_F(ControlTest, ConcurrentCreatesForTheLastCapacityOneWins) {
 
 TEST_F(ControlTest, ApiTenantsSurviveRestartsAndKills) {
   start_daemon();
-  ASSERT_TRUE(create("keep", {gpu(kUuid1, 0.25, 3 * kGiB)}).ok);
+  ASSERT_TRUE(call({{"op", "create"},
+                    {"tenant", {{"name", "keep"}, {"gpus", {gpu(kUuid1, 0.25, 3 * kGiB)}}, {"priority", "latency"}}}})
+                  .ok);
   // A SIGKILL right after the reply: the tenant was on disk before it.
   stop_daemon(SIGKILL);
   start_daemon();
   control::Reply r = call({{"op", "get"}, {"name", "keep"}});
   ASSERT_TRUE(r.ok) << r.body.dump() << read_file(log_path_);
   EXPECT_EQ(r.body["tenant"]["gpus"][0]["memory"], 3 * kGiB);
+  EXPECT_EQ(r.body["tenant"]["priority"], "latency");
   EXPECT_TRUE(log_contains("1 tenant(s) of the control API re-created"));
   EXPECT_EQ(policy_of("keep", kUuid1).memory_quota, 3 * kGiB);
   // Its capacity is booked from the start: nothing else gets it.
@@ -1155,6 +1167,25 @@ TEST_F(ControlTest, FracgpuTenantCommands) {
   EXPECT_EQ(got["tenant"]["gpus"][0]["share"], 0.5) << out;
   EXPECT_EQ(cli({"tenant", "get", "nope", "--json"}, &out), 5) << out;
   EXPECT_EQ(json::parse(out, nullptr, false)["code"], "not_found") << out;
+
+  // --priority: sent as asked, shown by create, get and list; anything
+  // else is a usage error, refused before the daemon is asked.
+  EXPECT_EQ(cli({"tenant", "create", "cli-3", "--gpu", kUuid1 + ":share=0.1", "--priority", "latency"}, &out), 0)
+      << out;
+  EXPECT_NE(out.find("PRIORITY"), std::string::npos) << out;
+  EXPECT_NE(out.find("cli-3   api     active  latency"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "get", "cli-3", "--json"}, &out), 0) << out;
+  EXPECT_EQ(json::parse(out, nullptr, false)["tenant"]["priority"], "latency") << out;
+  // Another priority is another spec.
+  EXPECT_EQ(cli({"tenant", "create", "cli-3", "--gpu", kUuid1 + ":share=0.1", "--priority", "batch"}, &out), 4)
+      << out;
+  EXPECT_NE(out.find("priority batch asked, latency held"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "create", "cli-4", "--gpu", kUuid1 + ":share=0.1", "--priority", "urgent"}, &out), 64)
+      << out;
+  EXPECT_NE(out.find("--priority"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "list"}, &out), 0) << out;
+  EXPECT_NE(out.find("alice   config  active  normal"), std::string::npos) << out;
+  EXPECT_EQ(cli({"tenant", "delete", "cli-3"}, &out), 0) << out;
 
   // fracgpu status shows where tenants come from.
   ASSERT_EQ(cli({"tenant", "resize", "cli-1", "--gpu", kUuid1 + ":share=0.5", "--annotation", "claim=abc"}, &out), 0);

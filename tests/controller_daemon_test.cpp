@@ -364,6 +364,11 @@ TEST_F(DaemonTest, CheckValidatesWithoutTouchingAnything) {
   EXPECT_NE(output.find("valid (1 GPU(s), 2 tenant(s))"), std::string::npos) << output;
   EXPECT_NE(output.find("tenant \"alice\": GPU 0 (" + kUuid + "): share 0.5, limit 0.5, memory quota 8 GiB"), std::string::npos);
   EXPECT_FALSE(fs::exists(run_dir_));
+  // A priority other than normal is printed after the tenant's name.
+  write_config(config(run_dir_, "0.5") + "[[tenant]]\nname = \"carol\"\ngpus = 0.25\npriority = \"batch\"\n");
+  EXPECT_EQ(run_daemon({"--check"}, &output), 0) << output;
+  EXPECT_NE(output.find("tenant \"carol\" (batch): GPU 0 (" + kUuid + "): share 0.25"), std::string::npos) << output;
+  EXPECT_NE(output.find("tenant \"alice\": GPU 0"), std::string::npos) << output;
 
   write_config(config(run_dir_, "0.5") + "[daemon]\n");  // a table defined twice
   EXPECT_EQ(run_daemon({"--check"}, &output), 1);

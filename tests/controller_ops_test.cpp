@@ -229,6 +229,7 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
   EXPECT_EQ(value("fracgpu_gpu_time_used_seconds_total" + a), t.used_ns / 1e9);
   EXPECT_EQ(value("fracgpu_gpu_time_missed_drain_deadlines_total" + a), 0.0);
   EXPECT_EQ(value("fracgpu_gpu_time_blocked" + a), 0.0);
+  EXPECT_EQ(value("fracgpu_gpu_time_priority{gpu=\"" + kUuid0 + "\",tenant=\"alice\",priority=\"normal\"}"), 1.0);
   // bob: a memory quota on GPU 1, no share, nothing used.
   const std::string b = "{gpu=\"" + kUuid1 + "\",tenant=\"bob\"}";
   EXPECT_EQ(value("fracgpu_memory_quota_bytes" + b), 2.0 * (1ull << 30));
@@ -478,6 +479,45 @@ TEST(RenderMetrics, GpuHealthOnlyFromARealProbe) {
   EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
   report.gpu_health = nlohmann::json::parse(R"({"nvml": true, "gpus": [{"uuid": 7}, "x"]})");  // malformed: skipped
   EXPECT_EQ(controller::render_metrics(report).find("fracgpu_gpu_healthy{"), std::string::npos);
+}
+
+// Each tenant's priority on each GPU, and a latency tenant's waits for the
+// GPU, as `fracgpu status` reads them from the arbiter.
+TEST(RenderMetrics, PriorityAndLatencyWaits) {
+  controller::StatusReport report;
+  for (const char* priority : {"latency", "batch"}) {
+    controller::TenantStatus t;
+    t.name = std::string(priority) + "-tenant";
+    controller::GpuEntryStatus g;
+    g.uuid = kUuid0;
+    g.state = "granted";
+    controller::GpuTimeStatus time;
+    time.priority = priority;
+    if (time.priority == "latency") {
+      time.wait_p50_ns = 250'000;
+      time.wait_p99_ns = 4'000'000;
+      time.wait_p999_ns = 12'000'000;
+      time.waits = 3000;
+    }
+    g.gpu_time = time;
+    t.gpus.push_back(g);
+    report.tenants.push_back(t);
+  }
+  const std::string text = controller::render_metrics(report);
+  const auto series = parse_exposition(text);
+  const std::string l = "gpu=\"" + kUuid0 + "\",tenant=\"latency-tenant\"";
+  const std::string b = "gpu=\"" + kUuid0 + "\",tenant=\"batch-tenant\"";
+  EXPECT_EQ(series.at("fracgpu_gpu_time_priority{" + l + ",priority=\"latency\"}"), 1.0) << text;
+  EXPECT_EQ(series.at("fracgpu_gpu_time_priority{" + b + ",priority=\"batch\"}"), 1.0) << text;
+  EXPECT_EQ(series.at("fracgpu_gpu_time_wait_seconds{" + l + ",quantile=\"0.5\"}"), 0.00025) << text;
+  EXPECT_EQ(series.at("fracgpu_gpu_time_wait_seconds{" + l + ",quantile=\"0.99\"}"), 0.004) << text;
+  EXPECT_EQ(series.at("fracgpu_gpu_time_wait_seconds{" + l + ",quantile=\"0.999\"}"), 0.012) << text;
+  EXPECT_EQ(series.at("fracgpu_gpu_time_waits_total{" + l + "}"), 3000.0) << text;
+  // Only latency tenants' waits are measured.
+  EXPECT_EQ(text.find("fracgpu_gpu_time_wait_seconds{" + b), std::string::npos) << text;
+  EXPECT_EQ(text.find("fracgpu_gpu_time_waits_total{" + b), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE fracgpu_gpu_time_wait_seconds gauge\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE fracgpu_gpu_time_waits_total counter\n"), std::string::npos) << text;
 }
 
 // Label values are escaped as the text format defines (backslash, quote,

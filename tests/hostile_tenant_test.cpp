@@ -105,14 +105,14 @@ class HostileTenantTest : public ::testing::Test {
     fs::remove(sim_state_, ec);
   }
 
-  void write_config(const std::string& honest_gpus) {
+  void write_config(const std::string& honest_gpus, const std::string& mallory_extra = "") {
     write_file(config_, "[daemon]\nrun_dir = \"" + run_dir_ +
                             "\"\nreap_interval_ms = 50\nmetrics_address = \"off\"\n"
                             "audit_interval = \"100ms\"\nmemory_audit_interval = \"100ms\"\n"
                             "memory_grace = \"500ms\"\nmemory_tolerance = \"128MiB\"\n"
                             "[[gpu]]\nuuid = \"" + kUuid + "\"\ncontext_memory = \"64MiB\"\n"
                             "[[tenant]]\nname = \"alice\"\ngpus = " + honest_gpus + "\ndevices = [0]\n"
-                            "[[tenant]]\nname = \"mallory\"\ngpus = 0.5\ndevices = [0]\n");
+                            "[[tenant]]\nname = \"mallory\"\ngpus = 0.5\ndevices = [0]\n" + mallory_extra);
   }
 
   std::vector<std::string> env(bool nvml) const {
@@ -362,6 +362,26 @@ TEST_F(HostileTenantTest, APhaseLockedTenantGetsNoMoreThanItsShare) {
          busy - honest, busy);
   EXPECT_GE(honest, 0.48);
   EXPECT_LE(busy - honest, 0.52);
+}
+
+// A latency tenant's priority buys latency, not time (docs/sm-time.md,
+// "Latency tenants"): the hostile tenant is a latency tenant that asks for
+// the GPU without pause, in two shapes at once: a process launching
+// continuously and one whose short bursts come every 600 us (each a new
+// ask, each taking the GPU from the honest tenant while it may). Beyond its
+// share it counts as normal, and the honest tenant keeps its half.
+TEST_F(HostileTenantTest, ALatencyTenantBurstingWithoutPauseGetsNoMoreThanItsShare) {
+  sample_ms_ = "167";
+  write_config("0.5", "priority = \"latency\"\n");
+  start_daemon();
+  const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
+  const std::string steady = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=10";
+  const std::string bursts = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=10 burst=4,600,100";
+  const auto [honest, busy] = honest_beside("( " + preload + " " + steady + " ) & " + preload + " " + bursts + "; wait", 9);
+  printf("a latency tenant bursting without pause: honest %.3f, the hostile %.3f, GPU busy %.3f\n", honest,
+         busy - honest, busy);
+  EXPECT_GE(honest, 0.46);
+  EXPECT_LE(busy - honest, 0.54);
 }
 
 // The hostile tenant runs a process without the interposer beside one with

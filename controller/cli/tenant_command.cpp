@@ -81,14 +81,17 @@ std::string text_of(const json& object, const char* key) {
 // One row per GPU of each tenant; the tenant's columns on its first row.
 std::string tenants_table(const json& tenants) {
   std::vector<std::vector<std::string>> rows{
-      {"TENANT", "SOURCE", "STATE", "PROCS", "GPU", "INDEX", "SHARE", "LIMIT", "MEMORY", "ANNOTATIONS"}};
+      {"TENANT", "SOURCE", "STATE", "PRIORITY", "PROCS", "GPU", "INDEX", "SHARE", "LIMIT", "MEMORY", "ANNOTATIONS"}};
   for (const json& t : tenants) {
     if (!t.is_object()) continue;
     std::string notes;
     if (const auto a = t.find("annotations"); a != t.end() && a->is_object())
       for (const auto& [k, v] : a->items())
         notes += fmt::format("{}{}={}", notes.empty() ? "" : " ", k, v.is_string() ? v.get<std::string>() : v.dump());
+    // A daemon from before priorities sends none: its tenants are all normal.
+    const std::string priority = text_of(t, "priority");
     const std::vector<std::string> tenant_cells{text_of(t, "name"), text_of(t, "source"), text_of(t, "state"),
+                                                priority.empty() ? "normal" : priority,
                                                 t.contains("processes") ? t["processes"].dump() : "-"};
     const json gpus = t.value("gpus", json::array());
     for (size_t i = 0; i < std::max<size_t>(gpus.size(), 1); ++i) {
@@ -153,6 +156,10 @@ CLI::App* add_tenant_commands(CLI::App& app, TenantOptions& options) {
         ->required();
     sub->add_option("--annotation", options.annotations, "key=value, shown by get, list and status (repeatable)");
     sub->add_flag("--no-count-managed", options.no_count_managed, "Do not charge managed memory to the quota");
+    sub->add_option("--priority", options.priority,
+                    "latency, normal (the default) or batch: how urgently its work goes on its GPUs "
+                    "(docs/sm-time.md#latency-tenants)")
+        ->check(CLI::IsMember({"latency", "normal", "batch"}));
     common(sub);
   }
   CLI::App* del = tenant->add_subcommand("delete", "Delete a tenant (draining while its processes run)");
@@ -193,6 +200,8 @@ int run_tenant_command(CLI::App& tenant, const TenantOptions& options) {
                          {"gpus", std::move(gpus)},
                          {"count_managed", !options.no_count_managed},
                          {"annotations", std::move(annotations)}};
+    // Only when asked for: a daemon from before priorities refuses the key.
+    if (!options.priority.empty()) request["tenant"]["priority"] = options.priority;
   } else if (verb == "delete" || verb == "get") {
     request["name"] = options.name;
   }

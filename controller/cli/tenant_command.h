@@ -27,6 +27,7 @@ struct TenantOptions {
   std::vector<std::string> gpus;         // --gpu UUID[:share=S][:memory=M][:limit=L]
   std::vector<std::string> annotations;  // --annotation key=value
   bool no_count_managed = false;
+  std::string priority;  // --priority latency|normal|batch; empty: not sent (the daemon's default, normal)
   bool json = false;
   double timeout_s = 10;
 };

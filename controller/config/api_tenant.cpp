@@ -145,7 +145,7 @@ std::optional<ApiTenant> parse_api_spec(const json& spec, SpecError* error) {
     wrong_type(error, "tenant", spec, "an object (the tenant's spec)");
     return std::nullopt;
   }
-  if (!known_keys(spec, {"name", "gpus", "count_managed", "annotations"}, "", error)) return std::nullopt;
+  if (!known_keys(spec, {"name", "gpus", "count_managed", "annotations", "priority"}, "", error)) return std::nullopt;
   ApiTenant tenant;
   const auto name = spec.find("name");
   if (name == spec.end()) {
@@ -197,6 +197,15 @@ std::optional<ApiTenant> parse_api_spec(const json& spec, SpecError* error) {
   }
   if (const auto annotations = spec.find("annotations"); annotations != spec.end())
     if (!parse_annotations(*annotations, &tenant.annotations, error)) return std::nullopt;
+  // Absent: normal, so a file written before priorities existed reads as it meant.
+  if (const auto priority = spec.find("priority"); priority != spec.end()) {
+    const auto parsed = priority->is_string() ? parse_priority(priority->get<std::string>()) : std::nullopt;
+    if (!parsed) {
+      fail(error, "priority", fmt::format("{} is not a priority (use {})", shown(*priority), kPriorityList));
+      return std::nullopt;
+    }
+    tenant.priority = *parsed;
+  }
   return tenant;
 }
 
@@ -228,6 +237,7 @@ Tenant tenant_of(const ApiTenant& api, const NodeConfig& config) {
   tenant.source = TenantSource::kApi;
   tenant.draining = api.draining;
   tenant.annotations = api.annotations;
+  tenant.priority = api.priority;
   for (const ApiGrant& grant : api.gpus) {
     for (size_t g = 0; g < config.gpus.size(); ++g) {
       if (config.gpus[g].uuid_bytes != grant.uuid) continue;
@@ -266,6 +276,9 @@ std::string spec_difference(const ApiTenant& asked, const ApiTenant& existing) {
   if (asked.count_managed != existing.count_managed)
     differences.push_back(fmt::format("count_managed {} asked, {} held", asked.count_managed, existing.count_managed));
   if (asked.annotations != existing.annotations) differences.push_back("annotations differ");
+  if (asked.priority != existing.priority)
+    differences.push_back(fmt::format("priority {} asked, {} held", priority_name(asked.priority),
+                                      priority_name(existing.priority)));
   std::string text;
   for (const std::string& d : differences) text += fmt::format("{}{}", text.empty() ? "" : "; ", d);
   return text;
@@ -280,8 +293,11 @@ json spec_json(const ApiTenant& tenant) {
                     {"limit", static_cast<double>(g.limit_ppm) / kPpmPerGpu}});
   json annotations = json::object();
   for (const auto& [k, v] : tenant.annotations) annotations[k] = v;
-  return {{"name", tenant.name}, {"gpus", std::move(gpus)}, {"count_managed", tenant.count_managed},
-          {"annotations", std::move(annotations)}};
+  return {{"name", tenant.name},
+          {"gpus", std::move(gpus)},
+          {"count_managed", tenant.count_managed},
+          {"annotations", std::move(annotations)},
+          {"priority", priority_name(tenant.priority)}};
 }
 
 uint32_t GpuBook::free_ppm() const {

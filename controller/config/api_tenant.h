@@ -29,7 +29,8 @@ struct SpecError {
 // The SPEC's own rules, independent of the node: keys and types, the name,
 // 1 to 16 GPUs (each once) with a share in (0, 1] and a limit in
 // [share, 1] (1 when the share is), an optional memory quota in bytes,
-// count_managed, annotations. A GPU whose memory is not given has
+// count_managed, annotations, priority ("latency", "normal" or "batch";
+// absent: normal). A GPU whose memory is not given has
 // ApiGrant::memory 0 until resolve_api_tenant() fills it.
 std::optional<ApiTenant> parse_api_spec(const nlohmann::json& spec, SpecError* error);
 

@@ -703,7 +703,7 @@ class Parser {
       if (!t.contains("name")) error_in(where, tenant.line, "missing required key \"name\"");
       draft.valid = false;
     }
-    check_keys(t, {"name", "gpus", "devices", "count_managed", "memory", "limit"}, where);
+    check_keys(t, {"name", "gpus", "devices", "count_managed", "memory", "limit", "priority"}, where);
 
     if (const toml::node* n = t.get("gpus")) {
       draft.gpus_line = line_of(*n);
@@ -746,6 +746,17 @@ class Parser {
     }
     if (auto managed = get_bool(t, "count_managed", where)) tenant.count_managed = *managed;
     else if (t.contains("count_managed")) draft.valid = false;
+    if (auto priority = get_string(t, "priority", where)) {
+      if (auto parsed = parse_priority(*priority)) {
+        tenant.priority = *parsed;
+      } else {
+        error_in(where, line_of(*t.get("priority")),
+                 fmt::format("priority \"{}\" is not a priority (use {})", *priority, kPriorityList));
+        draft.valid = false;
+      }
+    } else if (t.contains("priority")) {
+      draft.valid = false;
+    }
 
     if (const toml::node* n = t.get("devices")) {
       draft.has_devices = true;
@@ -1137,6 +1148,28 @@ std::optional<LogLevel> parse_log_level(std::string_view text) {
   if (text == "warn") return LogLevel::kWarn;
   if (text == "error") return LogLevel::kError;
   return std::nullopt;
+}
+
+std::optional<Priority> parse_priority(std::string_view text) {
+  if (text == "latency") return Priority::kLatency;
+  if (text == "normal") return Priority::kNormal;
+  if (text == "batch") return Priority::kBatch;
+  return std::nullopt;
+}
+
+std::string_view priority_name(Priority priority) {
+  switch (priority) {
+    case Priority::kLatency: return "latency";
+    case Priority::kBatch: return "batch";
+    case Priority::kNormal: break;
+  }
+  return "normal";
+}
+
+Priority priority_of_stored(uint32_t value) {
+  if (value == static_cast<uint32_t>(Priority::kLatency)) return Priority::kLatency;
+  if (value == static_cast<uint32_t>(Priority::kBatch)) return Priority::kBatch;
+  return Priority::kNormal;
 }
 
 const ManagedGpu* NodeConfig::find_gpu(const GpuUuid& uuid) const {

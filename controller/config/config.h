@@ -107,6 +107,15 @@ struct Grant {
 // How urgently a tenant's kernels go on its GPUs (docs/sm-time.md, "Latency
 // tenants"); the values are the arbiter's (gputime::TenantPriority).
 enum class Priority : uint32_t { kNormal = 0, kBatch = 1, kLatency = 2 };
+inline constexpr std::string_view kPriorityList = "latency, normal, batch";
+
+// "latency", "normal", "batch"; nullopt for anything else.
+std::optional<Priority> parse_priority(std::string_view text);
+std::string_view priority_name(Priority priority);
+// A priority as an arbiter row stores it (TenantTime::priority): the file
+// may be stale or damaged, so any value but batch or latency is normal, as
+// the scheduler itself reads it (gputime::priority_rank).
+Priority priority_of_stored(uint32_t value);
 
 // Where a tenant was defined.
 enum class TenantSource {

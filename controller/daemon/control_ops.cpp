@@ -194,7 +194,8 @@ json Daemon::tenant_state(const Tenant& tenant) const {
           {"gpus", std::move(gpus)},
           {"count_managed", tenant.count_managed},
           {"processes", std::max(live_processes(tenant.name), 0)},
-          {"annotations", std::move(annotations)}};
+          {"annotations", std::move(annotations)},
+          {"priority", priority_name(tenant.priority)}};
 }
 
 json Daemon::unplaced_state(const std::string& name) const {
@@ -214,7 +215,8 @@ json Daemon::unplaced_state(const std::string& name) const {
           {"gpus", std::move(gpus)},
           {"count_managed", tenant.count_managed},
           {"processes", std::max(live_processes(name), 0)},
-          {"annotations", std::move(annotations)}};
+          {"annotations", std::move(annotations)},
+          {"priority", priority_name(tenant.priority)}};
 }
 
 json Daemon::node_state() {

@@ -222,10 +222,14 @@ int check_config(const DaemonOptions& options) {
              "unchanged, policy, memory, or api: a tenant of the control API)\n",
              options.config_path, config.gpus.size(), config.tenants.size(),
              placement_policy_name(config.daemon.placement));
-  for (const Tenant& tenant : config.tenants)
+  for (const Tenant& tenant : config.tenants) {
+    // Only a priority other than normal stands out.
+    const std::string priority =
+        tenant.priority == Priority::kNormal ? "" : fmt::format(" ({})", priority_name(tenant.priority));
     for (const Grant& grant : tenant.grants)
-      fmt::print("  tenant \"{}\": {} [{}]\n", tenant.name, describe_grant(config, grant),
+      fmt::print("  tenant \"{}\"{}: {} [{}]\n", tenant.name, priority, describe_grant(config, grant),
                  placement_reason_name(tenant.placement));
+  }
   return kExitOk;
 }
 

@@ -220,10 +220,11 @@ void GpuScheduler::free_row(uint32_t t) {
   f.state.store(gputime::kTenantUnused, std::memory_order_release);
   memset(f.name, 0, sizeof f.name);
   for (std::atomic<uint32_t>* field : {&f.share_ppm, &f.limit_ppm, &f.achieved_1s_ppm, &f.achieved_10s_ppm, &f.flags,
-                                       &f.waiting_processes, &f.missed_deadlines})
+                                       &f.waiting_processes, &f.missed_deadlines, &f.priority})
     field->store(0, std::memory_order_relaxed);
   for (std::atomic<uint64_t>* field : {&f.vtime, &f.used_ns, &f.throttled_ns, &f.cap_tat_ns, &f.slices, &f.measured_ns,
-                                       &f.held_ns, &f.out_of_grant_ns, &f.out_of_grant_samples})
+                                       &f.held_ns, &f.out_of_grant_ns, &f.out_of_grant_samples, &f.wait_p50_ns,
+                                       &f.wait_p99_ns, &f.wait_p999_ns, &f.waits})
     field->store(0, std::memory_order_relaxed);
   publish_grant(t, false);
   for (auto& [at, used] : samples_) used[t] = 0;
@@ -258,7 +259,12 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
     }
     Row& r = rows_[index];
     listed[index] = true;
-    changed |= !r.active || r.share != t.share_ppm || r.limit != t.limit_ppm;
+    changed |= !r.active || r.share != t.share_ppm || r.limit != t.limit_ppm || r.priority != t.priority;
+    if (r.priority != t.priority) {
+      r.waits.clear();
+      r.wait_count = 0;
+    }
+    r.priority = t.priority;
     r.bound = true;
     r.active = true;
     r.name = t.name;
@@ -412,17 +418,33 @@ bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
          now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr);
 }
 
+// Priority buys latency, not time: a tenant's priority counts only while
+// it uses no more than its share of the GPU's time, measured as a rate with
+// the limit's burst (gputime::within_limit at the share). Beyond it, it
+// counts one lower, and virtual times decide as for everyone.
+int GpuScheduler::effective_rank(uint32_t t, uint64_t now) const {
+  const Row& r = rows_[t];
+  const int rank = gputime::priority_rank(r.priority);
+  const bool within = r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr);
+  return within ? rank : std::max(rank - 1, 0);
+}
+
 int GpuScheduler::best_candidate(uint64_t now, int exclude) {
-  int best = -1;
+  int best = -1, best_rank = 0;
   uint64_t best_vtime = 0, best_since = 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     const Row& r = rows_[t];
     if (static_cast<int>(t) == exclude || !eligible(r, now)) continue;
+    const int rank = effective_rank(t, now);
     const uint64_t vt = effective_vtime(r);
-    // Ties go to the longest wait: a tenant claiming an ancient want wins
-    // ties only, which virtual times make rare.
-    if (best >= 0 && (vt > best_vtime || (vt == best_vtime && r.want_since >= best_since))) continue;
+    // The highest priority first (as it counts now), then the least virtual
+    // time; ties go to the longest wait: a tenant claiming an ancient want
+    // wins ties only, which virtual times make rare.
+    if (best >= 0 && (rank < best_rank ||
+                      (rank == best_rank && (vt > best_vtime || (vt == best_vtime && r.want_since >= best_since)))))
+      continue;
     best = static_cast<int>(t);
+    best_rank = rank;
     best_vtime = vt;
     best_since = r.want_since;
   }
@@ -552,12 +574,16 @@ void GpuScheduler::charge(uint64_t now) {
   // against the GPU time the next reading says the others used meanwhile
   // (a reading covers the time since the previous one, so the two line up).
   if (alone >= 0 && someone_waits) rows_[alone].alone_ns += dt;
+  // Held mode has a holder granted beside one revoking only when a latency
+  // tenant took the GPU (step()): until the revoked holder has drained, the
+  // GPU runs its work, and it pays; the latency tenant pays from then on.
+  const bool draining = !measured && holders(gputime::kGrantRevoking) > 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
-      uint64_t ns = r.gstate != gputime::kGrantIdle ? dt : 0;
+      uint64_t ns = r.gstate == gputime::kGrantRevoking || (r.gstate == gputime::kGranted && !draining) ? dt : 0;
       const uint64_t credit = std::min(ns, r.credit);
       r.credit -= credit;
       ns = gputime::saturating_add(ns - credit, std::exchange(r.pending_out_of_grant, 0));
@@ -582,6 +608,7 @@ void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now) {
   r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
   const uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
   r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit);
+  r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now);
 }
 
 // Throttled time: a tenant wanted the GPU and did not hold it (another
@@ -642,8 +669,20 @@ void GpuScheduler::publish_grant(uint32_t t, bool change) {
   room_busy_ = 0;
 }
 
+void GpuScheduler::note_wait(Row& r, uint64_t now) {
+  if (gputime::priority_rank(r.priority) < 2 || r.want_since == 0) return;
+  // A claimed want time: clamped (it only ever skews this tenant's figures).
+  const uint64_t wait = std::min(now - std::min(r.want_since, now), 10 * kSecond);
+  if (r.waits.size() < gputime::kWaitWindow)
+    r.waits.push_back(wait);
+  else
+    r.waits[r.wait_count % gputime::kWaitWindow] = wait;
+  r.wait_count += 1;
+}
+
 void GpuScheduler::grant(uint32_t t, uint64_t now) {
   Row& r = rows_[t];
+  note_wait(r, now);
   r.vtime = effective_vtime(r);  // lifted, if it comes back from idle
   r.slices += 1;
   r.credit_from = r.kept_off_since != 0 ? r.kept_off_since : now;
@@ -774,6 +813,25 @@ void GpuScheduler::step(uint64_t now) {
       }
     }
   }
+  // Priorities: a waiting tenant that ranks above the lone holder (as
+  // ranks count now: within its share) takes the GPU at once. A latency
+  // tenant is granted without waiting for the holder's drain: the holder's
+  // gate is closed, so what the GPU still has to run is its queued work
+  // (kept short by pacing, below), which it pays for until it has drained;
+  // the latency tenant's kernels queue behind it (on a real GPU the driver
+  // time-slices the two contexts meanwhile). A normal tenant taking the GPU
+  // from a batch one waits for the drain, as at a slice's end.
+  if (!measured && holders(gputime::kGranted) == 1 && holders(gputime::kGrantRevoking) == 0) {
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+      if (rows_[t].gstate != gputime::kGranted) continue;
+      const int other = best_candidate(now, static_cast<int>(t));
+      if (other < 0 || effective_rank(static_cast<uint32_t>(other), now) <= effective_rank(t, now)) break;
+      const bool latency = effective_rank(static_cast<uint32_t>(other), now) == 2;
+      start_revoke(t, now);
+      if (latency && rows_[t].gstate == gputime::kGrantRevoking) grant(static_cast<uint32_t>(other), now);
+      break;
+    }
+  }
   // A slice's end: a lone holder gives way to a tenant with a smaller
   // virtual time that waits.
   const uint32_t granted = holders(gputime::kGranted);
@@ -783,7 +841,7 @@ void GpuScheduler::step(uint64_t now) {
       if (h.gstate != gputime::kGranted) continue;
       const int other = best_candidate(now, static_cast<int>(t));
       if (other >= 0 && now - h.grant_ns >= slice_ns_ && effective_vtime(rows_[other]) < effective_vtime(h) &&
-          !(measured && room(now)))
+          !(measured && room(now)) && holders(gputime::kGrantRevoking) == 0)
         start_revoke(t, now);
     }
   }
@@ -831,6 +889,8 @@ void GpuScheduler::publish(uint64_t now) {
   store_if_changed(seg_.min_vtime, min_vtime_);
   store_if_changed(seg_.daemon.slice_ns, slice_ns_);
   store_if_changed(seg_.daemon.drain_deadline_ns, gputime::kDrainDeadlineNs);
+  const bool pacing = latency_seen_ns_ != 0 && now - latency_seen_ns_ < kLatencyActiveNs;
+  store_if_changed(seg_.daemon.pace_inflight_ns, pacing ? kPaceInflightNs : uint64_t{0});
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     const Row& r = rows_[t];
     gputime::TenantTime& f = seg_.tenants[t];
@@ -841,6 +901,7 @@ void GpuScheduler::publish(uint64_t now) {
     if (strncmp(f.name, r.name.c_str(), sizeof f.name) != 0) snprintf(f.name, sizeof f.name, "%s", r.name.c_str());
     store_if_changed(f.share_ppm, r.share);
     store_if_changed(f.limit_ppm, r.limit);
+    store_if_changed(f.priority, r.priority);
     store_if_changed(f.vtime, r.vtime);
     store_if_changed(f.used_ns, r.used);
     store_if_changed(f.measured_ns, r.measured);
@@ -874,6 +935,7 @@ uint64_t GpuScheduler::pass(uint64_t now) {
     observe(r, now);
     check_blocked(r, now);
     anyone_wants_ |= r.wants;
+    if (gputime::priority_rank(r.priority) == 2 && (r.wants || r.gstate != gputime::kGrantIdle)) latency_seen_ns_ = now;
   }
   // The floor for tenants coming back from idle: the least virtual time
   // among those that want the GPU and the holder (it only rises).
@@ -921,10 +983,24 @@ void GpuScheduler::sample_achieved(uint64_t now) {
     const auto ppm = static_cast<unsigned __int128>(delta) * kPpm / (now - base->first);
     return static_cast<uint32_t>(std::min<unsigned __int128>(ppm, kPpm));
   };
+  std::vector<uint64_t> sorted;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
-    if (!rows_[t].bound) continue;
-    store_if_changed(seg_.tenants[t].achieved_1s_ppm, achieved(t, kSecond));
-    store_if_changed(seg_.tenants[t].achieved_10s_ppm, achieved(t, 10 * kSecond));
+    const Row& r = rows_[t];
+    if (!r.bound) continue;
+    gputime::TenantTime& f = seg_.tenants[t];
+    store_if_changed(f.achieved_1s_ppm, achieved(t, kSecond));
+    store_if_changed(f.achieved_10s_ppm, achieved(t, 10 * kSecond));
+    // A latency tenant's waits for the GPU: percentiles of the last few.
+    sorted.assign(r.waits.begin(), r.waits.end());
+    std::sort(sorted.begin(), sorted.end());
+    auto percentile = [&](double p) -> uint64_t {
+      if (sorted.empty()) return 0;
+      return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * static_cast<double>(sorted.size())))];
+    };
+    store_if_changed(f.wait_p50_ns, percentile(0.50));
+    store_if_changed(f.wait_p99_ns, percentile(0.99));
+    store_if_changed(f.wait_p999_ns, percentile(0.999));
+    store_if_changed(f.waits, r.wait_count);
   }
 }
 

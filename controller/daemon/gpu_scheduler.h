@@ -89,6 +89,11 @@ class GpuScheduler {
   // change: processes see a new daemon, or that their GPU became shared,
   // within a few pacer ticks, and until then run ungated in good faith.
   static constexpr uint64_t kAuditGraceNs = 200'000'000;
+  // Other tenants are paced (gputime::DaemonSection::pace_inflight_ns) while
+  // a latency tenant asked or held the GPU this recently ...
+  static constexpr uint64_t kLatencyActiveNs = 2'000'000'000;
+  // ... to keep at most this much GPU time queued (one launch at least).
+  static constexpr uint64_t kPaceInflightNs = 1'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -151,6 +156,14 @@ class GpuScheduler {
     bool active = false;  // configured with a share now
     std::string name;
     uint32_t share = 0, limit = gputime::kPpm;
+    uint32_t priority = gputime::kPriorityNormal;
+    // Its share as a rate (GCRA arrival time, like the limit's at the share):
+    // within it, its priority counts (docs/sm-time.md, "Latency tenants").
+    uint64_t share_tat = 0;
+    // Latency tenants: their last kWaitWindow waits for a grant (a ring) and
+    // how many in all; the percentiles are published by sample_achieved().
+    std::vector<uint64_t> waits;
+    uint64_t wait_count = 0;
     // The tenant's usage file: our own descriptor and read-only mapping.
     int fd = -1;
     dev_t dev = 0;
@@ -205,6 +218,12 @@ class GpuScheduler {
   // drained it nor died.
   std::bitset<ledger::kMaxSlots> pending_drains(Row& r, uint64_t now);
   uint64_t effective_vtime(const Row& r) const;
+  // The tenant's priority rank as it counts now (gputime::priority_rank):
+  // one lower while it is beyond its share (a latency tenant counts as
+  // normal, a normal one as batch).
+  int effective_rank(uint32_t t, uint64_t now) const;
+  // Records a latency tenant's wait from asking to its grant.
+  void note_wait(Row& r, uint64_t now);
   // Among tenants that ask and hold no grant: the one to grant next, or -1.
   int best_candidate(uint64_t now, int exclude);
   bool eligible(const Row& r, uint64_t now) const;
@@ -264,6 +283,7 @@ class GpuScheduler {
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
+  uint64_t latency_seen_ns_ = 0;  // a latency tenant last asked or held the GPU (0: never)
   bool anyone_wants_ = false;
   std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples_;
   std::vector<SchedulerMessage> messages_;

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "fracgpu/gputime_layout.h"
 #include "ledger.h"
 #include "state/status.h"
 #include "common/text_escape.h"
@@ -139,6 +140,13 @@ std::string render_metrics(const StatusReport& report) {
              "Revocations the tenant's processes did not drain within the deadline");
   m.describe("fracgpu_gpu_time_blocked", "gauge",
              "1 while the tenant is not granted the GPU until a process that missed a drain deadline reports it");
+  m.describe("fracgpu_gpu_time_priority", "gauge",
+             "1, labelled with the tenant's priority on the GPU (latency, normal, batch; docs/sm-time.md)");
+  m.describe("fracgpu_gpu_time_wait_seconds", "gauge",
+             fmt::format("Latency tenants: how long the tenant waited for the GPU, from asking to its grant, "
+                         "quantile over its last {} waits",
+                         gputime::kWaitWindow));
+  m.describe("fracgpu_gpu_time_waits_total", "counter", "Latency tenants: waits for the GPU the quantiles are taken from");
   m.describe("fracgpu_processes", "gauge",
              "The tenant's processes on the GPU (charged there, or asking for or using its time)");
   m.sample("fracgpu_daemon_up", "", uint64_t{report.daemon.alive ? 1u : 0u});
@@ -186,6 +194,16 @@ std::string render_metrics(const StatusReport& report) {
         m.sample("fracgpu_gpu_time_throttled_seconds_total", labels, ns_seconds(g.gpu_time->throttled_ns));
         m.sample("fracgpu_gpu_time_missed_drain_deadlines_total", labels, uint64_t{g.gpu_time->missed_deadlines});
         m.sample("fracgpu_gpu_time_blocked", labels, uint64_t{g.gpu_time->blocked ? 1u : 0u});
+        // status.cpp has already read an unknown stored value as normal.
+        m.sample("fracgpu_gpu_time_priority", fmt::format("{},priority=\"{}\"", labels, g.gpu_time->priority),
+                 uint64_t{1});
+        if (g.gpu_time->priority == "latency") {
+          m.sample("fracgpu_gpu_time_wait_seconds", labels + ",quantile=\"0.5\"", ns_seconds(g.gpu_time->wait_p50_ns));
+          m.sample("fracgpu_gpu_time_wait_seconds", labels + ",quantile=\"0.99\"", ns_seconds(g.gpu_time->wait_p99_ns));
+          m.sample("fracgpu_gpu_time_wait_seconds", labels + ",quantile=\"0.999\"",
+                   ns_seconds(g.gpu_time->wait_p999_ns));
+          m.sample("fracgpu_gpu_time_waits_total", labels, g.gpu_time->waits);
+        }
       }
       // As `fracgpu status` counts its PROCS column, but running ones only:
       // an exited process awaiting reclaim is not "on" the GPU any more.

@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "common/text_escape.h"
+#include "config/config.h"
 #include "kube/quantity.h"
 #include "kube/resource_slice.h"
 
@@ -41,12 +43,19 @@ bool config_applies(const json& config, const std::string& request) {
   return false;
 }
 
-// The limit of `request`'s results: the text of the winning GpuConfig's
-// limit ("" when no config names one). false with *error on a malformed one.
-bool limit_text(const json& configs, const std::string& request, const std::string& who, std::string* limit,
-                std::string* error) {
-  limit->clear();
-  int best_rank = -1;
+// What the GpuConfigs applying to one request say, each field from the
+// winning config that names it.
+struct RequestConfig {
+  std::string limit;     // the limit's text; "" when no config names one
+  std::string priority;  // "latency", "normal" or "batch"; "" when no config names one
+  int priority_rank = -1;  // the rank of the config it came from, to choose among a claim's requests
+};
+
+// The GpuConfigs of `request`'s results. false with *error on a malformed one.
+bool request_config(const json& configs, const std::string& request, const std::string& who, RequestConfig* out,
+                    std::string* error) {
+  *out = RequestConfig();
+  int limit_rank = -1;
   if (!configs.is_array()) return true;
   for (size_t i = 0; i < configs.size(); ++i) {
     const json& config = configs[i];
@@ -64,8 +73,8 @@ bool limit_text(const json& configs, const std::string& request, const std::stri
       return false;
     }
     for (const auto& [key, value] : params.items()) {
-      if (key != "apiVersion" && key != "kind" && key != "limit") {
-        *error = fmt::format("{}: {}.{} is not a GpuConfig field (fields: limit)", who, field, key);
+      if (key != "apiVersion" && key != "kind" && key != "limit" && key != "priority") {
+        *error = fmt::format("{}: {}.{} is not a GpuConfig field (fields: limit, priority)", who, field, key);
         return false;
       }
     }
@@ -73,11 +82,23 @@ bool limit_text(const json& configs, const std::string& request, const std::stri
       *error = fmt::format("{}: {}.limit must be a string (\"share\" or a fraction such as \"0.75\")", who, field);
       return false;
     }
+    // Checked wherever it applies, winning or not: a misspelt priority is
+    // a mistake to hear of, not one to lose to another config.
+    if (params.contains("priority") && !(params["priority"].is_string() &&
+                                         controller::parse_priority(params["priority"].get<std::string>()))) {
+      *error = fmt::format("{}: {}.priority {} must be \"latency\", \"normal\" or \"batch\"", who, field,
+                           controller::escape_terminal(params["priority"].dump()));
+      return false;
+    }
     // FromClaim beats FromClass; within a source the later wins.
     const int rank = (str(config, "source") == "FromClaim" ? 1 << 20 : 0) + static_cast<int>(i);
-    if (rank > best_rank && params.contains("limit")) {
-      best_rank = rank;
-      *limit = params["limit"].get<std::string>();
+    if (rank > limit_rank && params.contains("limit")) {
+      limit_rank = rank;
+      out->limit = params["limit"].get<std::string>();
+    }
+    if (rank > out->priority_rank && params.contains("priority")) {
+      out->priority_rank = rank;
+      out->priority = params["priority"].get<std::string>();
     }
   }
   return true;
@@ -150,6 +171,7 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
   plan.claim = ref;
   std::map<int64_t, PlannedGpu> gpus;
   std::map<int64_t, std::string> limits;  // index -> the limit text of its (last) result
+  int priority_rank = -1;                  // of the config plan.priority is from
   for (size_t i = 0; i < (results.is_array() ? results.size() : 0); ++i) {
     const json& result = results[i];
     if (str(result, "driver") != kube::kDriverName) continue;
@@ -217,8 +239,15 @@ std::optional<ClaimPlan> plan_claim_checked(const ClaimRef& ref, const json& cla
       }
     }
     const std::string request = str(result, "request");
-    std::string limit;
-    if (!limit_text(configs, request, who, &limit, error)) return std::nullopt;
+    RequestConfig config;
+    if (!request_config(configs, request, who, &config, error)) return std::nullopt;
+    const std::string& limit = config.limit;
+    // One tenant per claim, so one priority: of the configs that name one
+    // for any of its requests, the winning one (the same rank as a limit's).
+    if (config.priority_rank > priority_rank) {
+      priority_rank = config.priority_rank;
+      plan.priority = config.priority;
+    }
 
     auto [at, fresh] = gpus.try_emplace(index, PlannedGpu{uuid, index, 0, 0, std::nullopt});
     at->second.memory = std::min(gpu_memory, at->second.memory + memory);
@@ -268,10 +297,14 @@ json tenant_spec(const ClaimPlan& plan) {
     if (gpu.limit) g["limit"] = *gpu.limit;
     gpus.push_back(std::move(g));
   }
-  return {{"name", tenant_name(plan.claim.uid)},
-          {"gpus", std::move(gpus)},
-          {"annotations",
-           {{"claim-namespace", plan.claim.ns}, {"claim-name", plan.claim.name}, {"claim-uid", plan.claim.uid}}}};
+  json spec = {{"name", tenant_name(plan.claim.uid)},
+               {"gpus", std::move(gpus)},
+               {"annotations",
+                {{"claim-namespace", plan.claim.ns}, {"claim-name", plan.claim.name}, {"claim-uid", plan.claim.uid}}}};
+  // Normal is the daemon's default: left out, the spec is what it was before
+  // priorities existed, for a claim prepared then and again after an upgrade.
+  if (plan.priority != "normal") spec["priority"] = plan.priority;
+  return spec;
 }
 
 json plan_to_json(const ClaimPlan& plan) {
@@ -289,7 +322,8 @@ json plan_to_json(const ClaimPlan& plan) {
           {"name", plan.claim.name},
           {"uid", plan.claim.uid},
           {"gpus", std::move(gpus)},
-          {"devices", std::move(devices)}};
+          {"devices", std::move(devices)},
+          {"priority", plan.priority}};
 }
 
 std::optional<ClaimPlan> plan_from_json(const json& j, std::string* error) {
@@ -307,8 +341,11 @@ std::optional<ClaimPlan> plan_from_json(const json& j, std::string* error) {
       plan.devices.push_back({d.at("request").get<std::string>(), d.at("pool").get<std::string>(),
                               d.at("device").get<std::string>(), d.at("uuid").get<std::string>(),
                               d.value("share_id", std::string())});
-    if (!valid_claim_uid(plan.claim.uid) || plan.gpus.empty() || plan.devices.empty()) {
-      *error = "uid, gpus or devices missing or malformed";
+    // A record from before priorities has none: its tenant is normal.
+    plan.priority = j.value("priority", std::string("normal"));
+    if (!valid_claim_uid(plan.claim.uid) || plan.gpus.empty() || plan.devices.empty() ||
+        !controller::parse_priority(plan.priority)) {
+      *error = "uid, gpus, devices or priority missing or malformed";
       return std::nullopt;
     }
     return plan;

@@ -14,7 +14,11 @@
 //   {apiVersion: gpu.fracgpu.io/v1alpha1, kind: GpuConfig, limit: "share" |
 //   "<fraction>"}, applying to the result's request (no requests: every
 //   request); a FromClaim config wins over a FromClass one, a later one over
-//   an earlier one of the same source; a whole GPU (share 1) has no limit.
+//   an earlier one of the same source; a whole GPU (share 1) has no limit;
+// - priority from the same configs, `priority: latency | normal | batch`
+//   (absent: normal), checked in every config that applies; the claim is one
+//   tenant, so the winning config (as above) among those naming one for any
+//   of its requests sets it.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +65,7 @@ struct ClaimPlan {
   ClaimRef claim;
   std::vector<PlannedGpu> gpus;         // one per GPU, in index order
   std::vector<PreparedDevice> devices;  // one per result, in the claim's order
+  std::string priority = "normal";      // the tenant's: "latency", "normal" or "batch"
 };
 
 // A UID the plugin accepts in file names and tenant names: 1 to 58 of

@@ -125,6 +125,14 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
   g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
+  const Priority priority = priority_of_stored(t.priority.load(std::memory_order_relaxed));
+  g.priority = std::string(priority_name(priority));
+  if (priority == Priority::kLatency) {
+    g.wait_p50_ns = t.wait_p50_ns.load(std::memory_order_relaxed);
+    g.wait_p99_ns = t.wait_p99_ns.load(std::memory_order_relaxed);
+    g.wait_p999_ns = t.wait_p999_ns.load(std::memory_order_relaxed);
+    g.waits = t.waits.load(std::memory_order_relaxed);
+  }
   const uint64_t word = t.grant.load(std::memory_order_acquire);  // the tenant's own grant
   g.holding = gputime::grant_valid(word) && gputime::grant_state(word) != gputime::kGrantIdle &&
               gputime::grant_row(word) == static_cast<uint32_t>(row);
@@ -281,6 +289,14 @@ std::string format_duration_ms(uint64_t ms) {
 
 std::string format_duration_ns(uint64_t ns) { return format_duration_ms(ns / 1'000'000); }
 
+// A wait for the GPU: microseconds to milliseconds, where format_duration_ns
+// would say "0.0 s".
+std::string format_wait_ns(uint64_t ns) {
+  if (ns < 1'000'000) return fmt::format("{:.0f} us", static_cast<double>(ns) / 1e3);
+  if (ns < 1'000'000'000) return fmt::format("{:.2f} ms", static_cast<double>(ns) / 1e6);
+  return format_duration_ns(ns);
+}
+
 // "30.0%": an achieved share, a fraction of the window.
 std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
 
@@ -433,23 +449,32 @@ namespace {
 nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
   if (!time) return nullptr;
   const GpuTimeStatus& t = *time;
-  return {{"achieved_1s_ppm", t.achieved_1s_ppm},
-          {"achieved_10s_ppm", t.achieved_10s_ppm},
-          {"used_ns", t.used_ns},
-          {"charging", t.measured ? "measured" : "held"},
-          {"audited", !t.measured && t.sample_period_ns != 0},
-          {"sample_period_ns", t.sample_period_ns},
-          {"measured_ns", t.measured_ns},
-          {"out_of_grant_ns", t.out_of_grant_ns},
-          {"out_of_grant_samples", t.out_of_grant_samples},
-          {"held_ns", t.held_ns},
-          {"throttled_ns", t.throttled_ns},
-          {"slices", t.slices},
-          {"holding", t.holding},
-          {"waiting_processes", t.waiting_processes},
-          {"tenants_sharing", t.tenants_sharing},
-          {"missed_deadlines", t.missed_deadlines},
-          {"blocked", t.blocked}};
+  nlohmann::ordered_json out = {{"achieved_1s_ppm", t.achieved_1s_ppm},
+                                {"achieved_10s_ppm", t.achieved_10s_ppm},
+                                {"used_ns", t.used_ns},
+                                {"charging", t.measured ? "measured" : "held"},
+                                {"audited", !t.measured && t.sample_period_ns != 0},
+                                {"sample_period_ns", t.sample_period_ns},
+                                {"measured_ns", t.measured_ns},
+                                {"out_of_grant_ns", t.out_of_grant_ns},
+                                {"out_of_grant_samples", t.out_of_grant_samples},
+                                {"held_ns", t.held_ns},
+                                {"throttled_ns", t.throttled_ns},
+                                {"slices", t.slices},
+                                {"holding", t.holding},
+                                {"waiting_processes", t.waiting_processes},
+                                {"tenants_sharing", t.tenants_sharing},
+                                {"missed_deadlines", t.missed_deadlines},
+                                {"blocked", t.blocked},
+                                {"priority", t.priority}};
+  // What a latency tenant is for: how long it waits for the GPU.
+  if (t.priority == priority_name(Priority::kLatency)) {
+    out["wait_p50_ns"] = t.wait_p50_ns;
+    out["wait_p99_ns"] = t.wait_p99_ns;
+    out["wait_p999_ns"] = t.wait_p999_ns;
+    out["waits"] = t.waits;
+  }
+  return out;
 }
 
 }  // namespace
@@ -565,7 +590,10 @@ std::string status_to_text(const StatusReport& report) {
     std::string now = "-";
     if (time)
       now = time->holding ? "holding" : time->blocked ? "blocked" : time->waiting_processes > 0 ? "waiting" : "idle";
-    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, r.tenant->name, r.gpu->state,
+    // Only a priority other than normal stands out.
+    std::string tenant = r.tenant->name;
+    if (time && time->priority != priority_name(Priority::kNormal)) tenant += fmt::format(" [{}]", time->priority);
+    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, tenant, r.gpu->state,
                          format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
                          time ? format_ppm_percent(time->achieved_10s_ppm) : "-",
@@ -602,6 +630,15 @@ std::string status_to_text(const StatusReport& report) {
     if (time->out_of_grant_samples > 0)
       out += fmt::format("  tenant {}: {} of GPU time found outside its grants ({} samples), charged to it\n",
                          rows[i].tenant->name, format_duration_ns(time->out_of_grant_ns), time->out_of_grant_samples);
+    if (time->priority == priority_name(Priority::kLatency)) {
+      if (time->waits == 0)
+        out += fmt::format("  tenant {} [latency]: no wait for the GPU yet\n", escape_terminal(rows[i].tenant->name));
+      else
+        out += fmt::format("  tenant {} [latency]: waits for the GPU p50 {}, p99 {}, p99.9 {} (last {} of {} waits)\n",
+                           escape_terminal(rows[i].tenant->name), format_wait_ns(time->wait_p50_ns),
+                           format_wait_ns(time->wait_p99_ns), format_wait_ns(time->wait_p999_ns),
+                           std::min<uint64_t>(time->waits, gputime::kWaitWindow), time->waits);
+    }
   }
   // Achieved shares are the daemon's figures: without it they stand still.
   const bool any_time = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.gpu->gpu_time.has_value(); });

@@ -51,6 +51,16 @@ struct GpuTimeStatus {
   uint32_t tenants_sharing = 0;   // tenants with a share of this GPU (the arbiter's active tenants)
   uint32_t missed_deadlines = 0;  // revocations its processes did not drain in time, total
   bool blocked = false;           // not granted again until a process that missed the deadline drains
+  // "latency", "normal" or "batch", as the daemon configured the row (an
+  // unknown value, from a stale or damaged file, reads as normal).
+  std::string priority = "normal";
+  // Latency tenants only (0 for others): how long it waited from asking for
+  // the GPU to its grant, percentiles over its last gputime::kWaitWindow
+  // waits, and how many waits it had in all.
+  uint64_t wait_p50_ns = 0;
+  uint64_t wait_p99_ns = 0;
+  uint64_t wait_p999_ns = 0;
+  uint64_t waits = 0;
 };
 
 struct GpuEntryStatus {

@@ -280,7 +280,7 @@ def check_install(docs, report):
 def check_gpu_config(where, config, shares, report):
     """An opaque config for gpu.fracgpu.io: a GpuConfig whose limit the
     control API accepts ("share", or a fraction in (0, 1] no smaller than the
-    shares it applies to)."""
+    shares it applies to) and whose priority, if any, is one the plugin takes."""
     opaque = config.get("opaque")
     if not opaque or opaque.get("driver") != DRIVER:
         return  # another driver's: not ours to judge
@@ -288,9 +288,11 @@ def check_gpu_config(where, config, shares, report):
     if parameters.get("apiVersion") != CONFIG_API_VERSION or parameters.get("kind") != CONFIG_KIND:
         report.fail(where, f"parameters are {parameters.get('apiVersion')}/{parameters.get('kind')}, "
                            f"not {CONFIG_API_VERSION}/{CONFIG_KIND}")
-    unknown = set(parameters) - {"apiVersion", "kind", "limit"}
+    unknown = set(parameters) - {"apiVersion", "kind", "limit", "priority"}
     if unknown:
         report.fail(where, f"unknown GpuConfig fields {sorted(unknown)}")
+    if "priority" in parameters and parameters["priority"] not in ("latency", "normal", "batch"):
+        report.fail(where, f"priority {parameters['priority']!r} is not \"latency\", \"normal\" or \"batch\"")
     if "limit" not in parameters:
         return
     limit = parameters["limit"]
@@ -828,6 +830,10 @@ def mutations(docs, resource_slice):
            edit("deploy/examples/limit", "ResourceClaimTemplate",
                 lambda d: d["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"].update(limit="0.1")),
            None, "limit 0.1 is below the share 250m")
+    yield ("a priority the plugin does not take",
+           edit("deploy/examples/limit", "ResourceClaimTemplate",
+                lambda d: d["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"].update(priority="urgent")),
+           None, "priority 'urgent' is not")
     if resource_slice is not None:
         yield ("share published with a 1m step (1.36 books 500m as 1)", docs, set_share_step(resource_slice),
                "share 500m would be booked as 1")

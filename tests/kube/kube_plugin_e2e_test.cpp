@@ -544,7 +544,11 @@ TEST_F(KubePluginE2E, AFirstAvailableSubrequestIsReportedAsItsRequest) {
                  {"requests", json::array({"gpu/quarter"})},
                  {"opaque",
                   {{"driver", "gpu.fracgpu.io"},
-                   {"parameters", {{"apiVersion", "gpu.fracgpu.io/v1alpha1"}, {"kind", "GpuConfig"}, {"limit", "0.5"}}}}}};
+                   {"parameters",
+                    {{"apiVersion", "gpu.fracgpu.io/v1alpha1"},
+                     {"kind", "GpuConfig"},
+                     {"limit", "0.5"},
+                     {"priority", "latency"}}}}}};
   const auto claim =
       write_claim(12, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}}, "gpu/quarter")}, json::array({config}));
   const auto response = prepare({claim});
@@ -557,6 +561,7 @@ TEST_F(KubePluginE2E, AFirstAvailableSubrequestIsReportedAsItsRequest) {
   ASSERT_TRUE(got.ok) << got.error;
   EXPECT_EQ(got.body["tenant"]["gpus"][0]["share"], 0.25);
   EXPECT_EQ(got.body["tenant"]["gpus"][0]["limit"], 0.5) << "the config naming the subrequest applies";
+  EXPECT_EQ(got.body["tenant"]["priority"], "latency") << "and its priority reaches the tenant";
 }
 
 TEST_F(KubePluginE2E, UnprepareWithALiveProcessDrainsTheTenant) {

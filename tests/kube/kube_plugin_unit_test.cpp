@@ -160,6 +160,76 @@ TEST(ClaimPlan, TheClaimsConfigWinsOverTheClasss) {
       0.5);
 }
 
+// A GpuConfig with `priority` (and no limit) for `requests`.
+json priority_config(const std::string& source, const json& priority, json requests = json::array()) {
+  json config = gpu_config(source, nullptr, std::move(requests));
+  config["opaque"]["parameters"]["priority"] = priority;
+  return config;
+}
+
+TEST(ClaimPlan, PriorityFollowsTheWinningConfig) {
+  const json consumed = {{"memory", "16Gi"}, {"share", "250m"}};
+  // None: normal, and the spec leaves it to the daemon's default.
+  ClaimPlan plan = plan_ok(claim({result("gpu-0", consumed)}));
+  EXPECT_EQ(plan.priority, "normal");
+  EXPECT_FALSE(tenant_spec(plan).contains("priority"));
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {priority_config("FromClass", "latency")}));
+  EXPECT_EQ(plan.priority, "latency");
+  EXPECT_EQ(tenant_spec(plan)["priority"], "latency");
+  // The claim's config wins over the class's, whatever the order; a later one
+  // over an earlier one of the same source.
+  plan = plan_ok(claim({result("gpu-0", consumed)},
+                       {priority_config("FromClaim", "batch"), priority_config("FromClass", "latency")}));
+  EXPECT_EQ(plan.priority, "batch");
+  plan = plan_ok(claim({result("gpu-0", consumed)},
+                       {priority_config("FromClass", "batch"), priority_config("FromClass", "latency")}));
+  EXPECT_EQ(plan.priority, "latency");
+  plan = plan_ok(claim({result("gpu-0", consumed)},
+                       {priority_config("FromClass", "latency"), priority_config("FromClaim", "normal")}));
+  EXPECT_EQ(plan.priority, "normal");
+  EXPECT_FALSE(tenant_spec(plan).contains("priority"));
+  // A config with only a limit does not reset the priority another set.
+  plan = plan_ok(claim({result("gpu-0", consumed)},
+                       {priority_config("FromClass", "latency"), gpu_config("FromClaim", "0.5")}));
+  EXPECT_EQ(plan.priority, "latency");
+  EXPECT_DOUBLE_EQ(plan.gpus[0].limit.value_or(-1), 0.5);
+  // Both fields in one config.
+  json both = gpu_config("FromClaim", "0.5");
+  both["opaque"]["parameters"]["priority"] = "batch";
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {both}));
+  EXPECT_EQ(plan.priority, "batch");
+  EXPECT_DOUBLE_EQ(plan.gpus[0].limit.value_or(-1), 0.5);
+  // A config for another request does not apply.
+  plan = plan_ok(claim({result("gpu-0", consumed)}, {priority_config("FromClaim", "latency", {"other"})}));
+  EXPECT_EQ(plan.priority, "normal");
+  // One tenant per claim: of its requests' configs, the winning one.
+  plan = plan_ok(claim({result("gpu-0", consumed, "a"), result("gpu-1", consumed, "b")},
+                       {priority_config("FromClaim", "latency", {"b"}), priority_config("FromClass", "batch", {"a"})}));
+  EXPECT_EQ(plan.priority, "latency");
+  plan = plan_ok(claim({result("gpu-0", consumed, "a"), result("gpu-1", consumed, "b")},
+                       {priority_config("FromClaim", "latency", {"b"}), priority_config("FromClaim", "batch", {"a"})}));
+  EXPECT_EQ(plan.priority, "batch");
+}
+
+TEST(ClaimPlan, AnUnknownPriorityFailsThePreparation) {
+  const json half = {{"memory", "20Gi"}, {"share", "500m"}};
+  EXPECT_EQ(plan_error(claim({result("gpu-0", half)}, {priority_config("FromClaim", "urgent")})),
+            "claim team-a/train-gpu: status.allocation.devices.config[0].opaque.parameters.priority \"urgent\" must be "
+            "\"latency\", \"normal\" or \"batch\"");
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {priority_config("FromClaim", 2)})).find(".priority 2 must be"),
+            std::string::npos);
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {priority_config("FromClaim", "Latency")})).find("must be"),
+            std::string::npos);
+  // Wherever it applies, even where another config wins.
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)},
+                             {priority_config("FromClass", "fast"), priority_config("FromClaim", "latency")}))
+                .find("config[0].opaque.parameters.priority \"fast\""),
+            std::string::npos);
+  // The message's value is escaped: a terminal reading the log gets no control byte.
+  const std::string escaped = plan_error(claim({result("gpu-0", half)}, {priority_config("FromClaim", "\x1b[2J")}));
+  EXPECT_EQ(escaped.find('\x1b'), std::string::npos) << escaped;
+}
+
 TEST(ClaimPlan, AWholeGpuHasNoLimit) {
   const ClaimPlan plan = plan_ok(claim({result("gpu-0")}, {gpu_config("FromClaim", "1.0")}));
   EXPECT_FALSE(plan.gpus[0].limit);
@@ -232,7 +302,8 @@ TEST(ClaimPlan, BadClaimsAreRefusedNamingWhatIsWrong) {
   EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {wrong_kind})).find("kind \"GpuSettings\""), std::string::npos);
   json extra = gpu_config("FromClaim", "share");
   extra["opaque"]["parameters"]["sharing"] = "time";
-  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {extra})).find("parameters.sharing is not a GpuConfig field"),
+  EXPECT_NE(plan_error(claim({result("gpu-0", half)}, {extra}))
+                .find("parameters.sharing is not a GpuConfig field (fields: limit, priority)"),
             std::string::npos);
 }
 
@@ -302,7 +373,7 @@ TEST(ClaimStore, ARecordRoundTripsAndIsBelievedOnlyForItsOwnClaim) {
   EXPECT_FALSE(store.get(kUid, &error));
   EXPECT_EQ(error, "");  // none: not an error
   const ClaimPlan plan = plan_ok(claim({result("gpu-0"), result("gpu-1", {{"memory", "20Gi"}, {"share", "500m"}})},
-                                       {gpu_config("FromClaim", "0.75")}));
+                                       {gpu_config("FromClaim", "0.75"), priority_config("FromClaim", "latency")}));
   ASSERT_TRUE(store.put(plan, &error)) << error;
   struct stat st {};
   ASSERT_EQ(stat((dir / "kube/claims").c_str(), &st), 0);
@@ -313,6 +384,16 @@ TEST(ClaimStore, ARecordRoundTripsAndIsBelievedOnlyForItsOwnClaim) {
   EXPECT_EQ(back->tenant, "dra-" + kUid);
   EXPECT_EQ(plan_to_json(back->plan), plan_to_json(plan));
   EXPECT_EQ(tenant_spec(back->plan), tenant_spec(plan));
+  EXPECT_EQ(back->plan.priority, "latency");
+  // A record from before priorities: its tenant is normal, its spec as it was.
+  json old_plan = plan_to_json(plan);
+  old_plan.erase("priority");
+  const auto old = plan_from_json(old_plan, &error);
+  ASSERT_TRUE(old) << error;
+  EXPECT_EQ(old->priority, "normal");
+  EXPECT_FALSE(tenant_spec(*old).contains("priority"));
+  old_plan["priority"] = "urgent";
+  EXPECT_FALSE(plan_from_json(old_plan, &error));
   // No temporary file left beside it.
   EXPECT_EQ(std::distance(fs::directory_iterator(dir / "kube/claims"), fs::directory_iterator()), 1);
 

@@ -36,6 +36,13 @@
 //                       nothing and wait for the queue to empty, so no sample finds this
 //                       process on the GPU
 //     guard_ms=8        (with dodge_ms) how long before each instant to stop
+//     ahead_us=0        launch one kernel at a time: synchronize after each
+//     burst=N,P,J       an inference service (device 0, path=kernel): bursts of N kernels
+//                       (kernels_us), the k-th arriving at k*P us + uniform(-J, +J) us
+//                       after the start (seed 1); a burst whose arrival is past starts at
+//                       once. Each burst's latency: from before its first launch to the
+//                       return of the stream's synchronization after its last. Prints
+//                       bursts=, p50_us=, p99_us=, p999_us=, max_us= (whole run)
 //
 // Prints launches_<device>=N when done, step_max_us=N (the longest time one
 // launch took with the wait for older work after it: how long the load was
@@ -75,6 +82,7 @@ struct Options {
   unsigned last_us = 0;
   unsigned dodge_ms = 0;
   unsigned guard_ms = 8;
+  std::vector<unsigned> burst;  // N, P us, J us
 };
 
 uint64_t now_ns() {
@@ -279,6 +287,10 @@ struct Launcher {
     }
     batch_us += o.kernels_us[next];
     next = (next + 1) % functions.size();
+    if (o.ahead_us == 0) {
+      CHECK(cuStreamSynchronize(sync_stream()));
+      return true;
+    }
     if (batch_us < o.ahead_us) return true;
     // Double buffering: mark this batch, then wait for the one before it,
     // so about one batch stays queued and the GPU never runs dry.
@@ -373,6 +385,47 @@ bool run_multi_pair(std::vector<Launcher>& launchers, const Options& o) {
 }
 
 // Runs the whole workload for `seconds` (then pause_ms and its resumption).
+// burst=: the inference service. Latencies in ns, one per burst.
+int run_bursts(const Options& o) {
+  Launcher l(o);
+  if (!l.setup(o.devices[0])) return 1;
+  const unsigned n = o.burst[0];
+  const uint64_t period = o.burst[1] * 1000ull, jitter = o.burst[2] * 1000ull;
+  uint64_t rng = 1;  // xorshift64, a fixed seed: the same arrivals every run
+  auto uniform = [&rng]() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return static_cast<double>(rng >> 11) / static_cast<double>(1ull << 53);
+  };
+  std::vector<uint64_t> latencies;
+  const uint64_t start = now_ns() + period, until = start + static_cast<uint64_t>(o.seconds * 1e9);
+  for (uint64_t k = 0;; ++k) {
+    const double offset = (uniform() * 2 - 1) * static_cast<double>(jitter);
+    const uint64_t arrival = start + k * period + static_cast<uint64_t>(std::max(0.0, static_cast<double>(period) + offset)) - period;
+    if (arrival >= until) break;
+    for (uint64_t t = now_ns(); t < arrival; t = now_ns()) {
+      struct timespec ts {0, static_cast<long>(arrival - t)};
+      nanosleep(&ts, nullptr);
+    }
+    const uint64_t t0 = now_ns();
+    for (unsigned i = 0; i < n; ++i)
+      if (!l.launch(i % l.functions.size())) return 1;
+    if (!check(cuStreamSynchronize(l.stream), "cuStreamSynchronize")) return 1;
+    latencies.push_back(now_ns() - t0);
+  }
+  std::vector<uint64_t> sorted = latencies;
+  std::sort(sorted.begin(), sorted.end());
+  auto pct = [&](double p) -> unsigned long long {
+    return sorted.empty() ? 0 : sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()))] / 1000;
+  };
+  printf("bursts=%zu\np50_us=%llu\np99_us=%llu\np999_us=%llu\nmax_us=%llu\nlaunches_%d=%llu\n", sorted.size(),
+         pct(0.5), pct(0.99), pct(0.999), sorted.empty() ? 0ull : static_cast<unsigned long long>(sorted.back() / 1000),
+         o.devices[0], l.launches);
+  fflush(stdout);
+  return 0;
+}
+
 int run_all(const Options& o, double seconds) {
   std::vector<Launcher> launchers(o.devices.size(), Launcher(o));
   std::vector<int> ok(o.devices.size(), 0);
@@ -467,6 +520,7 @@ int main(int argc, char** argv) {
     else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
     else if (key == "dodge_ms") o.dodge_ms = static_cast<unsigned>(atoi(value));
     else if (key == "guard_ms") o.guard_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "burst") o.burst = parse_list(value);
     else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
       return 64;
@@ -478,6 +532,11 @@ int main(int argc, char** argv) {
     return 64;
   }
   if (!check(cuInit(0), "cuInit")) return 1;
+  if (o.burst.size() == 3 && o.burst[0] > 0 && o.burst[1] > 0) return run_bursts(o);
+  if (!o.burst.empty()) {
+    fprintf(stderr, "gputime_load: burst=N,P,J needs N > 0 and P > 0\n");
+    return 64;
+  }
   if (o.fork_after <= 0) return run_all(o, o.seconds);
   if (run_all(o, o.fork_after) != 0) return 1;
   const pid_t child = fork();
