@@ -516,7 +516,23 @@ def latency_targets(alone: dict | None):
         return None, None
 
 
-def latency_row(r: dict, targets) -> dict:
+def latency_waits(d: Path, tenant: str) -> str:
+    """fracgpu's own figures of a latency tenant's waits for the GPU (its
+    status near the end of the run: wait p50 / p99 in ms), or ""."""
+    try:
+        doc = json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    for t in doc.get("tenants", []):
+        for g in t.get("gpus", []):
+            time_ = g.get("gpu_time")
+            if t.get("name") == tenant and g.get("entry") == 0 and isinstance(time_, dict) \
+                    and "wait_p99_ns" in time_:
+                return f"{time_.get('wait_p50_ns', 0) / 1e6:.2f} / {time_['wait_p99_ns'] / 1e6:.2f}"
+    return ""
+
+
+def latency_row(r: dict, targets, d: Path) -> dict:
     """One run of the latency set as the table's and the CSV's fields."""
     procs = {p["tenant"]: p for p in r["procs"]}
     inf, train = procs.get("inf"), procs.get("train")
@@ -545,6 +561,7 @@ def latency_row(r: dict, targets) -> dict:
     if train_share is not None and inf_share is not None and inf_share < 1:
         left = train_share / (1 - inf_share)
     row["train_of_left"] = fmt_ratio(left)
+    row["fracgpu_wait_ms"] = latency_waits(d, "inf") if r["mode"] == "fracgpu" else ""
     p50_target, p99_target = targets
     row["p50_target_ms"] = "" if p50_target is None else f"{p50_target:.3f}"
     row["p99_target_ms"] = "" if p99_target is None else f"{p99_target:.3f}"
@@ -566,13 +583,13 @@ def cmd_latency(args) -> int:
     alone = next((r for r in runs if r["mode"] == "native" and len(r["procs"]) == 1
                   and r["procs"][0]["ok"]), None)
     targets = latency_targets(alone["procs"][0]["kv"] if alone else None)
-    rows = [latency_row(r, targets) for r in runs]
+    rows = [latency_row(r, targets, out / "runs" / r["dir"]) for r in runs]
     for row in rows:
         if alone is not None and row["run"] == alone["dir"]:
             row["p50_met"] = row["p99_met"] = ""  # the reference itself
     write_csv(out / "e2e_latency.csv", rows,
               ["run", "shape", "label", "mode", "seconds", "ok", "bursts", "late", "missed", "p50_ms", "p99_ms",
-               "p999_ms", "max_ms", "inf_share", "train_share", "train_of_left", "train_rate", "gpu_busy",
+               "p999_ms", "max_ms", "inf_share", "train_share", "train_of_left", "train_rate", "gpu_busy", "fracgpu_wait_ms",
                "p50_target_ms", "p99_target_ms", "p50_met", "p99_met"])
 
     def ms(x):
@@ -585,12 +602,12 @@ def cmd_latency(args) -> int:
             bursts += f" ({row['late']} late, {row['missed']} missed)"
         table.append([row["shape"] or "-", ("" if row["ok"] else "FAILED ") + row["label"], ms(row["p50_ms"]),
                       ms(row["p99_ms"]), ms(row["p999_ms"]), bursts, row["inf_share"], row["train_share"],
-                      row["train_of_left"], row.get("train_rate", ""),
+                      row["train_of_left"], row.get("train_rate", ""), row["fracgpu_wait_ms"],
                       row["p50_met"], row["p99_met"]])
     text = markdown_table(
         ["training shape", "run", "inference p50 (ms)", "p99 (ms)", "p99.9 (ms)", "bursts",
          "inference GPU time", "training GPU time", "training / time inference leaves", "training kernels/s",
-         "p50 target met", "p99 target met"], table)
+         "fracgpu's wait p50 / p99 (ms)", "p50 target met", "p99 target met"], table)
     notes = []
     p50_target, p99_target = targets
     if p50_target is not None:
@@ -604,7 +621,9 @@ def cmd_latency(args) -> int:
     notes.append("Shapes: a = the training launches, synchronizes, launches (1 kernel of 2 ms in flight); "
                  "b = 1000 in flight. GPU time: fraction of the window (from "
                  f"{SKIP_S:g} s; half-way in shorter runs) the simulated driver ran each tenant's kernels. "
-                 "Percentiles: nearest rank over the bursts (below 1000 bursts, p99.9 is the largest).")
+                 "Percentiles: nearest rank over the bursts (below 1000 bursts, p99.9 is the largest). "
+                 "fracgpu's wait: a latency tenant's waits for the GPU as fracgpu publishes them (`fracgpu "
+                 "status --json` near the end of the run), its own figures beside the measured latency.")
     if args.skipped:
         notes.append(f"Not measured: the runs with priority = \"latency\" ({args.skipped}).")
     text += "\n\n" + "\n".join(notes)
