@@ -2,7 +2,7 @@
 # CI check of `tests/gpu/run_sm_share.sh latency` without a GPU (CTest
 # bench_gpu_latency): the whole subcommand on the simulated driver, with a
 # stand-in for nvidia-smi and one for PyTorch whose matmul launches one
-# simulated kernel (50 us for the decode's small matrices, 2 ms for the
+# simulated kernel (25 us for the decode's small matrices, 2 ms for the
 # training's large ones; through ctypes, so fracgpu's interposer sees it) and
 # whose CUDA events are the simulated driver's, and which writes the CUPTI
 # meter's file itself when the meter is injected (CUPTI needs a real driver).
@@ -34,7 +34,7 @@ EOF
 chmod +x "$work/bin/nvidia-smi"
 cat >"$work/py/torch/__init__.py" <<'EOF'
 """Stand-in for PyTorch on the simulated driver: matmul launches one kernel
-(50 us below 1024 rows, else 2 ms), events are the driver's."""
+(25 us below 1024 rows, else 2 ms), events are the driver's."""
 import atexit, ctypes, json, os, time
 
 __version__ = "0.0-stand-in"
@@ -58,7 +58,7 @@ def _init():
     _ok(_cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     _ok(_cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     _ok(_cu.cuModuleLoadData(ctypes.byref(mod), b"simulated"), "cuModuleLoadData")
-    for us in (50, 2000):
+    for us in (25, 2000):
         f = ctypes.c_void_p()
         _ok(_cu.cuModuleGetFunction(ctypes.byref(f), mod, f"sleep_{us}us".encode()), "cuModuleGetFunction")
         _st[us] = f
@@ -98,7 +98,7 @@ empty = randn
 
 
 def matmul(a, b, out=None):
-    us = 50 if a.rows < 1024 else 2000
+    us = 25 if a.rows < 1024 else 2000
     _ok(_cu.cuLaunchKernel(_st[us], 1, 1, 1, 32, 1, 1, 0, None, None, None), "cuLaunchKernel")
     if "launches" in _st:
         _st["launches"].append((time.clock_gettime_ns(time.CLOCK_MONOTONIC), us * 1000))
