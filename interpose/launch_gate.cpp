@@ -265,7 +265,10 @@ bool enter_locked(GpuTime& g, uint64_t word) {
   if (since != 0 && now > since) g.request->waited_ns.fetch_add(now - since, std::memory_order_relaxed);
   g.open.store(true, std::memory_order_release);
   bump_gate();
-  if (latency_tenant(g)) kick_pacer();  // its short ticks start now
+  // A pacer asleep in its quiet tick (it neither held nor waited when it
+  // last looked) must now watch this grant: a revocation must reach it at
+  // once, and a latency tenant's grant needs its short ticks.
+  kick_pacer();
   return true;
 }
 

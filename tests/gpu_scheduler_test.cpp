@@ -115,9 +115,10 @@ class SchedulerTest : public ::testing::Test {
     gputime::close_arbiter(&arbiter_);
   }
 
-  void configure(uint32_t a_limit, uint32_t b_limit) {
-    sched_->configure({{"a", 500'000, a_limit, tenants_[0].daemon.usage_fd, 0},
-                       {"b", 500'000, b_limit, tenants_[1].daemon.usage_fd, 0}},
+  void configure(uint32_t a_limit, uint32_t b_limit, uint32_t a_priority = gputime::kPriorityNormal,
+                 uint32_t b_priority = gputime::kPriorityNormal) {
+    sched_->configure({{"a", 500'000, a_limit, tenants_[0].daemon.usage_fd, 0, a_priority},
+                       {"b", 500'000, b_limit, tenants_[1].daemon.usage_fd, 0, b_priority}},
                       20 * kMs);
   }
 
@@ -862,4 +863,93 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   pass(2 * kMs);
   EXPECT_EQ(row(1).out_of_grant_ns.load(), 200 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);
+}
+
+// ---- Priorities (docs/sm-time.md, "Latency tenants") ----
+
+// A latency tenant within its share takes the GPU at once: the holder is
+// revoked and the latency tenant granted in the same pass, without waiting
+// for the drain; the holder pays until it has drained, the latency tenant
+// from then on. While it is active, the others are asked to pace (1 ms
+// queued), for 2 s after it last asked; its waits are published.
+TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
+  configure(500'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u) << "no latency tenant active yet";
+  EXPECT_EQ(row(1).priority.load(), gputime::kPriorityLatency);
+  pass(3 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "revoked 4 ms into its slice";
+  EXPECT_TRUE(holds(1)) << "granted without waiting for a's drain";
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs);
+  ASSERT_TRUE(enter(1, b));
+  pass(1 * kMs);
+  EXPECT_EQ(row(1).used_ns.load(), 0u) << "a's queued work still runs: a pays";
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantIdle);
+  EXPECT_EQ(row(0).used_ns.load(), 6 * kMs);
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).used_ns.load(), 2 * kMs);
+  sched_->sample_achieved(now_);
+  EXPECT_EQ(row(1).waits.load(), 1u);
+  EXPECT_EQ(row(1).wait_p50_ns.load(), 1 * kMs) << "asked a pass before its grant";
+  EXPECT_EQ(row(0).waits.load(), 0u) << "a normal tenant's waits are not kept";
+  // Its processes give the grant back; the GPU goes to a in the same pass.
+  want(0, a);
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word_of(1)));
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(0));
+  // The pace budget stays 2 s after the latency tenant last held or asked.
+  ASSERT_TRUE(enter(0, a));
+  pass(1990 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs);
+  pass(20 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u);
+}
+
+// Priority buys latency, not time: a latency tenant that has used more than
+// its share (at its share's rate, with the limit's 50 ms burst) counts as
+// normal and waits for the holder's slice to end, like anyone.
+TEST_F(SchedulerTest, ALatencyTenantBeyondItsShareWaitsLikeANormalOne) {
+  configure(gputime::kPpm, gputime::kPpm, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  const int a = spawn(0), b = spawn(1);
+  // b alone for 200 ms: 200 ms of GPU time at a 0.5 share is 150 ms beyond it.
+  want(1, b);
+  pass();
+  ASSERT_TRUE(enter(1, b));
+  pass(200 * kMs);
+  // b stops; a takes the GPU (b's virtual time is far ahead).
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word_of(1)));
+  want(0, a);
+  pass(1 * kMs);
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  pass(1 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(0)) << "b is beyond its share: no priority";
+  EXPECT_EQ(state_of(1), gputime::kGrantIdle);
+}
+
+// A normal tenant within its share takes the GPU from a batch one at once,
+// but (unlike a latency tenant) only once the batch tenant has drained.
+TEST_F(SchedulerTest, ANormalTenantTakesTheGpuFromABatchOneAfterItsDrain) {
+  configure(500'000, 500'000, gputime::kPriorityBatch, gputime::kPriorityNormal);
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  pass(2 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking);
+  EXPECT_EQ(state_of(1), gputime::kGrantIdle) << "granted only after the drain";
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
 }
