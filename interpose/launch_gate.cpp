@@ -595,6 +595,9 @@ void* pacer_main(void*) {
   }
   uint64_t next_refresh = 0;
   for (;;) {
+    // Read before looking at the GPUs: a kick after this (a grant entered by
+    // a launching thread, a synchronization's return) ends the sleep below.
+    const uint32_t kick = g_pacer_kick.load(std::memory_order_acquire);
     const uint64_t now = gputime::monotonic_ns();
     bool busy = false;
     const bool refresh = now >= next_refresh;
@@ -640,7 +643,6 @@ void* pacer_main(void*) {
     if (latency_grant) {
       // Short ticks on our own futex: a synchronization's return wakes us
       // (kick_pacer); a revocation is seen at the next tick.
-      const uint32_t kick = g_pacer_kick.load(std::memory_order_acquire);
       struct timespec ts {0, static_cast<long>(kLatencyTickNs)};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
     } else if (sleep_on != nullptr) {
@@ -648,7 +650,6 @@ void* pacer_main(void*) {
     } else {
       // On our own futex: entering a grant wakes us (a latency tenant's
       // grant needs the short ticks at once).
-      const uint32_t kick = g_pacer_kick.load(std::memory_order_acquire);
       struct timespec ts {0, static_cast<long>(busy ? kTickNs : kQuietTickNs)};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
     }

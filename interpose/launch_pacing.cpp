@@ -1,7 +1,9 @@
 // Launch pacing (launch_pacing.h; docs/sm-time.md, "Latency tenants").
 #include "launch_pacing.h"
 
+#include <algorithm>
 #include <cstring>
+#include <ctime>
 
 #include "gputime.h"  // shm/: monotonic_ns
 #include "hook_table.h"
@@ -74,11 +76,31 @@ uint64_t LaunchPacer::wait_for_room(uint64_t budget_ns) {
     // Nothing measured yet: let two launches queue, so that the second is
     // measured (it runs behind the first) and the estimate can form.
     const uint64_t each = estimate_ns_ != 0 ? estimate_ns_ : budget_ns / 2;
-    if (count_ < kRing && static_cast<unsigned __int128>(count_) * each < budget_ns) break;
+    // The oldest is what the GPU runs now. Within kLeadNs of its expected
+    // end it no longer counts: the next launch then queues behind it and
+    // the GPU does not idle while this thread wakes (which costs a few
+    // percent with 2 ms kernels); what may wait behind us grows by at most
+    // kLeadNs.
+    const uint64_t now = gputime::monotonic_ns();
+    const Tracked& oldest = ring_[head_];
+    const uint64_t oldest_end = estimate_ns_ != 0 && oldest.start_ns != 0 ? oldest.start_ns + each : 0;
+    const bool oldest_ending = oldest_end != 0 && now + kLeadNs >= oldest_end;
+    const uint64_t queued = static_cast<uint64_t>(std::min<unsigned __int128>(
+        static_cast<unsigned __int128>(count_ - (oldest_ending ? 1 : 0)) * each, UINT64_MAX));
+    if (count_ < kRing && queued < budget_ns) break;
     if (sync == nullptr) break;
-    if (started == 0) started = gputime::monotonic_ns();
-    // The oldest first: it is what the GPU runs now.
-    if (sync(ring_[head_].event) != CUDA_SUCCESS) {
+    if (started == 0) started = now;
+    if (oldest_end != 0 && count_ == 1 && oldest_end > now + kLeadNs && oldest_end - now - kLeadNs < 100'000'000) {
+      // One launch queued, its end expected: sleep until just before it
+      // (a completion sooner than expected is seen when we wake).
+      const uint64_t sleep_ns = std::min<uint64_t>(oldest_end - now - kLeadNs, kMaxNapNs);
+      struct timespec ts {0, static_cast<long>(sleep_ns)};
+      pthread_mutex_unlock(&lock_);
+      nanosleep(&ts, nullptr);
+      pthread_mutex_lock(&lock_);
+      continue;
+    }
+    if (sync(oldest.event) != CUDA_SUCCESS) {
       // Its context is gone, or the driver cannot say: stop tracking it.
       recycle_locked(ring_[head_].event, nullptr);
       ring_[head_] = Tracked{};
@@ -109,7 +131,15 @@ void LaunchPacer::launched(CUcontext ctx, CUstream stream) {
     recycle_locked(event, ctx);
     return;
   }
-  ring_[(head_ + count_) % kRing] = Tracked{event, ctx, count_ > 0, gputime::monotonic_ns()};
+  // When it will start: now on an empty queue, else when the launch before
+  // it is expected to end (unknown until an estimate exists).
+  const uint64_t now = gputime::monotonic_ns();
+  uint64_t start = now;
+  if (count_ > 0) {
+    const Tracked& before = ring_[(head_ + count_ - 1) % kRing];
+    start = estimate_ns_ != 0 && before.start_ns != 0 ? std::max(now, before.start_ns + estimate_ns_) : 0;
+  }
+  ring_[(head_ + count_) % kRing] = Tracked{event, ctx, count_ > 0, now, start};
   ++count_;
 }
 

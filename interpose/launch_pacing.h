@@ -42,7 +42,10 @@ class LaunchPacer {
     CUcontext ctx = nullptr;
     bool behind_work = false;  // queued while earlier tracked work was: its elapsed time is its own
     uint64_t launched_ns = 0;
+    uint64_t start_ns = 0;  // when it is expected to start on the GPU; 0: unknown
   };
+  static constexpr uint64_t kLeadNs = 150'000;     // the next launch may queue this long before the oldest's end
+  static constexpr uint64_t kMaxNapNs = 2'000'000;  // longest sleep before looking at the events again
   void retire_completed_locked();
   void recycle_locked(CUevent event, CUcontext ctx);
   Tracked ring_[kRing] = {};

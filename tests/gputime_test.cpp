@@ -1991,7 +1991,7 @@ const std::vector<std::string> kTrainingQueued = {"devices=0", "kernels_us=2000"
 
 // Figures for the issue's targets, printed (docs/sm-time.md, "Latency
 // tenants", has them); asserted: what the mechanism must at least do.
-TEST_F(LatencyTenantTest, AnInferenceTenantAnswersBesideTrainingFarSoonerThanAsANormalTenant) {
+TEST_F(LatencyTenantTest, AnInferenceTenantAnswersBesideTrainingWithinOneTrainingKernelOfAlone) {
   meter_ = true;
   sample_ms_ = realistic_period();
   std::map<std::string, PairFigures> runs;
@@ -2018,12 +2018,13 @@ TEST_F(LatencyTenantTest, AnInferenceTenantAnswersBesideTrainingFarSoonerThanAsA
     const PairFigures& latency = runs[std::string(shape) + " latency"];
     const PairFigures& normal = runs[std::string(shape) + " normal"];
     ASSERT_GT(latency.inference.bursts, 400) << shape;
-    // Priority takes the waits for a slice's end out of the inference's
-    // latency: its median stays near alone, its tail far below a normal
-    // tenant's; and the training keeps most of what the inference leaves.
+    // The issue's p99 target (1.10 x alone + one 2 ms training kernel), with
+    // 1 ms to spare for a shared machine; the median near alone; the tail far
+    // below a normal tenant's (whose p99.9 with a training queue of 1,000 is
+    // seconds); and the training keeps most of what the inference leaves.
+    EXPECT_LE(latency.inference.p99_us, 1.10 * native.p99_us + 2000 + 1000) << shape;
     EXPECT_LT(latency.inference.p50_us, 1.6 * native.p50_us) << shape;
-    EXPECT_LT(latency.inference.p99_us, 0.6 * normal.inference.p99_us) << shape;
-    EXPECT_LT(latency.inference.p999_us, 0.8 * normal.inference.p999_us) << shape;
+    EXPECT_LT(latency.inference.p999_us, 0.5 * normal.inference.p999_us) << shape;
     EXPECT_GE(latency.training_of_leftover, 0.80) << shape;
   }
 }
