@@ -42,7 +42,9 @@ if ((gpu_only)); then
     { echo "run_report.sh: --gpu-only: no $build/interpose/libfracgpu.so (set FRACGPU_BUILD_DIR)" >&2; exit 2; }
 else
   # Only what the report runs; cmake rebuilds what changed, fast when up to date.
-  targets=(e2e_workload fracgpud fracgpu_cli fracgpu simcuda)
+  # simnvml: the stand-in NVML fracgpud meters with in the e2e runs (the
+  # latency set's sampling one included); without it they would run without.
+  targets=(e2e_workload fracgpud fracgpu_cli fracgpu simcuda simnvml)
   if [[ ! -f $build/CMakeCache.txt ]]; then
     echo "== building into $build (scripts/build.sh)" >&2
     FRACGPU_BUILD_DIR=$build bash scripts/build.sh

@@ -19,7 +19,16 @@ Standard library only.
       Reads OUT_DIR/runs/*/ (written by run_e2e.sh) and writes
       e2e_runs.csv (one row per process), e2e_summary.csv (one row per run),
       e2e_shares.csv (each tenant's achieved share over time), e2e_shares.svg
-      (its plot), e2e_table.md and e2e_sharing.md (both printed too).
+      (its plot), e2e_table.md and e2e_sharing.md (both printed too). The
+      latency set's runs (run.txt set=latency) are left to `latency`.
+  e2e.py latency OUT_DIR [--skipped REASON]
+      The latency set (issue 24: an inference tenant `inf` beside a training
+      tenant `train`): writes e2e_latency.csv and e2e_latency.md (printed
+      too): per run the inference's burst latency percentiles, its and the
+      training's GPU time (ground truth), the training's fraction of the time
+      the inference leaves, and the issue's targets, computed from the
+      inference alone without fracgpu. REASON: why runs of the set are
+      missing (said under the table).
 
 Achieved share of a tenant over a window = device time its processes were
 credited in the window / the window's length. The simulated driver credits a
@@ -287,7 +296,7 @@ def read_run(d: Path) -> dict:
             procs.append({"tenant": tenant, "share": share, "pid": int(pid), "rc": int(rc),
                           "ok": bool(kv) and int(rc) == 0, "rate": float(kv.get("rate", 0)),
                           "ops": int(kv.get("ops", 0)), "seconds": float(kv.get("seconds", 0)),
-                          "unit": kv.get("unit", "")})
+                          "unit": kv.get("unit", ""), "kv": kv})
     samples: dict[str, list[tuple[float, int, int]]] = {}  # tenant -> [(t, busy summed, device busy)]
     if (d / "samples.csv").exists():
         by_t: dict[float, dict] = {}
@@ -364,6 +373,7 @@ def share_figures(series, seconds: float):
 def cmd_report(args) -> int:
     out = Path(args.out_dir)
     runs = [read_run(d) for d in sorted((out / "runs").iterdir()) if (d / "run.txt").exists()]
+    runs = [r for r in runs if r.get("set") != "latency"]
     if not runs:
         print(f"e2e.py: no runs under {out / 'runs'}", file=sys.stderr)
         return 2
@@ -488,6 +498,143 @@ def cmd_report(args) -> int:
     return 1 if failed else 0
 
 
+# --------------------------------------------------------------------------
+# latency (issue 24: an inference tenant beside a training tenant)
+
+P50_TARGET_FACTOR = 1.05        # p50 <= 1.05 x p50 alone
+P99_TARGET_FACTOR = 1.10        # p99 <= 1.10 x p99 alone + 2 ms
+P99_TARGET_SLACK_MS = 2.0
+
+
+def latency_targets(alone: dict | None):
+    """(p50 target, p99 target) in ms from the inference alone's result
+    line (its key=value pairs), or (None, None) without it."""
+    try:
+        return (P50_TARGET_FACTOR * float(alone["p50_ms"]),
+                P99_TARGET_FACTOR * float(alone["p99_ms"]) + P99_TARGET_SLACK_MS)
+    except (TypeError, KeyError, ValueError):
+        return None, None
+
+
+def latency_waits(d: Path, tenant: str) -> str:
+    """fracgpu's own figures of a latency tenant's waits for the GPU (its
+    status near the end of the run: wait p50 / p99 in ms), or ""."""
+    try:
+        doc = json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    for t in doc.get("tenants", []):
+        for g in t.get("gpus", []):
+            time_ = g.get("gpu_time")
+            if t.get("name") == tenant and g.get("entry") == 0 and isinstance(time_, dict) \
+                    and "wait_p99_ns" in time_:
+                return f"{time_.get('wait_p50_ns', 0) / 1e6:.2f} / {time_['wait_p99_ns'] / 1e6:.2f}"
+    return ""
+
+
+def latency_row(r: dict, targets, d: Path) -> dict:
+    """One run of the latency set as the table's and the CSV's fields."""
+    procs = {p["tenant"]: p for p in r["procs"]}
+    inf, train = procs.get("inf"), procs.get("train")
+    prio = dict(part.partition(":")[::2] for part in r.get("priority", "").split(",") if part)
+    shape = r["workload"].partition("-")[2]
+    if r["mode"] == "native":
+        label = "inference alone, native" if train is None else "both, native (2 processes)"
+    else:
+        who = ", ".join(f"{p['tenant']} {p['share']} {prio.get(p['tenant'], 'normal')}" for p in r["procs"])
+        label = f"{'inference alone' if train is None else 'both'}, fracgpu: {who}"
+    row = {"run": r["dir"], "shape": shape, "label": label, "mode": r["mode"], "seconds": r["seconds"],
+           "ok": int(all(p["ok"] for p in r["procs"]))}
+    kv = inf["kv"] if inf else {}
+    for key in ("bursts", "late", "missed", "p50_ms", "p99_ms", "p999_ms", "max_ms"):
+        row[key] = kv.get(key, "")
+    inf_share = train_share = busy = None
+    if inf is not None:
+        inf_share, _, _, busy = share_figures(r["samples"].get("inf", []), r["seconds"])
+    if train is not None:
+        train_share = share_figures(r["samples"].get("train", []), r["seconds"])[0]
+        row["train_rate"] = f"{train['rate']:.1f}"
+    row["inf_share"] = fmt_ratio(inf_share)
+    row["train_share"] = fmt_ratio(train_share)
+    row["gpu_busy"] = fmt_ratio(busy)
+    left = None
+    if train_share is not None and inf_share is not None and inf_share < 1:
+        left = train_share / (1 - inf_share)
+    row["train_of_left"] = fmt_ratio(left)
+    row["fracgpu_wait_ms"] = latency_waits(d, "inf") if r["mode"] == "fracgpu" else ""
+    p50_target, p99_target = targets
+    row["p50_target_ms"] = "" if p50_target is None else f"{p50_target:.3f}"
+    row["p99_target_ms"] = "" if p99_target is None else f"{p99_target:.3f}"
+    for key, target in (("p50", p50_target), ("p99", p99_target)):
+        try:
+            row[f"{key}_met"] = "" if target is None else ("yes" if float(row[f"{key}_ms"]) <= target else "no")
+        except ValueError:  # no figure: the inference failed
+            row[f"{key}_met"] = ""
+    return row
+
+
+def cmd_latency(args) -> int:
+    out = Path(args.out_dir)
+    runs = [read_run(d) for d in sorted((out / "runs").iterdir()) if (d / "run.txt").exists()]
+    runs = [r for r in runs if r.get("set") == "latency"]
+    if not runs:
+        print(f"e2e.py: no runs of the latency set under {out / 'runs'}", file=sys.stderr)
+        return 2
+    alone = next((r for r in runs if r["mode"] == "native" and len(r["procs"]) == 1
+                  and r["procs"][0]["ok"]), None)
+    targets = latency_targets(alone["procs"][0]["kv"] if alone else None)
+    rows = [latency_row(r, targets, out / "runs" / r["dir"]) for r in runs]
+    for row in rows:
+        if alone is not None and row["run"] == alone["dir"]:
+            row["p50_met"] = row["p99_met"] = ""  # the reference itself
+    write_csv(out / "e2e_latency.csv", rows,
+              ["run", "shape", "label", "mode", "seconds", "ok", "bursts", "late", "missed", "p50_ms", "p99_ms",
+               "p999_ms", "max_ms", "inf_share", "train_share", "train_of_left", "train_rate", "gpu_busy", "fracgpu_wait_ms",
+               "p50_target_ms", "p99_target_ms", "p50_met", "p99_met"])
+
+    def ms(x):
+        return f"{float(x):.2f}" if x != "" else ""
+
+    table = []
+    for row in rows:
+        bursts = row["bursts"]
+        if bursts and (row["late"] not in ("", "0") or row["missed"] not in ("", "0")):
+            bursts += f" ({row['late']} late, {row['missed']} missed)"
+        table.append([row["shape"] or "-", ("" if row["ok"] else "FAILED ") + row["label"], ms(row["p50_ms"]),
+                      ms(row["p99_ms"]), ms(row["p999_ms"]), bursts, row["inf_share"], row["train_share"],
+                      row["train_of_left"], row.get("train_rate", ""), row["fracgpu_wait_ms"],
+                      row["p50_met"], row["p99_met"]])
+    text = markdown_table(
+        ["training shape", "run", "inference p50 (ms)", "p99 (ms)", "p99.9 (ms)", "bursts",
+         "inference GPU time", "training GPU time", "training / time inference leaves", "training kernels/s",
+         "fracgpu's wait p50 / p99 (ms)", "p50 target met", "p99 target met"], table)
+    notes = []
+    p50_target, p99_target = targets
+    if p50_target is not None:
+        kv = alone["procs"][0]["kv"]
+        notes.append(f"Targets from the inference alone without fracgpu (p50 {float(kv['p50_ms']):.2f} ms, "
+                     f"p99 {float(kv['p99_ms']):.2f} ms): p50 <= {P50_TARGET_FACTOR:g} x p50 alone = "
+                     f"{p50_target:.2f} ms; p99 <= {P99_TARGET_FACTOR:g} x p99 alone + {P99_TARGET_SLACK_MS:g} ms "
+                     f"= {p99_target:.2f} ms.")
+    else:
+        notes.append("No targets: the inference alone without fracgpu did not run or failed.")
+    notes.append("Shapes: a = the training launches, synchronizes, launches (1 kernel of 2 ms in flight); "
+                 "b = 1000 in flight. GPU time: fraction of the window (from "
+                 f"{SKIP_S:g} s; half-way in shorter runs) the simulated driver ran each tenant's kernels. "
+                 "Percentiles: nearest rank over the bursts (below 1000 bursts, p99.9 is the largest). "
+                 "fracgpu's wait: a latency tenant's waits for the GPU as fracgpu publishes them (`fracgpu "
+                 "status --json` near the end of the run), its own figures beside the measured latency.")
+    if args.skipped:
+        notes.append(f"Not measured: the runs with priority = \"latency\" ({args.skipped}).")
+    text += "\n\n" + "\n".join(notes)
+    (out / "e2e_latency.md").write_text(text + "\n")
+    print(text)
+    failed = sum(1 for row in rows if not row["ok"])
+    if failed:
+        print(f"\n{failed} run(s) of the latency set FAILED: see {out / 'runs'}/*/*.err", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -508,12 +655,17 @@ def main() -> int:
     w.add_argument("procs", nargs="+", metavar="PID:TENANT")
     r = sub.add_parser("report")
     r.add_argument("out_dir")
+    lat = sub.add_parser("latency")
+    lat.add_argument("out_dir")
+    lat.add_argument("--skipped", default="")
     args = ap.parse_args()
     if args.cmd == "now":
         print(now_ns())
         return 0
     if args.cmd == "watch":
         return cmd_watch(args)
+    if args.cmd == "latency":
+        return cmd_latency(args)
     return cmd_sample(args) if args.cmd == "sample" else cmd_report(args)
 
 

@@ -43,9 +43,25 @@ stop() {
   done
 }
 
-# start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE...
+# write_fracgpud_config RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY]...: the
+# config start_fracgpud runs with, on stdout.
+write_fracgpud_config() {
+  local run_dir=$1 gpu=$2 spec tenant share priority
+  shift 2
+  printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n' "$run_dir"
+  [[ -z ${fracgpud_daemon_keys:-} ]] || printf '%s\n' "$fracgpud_daemon_keys"
+  printf '\n[[gpu]]\n%s\n' "$gpu"
+  for spec in "$@"; do
+    IFS=: read -r tenant share priority <<<"$spec"
+    printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
+    [[ -z $priority ]] || printf 'priority = "%s"\n' "$priority"
+  done
+}
+
+# start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY]...
 # Writes DIR/fracgpud.toml (run dir RUN_DIR, the [[gpu]] table's keys
-# GPU_TABLE, each TENANT given SHARE of that GPU; the [daemon] table also gets
+# GPU_TABLE, each TENANT given SHARE of that GPU and, where named, its
+# `priority` (latency, normal, batch); the [daemon] table also gets
 # the lines of $fracgpud_daemon_keys, if the caller set it), starts fracgpud with it
 # (log: DIR/fracgpud.log; pid: $daemon_pid) and waits until every tenant's
 # GPU-time arbiter is linked into its ledger. Returns 1 (with the log's tail)
@@ -53,15 +69,7 @@ stop() {
 start_fracgpud() {
   local dir=$1 run_dir=$2 gpu=$3 spec tenant share i
   shift 3
-  {
-    printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n' "$run_dir"
-    [[ -z ${fracgpud_daemon_keys:-} ]] || printf '%s\n' "$fracgpud_daemon_keys"
-    printf '\n[[gpu]]\n%s\n' "$gpu"
-    for spec in "$@"; do
-      IFS=: read -r tenant share <<<"$spec"
-      printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
-    done
-  } >"$dir/fracgpud.toml"
+  write_fracgpud_config "$run_dir" "$gpu" "$@" >"$dir/fracgpud.toml"
   # fracgpud_env: extra environment for the daemon (the caller's array, if set).
   env ${fracgpud_env[@]+"${fracgpud_env[@]}"} "$fracgpud" --config "$dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
   daemon_pid=$!

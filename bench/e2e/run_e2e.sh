@@ -4,6 +4,7 @@
 #
 #   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N] [--held]
 #        [--sample-ms N] [--charging held|measured] [--guard-ms N] [--realistic]
+#        [--only workloads|latency]
 #
 # fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
 # process's GPU time from the simulated driver, exactly, on every call; --held
@@ -41,14 +42,43 @@
 # (the ground truth), and writes to OUT_DIR: e2e_table.md (printed), CSVs,
 # e2e_shares.svg, and runs/<run>/ with each process's output, the daemon's log
 # and `fracgpu status --json` (status_begin.json near the start, status.json
-# near the end). Exit 0 when every run succeeded.
+# near the end).
+#
+# The latency set (issue 24; docs/performance.md, "Inference beside training
+# (latency tenants)"): an inference tenant `inf` (e2e_workload mode=inference:
+# bursts of 20 x 100 us kernels arriving every 10 ms +- 1 ms, one thread, each
+# burst's latency from its first launch to its synchronize) beside a training
+# tenant `train` (mode=training, 2 ms kernels), in two shapes: (a) one kernel
+# in flight (launch, synchronize, launch...), (b) 1000 in flight (queued
+# ahead, as PyTorch does). Its runs:
+#   - inference alone, native (the reference of the targets);
+#   - inference alone under fracgpu: the only tenant, with what it has in the
+#     latency run (gpus = 0.25, priority latency): what fracgpu's cap and
+#     pacing cost it with no neighbour; once for both shapes (nothing in it
+#     depends on the shape);
+#   - per shape: the pair as two native processes; the pair under fracgpu,
+#     both normal (inf 0.25, train 0.75); the pair with inf priority latency.
+# A fracgpud that refuses `priority` in a config (checked first with
+# fracgpud --check) leaves the runs that need it out, said in the table.
+# The fracgpu runs of the set always sample with the realistic stand-in NVML
+# (SIMNVML_SAMPLE_MS=--sample-ms, else 167; SIMNVML_ATTRIB=instant): exact
+# per-call figures would be kinder to the pacing than a real GPU's. Each run
+# lasts --seconds (default 10; --smoke: 2 s, shape b only). Writes
+# e2e_latency.md (printed) and e2e_latency.csv: per run, the inference's
+# p50/p99/p99.9 burst latency, bursts, each tenant's GPU time (the simulated
+# driver's ground truth, as the other runs), the training's fraction of the
+# time the inference leaves, and the issue's targets from the native alone
+# run (p50 <= 1.05 x alone, p99 <= 1.10 x alone + 2 ms) and whether each is
+# met (figures only: the exit status does not depend on them).
+# --only runs one set: workloads (everything above the latency set) or
+# latency. Exit 0 when every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "run_e2e.sh: $*" >&2; exit 2; }
 
-build="" out="" smoke=0 seconds="" held=0 sample_ms="" charging="" guard_ms=8 realistic=0
+build="" out="" smoke=0 seconds="" held=0 sample_ms="" charging="" guard_ms=8 realistic=0 only=""
 pass_on=()  # options for --realistic's runs
 while (($#)); do
   case $1 in
@@ -59,12 +89,16 @@ while (($#)); do
     --sample-ms) sample_ms=${2:?--sample-ms needs a value}; shift 2 ;;
     --charging) charging=${2:?--charging needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     --guard-ms) guard_ms=${2:?--guard-ms needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
+    --only) only=${2:?--only needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [[ -z $build ]]; then build=$1; elif [[ -z $out ]]; then out=$1; else die "unexpected argument $1"; fi; shift ;;
   esac
 done
 [[ -n $build && -n $out ]] || { usage >&2; exit 2; }
+[[ -z $only || $only == workloads || $only == latency ]] || die "--only takes workloads or latency, not $only"
+# The latency set's runs: a few hundred bursts even in the smoke.
+latency_seconds=${seconds:-$((smoke ? 2 : 10))}
 seconds=${seconds:-$((smoke ? 1 : 10))}
 [[ $seconds =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "--seconds takes a number of seconds, not $seconds"
 [[ -z $sample_ms || $sample_ms =~ ^[1-9][0-9]*$ ]] || die "--sample-ms takes a whole number of ms above 0, not $sample_ms"
@@ -90,13 +124,14 @@ if ((realistic)); then
   for period in 167 1000; do
     echo
     echo "== SIMNVML_SAMPLE_MS=$period ($out/sample-${period}ms)"
-    if [[ -s $out/sample-${period}ms/e2e_table.md ]]; then
-      cat "$out/sample-${period}ms/e2e_table.md"
-      echo
-      cat "$out/sample-${period}ms/e2e_sharing.md"
-    else
-      echo "(no table: the runs failed; see above)"
-    fi
+    tables=0
+    for f in e2e_table e2e_sharing e2e_latency; do
+      [[ -s $out/sample-${period}ms/$f.md ]] || continue
+      ((tables == 0)) || echo
+      cat "$out/sample-${period}ms/$f.md"
+      tables=$((tables + 1))
+    done
+    ((tables)) || echo "(no table: the runs failed; see above)"
   done
   exit "$rc"
 fi
@@ -148,10 +183,13 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # The e2e_workload arguments of a workload name: stepN is mode=step with N us
-# kernels; cheat dodges the sampling instants of $cheat_period_ms.
+# kernels; cheat dodges the sampling instants of $cheat_period_ms; training-a
+# and training-b are the training's shapes (1 and 1000 kernels in flight).
 workload_args() {
   case $1 in
     step*) echo "mode=step kernel_us=${1#step}" ;;
+    training-a) echo "mode=training inflight=1" ;;
+    training-b) echo "mode=training inflight=1000" ;;
     cheat) echo "mode=cheat period_ms=$cheat_period_ms guard_ms=$guard_ms" ;;
     *) echo "mode=$1" ;;
   esac
@@ -165,36 +203,46 @@ status_at() {
   "$fracgpu" status --run-dir "$run_dir" --json >"$2" 2>&1 || true
 }
 
-# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD]]...
+# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD[:PRIORITY]]]...
 # MODE native: each TENANT is one process without the interposer. MODE
-# fracgpu: a fresh fracgpud whose config gives each TENANT its SHARE of GPU 0,
-# one process each, from a common start. A TENANT's own WORKLOAD replaces the
-# run's (run.txt then says mix=TENANT:WORKLOAD,...).
+# fracgpu: a fresh fracgpud whose config gives each TENANT its SHARE of GPU 0
+# (and its PRIORITY, where named), one process each, from a common start. A
+# TENANT's own WORKLOAD replaces the run's (run.txt then says
+# mix=TENANT:WORKLOAD,...). $run_set, when set, goes to run.txt as set=
+# (the report keeps the latency set's runs out of the workloads' tables).
 run() {
-  local name dir run_dir wl=$2 mode=$3 spec tenant share twl i mix=""
+  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority i mix="" prio=""
   begin_run "$1" "$wl" "$mode"
   shift 3
   for spec in "$@"; do
-    IFS=: read -r tenant share twl <<<"$spec"
+    IFS=: read -r tenant share twl priority <<<"$spec"
     [[ -z $twl ]] || mix+="${mix:+,}$tenant:$twl"
+    [[ -z $priority ]] || prio+="${prio:+,}$tenant:$priority"
   done
   [[ -z $mix ]] || printf 'mix=%s\n' "$mix" >>"$dir/run.txt"
+  [[ -z $prio ]] || printf 'priority=%s\n' "$prio" >>"$dir/run.txt"
+  [[ -z ${run_set:-} ]] || printf 'set=%s\n' "$run_set" >>"$dir/run.txt"
   if [[ $mode == fracgpu ]]; then
     local -a daemon_specs=()
-    for spec in "$@"; do daemon_specs+=("$(cut -d: -f1,2 <<<"$spec")"); done
+    for spec in "$@"; do
+      IFS=: read -r tenant share twl priority <<<"$spec"
+      daemon_specs+=("$tenant:$share${priority:+:$priority}")
+    done
     start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "${daemon_specs[@]}" || exit 1
   fi
   # A common start, after every process has had time to create its context.
   local start=$(($(py now) + 700000000)) tenants=() shares=() procs=()
   pids=()
   for spec in "$@"; do
-    IFS=: read -r tenant share twl <<<"$spec"
-    local -a vars=()
+    IFS=: read -r tenant share twl priority <<<"$spec"
+    local -a vars=() extra=()
     if [[ $mode == fracgpu ]]; then
       vars=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
     fi
+    # Every burst's latency, for a look beyond the percentiles.
+    [[ ${twl:-$wl} != inference ]] || extra=(latency_file="$dir/$tenant.latencies")
     # shellcheck disable=SC2046 # the workload's arguments are words on purpose
-    env "${vars[@]}" "$workload" $(workload_args "${twl:-$wl}") seconds="$seconds" start_ns="$start" \
+    env "${vars[@]}" "$workload" $(workload_args "${twl:-$wl}") ${extra[@]+"${extra[@]}"} seconds="$seconds" start_ns="$start" \
       >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
     pids+=("$!")
     tenants+=("$tenant")
@@ -222,46 +270,108 @@ run() {
   echo "  $name done" >&2
 }
 
-echo "== end-to-end workloads on the simulated driver, $seconds s each, into $out" >&2
-for wl in launch step10 step50 compute alloc; do
-  run "$wl-native" "$wl" native a
-  run "$wl-fracgpu-alone" "$wl" fracgpu a:1
-  if ((smoke)); then
-    [[ $wl != compute ]] || run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
-    continue
-  fi
-  run "$wl-native-2" "$wl" native a b
-  run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
-  if [[ $wl == compute ]]; then
-    run "$wl-fracgpu-0.2-0.3-0.5" "$wl" fracgpu a:0.2 b:0.3 c:0.5
-    run "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
-  fi
-done
-# The cheat beside an honest compute-bound tenant, without fracgpu and with it.
-run cheat-native-2 cheat native cheat::cheat honest::compute
-run cheat-fracgpu-0.5-0.5 cheat fracgpu cheat:0.5:cheat honest:0.5:compute
-if ((held)); then
-  nvml="no NVML (--held)"
-elif [[ -n $sample_ms ]]; then
-  nvml="stand-in NVML sampling every $sample_ms ms (SIMNVML_SAMPLE_MS=$sample_ms, SIMNVML_ATTRIB=instant)"
-else
-  nvml="stand-in NVML, exact (no sampling)"
+if [[ $only != latency ]]; then
+  echo "== end-to-end workloads on the simulated driver, $seconds s each, into $out" >&2
+  for wl in launch step10 step50 compute alloc; do
+    run "$wl-native" "$wl" native a
+    run "$wl-fracgpu-alone" "$wl" fracgpu a:1
+    if ((smoke)); then
+      [[ $wl != compute ]] || run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
+      continue
+    fi
+    run "$wl-native-2" "$wl" native a b
+    run "$wl-fracgpu-0.5-0.5" "$wl" fracgpu a:0.5 b:0.5
+    if [[ $wl == compute ]]; then
+      run "$wl-fracgpu-0.2-0.3-0.5" "$wl" fracgpu a:0.2 b:0.3 c:0.5
+      run "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
+    fi
+  done
+  # The cheat beside an honest compute-bound tenant, without fracgpu and with it.
+  run cheat-native-2 cheat native cheat::cheat honest::compute
+  run cheat-fracgpu-0.5-0.5 cheat fracgpu cheat:0.5:cheat honest:0.5:compute
 fi
-{
-  echo "Simulated driver (tests/simcuda), $(date -u +%Y-%m-%d), $(lscpu | sed -n 's/^Model name: *//p' | head -n 1), $(nproc) CPUs; $seconds s per run"
-  if [[ -n $charging ]]; then
-    charging_text="gpu_time_charging = $charging"
+
+# nvml_text SAMPLE_MS: how fracgpud's NVML was set up, for a table's head.
+nvml_text() {
+  if ((held)); then
+    echo "no NVML (--held)"
+  elif [[ -n $1 ]]; then
+    echo "stand-in NVML sampling every $1 ms (SIMNVML_SAMPLE_MS=$1, SIMNVML_ATTRIB=instant)"
   else
-    charging_text="gpu_time_charging not set (the daemon's default)"
+    echo "stand-in NVML, exact (no sampling)"
   fi
-  echo "fracgpud: $nvml; $charging_text; cheat: period $cheat_period_ms ms, guard $guard_ms ms"
-  echo
-} >"$out/e2e_table.head"
+}
+if [[ -n $charging ]]; then
+  charging_text="gpu_time_charging = $charging"
+else
+  charging_text="gpu_time_charging not set (the daemon's default)"
+fi
+machine="$(date -u +%Y-%m-%d), $(lscpu | sed -n 's/^Model name: *//p' | head -n 1), $(nproc) CPUs"
+
 rc=0
-py report "$out" || rc=$?
-for f in e2e_table e2e_sharing; do
-  cat "$out/e2e_table.head" "$out/$f.md" >"$out/$f.tmp" && mv "$out/$f.tmp" "$out/$f.md"
-done
-rm -f "$out/e2e_table.head"
-echo "== wrote $out/e2e_table.md, e2e_sharing.md, e2e_runs.csv, e2e_summary.csv, e2e_shares.csv, e2e_shares.svg" >&2
+latency_skipped=""
+if [[ $only != workloads ]]; then
+  # The latency set samples as a real GPU's NVML does (see the head).
+  latency_sample_ms=${sample_ms:-167}
+  if ((!held)); then
+    fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH" SIMNVML_SAMPLE_MS="$latency_sample_ms"
+      SIMNVML_ATTRIB=instant)
+  else
+    latency_sample_ms=""
+  fi
+  workload_seconds=$seconds
+  seconds=$latency_seconds
+  run_set=latency
+  # Does this fracgpud take a tenant's priority? (The key is newer than this
+  # harness's other runs: without it, the runs that need it are left out.)
+  mkdir -p "$work/probe"
+  write_fracgpud_config "$work/probe" "uuid = \"$uuid\"" inf:0.25:latency train:0.75 >"$work/probe.toml"
+  if ! probe=$(env ${fracgpud_env[@]+"${fracgpud_env[@]}"} "$fracgpud" --config "$work/probe.toml" --check 2>&1); then
+    # shellcheck disable=SC2001 # a pattern per line (the file's name), not one substitution
+    latency_skipped="this fracgpud refuses a tenant's priority: $(sed 's/^[^ ]*\.toml:[0-9]*: //' <<<"$probe" | head -n 1 | cut -c 1-160)"
+    echo "run_e2e.sh: the runs with priority = \"latency\" are left out: $latency_skipped" >&2
+  fi
+  prio=":latency"
+  [[ -z $latency_skipped ]] || prio=""  # alone under fracgpu: normal, said in the table
+  shapes="a b"
+  ((!smoke)) || shapes=b
+  echo "== latency tenants: inference beside training on the simulated driver, $seconds s each, into $out" >&2
+  run latency-inference-native latency native inf::inference
+  run latency-inference-fracgpu-alone latency fracgpu "inf:0.25:inference$prio"
+  for shape in $shapes; do
+    run "latency-$shape-native-2" "latency-$shape" native inf::inference "train::training-$shape"
+    run "latency-$shape-fracgpu-normal" "latency-$shape" fracgpu inf:0.25:inference "train:0.75:training-$shape"
+    [[ -n $latency_skipped ]] ||
+      run "latency-$shape-fracgpu-latency" "latency-$shape" fracgpu inf:0.25:inference:latency \
+        "train:0.75:training-$shape"
+  done
+  run_set=""
+  seconds=$workload_seconds
+  {
+    echo "Simulated driver (tests/simcuda), $machine; $latency_seconds s per run"
+    echo "fracgpud: $(nvml_text "$latency_sample_ms"); $charging_text"
+    echo
+  } >"$out/e2e_latency.head"
+  latency_args=()
+  [[ -z $latency_skipped ]] || latency_args=(--skipped "$latency_skipped")
+  py latency "$out" ${latency_args[@]+"${latency_args[@]}"} || rc=$?
+  cat "$out/e2e_latency.head" "$out/e2e_latency.md" >"$out/e2e_latency.tmp" && mv "$out/e2e_latency.tmp" "$out/e2e_latency.md"
+  rm -f "$out/e2e_latency.head"
+  echo "== wrote $out/e2e_latency.md, e2e_latency.csv" >&2
+fi
+
+if [[ $only != latency ]]; then
+  {
+    echo "Simulated driver (tests/simcuda), $machine; $seconds s per run"
+    echo "fracgpud: $(nvml_text "$sample_ms"); $charging_text; cheat: period $cheat_period_ms ms, guard $guard_ms ms"
+    echo
+  } >"$out/e2e_table.head"
+  [[ $only == workloads ]] || echo
+  py report "$out" || { r=$?; ((rc)) || rc=$r; }
+  for f in e2e_table e2e_sharing; do
+    cat "$out/e2e_table.head" "$out/$f.md" >"$out/$f.tmp" && mv "$out/$f.tmp" "$out/$f.md"
+  done
+  rm -f "$out/e2e_table.head"
+  echo "== wrote $out/e2e_table.md, e2e_sharing.md, e2e_runs.csv, e2e_summary.csv, e2e_shares.csv, e2e_shares.svg" >&2
+fi
 exit "$rc"

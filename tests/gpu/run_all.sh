@@ -6,23 +6,25 @@
 #
 #   bash tests/gpu/run_all.sh BUILD_DIR OUT_DIR [CHECK ...]
 #
-# CHECK (default: all, about 24 minutes in all, calibrate first):
+# CHECK (default: all, about 27 minutes in all, calibrate first):
 #   calibrate tests/gpu/run_sm_share.sh calibrate  NVML's samples against CUPTI:
 #           the stand-in NVML's settings; raw logs in OUT_DIR/calibration (~2 min)
 #   memory  tests/gpu/run_memory_checks.sh   memory quotas, PyTorch and JAX   (~2 min)
 #   nvml    tests/gpu/run_nvml_checks.sh     nvidia-smi inside a tenant      (~1 min)
 #   share   tests/gpu/run_sm_share.sh        GPU-time shares                  (~5 min)
 #   bench   bench/gpu/run_gpu.sh             throughput against native, MPS   (~13 min)
+#   latency tests/gpu/run_sm_share.sh latency  a decode tenant beside training:
+#           its latency percentiles, natively and under fracgpu         (~3 min)
 # Exit status: the number of checks that failed (0: all passed); 2 at once
 # when there is no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 64
-[[ $# -ge 2 ]] || { echo "usage: run_all.sh BUILD_DIR OUT_DIR [calibrate|memory|nvml|share|bench ...]" >&2; exit 64; }
+[[ $# -ge 2 ]] || { echo "usage: run_all.sh BUILD_DIR OUT_DIR [calibrate|memory|nvml|share|bench|latency ...]" >&2; exit 64; }
 build=$(realpath "$1") || exit 64
 out=$2
 shift 2
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate memory nvml share bench)
+[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate memory nvml share bench latency)
 mkdir -p "$out"
 out=$(realpath "$out")
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -45,6 +47,7 @@ for check in "${checks[@]}"; do
     nvml) cmd=(env FRACGPU_BUILD_DIR="$build" bash tests/gpu/run_nvml_checks.sh) ;;
     share) cmd=(bash tests/gpu/run_sm_share.sh "$build" --out "$out/share") ;;
     bench) cmd=(bash bench/gpu/run_gpu.sh "$build" "$out/bench") ;;
+    latency) cmd=(bash tests/gpu/run_sm_share.sh latency "$build" --out "$out/latency") ;;
     *) echo "unknown check: $check" >&2; exit 64 ;;
   esac
   log=$out/$check.log

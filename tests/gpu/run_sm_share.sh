@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU-time shares on a real NVIDIA GPU (issue 3; how they work: docs/sm-time.md).
 #
-#   bash tests/gpu/run_sm_share.sh [calibrate] [BUILD_DIR] [--seconds N] [--size N]
+#   bash tests/gpu/run_sm_share.sh [calibrate | latency] [BUILD_DIR] [--seconds N] [--size N]
 #        [--kinds K[,K...]] [--sync-every N] [--no-three-tenants] [--no-launch-bound]
-#        [--no-nvml] [--out DIR]
+#        [--no-nvml] [--out DIR] [--inflight N]
 #
 # BUILD_DIR defaults to $FRACGPU_BUILD_DIR, else build/ (scripts/build.sh's);
 # this script builds nothing. Needs one NVIDIA GPU (GPU 0 is used), PyTorch,
@@ -59,6 +59,27 @@
 # nvml_sampler (exit 2 without it); exit 1 if a phase failed or its sampler
 # gave no summary.
 #
+# `latency` runs inference beside training instead (issue 24, latency
+# tenants; docs/performance.md, "Inference beside training (latency
+# tenants)"; about 3 minutes at the default 20 s per run), with the workloads
+# of bench/gpu/latency_workload.py: a decode-like tenant `inf` (requests every
+# 10 ms +- 1 ms, each 16 steps of 4 fp16 [4, 4096] x [4096, 4096] matmuls,
+# latency per request from its first launch to a CUDA event's synchronize)
+# and a training tenant `train` (fp16 --size matmuls, --inflight, default
+# 1000, iterations queued ahead):
+#   1. the decode alone, the training alone, without fracgpu (the targets'
+#      and the training's references);
+#   2. the decode alone under fracgpud (gpus = 0.25, priority latency);
+#   3. both without fracgpu (two processes);
+#   4. both under fracgpud, both normal (inf 0.25, train 0.75);
+#   5. both with inf at priority = "latency" (left out, and said so, if this
+#      fracgpud refuses the key: fracgpud --check);
+# and prints the table (latency_workload.py report; also latency_table.md in
+# the results directory): decode p50/p99/p99.9, requests, each tenant's GPU
+# time (the decode's from the CUPTI meter unless --no-nvml), the training's
+# fraction of the time the decode leaves and its iterations/s, the issue's
+# targets and whether each is met (exit 1 only if a run failed).
+#
 # Results go to a new directory (printed at the end) under --out DIR, else
 # under /tmp.
 #
@@ -83,9 +104,12 @@ three_tenants=1
 launch_bound=1
 nvml=1
 calibrate=0
+latency=0
+inflight=1000
 out_dir=""
 poll_ms=2
 if [[ ${1:-} == calibrate ]]; then calibrate=1; shift; fi
+if [[ ${1:-} == latency ]]; then latency=1; shift; fi
 while (($#)); do
   case $1 in
     --no-nvml) nvml=0; shift ;;
@@ -94,6 +118,7 @@ while (($#)); do
     --size) size=${2:?--size needs a value}; shift 2 ;;
     --kinds) kinds=${2:?--kinds needs a value}; shift 2 ;;
     --sync-every) sync_every=${2:?--sync-every needs a value}; shift 2 ;;
+    --inflight) inflight=${2:?--inflight needs a value}; shift 2 ;;
     --no-three-tenants) three_tenants=0; shift ;;
     --no-launch-bound) launch_bound=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -102,6 +127,7 @@ while (($#)); do
   esac
 done
 [[ $run_seconds =~ ^[0-9]+$ ]] || die "--seconds takes whole seconds, not $run_seconds"
+[[ $inflight =~ ^[1-9][0-9]*$ ]] || die "--inflight takes a whole number above 0, not $inflight"
 IFS=, read -r -a kind_list <<<"$kinds"
 for kind in "${kind_list[@]}"; do
   [[ $kind =~ ^(matmul|mixed|step10|step50)$ ]] ||
@@ -113,12 +139,14 @@ fracgpud=$build/controller/fracgpud
 fracgpu=$build/controller/fracgpu
 lib=$build/interpose/libfracgpu.so
 work=tests/gpu/sm_share_workload.py
+latency_work=bench/gpu/latency_workload.py
 for f in "$fracgpud" "$fracgpu" "$lib"; do
   [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh) or name the build dir"
 done
 command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this check needs an NVIDIA GPU"
 python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null ||
   die "PyTorch with CUDA is needed (python3 -c 'import torch; torch.cuda.is_available()' failed)"
+((calibrate == 0 || latency == 0)) || die "calibrate or latency: one at a time"
 ((calibrate == 0 || nvml == 1)) || die "calibrate needs the NVML sampler: leave out --no-nvml"
 
 # GPU 0 as nvidia-smi and fracgpud number GPUs (PCI bus order). The tenants
@@ -184,9 +212,10 @@ sleep_until_ns() {
   python3 -c 'import sys, time; time.sleep(max(0.0, (int(sys.argv[1]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)) / 1e9))' "$1"
 }
 
-# run_group DIR RUN_DIR TENANT:SHARE:KIND...
+# run_group DIR RUN_DIR TENANT:SHARE:KIND[:PRIORITY]...
 # Runs the workloads together from a common start, as tenants of the fracgpud
-# on RUN_DIR, or without fracgpu when RUN_DIR is empty. Leaves in DIR each
+# on RUN_DIR, or without fracgpu when RUN_DIR is empty (KIND decode and train:
+# bench/gpu/latency_workload.py's; DIR/tenants.tsv lists them). Leaves in DIR each
 # tenant's JSON and stderr, NVML accounting, and (with fracgpu) fracgpu status
 # taken one second before the window ends; with $group_tools, each tenant's
 # CUPTI meter file (cupti-TENANT.PID.json) and nvml_sampler's log
@@ -194,12 +223,14 @@ sleep_until_ns() {
 # is reported and left for the report to count; the other groups still run.
 run_group() {
   local dir=$1 run_dir=$2; shift 2
-  local spec tenant share kind
-  local -a names=() vars
+  local spec tenant share kind priority
+  local -a names=() vars cmd
   mkdir -p "$dir"
+  : >"$dir/tenants.tsv"
   tenant_pids=()
   for spec in "$@"; do
-    IFS=: read -r tenant share kind <<<"$spec"
+    IFS=: read -r tenant share kind priority <<<"$spec"
+    printf '%s\t%s\t%s\t%s\n' "$tenant" "$share" "$kind" "$priority" >>"$dir/tenants.tsv"
     vars=(CUDA_VISIBLE_DEVICES="$gpu_uuid")
     if [[ -n $run_dir ]]; then
       vars+=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
@@ -207,8 +238,12 @@ run_group() {
     if [[ $group_tools == *meter* && -n $meter ]]; then
       vars+=(CUDA_INJECTION64_PATH="$meter" FRACGPU_CUPTI_OUT="$dir/cupti-$tenant")
     fi
-    env "${vars[@]}" python3 "$work" run --seconds "$run_seconds" --kind "$kind" --size "$size" \
-      --sync-every "$sync_every" --ready-file "$dir/$tenant.ready" --start-file "$dir/start" \
+    case $kind in
+      decode) cmd=(python3 "$latency_work" decode --latency-file "$dir/$tenant.latencies") ;;
+      train) cmd=(python3 "$latency_work" train --size "$size" --inflight "$inflight") ;;
+      *) cmd=(python3 "$work" run --kind "$kind" --size "$size" --sync-every "$sync_every") ;;
+    esac
+    env "${vars[@]}" "${cmd[@]}" --seconds "$run_seconds" --ready-file "$dir/$tenant.ready" --start-file "$dir/start" \
       >"$dir/$tenant.json" 2>"$dir/$tenant.err" &
     tenant_pids+=("$!")
     names+=("$tenant")
@@ -317,6 +352,50 @@ run_split() {
   daemon_pid=""
 }
 
+# latency_config RUN_DIR TENANT:SHARE:KIND[:PRIORITY]...: a config giving
+# each TENANT its SHARE of GPU 0 and its PRIORITY where named, on stdout.
+latency_config() {
+  local run_dir=$1 spec tenant share kind priority
+  shift
+  printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n\n[[gpu]]\nindex = 0\n' "$run_dir"
+  for spec in "$@"; do
+    IFS=: read -r tenant share kind priority <<<"$spec"
+    printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
+    [[ -z $priority ]] || printf 'priority = "%s"\n' "$priority"
+  done
+}
+
+# run_named_split GROUP TENANT:SHARE:KIND[:PRIORITY]...: these tenants under a
+# fresh fracgpud, into $results/GROUP (the latency runs: named tenants, a
+# priority each).
+run_named_split() {
+  local group=$1 dir run_dir spec deadline=$((SECONDS + 20))
+  shift
+  dir=$results/$group
+  run_dir=$results/run-$group
+  mkdir -p "$dir" "$run_dir"
+  split_dirs+=("$dir")
+  latency_config "$run_dir" "$@" >"$run_dir/fracgpud.toml"
+  echo "== $group ($*), $run_seconds s"
+  "$fracgpud" --config "$run_dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
+  daemon_pid=$!
+  for spec in "$@"; do
+    until [[ -e $run_dir/tenants/${spec%%:*}/gputime-0 ]]; do
+      if ! kill -0 "$daemon_pid" 2>/dev/null || ((SECONDS >= deadline)); then
+        echo "FAILED: fracgpud did not set up ${spec%%:*}'s GPU-time arbiter; its log:"
+        cat "$dir/fracgpud.log"
+        stop_pids "$daemon_pid"
+        daemon_pid=""
+        return 0
+      fi
+      sleep 0.1
+    done
+  done
+  run_group "$dir" "$run_dir" "$@"
+  stop_pids "$daemon_pid"
+  daemon_pid=""
+}
+
 run_baselines() { # run_baselines before|after
   local kind
   for kind in $(printf '%s\n' "${kind_list[@]}" | awk '!seen[$0]++'); do
@@ -326,7 +405,9 @@ run_baselines() { # run_baselines before|after
 }
 
 # The record: when, on what, with what.
-if ((calibrate)); then
+if ((latency)); then
+  echo "# Inference beside training on a real GPU: tests/gpu/run_sm_share.sh latency"
+elif ((calibrate)); then
   echo "# NVML calibration on a real GPU: tests/gpu/run_sm_share.sh calibrate"
 else
   echo "# GPU-time shares on a real GPU: tests/gpu/run_sm_share.sh"
@@ -336,7 +417,11 @@ echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "- GPU, driver: $(nvidia-smi -i 0 --query-gpu=name,driver_version --format=csv,noheader) ($gpu_uuid, compute mode $compute_mode)"
 echo "- $(python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)')"
 echo "- fracgpu: $(git describe --always --dirty 2>/dev/null || echo unknown), build $build"
-echo "- workload: kinds $kinds, size $size, synchronize every $sync_every, $run_seconds s per run"
+if ((latency)); then
+  echo "- workload: decode (bench/gpu/latency_workload.py defaults) beside training (size $size, $inflight in flight), $run_seconds s per run"
+else
+  echo "- workload: kinds $kinds, size $size, synchronize every $sync_every, $run_seconds s per run"
+fi
 python3 "$work" accounting --uuid "$gpu_uuid" >"$results/accounting-probe.json"
 echo "- NVML accounting: $(python3 -c 'import json, sys; a = json.load(sys.stdin); print(a["state"], a["reason"])' <"$results/accounting-probe.json")"
 others=$(nvidia-smi -i 0 --query-compute-apps=pid,process_name --format=csv,noheader)
@@ -361,6 +446,40 @@ if ((calibrate)); then
   python3 "$work" calibration "$results" || rc=$?
   echo
   echo "Raw logs (every poll of nvml_sampler, each process's CUPTI meter file) and per-process JSON: $results"
+  exit "$rc"
+fi
+
+if ((latency)); then
+  # The CUPTI meter gives the decode's GPU time; it costs every kernel a
+  # little, in every run alike (none with --no-nvml).
+  group_tools=""
+  ((nvml == 0)) || group_tools="meter"
+  # Does this fracgpud take a tenant's priority? Without the key, the run
+  # that needs it is left out (and the table says so).
+  latency_config "$results/probe" inf:0.25:decode:latency train:0.75:train >"$results/probe.toml"
+  prio=":latency"
+  mkdir -p "$results/probe"
+  if ! probe=$("$fracgpud" --config "$results/probe.toml" --check 2>&1); then
+    # shellcheck disable=SC2001 # a pattern per line (the file's name), not one substitution
+    echo "this fracgpud refuses a tenant's priority: $(sed 's/^[^ ]*\.toml:[0-9]*: //' <<<"$probe" | head -n 1)" \
+      >"$results/latency-skipped.txt"
+    echo "- NOTE: $(cat "$results/latency-skipped.txt"); the runs with priority = \"latency\" are left out"
+    prio=""
+  fi
+  echo "== the decode alone, without fracgpu, $run_seconds s"
+  run_group "$results/latency-decode-alone" "" "inf:alone:decode"
+  echo "== the training alone, without fracgpu, $run_seconds s"
+  run_group "$results/latency-train-alone" "" "train:alone:train"
+  run_named_split latency-decode-fracgpu-alone "inf:0.25:decode$prio"
+  echo "== both, without fracgpu, $run_seconds s"
+  run_group "$results/latency-native-2" "" "inf:pair:decode" "train:pair:train"
+  run_named_split latency-fracgpu-normal "inf:0.25:decode" "train:0.75:train"
+  [[ -z $prio ]] || run_named_split latency-fracgpu-latency "inf:0.25:decode:latency" "train:0.75:train"
+  echo
+  rc=0
+  python3 "$latency_work" report "$results" || rc=$?
+  echo
+  echo "Details (per-tenant JSON, latencies and stderr, status, daemon logs): $results"
   exit "$rc"
 fi
 
