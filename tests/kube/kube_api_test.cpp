@@ -443,6 +443,10 @@ TEST_F(KubeApiClientCalls, UnreachableServerIsRetriedThenReported) {
   server->stop();  // nothing listens there now
   RetryPolicy policy = fast_retries();
   policy.total_timeout = milliseconds(1500);
+  // The time left decides when it gives up, not the attempt count: ten
+  // attempts' jittered waits sum to 370-740 ms, which made the 500 ms below
+  // a coin toss.
+  policy.max_attempts = 1000;
   client->set_retry_policy(policy);
   auto begin = Clock::now();
   HttpResult result = client->get(kSlices);
