@@ -165,7 +165,7 @@ bool granted_to_us(const GpuTime& g, uint64_t word) {
 
 // Our tenant's priority on this GPU, as the daemon wrote it in our row.
 bool latency_tenant(const GpuTime& g) {
-  return gputime::priority_rank(g.arbiter.seg->tenants[g.row].priority.load(std::memory_order_relaxed)) == 2;
+  return g.arbiter.seg->tenants[g.row].priority.load(std::memory_order_relaxed) == gputime::kPriorityLatency;
 }
 
 // How much of our work may be queued on the GPU now: 0 (no limit) unless a
@@ -640,17 +640,13 @@ void* pacer_main(void*) {
     // Each tick ends every thread's pass: the next launch shows it is active.
     if (busy) bump_gate();
     g_latency_held.store(latency_grant, std::memory_order_relaxed);
-    if (latency_grant) {
-      // Short ticks on our own futex: a synchronization's return wakes us
-      // (kick_pacer); a revocation is seen at the next tick.
-      struct timespec ts {0, static_cast<long>(kLatencyTickNs)};
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
-    } else if (sleep_on != nullptr) {
+    if (sleep_on != nullptr && !latency_grant) {
       gputime::wait_for_turn(*sleep_on, sleep_turn, kTickNs);
     } else {
-      // On our own futex: entering a grant wakes us (a latency tenant's
-      // grant needs the short ticks at once).
-      struct timespec ts {0, static_cast<long>(busy ? kTickNs : kQuietTickNs)};
+      // On our own futex, so that a kick (kick_pacer: a grant entered, a
+      // synchronization's return) wakes us. Holding a latency tenant's
+      // grant: short ticks, and a revocation is seen at the next one.
+      struct timespec ts {0, static_cast<long>(latency_grant ? kLatencyTickNs : kQuietTickNs)};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
     }
   }

@@ -388,7 +388,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
     // A latency tenant with a live process keeps the others paced, asking
     // or not: an inference server's first request after a quiet spell must
     // not find a training queue of seconds ahead of it.
-    if (!r.has_live && gputime::priority_rank(r.priority) == 2 && slot_alive(r, s, now)) r.has_live = true;
+    if (!r.has_live && r.priority == gputime::kPriorityLatency && slot_alive(r, s, now)) r.has_live = true;
     // A want counts while its process renews it: a stopped process's does
     // not keep its tenant asking for grants it cannot take up.
     if (v.want == 0 || now - v.poll >= gputime::kWantFreshNs || !slot_alive(r, s, now)) continue;
@@ -675,7 +675,7 @@ void GpuScheduler::publish_grant(uint32_t t, bool change) {
 }
 
 void GpuScheduler::note_wait(Row& r, uint64_t now) {
-  if (gputime::priority_rank(r.priority) < 2 || r.want_since == 0) return;
+  if (r.priority != gputime::kPriorityLatency || r.want_since == 0) return;
   // A claimed want time: clamped (it only ever skews this tenant's figures).
   const uint64_t wait = std::min(now - std::min(r.want_since, now), 10 * kSecond);
   if (r.waits.size() < gputime::kWaitWindow)
@@ -830,10 +830,11 @@ void GpuScheduler::step(uint64_t now) {
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
       if (rows_[t].gstate != gputime::kGranted) continue;
       const int other = best_candidate(now, static_cast<int>(t));
-      if (other < 0 || effective_rank(static_cast<uint32_t>(other), now) <= effective_rank(t, now)) break;
-      const bool latency = effective_rank(static_cast<uint32_t>(other), now) == 2;
+      const int other_rank = other >= 0 ? effective_rank(static_cast<uint32_t>(other), now) : -1;
+      if (other_rank <= effective_rank(t, now)) break;
       start_revoke(t, now);
-      if (latency && rows_[t].gstate == gputime::kGrantRevoking) grant(static_cast<uint32_t>(other), now);
+      if (other_rank == gputime::kLatencyRank && rows_[t].gstate == gputime::kGrantRevoking)
+        grant(static_cast<uint32_t>(other), now);
       break;
     }
   }
@@ -940,7 +941,7 @@ uint64_t GpuScheduler::pass(uint64_t now) {
     observe(r, now);
     check_blocked(r, now);
     anyone_wants_ |= r.wants;
-    if (gputime::priority_rank(r.priority) == 2 && (r.has_live || r.wants || r.gstate != gputime::kGrantIdle))
+    if (r.priority == gputime::kPriorityLatency && (r.has_live || r.wants || r.gstate != gputime::kGrantIdle))
       latency_seen_ns_ = now;
   }
   // The floor for tenants coming back from idle: the least virtual time

@@ -285,7 +285,7 @@ class GpuScheduler {
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
-  uint64_t latency_seen_ns_ = 0;  // a latency tenant last asked or held the GPU (0: never)
+  uint64_t latency_seen_ns_ = 0;  // a latency tenant last had a live process, asked or held the GPU (0: never)
   bool anyone_wants_ = false;
   std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples_;
   std::vector<SchedulerMessage> messages_;

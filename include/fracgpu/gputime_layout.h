@@ -154,6 +154,7 @@ enum TenantPriority : uint32_t {
 constexpr int priority_rank(uint32_t priority) {
   return priority == kPriorityBatch ? 0 : priority == kPriorityLatency ? 2 : 1;
 }
+inline constexpr int kLatencyRank = priority_rank(kPriorityLatency);
 
 // TenantTime::flags, the scheduler's view of the tenant for `fracgpu status`.
 enum TenantTimeFlags : uint32_t {
