@@ -17,6 +17,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <time.h>
@@ -52,9 +53,19 @@ constexpr uint64_t kTickNs = 1'000'000;              // pacer period while askin
 constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
 constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
 // A latency tenant's process gives its grant back once it has been idle
-// this long (no launch, no thread waiting for the GPU or synchronizing):
-// the others' work waits while it holds the GPU. Its pacer looks this often.
-constexpr uint64_t kLatencyReleaseNs = 40'000;
+// (no launch, no thread waiting for the GPU or synchronizing) for its hold
+// time: the others' work waits while it holds the GPU. The hold adapts to
+// the process: a grant given back and asked for again within kReaskNs was
+// given back too soon (a decode loop's CPU work between two steps: the next
+// step would wait for a hand-over and whatever the others queued), so the
+// hold doubles, up to kMaxHoldNs; a process that stays away kQuietNs or
+// more (requests that come and go) halves it, down to nothing (given back
+// at its synchronization's return). Its pacer looks every kLatencyTickNs.
+constexpr uint64_t kFirstHoldNs = 40'000;
+constexpr uint64_t kMinHoldNs = 10'000;  // a hold halved below this is none
+constexpr uint64_t kMaxHoldNs = 1'000'000;
+constexpr uint64_t kReaskNs = 1'000'000;
+constexpr uint64_t kQuietNs = 5'000'000;
 constexpr uint64_t kLatencyTickNs = 40'000;
 // What a pace budget from the arbiter may be (a damaged one is clamped).
 constexpr uint64_t kMinPaceNs = 10'000, kMaxPaceNs = 100'000'000;
@@ -94,6 +105,10 @@ struct GpuTime {
   uint64_t retry_ns = 0;  // kRefused: when to look again (under g_setup_lock)
   LaunchPacer pacer;          // our launches' queue on the GPU, while others' latency asks for it
   uint64_t idle_since = 0;    // a latency tenant's grant: since when the process is idle (pacer thread only)
+  // A latency tenant's hold (see kFirstHoldNs) and when it last gave a
+  // grant back for being idle; under `transition`.
+  uint64_t hold_ns = kFirstHoldNs;
+  uint64_t released_ns = 0;
 };
 
 GpuTime g_gpus[kMaxTenantGpus];
@@ -249,6 +264,18 @@ void account_used(GpuTime& g, uint64_t now) {
   g.accounted_ns = now;
 }
 
+// A latency tenant's process asked again at `asked`, after giving a grant
+// back for being idle: was that too soon, or was it away long? Caller
+// holds `transition`.
+void adapt_hold(GpuTime& g, uint64_t asked) {
+  const uint64_t away = asked > g.released_ns ? asked - g.released_ns : 0;
+  g.released_ns = 0;
+  if (away < kReaskNs)
+    g.hold_ns = std::min(std::max(g.hold_ns * 2, kMinHoldNs), kMaxHoldNs);
+  else if (away >= kQuietNs)
+    g.hold_ns = g.hold_ns / 2 < kMinHoldNs ? 0 : g.hold_ns / 2;
+}
+
 // Enters the grant in `word` (our tenant's) if we have not: true if the
 // gate is open now. Caller holds `transition`.
 bool enter_locked(GpuTime& g, uint64_t word) {
@@ -263,6 +290,7 @@ bool enter_locked(GpuTime& g, uint64_t word) {
   // want withdrawn finds us entered, so it never sees neither.
   const uint64_t since = g.request->want_since_ns.exchange(0, std::memory_order_seq_cst);
   if (since != 0 && now > since) g.request->waited_ns.fetch_add(now - since, std::memory_order_relaxed);
+  if (g.released_ns != 0 && since != 0) adapt_hold(g, since);
   g.open.store(true, std::memory_order_release);
   bump_gate();
   // A pacer asleep in its quiet tick (it neither held nor waited when it
@@ -405,6 +433,8 @@ void on_fork_child() {
     g.context_count.store(0, std::memory_order_relaxed);
     g.pacer.reset_after_fork();
     g.idle_since = 0;
+    g.hold_ns = kFirstHoldNs;
+    g.released_ns = 0;
   }
   pthread_mutex_init(&g_setup_lock, nullptr);
   pthread_mutex_init(&g_context_lock, nullptr);
@@ -553,20 +583,23 @@ bool pace_gpu(int gpu, uint64_t now) {
                         g.waiting.load(std::memory_order_acquire) > 0 ||
                         g_threads_in_sync.load(std::memory_order_relaxed) > 0;
     if (active) g.request->last_active_ns.store(now, std::memory_order_release);
-    // A latency tenant holds the GPU only while it uses it: idle for
-    // kLatencyReleaseNs, it gives the grant back (after draining, so what
-    // it queued is its own), and the daemon hands the GPU on at once.
+    // A latency tenant holds the GPU only while it uses it: idle for its
+    // hold time, it gives the grant back (after draining, so what it queued
+    // is its own), and the daemon hands the GPU on at once.
     if (latency_tenant(g)) {
       if (active) {
         g.idle_since = 0;
-      } else if (g.idle_since == 0) {
-        g.idle_since = now;
-      } else if (now - g.idle_since >= kLatencyReleaseNs) {
-        g.idle_since = 0;
+      } else {
+        if (g.idle_since == 0) g.idle_since = now;
         pthread_mutex_lock(&g.transition);
-        if (g.entered.load(std::memory_order_relaxed) == entered) leave_locked(g, true);
+        const bool release = now - g.idle_since >= g.hold_ns && g.entered.load(std::memory_order_relaxed) == entered;
+        if (release) {
+          leave_locked(g, true);
+          g.released_ns = gputime::monotonic_ns();
+          g.idle_since = 0;
+        }
         pthread_mutex_unlock(&g.transition);
-        return false;
+        if (release) return false;
       }
     }
     if (pthread_mutex_trylock(&g.transition) == 0) {
@@ -587,6 +620,10 @@ bool pace_gpu(int gpu, uint64_t now) {
 }
 
 void* pacer_main(void*) {
+  // Our sleeps are short (a latency tenant's idle check is 40 us): the
+  // default 50 us of timer slack would more than double them. This thread's
+  // own setting; the user's threads keep theirs.
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
   // Graph capture in global mode forbids unsafe calls from every thread;
   // this thread's own mode is relaxed, so draining cannot break a capture.
   if (load_real_driver() && g_driver.cuThreadExchangeStreamCaptureMode != nullptr) {

@@ -116,10 +116,10 @@ class SchedulerTest : public ::testing::Test {
   }
 
   void configure(uint32_t a_limit, uint32_t b_limit, uint32_t a_priority = gputime::kPriorityNormal,
-                 uint32_t b_priority = gputime::kPriorityNormal) {
+                 uint32_t b_priority = gputime::kPriorityNormal, uint64_t slice_ns = 20 * kMs) {
     sched_->configure({{"a", 500'000, a_limit, tenants_[0].daemon.usage_fd, 0, a_priority},
                        {"b", 500'000, b_limit, tenants_[1].daemon.usage_fd, 0, b_priority}},
-                      20 * kMs);
+                      slice_ns);
   }
 
   // A live process of tenant t (index): it holds its slot's record lock.
@@ -167,6 +167,16 @@ class SchedulerTest : public ::testing::Test {
     pass(20 * kMs);
     EXPECT_EQ(state(), gputime::kGrantRevoking);
     return seq;
+  }
+
+  // Tenant a (limit 0.1) holds the GPU alone until its limit revokes it:
+  // 60 ms at 0.1 is beyond the 50 ms burst.
+  void hold_until_the_limit_revokes(int a) {
+    want(0, a);
+    pass();
+    ASSERT_TRUE(enter(0, a));
+    for (int i = 0; i < 60 && state_of(0) == gputime::kGranted; ++i) pass(1 * kMs);
+    ASSERT_EQ(state_of(0), gputime::kGrantRevoking) << "a's limit revokes it";
   }
 
   void pass(uint64_t advance_ns = 0) {
@@ -919,19 +929,23 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
 }
 
 // Priority buys latency, not time: a latency tenant that has used more than
-// its share (at its share's rate, with the limit's 50 ms burst) counts as
-// normal and waits for the holder's slice to end, like anyone.
+// its share while another tenant wanted the GPU (at its share's rate, with
+// the limit's 50 ms burst) counts as normal and waits for the holder's
+// slice to end, like anyone. (Slices of 1 s here, so that only priority
+// can take the GPU from a holder.)
 TEST_F(SchedulerTest, ALatencyTenantBeyondItsShareWaitsLikeANormalOne) {
-  configure(gputime::kPpm, gputime::kPpm, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  configure(gputime::kPpm, gputime::kPpm, gputime::kPriorityNormal, gputime::kPriorityLatency, 1000 * kMs);
   const int a = spawn(0), b = spawn(1);
-  // b alone for 200 ms: 200 ms of GPU time at a 0.5 share is 150 ms beyond it.
+  // b holds for 200 ms while a asks: 200 ms of GPU time at a 0.5 share is
+  // 150 ms beyond it.
   want(1, b);
   pass();
   ASSERT_TRUE(enter(1, b));
-  pass(200 * kMs);
-  // b stops; a takes the GPU (b's virtual time is far ahead).
-  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word_of(1)));
   want(0, a);
+  for (int i = 0; i < 200; ++i) pass(1 * kMs);
+  ASSERT_TRUE(holds(1));
+  // b stops; a takes the GPU.
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word_of(1)));
   pass(1 * kMs);
   ASSERT_TRUE(holds(0));
   ASSERT_TRUE(enter(0, a));
@@ -940,6 +954,81 @@ TEST_F(SchedulerTest, ALatencyTenantBeyondItsShareWaitsLikeANormalOne) {
   pass(1 * kMs);
   EXPECT_TRUE(holds(0)) << "b is beyond its share: no priority";
   EXPECT_EQ(state_of(1), gputime::kGrantIdle);
+}
+
+// GPU time a tenant used while nobody else wanted the GPU does not count
+// against its share's rate: a normal tenant that had the GPU to itself for
+// 200 ms is not beyond its share (as batch) when another normal tenant
+// comes, so the newcomer does not take the GPU by priority (it waits for
+// the slice's end, 1 s here).
+TEST_F(SchedulerTest, TimeUsedWhileNobodyElseAskedDoesNotPutATenantBeyondItsShare) {
+  configure(gputime::kPpm, gputime::kPpm, gputime::kPriorityNormal, gputime::kPriorityNormal, 1000 * kMs);
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  for (int i = 0; i < 200; ++i) pass(1 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(0)) << "a is within its share: b has no priority over it";
+  // Contended from now on: 100 ms more and a is beyond its share (0.5 of
+  // 100 ms is 50 ms, plus the 50 ms burst): b takes the GPU by priority.
+  for (int i = 0; i < 150 && holds(0); ++i) pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a beyond its share while b asked";
+}
+
+// A latency tenant that asks while the holder is already leaving (its
+// limit reached, here) is granted at once too, not after the drain: the
+// holder's gate is closed, and what the GPU still runs of it is its queue.
+TEST_F(SchedulerTest, ALatencyTenantDoesNotWaitForTheDrainOfAHolderAlreadyLeaving) {
+  configure(100'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  const int a = spawn(0), b = spawn(1);
+  hold_until_the_limit_revokes(a);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a has not drained";
+  EXPECT_TRUE(holds(1)) << "the latency tenant does not wait for a's drain";
+}
+
+// A normal tenant does not take the GPU from a holder that is leaving before
+// the holder drained (only a latency tenant does).
+TEST_F(SchedulerTest, ANormalTenantWaitsForTheDrainOfAHolderLeavingAtItsLimit) {
+  configure(100'000, 500'000);
+  const int a = spawn(0), b = spawn(1);
+  hold_until_the_limit_revokes(a);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(1), gputime::kGrantIdle) << "granted only after a's drain";
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
+}
+
+// A request made while a pass runs rings a doorbell nobody waits on: the
+// scheduler's thread looks at the requests again before it sleeps, and
+// does not sleep if one changed (an ask, an entry, a drain report).
+TEST_F(SchedulerTest, ARequestMadeDuringAPassIsNotLeftForTheNextTimeout) {
+  configure(gputime::kPpm, gputime::kPpm);
+  const int a = spawn(0), b = spawn(1);
+  pass();
+  EXPECT_FALSE(sched_->requests_changed()) << "nothing asked since the pass";
+  want(0, a);
+  EXPECT_TRUE(sched_->requests_changed()) << "an ask";
+  pass(1 * kMs);
+  EXPECT_FALSE(sched_->requests_changed());
+  ASSERT_TRUE(enter(0, a));
+  EXPECT_TRUE(sched_->requests_changed()) << "an entry (and the want withdrawn)";
+  pass(1 * kMs);
+  request(0, a).poll_ns.store(now_ + 1);
+  request(0, a).last_active_ns.store(now_ + 1);
+  EXPECT_FALSE(sched_->requests_changed()) << "renewals need no pass of their own";
+  want(1, b);
+  EXPECT_TRUE(sched_->requests_changed()) << "another tenant's ask";
+  pass(1 * kMs);
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  EXPECT_TRUE(sched_->requests_changed()) << "a drain report";
+  pass(1 * kMs);
+  EXPECT_FALSE(sched_->requests_changed());
 }
 
 // A normal tenant within its share takes the GPU from a batch one at once,

@@ -2018,7 +2018,10 @@ TEST_F(LatencyTenantTest, AnInferenceTenantAnswersBesideTrainingWithinOneTrainin
   std::map<std::string, PairFigures> runs;
   BurstFigures native, governed;
   for (const char* priority : {"normal", "latency"}) {
-    write_config({{"inf", "0.25", "[0]", "", priority}, {"train", "0.75", "[0]", ""}});
+    // The training's limit is the whole GPU: it is to use what the
+    // inference leaves (a limit at its share would cap it at 0.75 of the
+    // GPU, 0.94 of the 0.8 left).
+    write_config({{"inf", "0.25", "[0]", "", priority}, {"train", "0.75", "[0]", "1.0"}});
     start_daemon();
     if (std::string(priority) == "latency") {
       native = alone(false);
@@ -2040,12 +2043,50 @@ TEST_F(LatencyTenantTest, AnInferenceTenantAnswersBesideTrainingWithinOneTrainin
     const PairFigures& normal = runs[std::string(shape) + " normal"];
     ASSERT_GT(latency.inference.bursts, 400) << shape;
     // The p99 target (1.10 x alone + one 2 ms training kernel), with
-    // 1 ms to spare for a shared machine; the median near alone; the tail far
-    // below a normal tenant's (whose p99.9 with a training queue of 1,000 is
-    // seconds); and the training keeps most of what the inference leaves.
+    // 1 ms to spare for a shared machine; the median no more than about half
+    // a training kernel (which cannot be preempted) above alone; the p99.9
+    // within two kernels of alone (a normal tenant's, behind a queue of
+    // 1,000 kernels, is seconds); and the training keeps what the inference
+    // leaves (target 0.95; here with room for a shared machine).
     EXPECT_LE(latency.inference.p99_us, 1.10 * native.p99_us + 2000 + 1000) << shape;
-    EXPECT_LT(latency.inference.p50_us, 1.6 * native.p50_us) << shape;
-    EXPECT_LT(latency.inference.p999_us, 0.5 * normal.inference.p999_us) << shape;
-    EXPECT_GE(latency.training_of_leftover, 0.80) << shape;
+    EXPECT_LE(latency.inference.p50_us, native.p50_us + 1500) << shape;
+    EXPECT_LE(latency.inference.p999_us, native.p99_us + 4000) << shape;
+    if (std::string(shape) == "b") {
+      EXPECT_LT(latency.inference.p999_us, 0.01 * normal.inference.p999_us);
+    }
+    EXPECT_GE(latency.training_of_leftover, 0.90) << shape;
   }
+}
+
+// A decode loop: steps of 2 x 100 us kernels every 0.5 ms, each
+// synchronized, with a little time off the GPU between them (the step's CPU
+// work: here ~0.25 ms asleep), beside a training tenant. A latency tenant
+// that gave its grant back at every step's end would make each step ask
+// again and wait behind the training's kernel; its hold grows instead,
+// until it keeps the GPU across its steps: a grant lasts many steps. The
+// training still gets its share: the GPU idle in the decode's holds is the
+// decode's (held charging), and a decode that holds more than its share
+// waits for the training's slices like a normal tenant.
+TEST_F(LatencyTenantTest, ADecodeLoopKeepsItsGrantAcrossSteps) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  // The decode uses 0.4 of the GPU, holds it more: a share of 0.7.
+  write_config({{"inf", "0.7", "[0]", "1.0", "latency"}, {"train", "0.3", "[0]", "1.0"}});
+  start_daemon();
+  start_load("train", {"devices=0", "kernels_us=2000", "seconds=5", "ahead_us=0"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  start_load("inf", {"devices=0", "kernels_us=100", "seconds=3", "burst=2,500,0"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto [x, y] = span(1, 2000);
+  const double training = busy_share(x, y, "train", 0), decode = busy_share(x, y, "inf", 0);
+  finish_loads();
+  auto status = status_by_tenant();
+  const BurstFigures steps = burst_figures(loads_.back().out);
+  const long long grants = status["inf"]["gpu_time"]["slices"].get<long long>();
+  printf("decode loop: %lld steps, %lld grants, p50 %.2f ms, p99 %.2f ms; GPU: decode %.3f, training (0.3) %.3f\n",
+         steps.bursts, grants, steps.p50_us / 1e3, steps.p99_us / 1e3, decode, training);
+  ASSERT_GT(steps.bursts, 1000);
+  EXPECT_LT(grants, steps.bursts / 10) << "a grant per step or so: the hold did not grow";
+  // Its holds count against its share (0.7), not the training's.
+  EXPECT_GE(training, 0.25) << "the decode's holds took the training's share";
 }

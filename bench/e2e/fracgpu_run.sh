@@ -43,22 +43,23 @@ stop() {
   done
 }
 
-# write_fracgpud_config RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY]...: the
+# write_fracgpud_config RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY[:LIMIT]]...: the
 # config start_fracgpud runs with, on stdout.
 write_fracgpud_config() {
-  local run_dir=$1 gpu=$2 spec tenant share priority
+  local run_dir=$1 gpu=$2 spec tenant share priority limit
   shift 2
   printf '[daemon]\nrun_dir = "%s"\nreap_interval_ms = 100\n' "$run_dir"
   [[ -z ${fracgpud_daemon_keys:-} ]] || printf '%s\n' "$fracgpud_daemon_keys"
   printf '\n[[gpu]]\n%s\n' "$gpu"
   for spec in "$@"; do
-    IFS=: read -r tenant share priority <<<"$spec"
+    IFS=: read -r tenant share priority limit <<<"$spec"
     printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
     [[ -z $priority ]] || printf 'priority = "%s"\n' "$priority"
+    [[ -z $limit ]] || printf 'limit = %s\n' "$limit"
   done
 }
 
-# start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY]...
+# start_fracgpud DIR RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY[:LIMIT]]...
 # Writes DIR/fracgpud.toml (run dir RUN_DIR, the [[gpu]] table's keys
 # GPU_TABLE, each TENANT given SHARE of that GPU and, where named, its
 # `priority` (latency, normal, batch); the [daemon] table also gets

@@ -57,7 +57,8 @@
 #     pacing cost it with no neighbour; once for both shapes (nothing in it
 #     depends on the shape);
 #   - per shape: the pair as two native processes; the pair under fracgpu,
-#     both normal (inf 0.25, train 0.75); the pair with inf priority latency.
+#     both normal (inf 0.25, train 0.75 with limit 1.0: it may use what the
+#     inference leaves); the pair with inf priority latency.
 # A fracgpud that refuses `priority` in a config (checked first with
 # fracgpud --check) leaves the runs that need it out, said in the table.
 # The fracgpu runs of the set always sample with the realistic stand-in NVML
@@ -203,19 +204,19 @@ status_at() {
   "$fracgpu" status --run-dir "$run_dir" --json >"$2" 2>&1 || true
 }
 
-# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD[:PRIORITY]]]...
+# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD[:PRIORITY[:LIMIT]]]]...
 # MODE native: each TENANT is one process without the interposer. MODE
 # fracgpu: a fresh fracgpud whose config gives each TENANT its SHARE of GPU 0
-# (and its PRIORITY, where named), one process each, from a common start. A
+# (and its PRIORITY and LIMIT, where named), one process each, from a common start. A
 # TENANT's own WORKLOAD replaces the run's (run.txt then says
 # mix=TENANT:WORKLOAD,...). $run_set, when set, goes to run.txt as set=
 # (the report keeps the latency set's runs out of the workloads' tables).
 run() {
-  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority i mix="" prio=""
+  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority limit i mix="" prio=""
   begin_run "$1" "$wl" "$mode"
   shift 3
   for spec in "$@"; do
-    IFS=: read -r tenant share twl priority <<<"$spec"
+    IFS=: read -r tenant share twl priority limit <<<"$spec"
     [[ -z $twl ]] || mix+="${mix:+,}$tenant:$twl"
     [[ -z $priority ]] || prio+="${prio:+,}$tenant:$priority"
   done
@@ -225,8 +226,8 @@ run() {
   if [[ $mode == fracgpu ]]; then
     local -a daemon_specs=()
     for spec in "$@"; do
-      IFS=: read -r tenant share twl priority <<<"$spec"
-      daemon_specs+=("$tenant:$share${priority:+:$priority}")
+      IFS=: read -r tenant share twl priority limit <<<"$spec"
+      daemon_specs+=("$tenant:$share:$priority:$limit")
     done
     start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "${daemon_specs[@]}" || exit 1
   fi
@@ -234,7 +235,7 @@ run() {
   local start=$(($(py now) + 700000000)) tenants=() shares=() procs=()
   pids=()
   for spec in "$@"; do
-    IFS=: read -r tenant share twl priority <<<"$spec"
+    IFS=: read -r tenant share twl priority limit <<<"$spec"
     local -a vars=() extra=()
     if [[ $mode == fracgpu ]]; then
       vars=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
@@ -340,10 +341,10 @@ if [[ $only != workloads ]]; then
   run latency-inference-fracgpu-alone latency fracgpu "inf:0.25:inference$prio"
   for shape in $shapes; do
     run "latency-$shape-native-2" "latency-$shape" native inf::inference "train::training-$shape"
-    run "latency-$shape-fracgpu-normal" "latency-$shape" fracgpu inf:0.25:inference "train:0.75:training-$shape"
+    run "latency-$shape-fracgpu-normal" "latency-$shape" fracgpu inf:0.25:inference "train:0.75:training-$shape::1.0"
     [[ -n $latency_skipped ]] ||
       run "latency-$shape-fracgpu-latency" "latency-$shape" fracgpu inf:0.25:inference:latency \
-        "train:0.75:training-$shape"
+        "train:0.75:training-$shape::1.0"
   done
   run_set=""
   seconds=$workload_seconds

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -330,6 +331,18 @@ bool GpuScheduler::slot_alive(Row& r, uint32_t s, uint64_t now) {
   return alive;
 }
 
+namespace {
+
+// One slot's requests folded into a tenant's (Row::requests_seen). Not
+// poll_ns or last_active_ns: waiting and running processes renew those
+// every few ms, which needs no pass of its own.
+uint64_t fold_request(uint64_t fold, uint32_t slot, uint64_t want, uint64_t entered, uint64_t drained) {
+  for (uint64_t word : {uint64_t{slot}, want, entered, drained}) fold = (fold ^ word) * 0x100000001b3ull;
+  return fold;
+}
+
+}  // namespace
+
 void GpuScheduler::observe(Row& r, uint64_t now) {
   r.probe_budget = kProbesPerPass;
   r.wants = false;
@@ -345,6 +358,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   const ledger::UsageSegment& u = *r.usage;
   const uint32_t entry = static_cast<uint32_t>(r.entry);
   uint32_t high = 0;
+  uint64_t fold = 0;
   // A tenant may truncate its usage file: every touch of the mapping is
   // guarded, and a failed one makes the tenant one that does not want.
   const bool ok = shm::sigbus_guarded([&] {
@@ -361,8 +375,10 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
       v.active = q.last_active_ns.load(std::memory_order_relaxed);
       v.entered = q.entered_grant.load(std::memory_order_seq_cst);
       v.drained = q.drained_grant.load(std::memory_order_seq_cst);
+      fold = fold_request(fold, s, v.want, v.entered, v.drained);
     }
   });
+  r.requests_seen = fold;
   if (!ok) {
     r.readable = false;
     r.high = 0;
@@ -592,7 +608,7 @@ void GpuScheduler::charge(uint64_t now) {
       const uint64_t credit = std::min(ns, r.credit);
       r.credit -= credit;
       ns = gputime::saturating_add(ns - credit, std::exchange(r.pending_out_of_grant, 0));
-      if (ns > 0) charge_row(r, ns, now);
+      if (ns > 0) charge_row(r, ns, now, contended(t));
       continue;
     }
     if (!fresh_reading_) continue;
@@ -604,16 +620,28 @@ void GpuScheduler::charge(uint64_t now) {
     }
     r.pending_use = 0;
     r.alone_ns = 0;
-    if (ns > 0) charge_row(r, ns, now);
+    if (ns > 0) charge_row(r, ns, now, contended(t));
   }
 }
 
-void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now) {
+void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;
   r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
   const uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
   r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit);
-  r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now);
+  // GPU time used while nobody else wanted the GPU took nothing from anyone:
+  // it does not count against the share's rate, which decides whether the
+  // tenant's priority counts (a training tenant that had the GPU to itself
+  // is not beyond its share once an inference tenant comes).
+  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now);
+}
+
+bool GpuScheduler::contended(uint32_t self) const {
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    const Row& r = rows_[t];
+    if (t != self && r.active && ((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle)) return true;
+  }
+  return false;
 }
 
 // Throttled time: a tenant wanted the GPU and did not hold it (another
@@ -767,7 +795,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
       // tenant that gives its grants up at once (reporting drains it has
       // not done: the false drain) would otherwise make that idle time
       // everybody's, as often as it likes.
-      if (now - h.grant_ns < gputime::kIdleNs) charge_row(h, gputime::kIdleNs - (now - h.grant_ns), now);
+      if (now - h.grant_ns < gputime::kIdleNs) charge_row(h, gputime::kIdleNs - (now - h.grant_ns), now, true);
       end_grant(t, now);
       return;
     }
@@ -834,6 +862,17 @@ void GpuScheduler::step(uint64_t now) {
       if (other_rank <= effective_rank(t, now)) break;
       start_revoke(t, now);
       if (other_rank == gputime::kLatencyRank && rows_[t].gstate == gputime::kGrantRevoking)
+        grant(static_cast<uint32_t>(other), now);
+      break;
+    }
+  } else if (!measured && holders(gputime::kGranted) == 0 && holders(gputime::kGrantRevoking) == 1) {
+    // The holder is leaving already (its slice ended, its limit was
+    // reached): a latency tenant does not wait for its drain either.
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+      if (rows_[t].gstate != gputime::kGrantRevoking) continue;
+      const int other = best_candidate(now, static_cast<int>(t));
+      if (other >= 0 && effective_rank(static_cast<uint32_t>(other), now) == gputime::kLatencyRank &&
+          effective_rank(t, now) < gputime::kLatencyRank)
         grant(static_cast<uint32_t>(other), now);
       break;
     }
@@ -1028,8 +1067,37 @@ std::string raise_priority() {
   return fmt::format("normal ({})", strerror(errno));
 }
 
+bool GpuScheduler::fold_requests(const Row& r, uint64_t* fold) const {
+  if (r.usage == nullptr || r.entry < 0) return false;
+  const ledger::UsageSegment& u = *r.usage;
+  const uint32_t entry = static_cast<uint32_t>(r.entry);
+  uint64_t h = 0;
+  const bool ok = shm::sigbus_guarded([&] {
+    const uint32_t high = std::min(u.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+    for (uint32_t s = 0; s < high; ++s) {
+      const ledger::GpuTimeRequest& q = u.gputime[entry][s];
+      h = fold_request(h, s, q.want_since_ns.load(std::memory_order_seq_cst), q.entered_grant.load(std::memory_order_seq_cst),
+                       q.drained_grant.load(std::memory_order_seq_cst));
+    }
+  });
+  *fold = h;
+  return ok;
+}
+
+bool GpuScheduler::requests_changed() {
+  std::lock_guard lock(mutex_);
+  for (const Row& r : rows_) {
+    if (!r.active || !r.readable) continue;
+    uint64_t now_fold = 0;
+    if (fold_requests(r, &now_fold) && now_fold != r.requests_seen) return true;
+  }
+  return false;
+}
+
 void GpuScheduler::run() {
   const std::string priority = raise_priority();
+  // Hand-overs wait on this thread's wake-ups: no timer slack on them.
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
   {
     std::lock_guard lock(mutex_);
     note(false, fmt::format("{}: GPU-time scheduler running, priority {}", label_, priority));
@@ -1038,7 +1106,7 @@ void GpuScheduler::run() {
     const uint64_t start = gputime::monotonic_ns();
     const uint64_t sleep = pass(start);
     if (stop_.load(std::memory_order_acquire)) break;
-    gputime::wait_for_doorbell(seg_, sleep);
+    if (!requests_changed()) gputime::wait_for_doorbell(seg_, sleep);
     // However often tenants ring, a pass at most every kMinPassIntervalNs.
     const uint64_t spent = gputime::monotonic_ns() - start;
     if (spent < kMinPassIntervalNs) {

@@ -138,6 +138,11 @@ class GpuScheduler {
   // One scheduling pass at `now` (CLOCK_MONOTONIC). Returns how long the
   // thread may sleep before the next. Tests call it directly.
   uint64_t pass(uint64_t now);
+  // True if some tenant asked, entered or reported a drain since the last
+  // pass read its file: its doorbell may have rung while the pass ran (a
+  // futex wake nobody waits for is lost), so the thread must not sleep
+  // before the next pass.
+  bool requests_changed();
   // Achieved shares over 1 s and 10 s from the GPU time charged, into the file.
   void sample_achieved(uint64_t now);
   std::vector<SchedulerMessage> take_messages();
@@ -201,6 +206,10 @@ class GpuScheduler {
     bool unreadable_reported = false;
     uint32_t high = 0;
     std::array<SlotView, ledger::kMaxSlots> slots{};
+    // What its processes had asked for and reported (wants, entries,
+    // drains), folded into one word: a change found after a pass is a
+    // doorbell the pass may have missed (requests_changed).
+    uint64_t requests_seen = 0;
     bool wants = false;
     bool has_live = false;    // latency tenants: a live process (record lock held)
     uint64_t want_since = 0;  // earliest of its live wanting slots, clamped to our clock
@@ -216,6 +225,9 @@ class GpuScheduler {
   void free_row(uint32_t t);
   bool slot_alive(Row& r, uint32_t s, uint64_t now);
   void observe(Row& r, uint64_t now);
+  // The fold of a tenant's requests (Row::requests_seen) as its file says
+  // now; false if it cannot be read.
+  bool fold_requests(const Row& r, uint64_t* fold) const;
   // Slots of the holder that entered the current grant and have neither
   // drained it nor died.
   std::bitset<ledger::kMaxSlots> pending_drains(Row& r, uint64_t now);
@@ -239,7 +251,12 @@ class GpuScheduler {
   bool room(uint64_t now) const;
   void read_meter(uint64_t now);
   void charge(uint64_t now);
-  void charge_row(Row& r, uint64_t ns, uint64_t now);
+  // Charges `ns` of GPU time to the row; `contended`: another tenant wanted
+  // or held the GPU meanwhile (see contended()).
+  void charge_row(Row& r, uint64_t ns, uint64_t now, bool contended);
+  // True if a tenant other than `self` asks for the GPU (and may be
+  // granted) or holds it, as this pass saw them.
+  bool contended(uint32_t self) const;
   void account_waits(uint64_t now);
   void check_blocked(Row& r, uint64_t now);
   void step(uint64_t now);

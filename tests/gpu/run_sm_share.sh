@@ -71,7 +71,8 @@
 #      and the training's references);
 #   2. the decode alone under fracgpud (gpus = 0.25, priority latency);
 #   3. both without fracgpu (two processes);
-#   4. both under fracgpud, both normal (inf 0.25, train 0.75);
+#   4. both under fracgpud, both normal (inf 0.25, train 0.75 with limit 1.0:
+#      it may use what the decode leaves);
 #   5. both with inf at priority = "latency" (left out, and said so, if this
 #      fracgpud refuses the key: fracgpud --check);
 # and prints the table (latency_workload.py report; also latency_table.md in
@@ -223,13 +224,13 @@ sleep_until_ns() {
 # is reported and left for the report to count; the other groups still run.
 run_group() {
   local dir=$1 run_dir=$2; shift 2
-  local spec tenant share kind priority
+  local spec tenant share kind priority limit
   local -a names=() vars cmd
   mkdir -p "$dir"
   : >"$dir/tenants.tsv"
   tenant_pids=()
   for spec in "$@"; do
-    IFS=: read -r tenant share kind priority <<<"$spec"
+    IFS=: read -r tenant share kind priority limit <<<"$spec"
     printf '%s\t%s\t%s\t%s\n' "$tenant" "$share" "$kind" "$priority" >>"$dir/tenants.tsv"
     vars=(CUDA_VISIBLE_DEVICES="$gpu_uuid")
     if [[ -n $run_dir ]]; then
@@ -352,20 +353,22 @@ run_split() {
   daemon_pid=""
 }
 
-# latency_config RUN_DIR TENANT:SHARE:KIND[:PRIORITY]...: a config giving
-# each TENANT its SHARE of GPU 0 and its PRIORITY where named, on stdout.
+# latency_config RUN_DIR TENANT:SHARE:KIND[:PRIORITY[:LIMIT]]...: a config
+# giving each TENANT its SHARE of GPU 0 and its PRIORITY and LIMIT where
+# named, on stdout.
 latency_config() {
-  local run_dir=$1 spec tenant share kind priority
+  local run_dir=$1 spec tenant share kind priority limit
   shift
   printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n\n[[gpu]]\nindex = 0\n' "$run_dir"
   for spec in "$@"; do
-    IFS=: read -r tenant share kind priority <<<"$spec"
+    IFS=: read -r tenant share kind priority limit <<<"$spec"
     printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "$tenant" "$share"
     [[ -z $priority ]] || printf 'priority = "%s"\n' "$priority"
+    [[ -z $limit ]] || printf 'limit = %s\n' "$limit"
   done
 }
 
-# run_named_split GROUP TENANT:SHARE:KIND[:PRIORITY]...: these tenants under a
+# run_named_split GROUP TENANT:SHARE:KIND[:PRIORITY[:LIMIT]]...: these tenants under a
 # fresh fracgpud, into $results/GROUP (the latency runs: named tenants, a
 # priority each).
 run_named_split() {
@@ -473,8 +476,9 @@ if ((latency)); then
   run_named_split latency-decode-fracgpu-alone "inf:0.25:decode$prio"
   echo "== both, without fracgpu, $run_seconds s"
   run_group "$results/latency-native-2" "" "inf:pair:decode" "train:pair:train"
-  run_named_split latency-fracgpu-normal "inf:0.25:decode" "train:0.75:train"
-  [[ -z $prio ]] || run_named_split latency-fracgpu-latency "inf:0.25:decode:latency" "train:0.75:train"
+  # The training's limit is the whole GPU: it is to use what the decode leaves.
+  run_named_split latency-fracgpu-normal "inf:0.25:decode" "train:0.75:train::1.0"
+  [[ -z $prio ]] || run_named_split latency-fracgpu-latency "inf:0.25:decode:latency" "train:0.75:train::1.0"
   echo
   rc=0
   python3 "$latency_work" report "$results" || rc=$?
