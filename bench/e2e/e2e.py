@@ -541,7 +541,9 @@ def latency_row(r: dict, targets, d: Path) -> dict:
     if r["mode"] == "native":
         label = "inference alone, native" if train is None else "both, native (2 processes)"
     else:
-        who = ", ".join(f"{p['tenant']} {p['share']} {prio.get(p['tenant'], 'normal')}" for p in r["procs"])
+        limits = dict(part.partition(":")[::2] for part in r.get("limit", "").split(",") if part)
+        who = ", ".join(f"{p['tenant']} {p['share']} {prio.get(p['tenant'], 'normal')}"
+                        + (f" limit {limits[p['tenant']]}" if p["tenant"] in limits else "") for p in r["procs"])
         label = f"{'inference alone' if train is None else 'both'}, fracgpu: {who}"
     row = {"run": r["dir"], "shape": shape, "label": label, "mode": r["mode"], "seconds": r["seconds"],
            "ok": int(all(p["ok"] for p in r["procs"]))}

@@ -212,16 +212,18 @@ status_at() {
 # mix=TENANT:WORKLOAD,...). $run_set, when set, goes to run.txt as set=
 # (the report keeps the latency set's runs out of the workloads' tables).
 run() {
-  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority limit i mix="" prio=""
+  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority limit i mix="" prio="" limits=""
   begin_run "$1" "$wl" "$mode"
   shift 3
   for spec in "$@"; do
     IFS=: read -r tenant share twl priority limit <<<"$spec"
     [[ -z $twl ]] || mix+="${mix:+,}$tenant:$twl"
     [[ -z $priority ]] || prio+="${prio:+,}$tenant:$priority"
+    [[ -z $limit ]] || limits+="${limits:+,}$tenant:$limit"
   done
   [[ -z $mix ]] || printf 'mix=%s\n' "$mix" >>"$dir/run.txt"
   [[ -z $prio ]] || printf 'priority=%s\n' "$prio" >>"$dir/run.txt"
+  [[ -z $limits ]] || printf 'limit=%s\n' "$limits" >>"$dir/run.txt"
   [[ -z ${run_set:-} ]] || printf 'set=%s\n' "$run_set" >>"$dir/run.txt"
   if [[ $mode == fracgpu ]]; then
     local -a daemon_specs=()
