@@ -620,7 +620,7 @@ bool pace_gpu(int gpu, uint64_t now) {
 }
 
 void* pacer_main(void*) {
-  // Our sleeps are short (a latency tenant's idle check is 40 us): the
+  // Our sleeps are short (a latency tenant's pacer ticks every 40 us): the
   // default 50 us of timer slack would more than double them. This thread's
   // own setting; the user's threads keep theirs.
   prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);

@@ -112,7 +112,9 @@ uint64_t LaunchPacer::wait_for_room(uint64_t budget_ns) {
 }
 
 void LaunchPacer::launched(CUcontext ctx, CUstream stream) {
-  if (g_driver.cuEventCreate == nullptr || g_driver.cuEventRecord == nullptr) return;
+  // Without cuEventQuery nothing tracked could ever be retired (its events
+  // would only pile up): track nothing.
+  if (g_driver.cuEventCreate == nullptr || g_driver.cuEventRecord == nullptr || g_driver.cuEventQuery == nullptr) return;
   Locked locked(lock_);
   retire_completed_locked();
   if (count_ == kRing) return;  // another thread filled it meanwhile: this launch goes untracked

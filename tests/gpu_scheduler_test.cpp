@@ -179,6 +179,17 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_EQ(state_of(0), gputime::kGrantRevoking) << "a's limit revokes it";
   }
 
+  // The scheduler's thread's passes over the next half second, and the most
+  // it may run in that time (one per kMinPassIntervalNs).
+  std::pair<uint64_t, double> passes_in_half_a_second() {
+    const uint64_t before = sched_->passes();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const uint64_t passes = sched_->passes() - before;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return {passes, seconds / (GpuScheduler::kMinPassIntervalNs / 1e9)};
+  }
+
   void pass(uint64_t advance_ns = 0) {
     now_ += advance_ns;
     for (size_t t = 0; t < tenants_.size(); ++t) {
@@ -617,21 +628,57 @@ TEST_F(SchedulerTest, RingingTheDoorbellCannotMakePassesMoreFrequentThanTheBound
   std::thread ringer([&] {
     while (!stop.load()) gputime::ring_doorbell(*arbiter_.seg);
   });
-  const uint64_t before = sched_->passes();
-  const auto t0 = std::chrono::steady_clock::now();
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  const uint64_t passes = sched_->passes() - before;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto [passes, bound] = passes_in_half_a_second();
   stop.store(true);
   ringer.join();
   printf("passes in 0.5 s: %llu idle, %llu while a tenant rings without pause (bound %.0f)\n",
          static_cast<unsigned long long>(idle), static_cast<unsigned long long>(passes),
-         seconds / (GpuScheduler::kMinPassIntervalNs / 1e9));
+         bound);
   EXPECT_LE(idle, 30u);
   EXPECT_GT(passes, 5 * idle) << "the rings do wake the scheduler";
-  EXPECT_LE(passes, seconds / (GpuScheduler::kMinPassIntervalNs / 1e9) + 10);
+  EXPECT_LE(passes, bound + 10);
   sched_->stop();
   EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), 0u) << "a clean stop says so";
+}
+
+// A tenant changing its requests without pause (here a claimed entered
+// grant, counting up) makes the scheduler skip its sleeps, since each change
+// could be a doorbell it missed: still never more than one pass per 100 us.
+// The changes come from another CPU, as a ring the scheduler could miss
+// does (a tenant on the scheduler's own CPU, which is real-time where it
+// can be, changes nothing while a pass runs).
+TEST_F(SchedulerTest, ChangingRequestsInALoopCannotMakePassesMoreFrequentThanTheBound) {
+  cpu_set_t before_start;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof before_start, &before_start), 0);
+  std::vector<int> cpus;  // the first two this process may run on
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
+    if (CPU_ISSET(c, &before_start)) cpus.push_back(c);
+  if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs";
+  configure(gputime::kPpm, gputime::kPpm);
+  const int a = spawn(0);
+  auto pin = [](int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+  };
+  ASSERT_TRUE(pin(cpus[0]));
+  sched_->start();  // its thread on the first CPU, as this one is now
+  ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof before_start, &before_start), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::atomic<bool> stop{false};
+  std::thread flipper([&] {
+    if (!pin(cpus[1])) return;
+    for (uint64_t i = 0; !stop.load(); ++i) request(0, a).entered_grant.store(1000 + i);
+  });
+  const auto [passes, bound] = passes_in_half_a_second();
+  stop.store(true);
+  flipper.join();
+  sched_->stop();
+  printf("passes in 0.5 s while a tenant flips its requests: %llu (bound %.0f)\n",
+         static_cast<unsigned long long>(passes), bound);
+  EXPECT_GT(passes, 150u) << "a changed request skips the sleep (idle: a pass per 20 ms)";
+  EXPECT_LE(passes, bound + 10);
 }
 
 }  // namespace
