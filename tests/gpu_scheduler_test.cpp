@@ -1024,6 +1024,23 @@ TEST_F(SchedulerTest, TimeUsedWhileNobodyElseAskedDoesNotPutATenantBeyondItsShar
   EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a beyond its share while b asked";
 }
 
+// Measured charging too: a latency tenant within its share takes the GPU
+// from a lone holder that keeps it busy (no room to grant it beside) at
+// once, instead of waiting for the holder's slice to end or its lead.
+TEST_F(SchedulerTest, InMeasuredModeALatencyTenantTakesTheGpuAtOnce) {
+  configure(gputime::kPpm, gputime::kPpm, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  uint32_t pa = 0, pb = 0;
+  int a = 0, b = 0;
+  measured_pair(&a, &b, &pa, &pb);
+  a_holds_at(a, pa, 1.0);
+  pass(1 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "revoked 2 ms into its slice";
+  EXPECT_TRUE(holds(1)) << "granted in the same pass";
+}
+
 // A latency tenant that asks while the holder is already leaving (its
 // limit reached, here) is granted at once too, not after the drain: the
 // holder's gate is closed, and what the GPU still runs of it is its queue.

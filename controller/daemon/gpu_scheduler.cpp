@@ -853,8 +853,10 @@ void GpuScheduler::step(uint64_t now) {
   // (kept short by pacing, below), which it pays for until it has drained;
   // the latency tenant's kernels queue behind it (on a real GPU the driver
   // time-slices the two contexts meanwhile). A normal tenant taking the GPU
-  // from a batch one waits for the drain, as at a slice's end.
-  if (!measured && holders(gputime::kGranted) == 1 && holders(gputime::kGrantRevoking) == 0) {
+  // from a batch one waits for the drain, as at a slice's end (in held
+  // mode; measured mode grants the next at once, below, and charges the
+  // revoked holder's tail by measurement).
+  if (holders(gputime::kGranted) == 1 && holders(gputime::kGrantRevoking) == 0) {
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
       if (rows_[t].gstate != gputime::kGranted) continue;
       const int other = best_candidate(now, static_cast<int>(t));
