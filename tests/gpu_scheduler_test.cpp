@@ -87,7 +87,8 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_EQ(gputime::open_arbiter(path_.c_str(), true, false, kUuid, &arbiter_, err, sizeof err),
               ledger::LedgerError::kOk)
         << err;
-    for (const char* name : {"a", "b"}) {
+    // c: configured only by the tests that name it (configure_three).
+    for (const char* name : {"a", "b", "c"}) {
       TenantFixture& t = tenants_.emplace_back();
       t.name = name;
       t.dir = tmp_ / name;
@@ -120,6 +121,38 @@ class SchedulerTest : public ::testing::Test {
     sched_->configure({{"a", 500'000, a_limit, tenants_[0].daemon.usage_fd, 0, a_priority},
                        {"b", 500'000, b_limit, tenants_[1].daemon.usage_fd, 0, b_priority}},
                       slice_ns);
+  }
+
+  // Three tenants of equal shares (a third each), c of `c_priority`.
+  void configure_three(uint32_t c_priority) {
+    sched_->configure({{"a", 333'333, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal},
+                       {"b", 333'333, gputime::kPpm, tenants_[1].daemon.usage_fd, 0, gputime::kPriorityNormal},
+                       {"c", 333'333, gputime::kPpm, tenants_[2].daemon.usage_fd, 0, c_priority}},
+                      20 * kMs);
+  }
+
+  // Measured mode: a and b (normal) hold the GPU beside each other, then
+  // keep it busy (no room), and c, configured with `c_priority`, asks.
+  void two_hold_beside_each_other_then_c_asks(uint32_t c_priority) {
+    configure_three(c_priority);
+    uint32_t pa = 0, pb = 0, pc = 0;
+    use_meter();
+    const int a = spawn_attributed(0, &pa), b = spawn_attributed(1, &pb), c = spawn_attributed(2, &pc);
+    meter_.duty[pa] = 0.3;
+    meter_.duty[pb] = 0.3;
+    want(0, a);
+    want(1, b);
+    for (int ms = 0; ms < 40 && !(holds(0) && holds(1)); ++ms) {
+      pass(1 * kMs);
+      follow(0, a);
+      follow(1, b);
+    }
+    ASSERT_TRUE(holds(0) && holds(1)) << "a and b hold beside each other (busy 0.3 each: room)";
+    meter_.duty[pa] = meter_.duty[pb] = 0.5;  // now no room
+    for (int i = 0; i < 12; ++i) pass(1 * kMs);
+    ASSERT_TRUE(holds(0) && holds(1));
+    want(2, c);
+    pass(1 * kMs);
   }
 
   // A live process of tenant t (index): it holds its slot's record lock.
@@ -1039,6 +1072,23 @@ TEST_F(SchedulerTest, InMeasuredModeALatencyTenantTakesTheGpuAtOnce) {
   EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
   EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "revoked 2 ms into its slice";
   EXPECT_TRUE(holds(1)) << "granted in the same pass";
+}
+
+// Measured mode lets two tenants hold the GPU beside each other while it
+// has room; a latency tenant that asks then takes it from both at once (it
+// does not wait for room, nor share the GPU's time-slicing with them),
+// where a normal one waits for room beside them.
+TEST_F(SchedulerTest, InMeasuredModeALatencyTenantTakesTheGpuFromHoldersBesideEachOther) {
+  two_hold_beside_each_other_then_c_asks(gputime::kPriorityLatency);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking);
+  EXPECT_EQ(state_of(1), gputime::kGrantRevoking);
+  EXPECT_TRUE(holds(2)) << "granted in the same pass, before their drains";
+}
+
+TEST_F(SchedulerTest, InMeasuredModeANormalTenantWaitsForRoomBesideHolders) {
+  two_hold_beside_each_other_then_c_asks(gputime::kPriorityNormal);
+  EXPECT_TRUE(holds(0) && holds(1)) << "a normal tenant does not take the GPU from them";
+  EXPECT_FALSE(holds(2)) << "no room beside them";
 }
 
 // A latency tenant that asks while the holder is already leaving (its

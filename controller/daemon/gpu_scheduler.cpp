@@ -867,6 +867,18 @@ void GpuScheduler::step(uint64_t now) {
         grant(static_cast<uint32_t>(other), now);
       break;
     }
+  } else if (measured && holders(gputime::kGranted) > 0) {
+    // Measured mode with holders beside each other (the GPU had room), or
+    // one beside a holder still leaving: a latency tenant within its share
+    // takes the GPU from every holder ranked below it, at once, as it does
+    // from a lone one (each pays for its measured tail).
+    const int other = best_candidate(now, -1);
+    if (other >= 0 && effective_rank(static_cast<uint32_t>(other), now) == gputime::kLatencyRank) {
+      for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+        if (rows_[t].gstate == gputime::kGranted && effective_rank(t, now) < gputime::kLatencyRank)
+          start_revoke(t, now);
+      if (holders(gputime::kGranted) == 0) grant(static_cast<uint32_t>(other), now);
+    }
   } else if (!measured && holders(gputime::kGranted) == 0 && holders(gputime::kGrantRevoking) == 1) {
     // The holder is leaving already (its slice ended, its limit was
     // reached): a latency tenant does not wait for its drain either.
