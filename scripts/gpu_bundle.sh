@@ -8,10 +8,40 @@
 # libfracgpu.so), so every GPU script takes DIR as its build directory.
 # libfracgpu.so itself needs nothing but glibc (checked by the test suite).
 #
-#   bash scripts/gpu_bundle.sh [DIR]      # default: build-gpu
+#   bash scripts/gpu_bundle.sh [--with-instruments] [--arch ARCH] [DIR]   # default: build-gpu
+#
+# --with-instruments also builds, into DIR/bench/gpu/ (where the GPU scripts
+# look first), what they would otherwise compile on the GPU machine, each
+# time, in its time: ~5 s per run of tests/gpu/run_sm_share.sh and of
+# bench/gpu/run_gpu.sh's NVML pass, ~10-20 s of nvcc per bench/gpu/run_gpu.sh:
+#   nvml_sampler, libfracgpu_cupti_meter.so  bench/gpu/build_tools.sh (a C++
+#                     compiler; CUPTI from the CUDA toolkit, e.g. /usr/local/cuda)
+#   gpu_workload      bench/gpu/build_workload.sh --arch ARCH (default sm_90:
+#                     H100 and H200; its PTX also runs on newer GPUs);
+#                     tests/gpu/run_all.sh hands it to run_gpu.sh
+#                     ($FRACGPU_GPU_WORKLOAD).
+# The CUPTI meter and gpu_workload find libcupti through a RUNPATH that names
+# this machine's toolkit directory (printed at the end; the meter's also
+# /usr/local/cuda's usual ones). Where the GPU machine has it elsewhere, or
+# its GPU cannot run gpu_workload, the scripts see it (ldd; a 0.2 s run) and
+# compile their own there, as without the option.
+#
+# Prints DIR's size and the paths the GPU checks read from it, with their
+# size: DIR also holds the build's object files, so where what can be taken
+# to the GPU machine is limited, take only those paths.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=${1:-build-gpu}
+dir="" instruments=0 arch=sm_90
+while (($#)); do
+  case $1 in
+    --with-instruments) instruments=1; shift ;;
+    --arch) arch=${2:?--arch needs a value (e.g. sm_90)}; shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_bundle: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) [[ -z $dir ]] || { echo "gpu_bundle: unexpected argument $1" >&2; exit 2; }; dir=$1; shift ;;
+  esac
+done
+dir=${dir:-build-gpu}
 bash scripts/install-deps.sh
 # The rpath reaches the linker verbatim: $ORIGIN is the directory of the binary.
 FRACGPU_BUILD_DIR=$dir bash scripts/build.sh -DCMAKE_BUILD_TYPE=Release -DFRACGPU_BUILD_TESTS=OFF \
@@ -29,9 +59,29 @@ for b in "${binaries[@]}" "$dir/interpose/libfracgpu.so"; do
     *) [[ $runpath == *'$ORIGIN/../lib'* ]] || { echo "gpu_bundle: $b has no \$ORIGIN/../lib runpath ($runpath)" >&2; exit 1; } ;;
   esac
 done
+instrument_files=()
+if ((instruments)); then
+  mkdir -p "$dir/bench/gpu"
+  # nvml_sampler or nothing (exit 2); the meter only where CUPTI is found.
+  bash bench/gpu/build_tools.sh "$dir/bench/gpu"
+  bash bench/gpu/build_workload.sh "$dir/bench/gpu/gpu_workload" --arch "$arch"
+  for f in nvml_sampler libfracgpu_cupti_meter.so gpu_workload; do
+    [[ ! -e $dir/bench/gpu/$f ]] || instrument_files+=("$dir/bench/gpu/$f")
+  done
+fi
 # The newest glibc symbol version each needs: the GPU machine's glibc must be
 # at least that.
-newest_glibc=$(objdump -T "${binaries[@]}" "$dir/interpose/libfracgpu.so" "$dir"/lib/*.so* 2>/dev/null |
+newest_glibc=$(objdump -T "${binaries[@]}" "$dir/interpose/libfracgpu.so" "$dir"/lib/*.so* \
+  ${instrument_files[@]+"${instrument_files[@]}"} 2>/dev/null |
   grep -o 'GLIBC_[0-9.]*' | sort -t. -k2,2n -k3,3n | tail -n 1)
 echo "gpu bundle: $dir ($(du -sh "$dir" | cut -f1)), libraries: $(ls "$dir/lib" | tr '\n' ' ')"
 echo "needs glibc >= ${newest_glibc#GLIBC_} on the GPU machine"
+needed=("${binaries[@]}" "$dir/interpose/libfracgpu.so" "$dir/lib")
+[[ ! -d $dir/bench/gpu ]] || needed+=("$dir/bench/gpu")
+echo "what the GPU checks read from it ($(du -shc "${needed[@]}" | tail -n 1 | cut -f1)): ${needed[*]}"
+for f in ${instrument_files[@]+"${instrument_files[@]}"}; do
+  echo "  $f$(readelf -d "$f" 2>/dev/null | awk '/RUNPATH|RPATH/ {printf ", runpath %s", $NF}')"
+done
+if ((instruments)) && [[ ! -e $dir/bench/gpu/libfracgpu_cupti_meter.so ]]; then
+  echo "no CUPTI meter (no CUPTI in the toolkit here): the GPU scripts will try to build one there"
+fi

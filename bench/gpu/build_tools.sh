@@ -9,7 +9,13 @@
 # OUT_DIR/libfracgpu_cupti_meter.so bench/gpu/cupti_meter.cpp, with CUPTI's header
 #                                   and library from the CUDA toolkit (as
 #                                   build_workload.sh finds them), found at run
-#                                   time through its RUNPATH
+#                                   time through its RUNPATH: that directory,
+#                                   then /usr/local/cuda's usual ones (a meter
+#                                   built on another machine, as by
+#                                   scripts/gpu_bundle.sh --with-instruments,
+#                                   still finds libcupti where that toolkit is
+#                                   installed elsewhere)
+# Time: ~3 s (two small compiles).
 # The compiler: $CXX, else c++, else g++. Exit 0 when nvml_sampler was built
 # (the meter is optional: its absence is printed), 2 otherwise.
 set -euo pipefail
@@ -47,9 +53,10 @@ if [[ -z $include || -z $libdir ]]; then
   echo "== no CUPTI (cupti.h, libcupti.so) in the toolkit at $cuda: no CUPTI meter" >&2
   exit 0
 fi
+rpath=$libdir:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64:/usr/local/cuda/targets/$(uname -m)-linux/lib
 # cupti.h includes cuda.h: the toolkit's own include directory too.
 if "$cxx" -std=c++17 -O2 -Wall -shared -fPIC -fvisibility=hidden -o "$out/libfracgpu_cupti_meter.so" \
-  "$here/cupti_meter.cpp" -I"$include" -I"$cuda/include" -L"$libdir" -lcupti -lpthread "-Wl,-rpath,$libdir"; then
+  "$here/cupti_meter.cpp" -I"$include" -I"$cuda/include" -L"$libdir" -lcupti -lpthread "-Wl,-rpath,$rpath"; then
   echo "== built $out/libfracgpu_cupti_meter.so (CUPTI from $libdir)" >&2
 else
   rm -f "$out/libfracgpu_cupti_meter.so"

@@ -6,8 +6,13 @@
 #
 #   bash bench/gpu/run_gpu.sh BUILD_DIR OUT_DIR [--seconds N] [--repeats N]
 #                             [--workloads compute,launch,torch[,step10,step50]]
+#                             [--passes throughput,gputime,nvml] [--half-split-only] [--no-mps]
 #
-# Builds bench/gpu/gpu_workload.cu (build_workload.sh) into OUT_DIR/bin and
+# Builds bench/gpu/gpu_workload.cu (build_workload.sh) into OUT_DIR/bin, or
+# takes $FRACGPU_GPU_WORKLOAD (one built beforehand: scripts/gpu_bundle.sh
+# --with-instruments; tests/gpu/run_all.sh names BUILD_DIR/bench/gpu/
+# gpu_workload) if a 0.2 s launch run of it succeeds here (it may be built for
+# another GPU, or name a CUPTI directory this machine lacks), and
 # sizes the compute kernel once, alone on the GPU (gpu_workload --calibrate:
 # OUT_DIR/calibration.json); every compute process of every run gets the same
 # --iterations and --blocks. Then for each workload (compute: long kernels;
@@ -37,7 +42,26 @@
 #   mps-50-50     two processes under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50,
 #                 if nvidia-cuda-mps-control starts and a first client runs
 #                 under it (skipped otherwise; its failures are not counted).
+# Shorter (tests/gpu/run_all.sh --quick):
+#   --passes LIST     which passes of the two-tenant fracgpu runs: throughput
+#                     (CUPTI off), gputime (CUPTI on), nvml (meter and sampler);
+#                     default all three. Without nvml the instruments are
+#                     neither looked for nor built.
+#   --half-split-only the two-tenant runs at 0.5/0.5 only: compute's 0.25/0.75
+#                     and 0.1/0.9 are left out (tests/gpu/run_sm_share.sh
+#                     measures those shares).
+#   --no-mps          no MPS comparison.
 # A run whose fracgpud does not start is recorded as failed; the rest go on.
+# Time (estimated; never timed on a GPU): each run is --seconds plus ~2 s
+# (CUDA context, common start, daemon; ~5 s more for torch: PyTorch's start).
+# Runs per workload: 2 x --repeats, 1 time-slicing, splits x passes (splits:
+# 3 for compute, else 1; 1 with --half-split-only), 1 MPS. Before them: nvcc
+# (~10-20 s; ~1 s for the probe of a $FRACGPU_GPU_WORKLOAD that runs),
+# build_tools.sh (~5 s, the nvml pass only, without instruments in the build
+# directory) and the kernel's sizing (~2 s). By default 39 runs of 15 s, about
+# 12.5 minutes; with --workloads compute,launch --repeats 2 --seconds 4
+# --passes throughput --half-split-only --no-mps (run_all.sh --quick) 12 runs
+# of 4 s, about 1.5 minutes.
 # Prints a Markdown table with the targets (medians: fracgpu-1 >= 99.5% of
 # native; two 0.5 tenants together >= 97% of native) and writes
 # gpu_table.md, gpu_runs.csv and runs/ (each process's JSON and stderr; in the
@@ -50,12 +74,16 @@ die() { echo "run_gpu.sh: $*" >&2; exit 2; }
 # shellcheck source=bench/e2e/fracgpu_run.sh
 source "$here/../e2e/fracgpu_run.sh"
 
-build="" out="" seconds=15 repeats=3 workloads=compute,launch,torch
+build="" out="" seconds=15 repeats=3 workloads=compute,launch,torch passes=throughput,gputime,nvml
+half_only=0 mps=1
 while (($#)); do
   case $1 in
     --seconds) seconds=${2:?--seconds needs a value}; shift 2 ;;
     --repeats) repeats=${2:?--repeats needs a value}; shift 2 ;;
     --workloads) workloads=${2:?--workloads needs a value}; shift 2 ;;
+    --passes) passes=${2:?--passes needs a value}; shift 2 ;;
+    --half-split-only) half_only=1; shift ;;
+    --no-mps) mps=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [[ -z $build ]]; then build=$1; elif [[ -z $out ]]; then out=$1; else die "unexpected argument $1"; fi; shift ;;
@@ -73,6 +101,17 @@ for f in "$fracgpud" "$fracgpu" "$lib"; do
 done
 nvidia-smi -L >/dev/null 2>&1 ||
   die "no NVIDIA GPU here (nvidia-smi -L failed): this benchmark needs one; nothing was run"
+IFS=, read -r -a pass_list <<<"$passes"
+for pass in "${pass_list[@]}"; do
+  [[ $pass =~ ^(throughput|gputime|nvml)$ ]] || die "--passes: unknown pass \"$pass\" (throughput, gputime, nvml)"
+done
+# group()'s GPUTIME of each pass asked for (0: CUPTI off, 1: on, nvml), in
+# this order whatever the order given.
+gputime_passes=()
+[[ ,$passes, != *,throughput,* ]] || gputime_passes+=(0)
+[[ ,$passes, != *,gputime,* ]] || gputime_passes+=(1)
+[[ ,$passes, != *,nvml,* ]] || gputime_passes+=(nvml)
+((${#gputime_passes[@]} > 0)) || die "--passes names no pass (throughput, gputime, nvml)"
 IFS=, read -r -a wl_list <<<"$workloads"
 for wl in "${wl_list[@]}"; do
   case $wl in
@@ -86,18 +125,45 @@ done
 mkdir -p "$out/bin"
 out=$(realpath "$out")
 rm -rf "$out/runs" "$out/calibration.json" && mkdir -p "$out/runs"
+# Whether FILE's shared libraries all resolve here (one built elsewhere may
+# name a CUPTI directory this machine lacks); true for what ldd cannot read.
+links() { ! ldd "$1" 2>/dev/null | grep -q 'not found'; }
 # libcupti is found through the binary's RUNPATH: nothing here sets
 # LD_LIBRARY_PATH, so PyTorch loads its own CUDA libraries.
-bash "$here/build_workload.sh" "$out/bin/gpu_workload" || exit 2
-# The NVML calibration's instruments: named, from the build directory, or built here.
-sampler=${FRACGPU_NVML_SAMPLER:-$build/bench/gpu/nvml_sampler}
-meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
-if [[ ! -x $sampler || ! -e $meter ]] && bash "$here/build_tools.sh" "$out/bin"; then
-  [[ -x $sampler ]] || sampler=$out/bin/nvml_sampler
-  [[ -e $meter ]] || meter=$out/bin/libfracgpu_cupti_meter.so
+workload=$out/bin/gpu_workload
+if [[ -n ${FRACGPU_GPU_WORKLOAD:-} ]]; then
+  # A probe costs a CUDA context (~1 s); compiling, 10-20 s.
+  if [[ -x $FRACGPU_GPU_WORKLOAD ]] && links "$FRACGPU_GPU_WORKLOAD" &&
+    timeout 60 "$FRACGPU_GPU_WORKLOAD" --mode launch --seconds 0.2 --no-cupti >/dev/null 2>"$out/bin/prebuilt-probe.err"; then
+    workload=$(realpath "$FRACGPU_GPU_WORKLOAD")
+    echo "== gpu_workload: $workload (built beforehand; it runs here)" >&2
+  else
+    echo "run_gpu.sh: \$FRACGPU_GPU_WORKLOAD ($FRACGPU_GPU_WORKLOAD) is missing, lacks a library or failed a 0.2 s run here ($(tail -n 1 "$out/bin/prebuilt-probe.err" 2>/dev/null)): building one" >&2
+  fi
 fi
-[[ -x $sampler ]] || { echo "run_gpu.sh: no nvml_sampler: the -nvml runs have no NVML log" >&2; sampler=""; }
-[[ -e $meter ]] || { echo "run_gpu.sh: no CUPTI meter: the -nvml runs have no CUPTI figure" >&2; meter=""; }
+if [[ $workload == "$out/bin/gpu_workload" ]]; then
+  bash "$here/build_workload.sh" "$out/bin/gpu_workload" || exit 2
+fi
+# The NVML calibration's instruments (the nvml pass only): named, from the
+# build directory, or built here.
+sampler="" meter=""
+if [[ " ${gputime_passes[*]} " == *" nvml "* ]]; then
+  sampler=${FRACGPU_NVML_SAMPLER:-$build/bench/gpu/nvml_sampler}
+  meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
+  if ! { [[ -x $sampler && -e $meter ]] && links "$sampler" && links "$meter"; } &&
+    bash "$here/build_tools.sh" "$out/bin"; then
+    if [[ ! -x $sampler ]] || ! links "$sampler"; then sampler=$out/bin/nvml_sampler; fi
+    if [[ ! -e $meter ]] || ! links "$meter"; then meter=$out/bin/libfracgpu_cupti_meter.so; fi
+  fi
+  if [[ ! -x $sampler ]] || ! links "$sampler"; then
+    echo "run_gpu.sh: no nvml_sampler: the -nvml runs have no NVML log" >&2
+    sampler=""
+  fi
+  if [[ ! -e $meter ]] || ! links "$meter"; then
+    echo "run_gpu.sh: no CUPTI meter: the -nvml runs have no CUPTI figure" >&2
+    meter=""
+  fi
+fi
 sampler_ms=2
 
 gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader) || die "nvidia-smi gave no UUID for GPU 0"
@@ -126,7 +192,7 @@ now_ns() { python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOT
 # The compute kernel's size, once for all runs, on the idle GPU.
 kernel_args=()
 if [[ ,$workloads, == *,compute,* ]]; then
-  CUDA_VISIBLE_DEVICES=$gpu_uuid "$out/bin/gpu_workload" --mode compute --calibrate >"$out/calibration.json" ||
+  CUDA_VISIBLE_DEVICES=$gpu_uuid "$workload" --mode compute --calibrate >"$out/calibration.json" ||
     die "calibrating the compute kernel failed"
   read -r iterations blocks < <(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["iterations"], c["blocks"])' "$out/calibration.json")
   kernel_args=(--iterations "$iterations" --blocks "$blocks")
@@ -143,10 +209,10 @@ workload_cmd() {  # workload_cmd WORKLOAD GPUTIME: the command line, without the
       [[ $2 == 1 ]] || profile=(--no-cupti)
       if [[ $1 == compute ]]; then profile+=("${kernel_args[@]}"); fi
       if [[ $1 == step* ]]; then
-        echo "$out/bin/gpu_workload" --mode step --kernel-us "${1#step}" --seconds "$seconds" "${profile[@]}"
+        echo "$workload" --mode step --kernel-us "${1#step}" --seconds "$seconds" "${profile[@]}"
         return
       fi
-      echo "$out/bin/gpu_workload" --mode "$1" --seconds "$seconds" "${profile[@]}" ;;
+      echo "$workload" --mode "$1" --seconds "$seconds" "${profile[@]}" ;;
   esac
 }
 
@@ -234,8 +300,8 @@ for wl in "${wl_list[@]}"; do
   done
   group timeslice-2 "$wl" native 1 0 a b
   shares_runs=("a:0.5 b:0.5")
-  [[ $wl != compute ]] || shares_runs+=("a:0.25 b:0.75" "a:0.1 b:0.9")
-  for gputime in 0 1 nvml; do
+  [[ $wl != compute ]] || ((half_only)) || shares_runs+=("a:0.25 b:0.75" "a:0.1 b:0.9")
+  for gputime in "${gputime_passes[@]}"; do
     for spec in "${shares_runs[@]}"; do
       read -r -a tenant_specs <<<"$spec"
       group "fracgpu-${tenant_specs[0]#a:}-${tenant_specs[1]#b:}" "$wl" fracgpu 1 "$gputime" "${tenant_specs[@]}"
@@ -246,7 +312,9 @@ done
 # through it. `nvidia-cuda-mps-control -d` returns before a server exists, so
 # a short client must run under it first.
 mps_note="not run"
-if ! command -v nvidia-cuda-mps-control >/dev/null; then
+if ((mps == 0)); then
+  mps_note="skipped: --no-mps"
+elif ! command -v nvidia-cuda-mps-control >/dev/null; then
   mps_note="skipped: no nvidia-cuda-mps-control"
 elif ! mkdir -p "$work/mps-pipe" "$work/mps-log" ||
   ! CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log nvidia-cuda-mps-control -d; then
@@ -254,7 +322,7 @@ elif ! mkdir -p "$work/mps-pipe" "$work/mps-log" ||
 else
   mps_started=1
   if timeout 120 env CUDA_VISIBLE_DEVICES="$gpu_uuid" CUDA_MPS_PIPE_DIRECTORY="$work/mps-pipe" \
-    "$out/bin/gpu_workload" --mode launch --seconds 1 --no-cupti >"$out/mps-probe.json" 2>"$out/mps-probe.err"; then
+    "$workload" --mode launch --seconds 1 --no-cupti >"$out/mps-probe.json" 2>"$out/mps-probe.err"; then
     mps_note="run"
     for wl in "${wl_list[@]}"; do group mps-50-50 "$wl" mps 1 0 a:50 b:50; done
   else

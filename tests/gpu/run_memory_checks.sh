@@ -5,6 +5,8 @@
 # and JAX's preallocation.
 # Needs the project built (scripts/build.sh) and PyTorch; JAX is optional.
 # Prints a report; record it in docs/gpu-results.md with date, GPU, driver.
+# Time (estimated; never timed on a GPU): about 50 s, most of it the start of
+# its nine short PyTorch/JAX processes (~5 s each, one after another).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
@@ -45,9 +47,17 @@ step "PyTorch, expandable segments (cuMemCreate)" env PYTORCH_CUDA_ALLOC_CONF=ex
 step "CUDA graph allocation nodes (driver API)" python3 $check graph "$quota"
 
 echo "== two processes of one tenant share the quota"
-python3 $check hold $((quota * 6 / 10)) 20 &
+python3 $check hold $((quota * 6 / 10)) 20 >"$run_dir/holder.out" 2>&1 &
 holder=$!
-sleep 12
+# Until it holds its 60% (PyTorch takes seconds to start: a fixed wait would
+# be a guess, too short on a cold machine), at most 60 s; it then holds 20 s.
+for _ in $(seq 600); do
+  grep -q holding "$run_dir/holder.out" && break
+  kill -0 $holder 2>/dev/null || break
+  sleep 0.1
+done
+cat "$run_dir/holder.out"
+grep -q holding "$run_dir/holder.out" || { echo "FAILED: the first process did not start holding"; failures=$((failures + 1)); }
 python3 $check fit $((quota * 6 / 10)); [ $? -eq 3 ] && echo "ok: second process refused 60%" || { echo "FAILED: second process got 60% too"; failures=$((failures + 1)); }
 python3 $check fit $((quota * 2 / 10)) && echo "ok: second process got 20%" || { echo "FAILED: 20% refused"; failures=$((failures + 1)); }
 "$build/controller/fracgpu" status --run-dir "$run_dir"

@@ -9,6 +9,8 @@
 # inside it, not the host's.
 # Needs the project built (scripts/build.sh) and PyTorch. Prints a report;
 # record it in docs/gpu-results.md with date, GPU and driver.
+# Time (estimated; never timed on a GPU): about 35 s, mostly the start of its
+# four PyTorch processes (~5 s each) and nvidia-smi's calls (~0.5 s each).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 build=$(realpath "${FRACGPU_BUILD_DIR:-build}")

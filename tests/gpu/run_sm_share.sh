@@ -8,7 +8,7 @@
 # BUILD_DIR defaults to $FRACGPU_BUILD_DIR, else build/ (scripts/build.sh's);
 # this script builds nothing. Needs one NVIDIA GPU (GPU 0 is used), PyTorch,
 # and optionally pynvml (nvidia-ml-py) with accounting mode on (as root:
-# nvidia-smi -i 0 -am 1) for the NVML measure. Takes about 5 minutes.
+# nvidia-smi -i 0 -am 1) for the NVML measure. Takes about 5.5 minutes (below).
 #
 # With the workload in tests/gpu/sm_share_workload.py (fp16 matmuls that keep
 # the GPU busy; kinds: matmul, or mixed = one large and 16 small kernels), it
@@ -38,10 +38,11 @@
 # not depend on them). Both are taken from BUILD_DIR/bench/gpu, from
 # $FRACGPU_NVML_SAMPLER / $FRACGPU_CUPTI_METER, or built into the results
 # directory (bench/gpu/build_tools.sh: a C++ compiler, CUPTI from the CUDA
-# toolkit); without them those figures are left out.
+# toolkit; also where one named or found lacks a shared library here, as one
+# built on another machine may); without them those figures are left out.
 #
 # `calibrate` runs the calibration of the stand-in NVML instead
-# (docs/gpu-results.md, "Calibrating the stand-in NVML"; about 2 minutes):
+# (docs/gpu-results.md, "Calibrating the stand-in NVML"; about 1.5 minutes):
 # with the CUPTI meter in every workload process and nvml_sampler polling
 # nvmlDeviceGetProcessUtilization, nvmlDeviceGetProcessesUtilizationInfo and
 # nvmlDeviceGetSamples(GPU_UTILIZATION) every 2 ms for the window (--seconds,
@@ -83,6 +84,19 @@
 #
 # Results go to a new directory (printed at the end) under --out DIR, else
 # under /tmp.
+#
+# Time (estimated; never timed on a GPU): each run (a group of processes from
+# a common start) is --seconds plus ~7 s: the processes' warm-up in parallel
+# (PyTorch's import, CUDA context, cuBLAS: ~5 s), the 1 s to the common
+# start, NVML accounting read after, the daemon's start and stop; the latency
+# runs with training ~2 s more (its queue drains at the end). Before the runs
+# ~10 s (PyTorch and NVML probes) and, without the instruments at hand, ~5 s
+# to compile them (build_tools.sh). Runs: the shares 12 (2 kinds x 2
+# baselines, 4 splits, 2 x 2 launch-bound), 5 with --kinds matmul
+# --no-three-tenants --no-launch-bound; calibrate 3; latency 6 (5 where
+# fracgpud refuses the priority key). Default 20 s: shares ~340 s, calibrate
+# ~100 s, latency ~185 s; tests/gpu/run_all.sh --quick: shares at --seconds 11
+# with the three options above ~105 s, latency at --seconds 10 ~120 s.
 #
 # Exit status: 0 every tenant within 5 points of its share; 1 one or more off
 # by more, or a run failed; 2 could not run at all. 5 points is a smoke
@@ -167,20 +181,24 @@ sampler_pid=""
 tenant_pids=()
 split_dirs=()
 
+# Whether FILE's shared libraries all resolve here (one built elsewhere may
+# name a CUPTI directory this machine lacks); true for what ldd cannot read.
+links() { ! ldd "$1" 2>/dev/null | grep -q 'not found'; }
 # The NVML calibration's instruments: named, from the build directory, or built.
 sampler="" meter=""
 if ((nvml)); then
   sampler=${FRACGPU_NVML_SAMPLER:-$build/bench/gpu/nvml_sampler}
   meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
-  if [[ ! -x $sampler || ! -e $meter ]] && bash bench/gpu/build_tools.sh "$results/bin" 2>"$results/build_tools.log"; then
-    [[ -x $sampler ]] || sampler=$results/bin/nvml_sampler
-    [[ -e $meter ]] || meter=$results/bin/libfracgpu_cupti_meter.so
+  if ! { [[ -x $sampler && -e $meter ]] && links "$sampler" && links "$meter"; } &&
+    bash bench/gpu/build_tools.sh "$results/bin" 2>"$results/build_tools.log"; then
+    if [[ ! -x $sampler ]] || ! links "$sampler"; then sampler=$results/bin/nvml_sampler; fi
+    if [[ ! -e $meter ]] || ! links "$meter"; then meter=$results/bin/libfracgpu_cupti_meter.so; fi
   fi
-  if [[ ! -x $sampler ]]; then
+  if [[ ! -x $sampler ]] || ! links "$sampler"; then
     ((calibrate == 0)) || die "no nvml_sampler (build dir, \$FRACGPU_NVML_SAMPLER, build_tools.sh: $(tail -n 2 "$results/build_tools.log" 2>/dev/null | tr '\n' ' '))"
     sampler=""
   fi
-  [[ -e $meter ]] || meter=""
+  if [[ ! -e $meter ]] || ! links "$meter"; then meter=""; fi
 fi
 # What run_group adds to a group's processes: "meter" (the CUPTI meter in
 # each), "sampler" (nvml_sampler beside them); set by the caller.
