@@ -376,6 +376,26 @@ TEST_F(DaemonTest, CheckValidatesWithoutTouchingAnything) {
   EXPECT_NE(output.find("TOML syntax error"), std::string::npos) << output;
 }
 
+// Valid settings that work against each other are said, and the config
+// still passes: a latency tenant under measured charging (NVML's samples
+// charge it in lumps of ~1/6 s).
+TEST_F(DaemonTest, CheckWarnsOfALatencyTenantUnderMeasuredCharging) {
+  const std::string carol = "[[tenant]]\nname = \"carol\"\ngpus = 0.25\npriority = \"latency\"\n";
+  std::string text = config(run_dir_, "0.5") + carol;
+  std::string output;
+  write_config(text);
+  EXPECT_EQ(run_daemon({"--check"}, &output), 0) << output;
+  EXPECT_EQ(output.find("warning: "), std::string::npos) << "held charging: nothing to warn of\n" << output;
+  const std::string daemon_table = "reap_interval_ms = 50\n";
+  text.replace(text.find(daemon_table), daemon_table.size(), daemon_table + "gpu_time_charging = \"measured\"\n");
+  write_config(text);
+  EXPECT_EQ(run_daemon({"--check"}, &output), 0) << output;
+  EXPECT_NE(output.find("warning: tenant \"carol\" has priority = \"latency\" under gpu_time_charging = \"measured\""),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("tenant \"alice\" has priority"), std::string::npos) << "alice is normal";
+}
+
 TEST_F(DaemonTest, BadCommandLineIsAUsageError) {
   std::string output;
   EXPECT_EQ(run_daemon({"--log-level", "chatty"}, &output), 64);

@@ -153,6 +153,25 @@ bool read_api_tenants(const std::string& run_dir, ApiTenants* out, std::string* 
   return true;
 }
 
+// Settings that are valid but work against each other: said at every load
+// (fracgpud --check prints them, the daemon logs them), appended to *out.
+void policy_warnings(const NodeConfig& config, std::vector<std::string>* out) {
+  if (!config.daemon.gpu_time_measured) return;
+  // Measured charging acts on NVML's samples: one every ~1/6 s to 1 s on a
+  // real GPU, each charging the process it caught for the whole period. A
+  // latency tenant's charges then come in lumps far above its limit's
+  // burst, and it waits out each one (on the realistic stand-in, alone at
+  // its share of 0.25: p99 0.69 s, most bursts missed).
+  for (const Tenant& tenant : config.tenants)
+    if (tenant.priority == Priority::kLatency)
+      out->push_back(fmt::format(
+          "tenant \"{}\" has priority = \"latency\" under gpu_time_charging = \"measured\": NVML samples GPU "
+          "time about every 1/6 s, so its charges come in lumps and it stalls for hundreds of milliseconds at a "
+          "time; held charging (the default) is the one latency tenants are built for (docs/sm-time.md, "
+          "\"Latency tenants\")",
+          tenant.name));
+}
+
 // Loads the config placing running tenants where they run: `running` if
 // given; else read from the run dir as `fracgpu status` reads it, which
 // opens and closes every ledger and the pid file. Closing them drops every
@@ -162,7 +181,7 @@ bool read_api_tenants(const std::string& run_dir, ApiTenants* out, std::string* 
 // API tenants: `api` if given, else read from the run dir (into *api_loaded).
 // Parses twice when there is a prior placement or an API tenant: the first
 // pass only finds run_dir. *moved: a warning per running tenant that the
-// result moves.
+// result moves, and policy_warnings' about the settings.
 ConfigResult load_placed(const std::string& path, const Discovery& discovery, const PriorPlacement* running,
                          const ApiTenants* api, ApiTenants* api_loaded, std::vector<std::string>* moved) {
   ConfigResult result = load_config(path, discovery.gpus);
@@ -191,7 +210,10 @@ ConfigResult load_placed(const std::string& path, const Discovery& discovery, co
     if (const auto report = collect_status(run_dir, &error)) prior = prior_placement_from(*report);
   }
   add_recorded_placement(run_dir, &prior);
-  if (prior.empty() && api->empty()) return result;
+  if (prior.empty() && api->empty()) {
+    policy_warnings(*result.config, moved);
+    return result;
+  }
   result = load_config(path, discovery.gpus, prior.empty() ? nullptr : &prior, api);
   if (result.ok()) {
     std::map<std::string, std::vector<std::string>> now;
@@ -199,6 +221,7 @@ ConfigResult load_placed(const std::string& path, const Discovery& discovery, co
       for (const Grant& grant : tenant.grants)
         if (grant.share_ppm > 0) now[tenant.name].push_back(result.config->gpus[grant.gpu].uuid);
     *moved = running_tenants_moved(prior, now);
+    policy_warnings(*result.config, moved);
   }
   return result;
 }
