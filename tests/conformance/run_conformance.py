@@ -7,15 +7,18 @@ interposer preloaded (conformance_probe), for every symbol the interposer
 hooks with every cudaVersion and flags value, through cuGetProcAddress,
 cuGetProcAddress_v2 (with and without a status pointer) and dlsym, and for
 every other exported symbol with a few; the same for the NVML symbols on the
-release's libnvidia-ml.so.1; and it loads the CUDA 12 runtime against the
-release and records every entry point the runtime obtains (record_getproc.so).
+release's libnvidia-ml.so.1; and it loads the CUDA 12 and CUDA 13 runtimes
+against the release and records every entry point each obtains
+(record_getproc.so). The CUDA 13 runtime is 13.0, the one PyTorch's cu130
+builds ship; it refuses a driver older than 580 (none is in Debian's
+archive), but only after its lookups, which are what is compared.
 The interposer must hand out its own hook of exactly the variant the driver
 returns, refuse exactly where the driver refuses, and leave every unhooked
 symbol untouched.
 
 The packages come from Debian's non-free archive (apt-get download with a
 private sources list and state, never the machine's apt configuration) and
-the runtime from PyPI (pip download), into a cache kept between runs:
+the runtimes from PyPI (pip download), into a cache kept between runs:
 $FRACGPU_CONFORMANCE_CACHE, default ~/.cache/fracgpu-conformance. If they
 cannot be had (no network, no Debian mirror configured), the test says so and
 exits 77, which CTest reports as skipped.
@@ -35,6 +38,13 @@ import zipfile
 
 SKIP = 77
 FETCH_SECONDS = 240  # all downloads together, on a cold cache
+
+# (label, PyPI requirement, the library's name in the wheel): the CUDA
+# runtimes whose lookups are compared; each in <cache>/cudart/.
+RUNTIMES = [
+    ("cudart", "nvidia-cuda-runtime-cu12", "libcudart.so.12"),
+    ("cudart13", "nvidia-cuda-runtime>=13.0,<13.1", "libcudart.so.13"),
+]
 
 # (tag, Debian suite, CUDA package, NVML package, directory inside the package)
 RELEASES = [
@@ -122,7 +132,6 @@ def fetch(cache):
     """Fills the cache; returns None, or why it could not."""
     deadline = time.monotonic() + FETCH_SECONDS
     missing = [r for r in RELEASES if not have_release(cache, r[0])]
-    cudart = os.path.join(cache, "cudart", "libcudart.so.12")
     if missing:
         mirror = debian_mirror()
         if mirror is None:
@@ -170,28 +179,51 @@ def fetch(cache):
                     shutil.rmtree(x, ignore_errors=True)
         except subprocess.TimeoutExpired:
             return f"downloads took more than {FETCH_SECONDS} s"
-    if not os.path.exists(cudart):
-        wheels = os.path.join(cache, "wheels")
-        os.makedirs(wheels, exist_ok=True)
-        try:
-            r = run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                     "--platform", "manylinux2014_x86_64", "--python-version", "3.11", "-q", "-d", wheels,
-                     "nvidia-cuda-runtime-cu12"], deadline)
-        except subprocess.TimeoutExpired:
-            return f"downloads took more than {FETCH_SECONDS} s"
-        found = [f for f in os.listdir(wheels) if f.startswith("nvidia_cuda_runtime_cu12") and f.endswith(".whl")]
-        if r.returncode != 0 or not found:
-            return "pip download nvidia-cuda-runtime-cu12 failed: " + r.stderr.strip()[-400:]
-        with zipfile.ZipFile(os.path.join(wheels, sorted(found)[-1])) as z:
-            member = [n for n in z.namelist() if n.endswith("/libcudart.so.12")]
-            if not member:
-                return "the nvidia-cuda-runtime-cu12 wheel holds no libcudart.so.12"
-            os.makedirs(os.path.dirname(cudart), exist_ok=True)
-            with open(cudart + ".part", "wb") as f:
-                f.write(z.read(member[0]))
-            os.replace(cudart + ".part", cudart)
-            with open(os.path.join(cache, "cudart", "version"), "w") as f:
-                f.write(sorted(found)[-1] + "\n")
+    for _, requirement, soname in RUNTIMES:
+        why = fetch_runtime(cache, requirement, soname, deadline)
+        if why is not None:
+            return why
+    return None
+
+
+def runtime_path(cache, soname):
+    return os.path.join(cache, "cudart", soname)
+
+
+def fetch_runtime(cache, requirement, soname, deadline):
+    """The CUDA runtime library `soname` from the PyPI wheel `requirement`,
+    into the cache; None, or why it could not."""
+    cudart = runtime_path(cache, soname)
+    if os.path.exists(cudart):
+        return None
+    package = re.split(r"[<>=!~ ]", requirement, maxsplit=1)[0]
+    wheels = os.path.join(cache, "wheels")
+    os.makedirs(wheels, exist_ok=True)
+    try:
+        r = run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                 "--platform", "manylinux2014_x86_64", "--python-version", "3.11", "-q", "-d", wheels,
+                 requirement], deadline)
+    except subprocess.TimeoutExpired:
+        return f"downloads took more than {FETCH_SECONDS} s"
+    prefix = package.replace("-", "_") + "-"
+    found = []
+    for f in os.listdir(wheels):
+        if not (f.startswith(prefix) and f.endswith(".whl")):
+            continue
+        with zipfile.ZipFile(os.path.join(wheels, f)) as z:
+            if any(n.endswith("/" + soname) for n in z.namelist()):
+                found.append(f)
+    if r.returncode != 0 or not found:
+        return f"pip download {requirement} failed: " + r.stderr.strip()[-400:]
+    wheel = sorted(found)[-1]
+    with zipfile.ZipFile(os.path.join(wheels, wheel)) as z:
+        member = [n for n in z.namelist() if n.endswith("/" + soname)][0]
+        os.makedirs(os.path.dirname(cudart), exist_ok=True)
+        with open(cudart + ".part", "wb") as f:
+            f.write(z.read(member))
+        os.replace(cudart + ".part", cudart)
+    with open(cudart + ".version", "w") as f:
+        f.write(wheel + "\n")
     return None
 
 
@@ -310,7 +342,6 @@ def main():
     cuda_hooked = set(hooked_names(args.hooks, "FRACGPU_HOOK"))
     nvml_hooked = set(hooked_names(args.nvml_hooks, "FRACGPU_NVML_HOOK"))
     cuda_bases = {base_name(n) for n in cuda_hooked}
-    cudart = os.path.join(cache, "cudart", "libcudart.so.12")
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "FRACGPU_", "SIMCUDA_"))}
     # No tenant: the interposer runs in passthrough mode; lookups are mapped
     # all the same (they must be, before any tenant is known).
@@ -361,40 +392,45 @@ def main():
                 f.write("\n".join(nvml_names) + "\n")
             compare(f"{tag} nvml", probe([args.probe, "nvml", nvml_file], env),
                     probe([args.probe, "nvml", nvml_file], pre_env), nvml_hooked, tallies.setdefault("nvml dlsym", Tally()))
-            # The CUDA runtime as the client (when it could be fetched: only the
-            # simulated driver runs without it, and the test is then skipped).
-            records = [([["cudaGetDeviceCount", "-", "-", "-", "not fetched"]], []),
-                       ([["cudaGetDeviceCount", "-", "-", "-", "not fetched"]], [])]
-            for i, e in enumerate((env, pre_env) if os.path.exists(cudart) else ()):
-                rec = os.path.join(tmp, f"record-{tag}-{i}")
-                e = dict(e, CONFORMANCE_RECORD=rec)
-                e["LD_PRELOAD"] = args.recorder + (":" + args.interposer if i == 1 else "")
-                out = probe([args.probe, "cudart", cudart], e)
-                lines = [line.split("\t") for line in open(rec).read().splitlines()] if os.path.exists(rec) else []
-                records[i] = (out, lines)
-            compare(f"{tag} cudart", records[0][1], records[1][1], cuda_hooked,
-                    tallies.setdefault("cudart lookups", Tally()))
-            rows.append((tag, suite, version, init[0][4] if init else "?", records[0][0][0][4], tallies,
-                         len(records[0][1])))
+            # The CUDA runtimes as the client (when they could be fetched: only
+            # the simulated driver runs without them, and the test is then
+            # skipped).
+            runtimes = {}
+            for label, _, soname in RUNTIMES:
+                cudart = runtime_path(cache, soname)
+                records = [([["cudaGetDeviceCount", "-", "-", "-", "not fetched"]], []),
+                           ([["cudaGetDeviceCount", "-", "-", "-", "not fetched"]], [])]
+                for i, e in enumerate((env, pre_env) if os.path.exists(cudart) else ()):
+                    rec = os.path.join(tmp, f"record-{tag}-{label}-{i}")
+                    e = dict(e, CONFORMANCE_RECORD=rec)
+                    e["LD_PRELOAD"] = args.recorder + (":" + args.interposer if i == 1 else "")
+                    out = probe([args.probe, "cudart", cudart], e)
+                    lines = [line.split("\t") for line in open(rec).read().splitlines()] if os.path.exists(rec) else []
+                    records[i] = (out, lines)
+                compare(f"{tag} {label}", records[0][1], records[1][1], cuda_hooked,
+                        tallies.setdefault(f"{label} lookups", Tally()))
+                runtimes[soname] = (records[0][0][0][4], len(records[0][1]))
+            rows.append((tag, suite, version, init[0][4] if init else "?", runtimes, tallies))
             for t in tallies.values():
                 failed |= bool(t.failures)
 
     report = ["| release | package | path | hook handed out | passed untouched | refused by both | mismatches |",
               "|---|---|---|---|---|---|---|"]
-    for tag, suite, version, init, rt, tallies, n_rt in rows:
+    for tag, suite, version, init, runtimes, tallies in rows:
         for path, t in sorted(tallies.items()):
             report.append(f"| {tag} | {version} ({suite}) | {path} | {t.hooked} | {t.passed} | {t.refused} | "
                           f"{len(t.failures)} |")
     report.append("")
-    for tag, suite, version, init, rt, tallies, n_rt in rows:
-        report.append(f"- {tag}: cuInit without a GPU answered {init}; the CUDA runtime made {n_rt} lookups "
-                      f"(cudaGetDeviceCount answered {rt})")
+    for tag, suite, version, init, runtimes, tallies in rows:
+        made = "; ".join(f"{soname} made {n} lookups (cudaGetDeviceCount answered {rt})"
+                         for soname, (rt, n) in runtimes.items())
+        report.append(f"- {tag}: cuInit without a GPU answered {init}; {made}")
     text = "\n".join(report)
     print(text)
     if args.report:
         with open(args.report, "w") as f:
             f.write(text + "\n")
-    for tag, suite, version, init, rt, tallies, n_rt in rows:
+    for tag, suite, version, init, runtimes, tallies in rows:
         for path, t in sorted(tallies.items()):
             for failure in t.failures[:20]:
                 print(f"FAIL {failure}")
