@@ -69,13 +69,17 @@ CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned 
 }
 
 // A graph whose allocation nodes take memory has it reserved first
-// (graph_memory.h); every other graph launches as a kernel does.
+// (graph_memory.h); every other graph launches as a kernel does. Either way
+// a launch is paced beside a latency tenant.
 template <HookId id>
 CUresult graph_launch(CUgraphExec graph, CUstream stream) {
   if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]] {
+    bool paced = false;
     if (!launch_may_pass())
-      if (const CUresult refused = wait_for_gpu(stream); refused != CUDA_SUCCESS) return refused;
-    return run_with_graph_memory(graph, stream, real<id>());
+      if (const CUresult refused = wait_for_gpu(stream, &paced); refused != CUDA_SUCCESS) return refused;
+    const CUresult result = run_with_graph_memory(graph, stream, real<id>());
+    if (paced && result == CUDA_SUCCESS) paced_launch_done(stream);
+    return result;
   }
   FRACGPU_LAUNCH(id, stream, graph, stream);
 }

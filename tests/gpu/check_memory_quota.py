@@ -9,6 +9,7 @@ under LD_PRELOAD=libfracgpu.so as a tenant holding a fraction of GPU 0.
 
 Prints one line per finding; exits non-zero on the first failed check.
 """
+import os
 import sys
 import time
 
@@ -23,6 +24,28 @@ def fail(msg):
 
 def ok(msg):
     print(f"ok: {msg}", flush=True)
+
+
+def expandable_requested():
+    """Whether the environment asks PyTorch for expandable segments. PyTorch
+    2.8+ reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as a
+    deprecated alias; run_memory_checks.sh sets both."""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def expandable_in_use(torch):
+    """True/False: whether PyTorch's segments are expandable (cuMemCreate and
+    cuMemMap, the VMM path); None where the snapshot does not say. An env
+    var PyTorch ignores (a renamed one, as in 2.9.1 for PYTORCH_ALLOC_CONF)
+    would otherwise leave the "expandable segments" step testing the plain
+    caching allocator a second time, and passing."""
+    try:
+        flags = [s["is_expandable"] for s in torch.cuda.memory_snapshot() if "is_expandable" in s]
+    except Exception as e:  # a private-ish API: never fail the check on its shape
+        print(f"note: torch.cuda.memory_snapshot() failed: {e}")
+        return None
+    return any(flags) if flags else None
 
 
 def check_torch(quota):
@@ -43,6 +66,15 @@ def check_torch(quota):
         ok(f"OutOfMemoryError after {len(held)} GiB: {str(e).splitlines()[0][:120]}")
     if len(held) * GIB > quota:
         fail(f"allocated {len(held)} GiB, past the quota")
+    if expandable_requested():
+        used = expandable_in_use(torch)
+        if used is False:
+            fail("expandable segments were asked for (PYTORCH_ALLOC_CONF) but PyTorch's segments are not "
+                 "expandable: the VMM path (cuMemCreate/cuMemMap) was not exercised")
+        if used is None:
+            print("note: could not confirm that PyTorch used expandable segments (no segment says)")
+        else:
+            ok("PyTorch's segments are expandable (the VMM path: cuMemCreate/cuMemMap)")
     del held[-1:]
     torch.cuda.empty_cache()
     x = torch.ones(256 * MIB, dtype=torch.uint8, device="cuda")
@@ -75,10 +107,23 @@ def check_jax(quota):
     import jax
     import jax.numpy as jnp
 
-    dev = jax.devices()[0]
+    # The GPU backend by name: where the CUDA plugin fails to start (under the
+    # interposer, say) JAX falls back to the CPU with a warning, and
+    # jax.devices()[0] would be a CPU device without memory stats, which read
+    # as "not inside the quota". "gpu" names the CUDA (and ROCm) backend.
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError as e:
+        fail(f"JAX has no GPU backend here (jax {jax.__version__}; its CUDA plugin did not start?): "
+             f"{str(e).splitlines()[0][:200]}")
+    env = {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                      "XLA_PYTHON_CLIENT_ALLOCATOR") if k in os.environ}
     stats = dev.memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
-    print(f"jax: device={dev} bytes_limit={limit / MIB:.0f} MiB quota={quota / MIB:.0f} MiB")
+    print(f"jax {jax.__version__}: device={dev} bytes_limit={limit / MIB:.0f} MiB quota={quota / MIB:.0f} MiB"
+          f"{' env ' + str(env) if env else ''}")
+    if not stats:
+        fail("JAX's device gave no memory_stats(): its allocator's limit cannot be read")
     if limit == 0 or limit > quota:
         fail("JAX's allocator limit is not inside the quota")
     ok("JAX preallocated inside the quota")

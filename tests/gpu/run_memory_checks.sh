@@ -42,8 +42,15 @@ quota=$("$build/controller/fracgpu" status --run-dir "$run_dir" --json |
 echo "== quota: $quota bytes"
 
 step() { echo "== $1"; shift; "$@" || { echo "FAILED: $*"; failures=$((failures + 1)); }; }
-step "PyTorch, caching allocator" python3 $check torch "$quota"
-step "PyTorch, expandable segments (cuMemCreate)" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 $check torch "$quota"
+# The plain caching allocator even where the environment configures another.
+step "PyTorch, caching allocator" env -u PYTORCH_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF python3 $check torch "$quota"
+# PyTorch 2.8+ reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as a
+# deprecated alias (it warns); 2.9.1 took expandable_segments only from the
+# old name (pytorch/pytorch#183387). Both, so that any version takes it; the
+# check confirms that PyTorch's segments really are expandable.
+step "PyTorch, expandable segments (cuMemCreate)" \
+  env PYTORCH_ALLOC_CONF=expandable_segments:True PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  python3 $check torch "$quota"
 step "CUDA graph allocation nodes (driver API)" python3 $check graph "$quota"
 
 echo "== two processes of one tenant share the quota"
@@ -64,7 +71,11 @@ python3 $check fit $((quota * 2 / 10)) && echo "ok: second process got 20%" || {
 kill $holder 2>/dev/null; wait $holder 2>/dev/null
 
 if python3 -c 'import jax' 2>/dev/null; then
-  step "JAX, default preallocation" python3 $check jax "$quota"
+  # JAX's defaults (preallocate 75 % of what the driver says is total, BFC
+  # allocator), whatever this machine's environment sets.
+  step "JAX, default preallocation" \
+    env -u XLA_PYTHON_CLIENT_PREALLOCATE -u XLA_PYTHON_CLIENT_MEM_FRACTION -u XLA_PYTHON_CLIENT_ALLOCATOR \
+    python3 $check jax "$quota"
 else
   echo "== JAX not installed: skipped"
 fi

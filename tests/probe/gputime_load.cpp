@@ -12,7 +12,9 @@
 //                       of an interactive loop: with host_us above the kernel length the
 //                       load is launch-bound and queues nothing ahead)
 //     path=kernel       kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi |
-//                       graph | graph_ptsz | legacy | legacy_grid | legacy_async |
+//                       graph | graph_ptsz | graph_mem (graph, in a process that also
+//                       holds an exec with a memory-allocation node: the interposer's
+//                       path for graphs with memory) | legacy | legacy_grid | legacy_async |
 //                       getproc (cuLaunchKernel as cuGetProcAddress gives it, as the
 //                       CUDA runtime finds it) |
 //                       multi_pair (devices=A,B: one thread, current on A, launching a
@@ -134,6 +136,7 @@ struct Launcher {
   CUstream stream = nullptr;
   std::vector<CUfunction> functions;
   std::vector<CUgraphExec> graphs;
+  CUgraphExec memory_graph = nullptr;  // path=graph_mem: an exec with a memory-allocation node
   CUfunction last = nullptr;  // last_us
   PFN_cuLaunchKernel_v4000 launch_from_getproc = nullptr;  // path=getproc
   unsigned long long launches = 0;
@@ -173,6 +176,20 @@ struct Launcher {
         CHECK(cuGraphInstantiateWithFlags(&exec, g, 0));
         graphs.push_back(exec);
       }
+    }
+    if (o.path == "graph_mem") {
+      // Never launched: its existence is what takes graph launches down the
+      // interposer's graph-memory path.
+      CUgraph g = nullptr;
+      CHECK(cuGraphCreate(&g, 0));
+      CUDA_MEM_ALLOC_NODE_PARAMS p{};
+      p.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+      p.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      p.poolProps.location.id = device;
+      p.bytesize = 2 << 20;
+      CUgraphNode node = nullptr;
+      CHECK(cuGraphAddMemAllocNode(&node, g, nullptr, 0, &p));
+      CHECK(cuGraphInstantiateWithFlags(&memory_graph, g, 0));
     }
     if (o.last_us != 0) CHECK(cuModuleGetFunction(&last, module, ("sleep_" + std::to_string(o.last_us) + "us").c_str()));
     if (o.path == "getproc") {
@@ -226,7 +243,7 @@ struct Launcher {
       params.blockDimY = params.blockDimZ = 1;
       params.hStream = stream;
       CHECK(cuLaunchCooperativeKernelMultiDevice(&params, 1, 0));
-    } else if (p == "graph") CHECK(cuGraphLaunch(graphs[i], stream));
+    } else if (p == "graph" || p == "graph_mem") CHECK(cuGraphLaunch(graphs[i], stream));
     else if (p == "graph_ptsz") CHECK(cuGraphLaunch_ptsz(graphs[i], stream));
     else if (p == "legacy") CHECK(legacy<decltype(&cuLaunch)>("cuLaunch")(f));
     else if (p == "legacy_grid") CHECK(legacy<decltype(&cuLaunchGrid)>("cuLaunchGrid")(f, 1, 1));
