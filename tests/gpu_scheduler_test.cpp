@@ -968,7 +968,8 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   want(0, a);
   pass();
   ASSERT_TRUE(enter(0, a));
-  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u) << "no process of the latency tenant yet";
+  EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs)
+      << "no process of the latency tenant yet, but it was just configured";
   const int b = spawn(1);
   EXPECT_EQ(row(1).priority.load(), gputime::kPriorityLatency);
   pass(3 * kMs);
@@ -996,9 +997,10 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   pass(1 * kMs);
   EXPECT_TRUE(holds(0));
   // The pace budget stays while the latency tenant has a live process,
-  // asking or not, and 2 s after its last one is gone.
+  // asking or not (past its configuration's 60 s), and 2 s after its last
+  // one is gone.
   ASSERT_TRUE(enter(0, a));
-  pass(5000 * kMs);
+  pass(61'000 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs) << "b's process lives";
   kill_and_reap(processes_[1]);
   pass(11 * kMs);  // the first pass after the kill finds it dead
@@ -1006,6 +1008,35 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), GpuScheduler::kPaceInflightNs);
   pass(20 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u);
+}
+
+// A latency tenant's queue protection starts when it is configured, not at
+// its first process: a cluster starts its container seconds after the claim
+// is prepared, and the others' queues must be gone by its first request.
+// Without a process the budget goes after 60 s; an unchanged configuration
+// does not start it again, a tenant newly given the priority does.
+TEST_F(SchedulerTest, PacingStartsWhenALatencyTenantIsConfigured) {
+  auto pace = [&] { return arbiter_.seg->daemon.pace_inflight_ns.load(); };
+  pass(1 * kMs);
+  EXPECT_EQ(pace(), 0u) << "no latency tenant";
+  configure(500'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  pass(1 * kMs);
+  EXPECT_EQ(pace(), GpuScheduler::kPaceInflightNs) << "configured, no process yet";
+  pass(59'000 * kMs);
+  configure(500'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);  // a reload, unchanged
+  pass(998 * kMs);
+  EXPECT_EQ(pace(), GpuScheduler::kPaceInflightNs);
+  pass(2 * kMs);
+  EXPECT_EQ(pace(), 0u) << "60 s without a process";
+  configure(500'000, 500'000);  // b normal
+  pass(1 * kMs);
+  EXPECT_EQ(pace(), 0u);
+  configure(500'000, 500'000, gputime::kPriorityLatency, gputime::kPriorityNormal);  // a given the priority
+  pass(1 * kMs);
+  EXPECT_EQ(pace(), GpuScheduler::kPaceInflightNs);
+  configure(500'000, 500'000);  // and taken away again: nobody to protect
+  pass(1 * kMs);
+  EXPECT_EQ(pace(), 0u);
 }
 
 // Priority buys latency, not time: a latency tenant that has used more than

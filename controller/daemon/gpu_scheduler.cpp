@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 #include <ctime>
+#include <utility>
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -261,6 +262,7 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
     Row& r = rows_[index];
     listed[index] = true;
     changed |= !r.active || r.share != t.share_ppm || r.limit != t.limit_ppm || r.priority != t.priority;
+    if (t.priority == gputime::kPriorityLatency && (!r.active || r.priority != t.priority)) latency_configured_ = true;
     if (r.priority != t.priority) {
       r.waits.clear();
       r.wait_count = 0;
@@ -948,7 +950,12 @@ void GpuScheduler::publish(uint64_t now) {
   store_if_changed(seg_.min_vtime, min_vtime_);
   store_if_changed(seg_.daemon.slice_ns, slice_ns_);
   store_if_changed(seg_.daemon.drain_deadline_ns, gputime::kDrainDeadlineNs);
-  const bool pacing = latency_seen_ns_ != 0 && now - latency_seen_ns_ < kLatencyActiveNs;
+  // A latency tenant still configured, in its arrival grace, counts as
+  // active (kLatencyArrivalNs).
+  bool latency_configured = false;
+  for (const Row& r : rows_) latency_configured |= r.active && r.priority == gputime::kPriorityLatency;
+  const bool pacing = (latency_seen_ns_ != 0 && now - latency_seen_ns_ < kLatencyActiveNs) ||
+                      (latency_configured && latency_arrival_ns_ != 0 && now < latency_arrival_ns_ + kLatencyArrivalNs);
   store_if_changed(seg_.daemon.pace_inflight_ns, pacing ? kPaceInflightNs : uint64_t{0});
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     const Row& r = rows_[t];
@@ -989,6 +996,7 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   passes_.fetch_add(1, std::memory_order_relaxed);
   now = std::max(now, last_pass_ns_);
   anyone_wants_ = false;
+  if (std::exchange(latency_configured_, false)) latency_arrival_ns_ = now;
   for (Row& r : rows_) {
     if (!r.active) continue;
     observe(r, now);

@@ -93,6 +93,12 @@ class GpuScheduler {
   // a latency tenant has a live process, or asked or held the GPU, this
   // recently ...
   static constexpr uint64_t kLatencyActiveNs = 2'000'000'000;
+  // ... or was configured this recently (created, given the priority, or
+  // found at the daemon's start) and has not yet had a process: in a
+  // cluster its container starts seconds after its claim is prepared, and
+  // by then the others' queues have drained, instead of standing ahead of
+  // its first requests.
+  static constexpr uint64_t kLatencyArrivalNs = 60'000'000'000;
   // ... to keep at most this much GPU time queued (one launch at least).
   static constexpr uint64_t kPaceInflightNs = 1'000'000;
 
@@ -303,6 +309,10 @@ class GpuScheduler {
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
   uint64_t latency_seen_ns_ = 0;  // a latency tenant last had a live process, asked or held the GPU (0: never)
+  // A latency tenant was configured since the last pass (its arrival grace
+  // starts at the next pass's clock), and when the last one's began (0: none).
+  bool latency_configured_ = false;
+  uint64_t latency_arrival_ns_ = 0;
   bool anyone_wants_ = false;
   std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples_;
   std::vector<SchedulerMessage> messages_;
