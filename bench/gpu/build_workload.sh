@@ -40,10 +40,17 @@ for d in "$cuda/extras/CUPTI/lib64" "$cuda/lib64" "$cuda/lib" "$cuda"/targets/*/
   if [[ -e $d/libcupti.so ]]; then libdir=$(realpath "$d"); break; fi
 done
 [[ -n $include && -n $libdir ]] || die "no CUPTI (cupti.h, libcupti.so) in the toolkit at $cuda"
+# RUNPATH: this toolkit's CUPTI directory first, then where /usr/local/cuda
+# keeps libcupti in the usual layouts (extras/CUPTI/lib64 up to CUDA 12,
+# lib64, lib, targets/*/lib), as build_tools.sh gives the meter: one built
+# on another machine (scripts/gpu_bundle.sh --with-instruments, whose toolkit
+# may sit elsewhere) then still loads on the GPU machine, and run_gpu.sh need
+# not spend 10-20 s of nvcc there. Directories that do not exist are skipped.
+rpath=$libdir:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64:/usr/local/cuda/lib:/usr/local/cuda/targets/$(uname -m)-linux/lib
 
 build() {  # build ARCH
   "$nvcc" -O2 -std=c++17 "-arch=$1" -o "$output" "$here/gpu_workload.cu" \
-    -I"$include" -L"$libdir" -lcupti -Xlinker "-rpath=$libdir"
+    -I"$include" -L"$libdir" -lcupti -Xlinker "-rpath=$rpath"
 }
 mkdir -p "$(dirname "$output")"
 if [[ -n $arch ]]; then

@@ -37,7 +37,13 @@ def is_device_event(evt) -> bool:
     """A device-side (CUDA) event: a kernel, memcpy or memset, not a CPU op
     (whose device time would count its kernels a second time)."""
     kind = getattr(evt, "device_type", None)
-    return kind is not None and str(kind).rsplit(".", 1)[-1] == "CUDA"
+    if kind is None:
+        return False
+    # By the enum's name where it has one: str() of a pybind11 enum reads
+    # "DeviceType.CUDA", but of a Python IntEnum (pybind11 3's native enums)
+    # on Python 3.11+ it reads the number, which would count no event at all.
+    name = getattr(kind, "name", None)
+    return (name if isinstance(name, str) else str(kind).rsplit(".", 1)[-1]) == "CUDA"
 
 
 def event_us(evt) -> float:

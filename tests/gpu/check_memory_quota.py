@@ -69,8 +69,8 @@ def check_torch(quota):
     if expandable_requested():
         used = expandable_in_use(torch)
         if used is False:
-            fail("expandable segments were asked for (PYTORCH_ALLOC_CONF) but PyTorch's segments are not "
-                 "expandable: the VMM path (cuMemCreate/cuMemMap) was not exercised")
+            fail("expandable segments were asked for (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF) but PyTorch's "
+                 "segments are not expandable: the VMM path (cuMemCreate/cuMemMap) was not exercised")
         if used is None:
             print("note: could not confirm that PyTorch used expandable segments (no segment says)")
         else:
@@ -136,6 +136,10 @@ def check_jax(quota):
         fail("an array the size of the whole quota fitted next to the preallocation")
     except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED
         ok(f"over-allocation refused: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        # Any error counts as refused; say so where it is not an out-of-memory
+        # one (a shape JAX or XLA rejects, say), which proves less.
+        if not any(w in str(e).lower() for w in ("resource_exhausted", "out of memory")):
+            print("note: that error is not an out-of-memory one: the refusal may have another cause")
 
 
 def check_graph_memory(quota):

@@ -102,25 +102,44 @@ used=${line##*,}
 if near "$total" "$quota_mib"; then ok "memory.total $total MiB is the quota"; else fail "memory.total $total MiB, quota $quota_mib MiB"; fi
 if near "$used" "$used_mib"; then ok "memory.used $used MiB is alice's usage"; else fail "memory.used $used MiB, alice uses $used_mib MiB"; fi
 
-echo "== nvidia-smi --query-compute-apps as alice"
-apps=$(as alice nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' ')
-echo "$apps"
-pids=$(echo "$apps" | cut -d, -f1 | grep -E '^[0-9]+$' | sort -n | tr '\n' ' ')
-want=$(printf '%s\n' "$alice1" "$alice2" | sort -n | tr '\n' ' ')
-if [ "$pids" = "$want" ]; then ok "exactly alice's processes: $pids"; else fail "listed [$pids], alice's are [$want]"; fi
-echo "$apps" | grep -q "^$bob1," && fail "bob's process $bob1 is shown to alice"
-for p in $alice1 $alice2; do
-  shown=$(echo "$apps" | awk -F, -v p="$p" '$1 == p {print $2}')
-  charged=$(($(tenant_field alice "sum(c['bytes'] for q in t['processes'] if q['host_pid'] == $p for c in q['charges'])") >> 20))
-  if [ -n "$shown" ] && near "$shown" "$charged"; then ok "process $p: $shown MiB, as charged"; else fail "process $p: shown '${shown}' MiB, charged $charged MiB"; fi
-done
-
-echo "== the same without the interposer (everyone, real figures)"
+# First without the interposer: whether this machine's driver lists this PID
+# namespace's processes at all. In a container or a sandbox (gVisor) it may
+# list none of them, or others' PIDs: which processes a tenant is shown can
+# then not be judged here, and the listing checks are skipped, said so,
+# rather than failed.
+echo "== nvidia-smi --query-compute-apps without the interposer (everyone, real figures)"
 real=$(nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' ')
 echo "$real"
-echo "$real" | grep -q "^$bob1," || fail "without the interposer bob's process is not listed: the check itself is off"
+seen=0
+for p in $alice1 $alice2 $bob1; do echo "$real" | grep -q "^$p," && seen=$((seen + 1)); done
+if ((seen == 0)); then
+  echo "SKIPPED (not counted): without the interposer nvidia-smi lists none of the processes started here" \
+    "($alice1 $alice2 $bob1): this machine's driver does not report this PID namespace's processes" \
+    "(a container or a sandbox), so the per-process listings below cannot be judged"
+else
+  echo "$real" | grep -q "^$bob1," || fail "without the interposer bob's process is not listed: the check itself is off"
 
-if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
+  echo "== nvidia-smi --query-compute-apps as alice"
+  apps=$(as alice nvidia-smi -i 0 --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' ')
+  echo "$apps"
+  pids=$(echo "$apps" | cut -d, -f1 | grep -E '^[0-9]+$' | sort -n | tr '\n' ' ')
+  want=$(printf '%s\n' "$alice1" "$alice2" | sort -n | tr '\n' ' ')
+  if [ "$pids" = "$want" ]; then ok "exactly alice's processes: $pids"; else fail "listed [$pids], alice's are [$want]"; fi
+  echo "$apps" | grep -q "^$bob1," && fail "bob's process $bob1 is shown to alice"
+  for p in $alice1 $alice2; do
+    shown=$(echo "$apps" | awk -F, -v p="$p" '$1 == p {print $2}')
+    charged=$(($(tenant_field alice "sum(c['bytes'] for q in t['processes'] if q['host_pid'] == $p for c in q['charges'])") >> 20))
+    if [ -n "$shown" ] && near "$shown" "$charged"; then ok "process $p: $shown MiB, as charged"; else fail "process $p: shown '${shown}' MiB, charged $charged MiB"; fi
+  done
+fi
+
+if ((seen == 0)); then
+  echo "== PID namespace check skipped (nvidia-smi lists none of this machine's processes, above)"
+elif [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && ! unshare --pid --fork --mount-proc true 2>/dev/null; then
+  # Root, yet no new PID namespace (a sandbox or a container without
+  # CAP_SYS_ADMIN): nothing to check, rather than a failure of fracgpu's.
+  echo "== PID namespace check skipped (unshare --pid --fork --mount-proc fails here: $(unshare --pid --fork --mount-proc true 2>&1 | head -n 1))"
+elif [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
   echo "== in a PID namespace (as a container): alice's process and nvidia-smi inside"
   inside=$(as alice unshare --pid --fork --mount-proc bash -c '
       python3 '"$check"' hold $((128 << 20)) 600 > '"$run_dir"'/ns.out 2>&1 & h=$!

@@ -445,7 +445,8 @@ else
 fi
 python3 "$work" accounting --uuid "$gpu_uuid" >"$results/accounting-probe.json"
 echo "- NVML accounting: $(python3 -c 'import json, sys; a = json.load(sys.stdin); print(a["state"], a["reason"])' <"$results/accounting-probe.json")"
-others=$(nvidia-smi -i 0 --query-compute-apps=pid,process_name --format=csv,noheader)
+# A sandbox may refuse the query: a warning only, never the end of the check.
+others=$(nvidia-smi -i 0 --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null) || others=
 [[ -z $others ]] || echo "- WARNING: other processes use GPU 0 and will skew every figure: ${others//$'\n'/; }"
 ((run_seconds >= 11)) || echo "- WARNING: --seconds below 11: achieved_10s also covers time before the window"
 if ((nvml)); then
