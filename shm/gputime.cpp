@@ -130,19 +130,19 @@ uint64_t scale(uint64_t ns, uint32_t ppm) {
   return v > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(v);
 }
 
-bool within_limit(uint64_t tat, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at) {
+bool within_limit(uint64_t tat, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at, uint64_t burst_ns) {
   if (eligible_at != nullptr) *eligible_at = 0;
   if (limit_ppm >= kPpm) return true;
-  if (tat <= now + kLimitBurstNs) return true;
-  if (eligible_at != nullptr) *eligible_at = tat - kLimitBurstNs;
+  if (tat <= saturating_add(now, burst_ns)) return true;
+  if (eligible_at != nullptr) *eligible_at = tat - burst_ns;
   return false;
 }
 
-uint64_t advance_limit(uint64_t tat, uint64_t ns, uint32_t limit_ppm, uint64_t credit_from) {
+uint64_t advance_limit(uint64_t tat, uint64_t ns, uint32_t limit_ppm, uint64_t credit_from, uint64_t burst_ns) {
   if (limit_ppm >= kPpm || ns == 0) return tat;
   // GCRA: using ns of GPU time at a rate of limit_ppm costs ns / limit of
   // wall time; time left unused is credited only up to the burst.
-  const uint64_t floor = credit_from > kLimitBurstNs ? credit_from - kLimitBurstNs : 0;
+  const uint64_t floor = credit_from > burst_ns ? credit_from - burst_ns : 0;
   return saturating_add(std::max(tat, floor), scale(ns, limit_ppm));
 }
 

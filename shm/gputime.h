@@ -66,13 +66,15 @@ uint64_t scale(uint64_t ns, uint32_t ppm);
 uint64_t saturating_add(uint64_t a, uint64_t b);
 
 // True if a tenant whose GCRA arrival time is `tat` may use the GPU at `now`
-// under `limit_ppm`; a limit of a whole GPU never stops it. *eligible_at
-// (if given) is when it may, else 0.
-bool within_limit(uint64_t tat, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at);
+// under `limit_ppm`, with a burst of `burst_ns`; a limit of a whole GPU never
+// stops it. *eligible_at (if given) is when it may, else 0.
+bool within_limit(uint64_t tat, uint32_t limit_ppm, uint64_t now, uint64_t* eligible_at,
+                  uint64_t burst_ns = kLimitBurstNs);
 // The arrival time after using `ns` of GPU time at `limit_ppm`: time left
 // unused is credited only up to the burst (it never falls behind
-// credit_from - kLimitBurstNs).
-uint64_t advance_limit(uint64_t tat, uint64_t ns, uint32_t limit_ppm, uint64_t credit_from);
+// credit_from - burst_ns).
+uint64_t advance_limit(uint64_t tat, uint64_t ns, uint32_t limit_ppm, uint64_t credit_from,
+                       uint64_t burst_ns = kLimitBurstNs);
 
 // ---- Timing constants of the protocol ----
 

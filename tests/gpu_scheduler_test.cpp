@@ -844,6 +844,53 @@ TEST_F(SchedulerTest, MeasuredModeEnforcesALimitOnTimeUsed) {
   EXPECT_NEAR(used, 0.3, 0.02);
 }
 
+// A sampling driver (the real NVML: a sample every ~1/6 s naming the process
+// on the GPU at its instant) charges a whole period to the process it
+// caught. A tenant capped at 0.3 that uses 0.2 (caught in one sample of
+// five) must not stall after each catch (a 167 ms lump is 557 ms of its
+// limit's time, beyond a 50 ms burst): the burst is two sample periods'
+// worth. What it leaves unused within its grant is not banked beyond that
+// burst; one caught in every sample it holds the GPU for is still held to
+// 0.3 over time.
+TEST_F(SchedulerTest, MeasuredModeOnASamplingDriverHoldsLimitsWithoutStallingAtEachSample) {
+  configure(300'000, 500'000);
+  use_meter();
+  meter_.period = 167 * kMs;
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  auto run = [&](int seconds, auto caught) {
+    const uint64_t t0 = now_, used0 = row(0).used_ns.load(), throttled0 = row(0).throttled_ns.load();
+    int samples = 0;
+    for (int ms = 1; ms <= seconds * 1000; ++ms) {
+      follow(0, a);
+      want(0, a);
+      // A sample every 167 ms; it names a's process if it holds the GPU and
+      // is caught this time.
+      if (ms % 167 == 0 && holds(0) && caught(samples++)) meter_.samples.push_back({pa, 167 * kMs, now_});
+      pass(1 * kMs);
+    }
+    sched_->sample_achieved(now_);
+    return std::pair{static_cast<double>(row(0).used_ns.load() - used0) / static_cast<double>(now_ - t0),
+                     static_cast<double>(row(0).throttled_ns.load() - throttled0) / static_cast<double>(now_ - t0)};
+  };
+  want(0, a);
+  pass(1 * kMs);
+  ASSERT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
+  const auto [used, throttled] = run(10, [](int n) { return n % 5 == 0; });
+  std::printf("caught in 1 sample of 5: used %.3f, throttled %.3f of the time\n", used, throttled);
+  EXPECT_NEAR(used, 0.2, 0.02);
+  EXPECT_LT(throttled, 0.02) << "it stalled at its limit, within it";
+  // What it left unused within its one long grant is not banked beyond the
+  // burst (two periods at 0.3: 1.11 s of its limit's time), give or take a
+  // sample (the charge's own length, the time since the last catch): before
+  // the floor moved with the clock, 4.4 s.
+  EXPECT_GE(static_cast<int64_t>(row(0).cap_tat_ns.load()), static_cast<int64_t>(now_) - 1500 * static_cast<int64_t>(kMs))
+      << "banked unused allowance";
+  const auto [greedy, greedy_throttled] = run(60, [](int) { return true; });
+  std::printf("caught whenever it holds the GPU: used %.3f, throttled %.3f\n", greedy, greedy_throttled);
+  EXPECT_NEAR(greedy, 0.3, 0.03) << "the limit holds over time";
+}
+
 // What the scheduler believes of the meter and of tenants: a process's GPU
 // time is charged to the tenant the daemon attributed its PID to (never to
 // one whose usage file names it); usage measured before attribution is kept

@@ -438,7 +438,7 @@ uint64_t GpuScheduler::effective_vtime(const Row& r) const {
 // is over.
 bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
   return r.active && r.readable && r.wants && !r.blocked && r.gstate == gputime::kGrantIdle &&
-         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr);
+         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r.limit, now));
 }
 
 // Priority buys latency, not time: a tenant's priority counts only while
@@ -448,7 +448,8 @@ bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
 int GpuScheduler::effective_rank(uint32_t t, uint64_t now) const {
   const Row& r = rows_[t];
   const int rank = gputime::priority_rank(r.priority);
-  const bool within = r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr);
+  const bool within =
+      r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(r.share, now));
   return within ? rank : std::max(rank - 1, 0);
 }
 
@@ -482,6 +483,21 @@ uint32_t GpuScheduler::holders(uint32_t state) const {
 
 bool GpuScheduler::measuring(uint64_t now) const {
   return measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
+}
+
+// A real NVML samples every ~1/6 s to 1 s: a longer period from the meter
+// is taken for 1 s (it would leave limits unenforced for that long).
+constexpr uint64_t kMaxMeterPeriodNs = 1'000'000'000;
+
+uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
+  if (!measuring(now)) return gputime::kLimitBurstNs;
+  const uint64_t period = std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs);
+  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * period, rate_ppm));
+}
+
+uint64_t GpuScheduler::lead(uint64_t now) const {
+  if (!measuring(now)) return kLeadNs;
+  return std::max(kLeadNs, 2 * std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs));
 }
 
 bool GpuScheduler::auditing(uint64_t now) const {
@@ -629,13 +645,21 @@ void GpuScheduler::charge(uint64_t now) {
 void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;
   r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
-  const uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
-  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit);
+  // Unused allowance counts from the start of the time charged now (`ns`
+  // before now), and further back by what it was kept off before its grant;
+  // so the floor moves with the clock: a holder that uses less than its
+  // limit (measured mode: it is charged what it used) banks no more than the
+  // burst, however long its grant. Before, the floor stayed at the grant's
+  // start, and a tenant capped at 0.3 that used 0.2 for 10 s within one
+  // grant could then use the whole GPU for seconds.
+  const uint64_t back = gputime::saturating_add(ns, r.kept_off_credit);
+  const uint64_t credit = now > back ? now - back : 0;
+  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r.limit, now));
   // GPU time used while nobody else wanted the GPU took nothing from anyone:
   // it does not count against the share's rate, which decides whether the
   // tenant's priority counts (a training tenant that had the GPU to itself
   // is not beyond its share once an inference tenant comes).
-  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now);
+  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(r.share, now));
 }
 
 bool GpuScheduler::contended(uint32_t self) const {
@@ -662,7 +686,8 @@ void GpuScheduler::account_waits(uint64_t now) {
     if (now > from) r.throttled += now - from;
     // Kept off by another tenant's grant, not by its own limit: the limit's
     // allowance keeps accruing meanwhile (see gputime::advance_limit).
-    if (someone_holds && r.kept_off_since == 0 && gputime::within_limit(r.cap_tat, r.limit, now, nullptr))
+    if (someone_holds && r.kept_off_since == 0 &&
+        gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r.limit, now)))
       r.kept_off_since = from;
   }
 }
@@ -720,7 +745,7 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
   note_wait(r, now);
   r.vtime = effective_vtime(r);  // lifted, if it comes back from idle
   r.slices += 1;
-  r.credit_from = r.kept_off_since != 0 ? r.kept_off_since : now;
+  r.kept_off_credit = r.kept_off_since != 0 && now > r.kept_off_since ? now - r.kept_off_since : 0;
   r.kept_off_since = 0;
   seq_ = std::min(seq_ + 1, gputime::kMaxGrantSeq);
   r.gseq = seq_;
@@ -784,7 +809,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
 void GpuScheduler::step_row(uint32_t t, uint64_t now) {
   Row& h = rows_[t];
   if (h.gstate == gputime::kGranted) {
-    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr)) {
+    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr, burst(h.limit, now))) {
       start_revoke(t, now);
       return;
     }
@@ -842,7 +867,7 @@ void GpuScheduler::step(uint64_t now) {
         r.bench_until = 0;
       if (r.gstate != gputime::kGranted) continue;
       const uint64_t least = least_other(t);
-      if (least != UINT64_MAX && r.vtime > gputime::saturating_add(least, gputime::scale(kLeadNs, r.share))) {
+      if (least != UINT64_MAX && r.vtime > gputime::saturating_add(least, gputime::scale(lead(now), r.share))) {
         r.bench_until = now + kBenchNs;
         start_revoke(t, now);
       }

@@ -13,9 +13,10 @@
 //    GPU alone and another waits, the time nobody else used (whichever is
 //    more); several tenants hold the GPU at once while the GPU has room
 //    (measured busy below kRoomBusyPpm), and a tenant whose virtual time
-//    runs more than kLeadNs of GPU time ahead is revoked and benched; a
+//    runs more than lead() of GPU time ahead is revoked and benched; a
 //    revoked tenant's successor is granted at once, without waiting for
-//    its drain;
+//    its drain; limits and leads are no finer than the meter's sampling
+//    period (burst(), lead());
 //  - held (no meter): one holder at a time, charged the time it holds the
 //    GPU, the next granted once the holder drained. It runs on a
 // thread of its own, asleep on the arbiter's doorbell futex between passes
@@ -187,7 +188,13 @@ class GpuScheduler {
     uint64_t measured = 0, held = 0;  // GPU time measured, time held (totals)
     // Its grant (per tenant): state, sequence number, since when.
     uint32_t gstate = gputime::kGrantIdle;
-    uint64_t gseq = 0, grant_ns = 0, revoke_ns = 0, credit_from = 0;
+    uint64_t gseq = 0, grant_ns = 0, revoke_ns = 0;
+    // How long it was kept off the GPU by others' grants before its latest
+    // grant: the limit's allowance accrued meanwhile stays usable through
+    // that grant (gputime::advance_limit's credit reaches this far before
+    // now, plus the burst); time it holds the GPU and leaves unused is not
+    // banked beyond the burst.
+    uint64_t kept_off_credit = 0;
     uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
     uint64_t pending_use = 0;    // measured since the last reading, not yet charged
     // Held mode's audit. The grants it held lately ([from, to), to 0 while
@@ -248,6 +255,13 @@ class GpuScheduler {
   int best_candidate(uint64_t now, int exclude);
   bool eligible(const Row& r, uint64_t now) const;
   bool measuring(uint64_t now) const;
+  // The burst of a GCRA at `rate_ppm` (a limit, a share's priority) and the
+  // lead measured fairness allows: no finer than the meter can see. Where
+  // charges come as a sampling driver's samples (measured mode), one sample
+  // charges a whole period to the process it caught: two periods' worth at
+  // the rate, two periods of lead, else kLimitBurstNs and kLeadNs.
+  uint64_t burst(uint32_t rate_ppm, uint64_t now) const;
+  uint64_t lead(uint64_t now) const;
   bool auditing(uint64_t now) const;
   // Whether the row held a grant at `t`; *known false when `t` is older
   // than the grants it remembers.
