@@ -645,15 +645,19 @@ void GpuScheduler::charge(uint64_t now) {
 void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;
   r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
-  // Unused allowance counts from the start of the time charged now (`ns`
-  // before now), and further back by what it was kept off before its grant;
-  // so the floor moves with the clock: a holder that uses less than its
-  // limit (measured mode: it is charged what it used) banks no more than the
-  // burst, however long its grant. Before, the floor stayed at the grant's
-  // start, and a tenant capped at 0.3 that used 0.2 for 10 s within one
-  // grant could then use the whole GPU for seconds.
-  const uint64_t back = gputime::saturating_add(ns, r.kept_off_credit);
-  const uint64_t credit = now > back ? now - back : 0;
+  // Held mode charges a holder all the time it holds the GPU, so it cannot
+  // fall behind its limit while it holds: the credit counts from its grant
+  // (or the wait before it). Measured mode charges what the holder used:
+  // there the floor moves with the clock, from the start of the time charged
+  // now (`ns` before now) and further back by its wait before the grant, so
+  // a holder using less than its limit banks no more than the burst however
+  // long its grant (from the grant's start, a tenant capped at 0.3 that used
+  // 0.2 for 10 s within one grant could then take the whole GPU for seconds).
+  uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
+  if (measuring(now)) {
+    const uint64_t back = gputime::saturating_add(ns, r.kept_off_credit);
+    credit = now > back ? now - back : 0;
+  }
   r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r.limit, now));
   // GPU time used while nobody else wanted the GPU took nothing from anyone:
   // it does not count against the share's rate, which decides whether the
@@ -745,6 +749,7 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
   note_wait(r, now);
   r.vtime = effective_vtime(r);  // lifted, if it comes back from idle
   r.slices += 1;
+  r.credit_from = r.kept_off_since != 0 ? r.kept_off_since : now;
   r.kept_off_credit = r.kept_off_since != 0 && now > r.kept_off_since ? now - r.kept_off_since : 0;
   r.kept_off_since = 0;
   seq_ = std::min(seq_ + 1, gputime::kMaxGrantSeq);

@@ -189,12 +189,12 @@ class GpuScheduler {
     // Its grant (per tenant): state, sequence number, since when.
     uint32_t gstate = gputime::kGrantIdle;
     uint64_t gseq = 0, grant_ns = 0, revoke_ns = 0;
-    // How long it was kept off the GPU by others' grants before its latest
-    // grant: the limit's allowance accrued meanwhile stays usable through
-    // that grant (gputime::advance_limit's credit reaches this far before
-    // now, plus the burst); time it holds the GPU and leaves unused is not
-    // banked beyond the burst.
-    uint64_t kept_off_credit = 0;
+    // The limit's allowance accrued while it was kept off the GPU by others'
+    // grants stays usable through its next grant: held mode credits it from
+    // credit_from (the start of that wait, else the grant) on; measured mode
+    // from kept_off_credit (the wait's length) before each charge, so that
+    // time it holds the GPU and leaves unused is not banked beyond the burst.
+    uint64_t credit_from = 0, kept_off_credit = 0;
     uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
     uint64_t pending_use = 0;    // measured since the last reading, not yet charged
     // Held mode's audit. The grants it held lately ([from, to), to 0 while
