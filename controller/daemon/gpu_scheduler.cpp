@@ -489,16 +489,15 @@ bool GpuScheduler::measuring(uint64_t now) const {
 // is taken for 1 s (it would leave limits unenforced for that long).
 constexpr uint64_t kMaxMeterPeriodNs = 1'000'000'000;
 
-uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
-  if (!measuring(now)) return gputime::kLimitBurstNs;
-  const uint64_t period = std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs);
-  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * period, rate_ppm));
+uint64_t GpuScheduler::charged_period(uint64_t now) const {
+  return measuring(now) ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
 }
 
-uint64_t GpuScheduler::lead(uint64_t now) const {
-  if (!measuring(now)) return kLeadNs;
-  return std::max(kLeadNs, 2 * std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs));
+uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
+  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
 }
+
+uint64_t GpuScheduler::lead(uint64_t now) const { return std::max(kLeadNs, 2 * charged_period(now)); }
 
 bool GpuScheduler::auditing(uint64_t now) const {
   return !measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
@@ -655,7 +654,8 @@ void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended)
   // 0.2 for 10 s within one grant could then take the whole GPU for seconds).
   uint64_t credit = r.credit_from != 0 ? std::min(r.credit_from, now) : now;
   if (measuring(now)) {
-    const uint64_t back = gputime::saturating_add(ns, r.kept_off_credit);
+    const uint64_t kept_off = r.grant_ns - std::min(r.credit_from, r.grant_ns);  // the wait before its grant
+    const uint64_t back = gputime::saturating_add(ns, kept_off);
     credit = now > back ? now - back : 0;
   }
   r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r.limit, now));
@@ -750,7 +750,6 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
   r.vtime = effective_vtime(r);  // lifted, if it comes back from idle
   r.slices += 1;
   r.credit_from = r.kept_off_since != 0 ? r.kept_off_since : now;
-  r.kept_off_credit = r.kept_off_since != 0 && now > r.kept_off_since ? now - r.kept_off_since : 0;
   r.kept_off_since = 0;
   seq_ = std::min(seq_ + 1, gputime::kMaxGrantSeq);
   r.gseq = seq_;

@@ -192,9 +192,10 @@ class GpuScheduler {
     // The limit's allowance accrued while it was kept off the GPU by others'
     // grants stays usable through its next grant: held mode credits it from
     // credit_from (the start of that wait, else the grant) on; measured mode
-    // from kept_off_credit (the wait's length) before each charge, so that
-    // time it holds the GPU and leaves unused is not banked beyond the burst.
-    uint64_t credit_from = 0, kept_off_credit = 0;
+    // from that wait's length (grant_ns - credit_from) before each charge, so
+    // that time it holds the GPU and leaves unused is not banked beyond the
+    // burst.
+    uint64_t credit_from = 0;
     uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
     uint64_t pending_use = 0;    // measured since the last reading, not yet charged
     // Held mode's audit. The grants it held lately ([from, to), to 0 while
@@ -262,6 +263,9 @@ class GpuScheduler {
   // the rate, two periods of lead, else kLimitBurstNs and kLeadNs.
   uint64_t burst(uint32_t rate_ppm, uint64_t now) const;
   uint64_t lead(uint64_t now) const;
+  // The time one meter sample may charge at once: the sampling period in
+  // measured mode (at most 1 s), else 0.
+  uint64_t charged_period(uint64_t now) const;
   bool auditing(uint64_t now) const;
   // Whether the row held a grant at `t`; *known false when `t` is older
   // than the grants it remembers.
