@@ -10,8 +10,9 @@
 //   * This binary links the simulated driver (libcuda.so.1) and dlopens the
 //     stand-in NVML, which maps the same state file. The sampling knobs are
 //     read by the stand-in on every call, so a test sets them with setenv.
-//   * Timelines are built ahead of time where exactness matters: the sim
-//     starts a kernel at max(now, the device's busy_until), so kernels queued
+//   * Timelines are built ahead of time where exactness matters: on the
+//     sim's queue model (SIMCUDA_SCHED=queue, set in main) a kernel starts at
+//     max(now, the device's busy_until), so kernels queued
 //     behind a pad kernel run back to back at known instants. align_to_grid()
 //     makes the device busy exactly until a sampling instant.
 //   * Other processes are fork() children driven through pipes; they end with
@@ -725,6 +726,10 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   // Before any sim call: one GPU, and a state file of this run's own.
   setenv("SIMCUDA_DEVICES", "name=Sampled GPU,mem=8GiB,ctx=64MiB", 1);
+  // The queue model: kernels are placed when launched, so a test builds its
+  // timeline ahead of time at known instants (see the head). What is tested
+  // is the sampling, which reads the same bins under either model.
+  setenv("SIMCUDA_SCHED", "queue", 1);
   const char* prefix = std::getenv("SIMCUDA_STATE");
   const std::string base = prefix != nullptr && *prefix != 0 ? prefix : "/tmp/simnvml_sampling_test.state";
   g_state = base + "." + std::to_string(getpid());

@@ -4,7 +4,7 @@
 #
 #   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N] [--held]
 #        [--sample-ms N] [--charging held|measured] [--guard-ms N] [--realistic]
-#        [--only workloads|latency]
+#        [--only workloads|latency] [--sched timeslice|queue] [--attrib instant|last]
 #
 # fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
 # process's GPU time from the simulated driver, exactly, on every call; --held
@@ -15,7 +15,13 @@
 # at its instant (SIMNVML_ATTRIB=instant), in fracgpud's environment only.
 # --charging writes `gpu_time_charging = "held"|"measured"` into the [daemon]
 # table of each generated config (only when given: otherwise the daemon's
-# default; runs/*/status.json's "charging" says which it used). --realistic
+# default; runs/*/status.json's "charging" says which it used). --sched picks
+# the simulated driver's model (SIMCUDA_SCHED: timeslice, its default, where
+# processes take turns in 1024 us slices as on a GPU; queue, one first-come
+# queue of every process's kernels). --attrib picks which process a sampling
+# stand-in NVML names in each sample (SIMNVML_ATTRIB: instant, the default, the
+# one resident at the sampling instant; last, the one that ran last in the
+# period). --realistic
 # runs the whole set twice, with --sample-ms 167 and 1000, into
 # OUT_DIR/sample-167ms and OUT_DIR/sample-1000ms (other options passed on).
 #
@@ -80,6 +86,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "run_e2e.sh: $*" >&2; exit 2; }
 
 build="" out="" smoke=0 seconds="" held=0 sample_ms="" charging="" guard_ms=8 realistic=0 only=""
+sched=timeslice attrib=instant
 pass_on=()  # options for --realistic's runs
 while (($#)); do
   case $1 in
@@ -91,6 +98,8 @@ while (($#)); do
     --charging) charging=${2:?--charging needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     --guard-ms) guard_ms=${2:?--guard-ms needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     --only) only=${2:?--only needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
+    --sched) sched=${2:?--sched needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
+    --attrib) attrib=${2:?--attrib needs a value}; pass_on+=("$1" "$2"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [[ -z $build ]]; then build=$1; elif [[ -z $out ]]; then out=$1; else die "unexpected argument $1"; fi; shift ;;
@@ -105,6 +114,8 @@ seconds=${seconds:-$((smoke ? 1 : 10))}
 [[ -z $sample_ms || $sample_ms =~ ^[1-9][0-9]*$ ]] || die "--sample-ms takes a whole number of ms above 0, not $sample_ms"
 [[ -z $charging || $charging == held || $charging == measured ]] || die "--charging takes held or measured, not $charging"
 [[ $guard_ms =~ ^[0-9]+$ ]] || die "--guard-ms takes a whole number of ms, not $guard_ms"
+[[ $sched == timeslice || $sched == queue ]] || die "--sched takes timeslice or queue, not $sched"
+[[ $attrib == instant || $attrib == last ]] || die "--attrib takes instant or last, not $attrib"
 ((!held || !realistic)) || die "--realistic samples with the stand-in NVML: not with --held (no NVML)"
 [[ -z $sample_ms ]] || ((!held)) || die "--sample-ms is the stand-in NVML's: not with --held (no NVML)"
 [[ -z $sample_ms ]] || ((!realistic)) || die "--realistic sets --sample-ms itself (167, then 1000)"
@@ -162,11 +173,12 @@ work=$(mktemp -d /tmp/fracgpu-e2e-XXXXXX)
 export LD_LIBRARY_PATH="$simdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fracgpud_env=()
 ((held)) || fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH")
-[[ -z $sample_ms ]] || fracgpud_env+=(SIMNVML_SAMPLE_MS="$sample_ms" SIMNVML_ATTRIB=instant)
+[[ -z $sample_ms ]] || fracgpud_env+=(SIMNVML_SAMPLE_MS="$sample_ms" SIMNVML_ATTRIB="$attrib")
 # Extra [daemon] keys of each generated config (fracgpu_run.sh).
 fracgpud_daemon_keys=""
 [[ -z $charging ]] || fracgpud_daemon_keys="gpu_time_charging = \"$charging\""
 export SIMCUDA_STATE=$work/simulated-gpu
+export SIMCUDA_SCHED=$sched
 uuid=GPU-e2e00000-0000-4000-8000-000000000000
 export SIMCUDA_DEVICES="uuid=$uuid,name=Simulated H100,mem=16GiB,ctx=64MiB"
 
@@ -297,11 +309,11 @@ fi
 # nvml_text SAMPLE_MS: how fracgpud's NVML was set up, for a table's head.
 nvml_text() {
   if ((held)); then
-    echo "no NVML (--held)"
+    echo "no NVML (--held), simulated driver's model: $sched (SIMCUDA_SCHED)"
   elif [[ -n $1 ]]; then
-    echo "stand-in NVML sampling every $1 ms (SIMNVML_SAMPLE_MS=$1, SIMNVML_ATTRIB=instant)"
+    echo "stand-in NVML sampling every $1 ms (SIMNVML_SAMPLE_MS=$1, SIMNVML_ATTRIB=$attrib), simulated driver's model: $sched (SIMCUDA_SCHED)"
   else
-    echo "stand-in NVML, exact (no sampling)"
+    echo "stand-in NVML, exact (no sampling), simulated driver's model: $sched (SIMCUDA_SCHED)"
   fi
 }
 if [[ -n $charging ]]; then
@@ -318,7 +330,7 @@ if [[ $only != workloads ]]; then
   latency_sample_ms=${sample_ms:-167}
   if ((!held)); then
     fracgpud_env=(LD_LIBRARY_PATH="$build/simnvml:$LD_LIBRARY_PATH" SIMNVML_SAMPLE_MS="$latency_sample_ms"
-      SIMNVML_ATTRIB=instant)
+      SIMNVML_ATTRIB="$attrib")
   else
     latency_sample_ms=""
   fi

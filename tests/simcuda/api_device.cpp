@@ -227,9 +227,9 @@ CUresult pop_current(CUcontext* out) {
 
 CUresult ctx_synchronize(Guard& guard, Ctx* c) {
   int dev = c->dev;
-  uint64_t until = proc().dev[dev].proc_tail.load(std::memory_order_acquire);
+  const Mark until = proc().dev[dev].proc_tail.load();
   guard.unlock();  // never sleep holding the process lock
-  sleep_until(until);
+  wait_mark(dev, until);
   guard.lock();
   pools_release_at_sync(dev);
   return CUDA_SUCCESS;

@@ -271,9 +271,9 @@ CUresult stream_destroy(CUstream s) {
 CUresult stream_synchronize(Guard& guard, CUstream s, bool ptds) {
   StreamTarget t;
   if (CUresult r = resolve_stream(s, ptds, t)) return r;
-  uint64_t until = t.tail->load(std::memory_order_acquire);
+  const Mark until = t.tail->load();
   guard.unlock();
-  sleep_until(until);
+  wait_mark(t.dev, until);
   guard.lock();
   pools_release_at_sync(t.dev);
   return CUDA_SUCCESS;
@@ -282,7 +282,7 @@ CUresult stream_synchronize(Guard& guard, CUstream s, bool ptds) {
 CUresult stream_query(CUstream s, bool ptds) {
   StreamTarget t;
   if (CUresult r = resolve_stream(s, ptds, t)) return r;
-  return now_ns() >= t.tail->load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  return mark_done(t.dev, t.tail->load()) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 std::shared_ptr<Event> find_event(CUevent e) {
@@ -298,10 +298,9 @@ CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags, bool ptds) {
   auto ev = find_event(e);
   if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;  // nothing to wait for
-  uint64_t ts = ev->ts.load(std::memory_order_acquire);
-  uint64_t cur = t.tail->load(std::memory_order_relaxed);
-  while (cur < ts && !t.tail->compare_exchange_weak(cur, ts, std::memory_order_acq_rel)) {
-  }
+  // Under the time-slice model this process's work runs in launch order, so
+  // work it enqueued before the event is done before anything enqueued now.
+  t.tail->advance_to(ev->mark.load());
   return CUDA_SUCCESS;
 }
 
@@ -311,7 +310,11 @@ CUresult event_record(CUevent e, CUstream s, bool ptds) {
   StreamTarget t;
   if (CUresult r = resolve_stream(s, ptds, t)) return r;
   // Completes when the stream's earlier work does (now, if it is idle).
-  ev->ts.store(std::max(now_ns(), t.tail->load(std::memory_order_acquire)), std::memory_order_release);
+  const uint64_t now = now_ns();
+  const Mark m = t.tail->load();
+  ev->record_ns.store(now, std::memory_order_relaxed);
+  ev->mark.time.store(std::max(now, m.time), std::memory_order_relaxed);
+  ev->mark.work.store(m.work, std::memory_order_release);
   ev->dev = t.dev;
   ev->recorded.store(true, std::memory_order_release);
   return CUDA_SUCCESS;
@@ -323,8 +326,11 @@ CUresult elapsed_time(float* ms, CUevent start, CUevent end) {
   if (a == nullptr || b == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   if (((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) != 0) return CUDA_ERROR_INVALID_HANDLE;
   if (!a->recorded.load() || !b->recorded.load()) return CUDA_ERROR_INVALID_HANDLE;
-  uint64_t ta = a->ts.load(), tb = b->ts.load(), now = now_ns();
-  if (now < ta || now < tb) return CUDA_ERROR_NOT_READY;
+  const Mark ma = a->mark.load(), mb = b->mark.load();
+  if (!mark_done(a->dev, ma) || !mark_done(b->dev, mb)) return CUDA_ERROR_NOT_READY;
+  // When each was done: after the later of its recording and its work.
+  const uint64_t ta = std::max(a->record_ns.load(), mark_done_at(a->dev, ma));
+  const uint64_t tb = std::max(b->record_ns.load(), mark_done_at(b->dev, mb));
   *ms = static_cast<float>(static_cast<double>(static_cast<int64_t>(tb - ta)) / 1e6);
   return CUDA_SUCCESS;
 }
@@ -920,7 +926,7 @@ CUresult cuEventQuery(CUevent event) {
   auto ev = find_event(event);
   if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;
-  return now_ns() >= ev->ts.load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  return mark_done(ev->dev, ev->mark.load()) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent event) {
@@ -928,10 +934,10 @@ CUresult cuEventSynchronize(CUevent event) {
   auto ev = find_event(event);
   if (ev == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   if (!ev->recorded.load(std::memory_order_acquire)) return CUDA_SUCCESS;
-  uint64_t until = ev->ts.load(std::memory_order_acquire);
+  const Mark until = ev->mark.load();
   int dev = ev->dev;
   guard_.unlock();
-  sleep_until(until);
+  wait_mark(dev, until);
   guard_.lock();
   pools_release_at_sync(dev);
   return CUDA_SUCCESS;

@@ -129,8 +129,8 @@ CUresult copy_op(Guard& guard, CUdeviceptr dptr, const void* host, uint64_t byte
   StreamTarget t;
   if (CUresult r = resolve_stream(stream, ptds, t)) return r;
   guard.unlock();
-  uint64_t end = enqueue_copy(t, copy_duration_ns(bytes));
-  if (wait) sleep_until(end);  // synchronous copies return when done
+  const Mark end = enqueue_copy(t, copy_duration_ns(bytes));
+  if (wait) wait_mark(t.dev, end);  // synchronous copies return when the stream's work is done
   return CUDA_SUCCESS;
 }
 

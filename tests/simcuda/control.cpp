@@ -93,6 +93,7 @@ uint64_t simcuda_now_ns(void) { return now_ns(); }
 uint64_t simcuda_busy_ns(int ordinal, int pid) {
   Guard guard;
   if (!attached_device(ordinal)) return 0;
+  advance_device(ordinal);  // residency is recorded as the scheduler runs forward
   StateLock lock;
   SharedSlot* sl = slot_of(pid);
   return sl == nullptr ? 0 : sl->busy_ns[ordinal].load(std::memory_order_relaxed);
@@ -108,22 +109,27 @@ uint64_t simcuda_launch_count(int ordinal, int pid) {
 
 uint64_t simcuda_device_busy_ns(int ordinal) {
   Guard guard;
-  return attached_device(ordinal) ? S()->devices[ordinal].busy_ns.load(std::memory_order_relaxed) : 0;
+  if (!attached_device(ordinal)) return 0;
+  advance_device(ordinal);
+  return S()->devices[ordinal].busy_ns.load(std::memory_order_relaxed);
 }
 
 uint64_t simcuda_device_busy_until_ns(int ordinal) {
   Guard guard;
-  return attached_device(ordinal) ? S()->devices[ordinal].busy_until.load(std::memory_order_acquire) : 0;
+  return attached_device(ordinal) ? projected_idle_ns(ordinal) : 0;
 }
 
 uint64_t simcuda_kernel_log_next(int ordinal) {
   Guard guard;
-  return attached_device(ordinal) ? S()->kernel_logs[ordinal].next.load(std::memory_order_acquire) : 0;
+  if (!attached_device(ordinal)) return 0;
+  advance_device(ordinal);
+  return S()->kernel_logs[ordinal].next.load(std::memory_order_acquire);
 }
 
 size_t simcuda_kernel_log(int ordinal, uint64_t first, simcuda_kernel_record* out, size_t max) {
   Guard guard;
   if (!attached_device(ordinal) || out == nullptr) return 0;
+  advance_device(ordinal);
   const KernelLog& log = S()->kernel_logs[ordinal];
   const uint64_t next = log.next.load(std::memory_order_acquire);
   uint64_t index = std::max(first, next > kKernelLogEntries ? next - kKernelLogEntries : 0);

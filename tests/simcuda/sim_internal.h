@@ -18,7 +18,11 @@
 //     slot simply stops being counted.
 //   * A slot's owner holds an OFD lock on byte 1+slot for its whole life;
 //     a slot whose lock is free belongs to a dead process ("sweep").
-//   * Timelines are lock-free (CAS on std::atomic<uint64_t> in the mapping).
+//   * Queue-model timelines are lock-free (CAS on std::atomic<uint64_t> in
+//     the mapping). The time-slice model (timeslice.cpp) changes a device's
+//     scheduler under an OFD lock on byte kSchedLockByte+device, and writes a
+//     whole new copy of it before switching to that copy, so a process killed
+//     half-way leaves the last complete one in force.
 //   * No process-shared pthread mutexes or semaphores anywhere: those stay
 //     locked forever when their owner is killed.
 #pragma once
@@ -71,13 +75,48 @@ static_assert(std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
 
 inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
-inline constexpr uint32_t kLayoutVersion = 6;
+inline constexpr uint32_t kLayoutVersion = 7;
 // Kernel log entries kept per device (a ring: older ones are overwritten).
 inline constexpr uint64_t kKernelLogEntries = 16384;
 // Busy-time bins per device for the stand-in NVML's sampling (a ring of 1 ms
 // bins of CLOCK_MONOTONIC: about 16 s of history).
 inline constexpr uint64_t kSampleBins = 16384;
 inline constexpr uint64_t kBinNs = 1000000;  // 1 ms
+
+// How the device shares its time between processes (SIMCUDA_SCHED).
+//   kModelTimeslice (default): one process's context on the device at a
+//     time, as on a GPU without MPS. The resident context keeps the device
+//     until its work runs out, or until its time slice ends while another
+//     context has work; a kernel cut at the slice's end resumes later; each
+//     switch idles the device for the switch cost.
+//   kModelQueue: every process's kernels in one first-come queue, each placed
+//     on the timeline when launched (the sim's first model).
+enum : uint32_t { kModelTimeslice = 0, kModelQueue = 1 };
+// OFD lock bytes of the state file: 0 the global section, 1+slot the slots'
+// owners, kSchedLockByte+device each device's time-slice scheduler.
+inline constexpr off_t kSchedLockByte = 1024;
+
+// One consistent copy of a device's time-slice scheduler (see DevSched).
+// Work is counted per process slot in ns of kernel time: `queued` is all the
+// kernel time the slot ever enqueued on the device, `served` what the device
+// has run of it, so the slot's pending work is queued - served and a point in
+// its work (a stream's tail, an event) is a value of `queued`.
+struct SchedState {
+  uint64_t now;           // simulated up to this instant
+  int32_t resident;       // slot whose context is on the device (or being switched in); -1: none yet
+  uint32_t reserved;
+  uint64_t slice_start;   // when the resident's current slice began
+  uint64_t switch_until;  // the device is switching to `resident` until then
+  uint64_t last_end;      // when the last stretch of work that ran ended
+  uint64_t queued[kMaxSlots];
+  uint64_t served[kMaxSlots];
+};
+
+struct DevSched {
+  std::atomic<uint32_t> current;  // index of the copy in force (0 or 1)
+  uint32_t reserved;
+  SchedState copies[2];
+};
 
 struct SharedDevice {
   unsigned char uuid[16];
@@ -89,7 +128,7 @@ struct SharedDevice {
   uint32_t cc_major;       // compute capability
   uint32_t cc_minor;
   U64 peak;                // high-water mark of the device's use (under StateLock)
-  U64 busy_until;          // end of the last kernel enqueued (timeline, CAS)
+  U64 busy_until;          // queue model: end of the last kernel enqueued (timeline, CAS)
   U64 busy_ns;             // device time of every kernel ever launched
   U64 launches;
 };
@@ -106,15 +145,20 @@ struct SharedSlot {
   U64 launches[kMaxDevices];
 };
 
-// One kernel (or graph launch) as it was placed on a device's timeline.
-// Written lock-free by the launching process: `seq` (index + 1) is stored
-// last, so a reader can tell a complete record from one being overwritten.
+// Who ran on a device when. Queue model: one kernel (or graph launch) as it
+// was placed on the timeline, written by the launching process. Time-slice
+// model: one stretch of a process's residency as it ran, written by whichever
+// process advanced the scheduler over it, with `pos0`, the point of the
+// process's work (SchedState::served) at `start`. Written lock-free: `seq`
+// (index + 1) is stored last, so a reader can tell a complete record from one
+// being overwritten.
 struct KernelRecord {
   U64 seq;
   U64 start;
   U64 end;
   std::atomic<int32_t> pid;
-  uint32_t reserved;
+  int32_t slot;
+  U64 pos0;
 };
 
 struct KernelLog {
@@ -162,10 +206,15 @@ struct SharedState {
   // CPU time stamps.
   U64 realtime_offset_us;
   char spec[4096];              // canonical device spec it was created from
+  uint32_t model;               // kModelTimeslice / kModelQueue
+  uint32_t reserved;
+  uint64_t timeslice_ns;        // time-slice model: slice length
+  uint64_t switch_ns;           // time-slice model: cost of one context switch
   SharedDevice devices[kMaxDevices];
   SharedSlot slots[kMaxSlots];
   KernelLog kernel_logs[kMaxDevices];
   SampleBins sample_bins[kMaxDevices];
+  DevSched sched[kMaxDevices];
 };
 
 // ---------------------------------------------------------------------------
@@ -198,19 +247,43 @@ struct ResourceDesc {
 
 struct Graph;
 
+// Where some work ends: done once the clock has passed `time` and the device
+// has served the process's kernel work up to `work` (time-slice model; see
+// SchedState). Under the queue model a kernel's end is known when it is
+// enqueued, so `work` stays 0; copies always end at a time.
+struct Mark {
+  uint64_t time = 0;
+  uint64_t work = 0;
+};
+
+// A Mark that several threads push forward (stream tails).
+struct Tail {
+  U64 time{0};
+  U64 work{0};
+  Mark load() const {
+    return {time.load(std::memory_order_acquire), work.load(std::memory_order_acquire)};
+  }
+  void advance_to(const Mark& m);  // componentwise maximum
+  void reset() {
+    time.store(0, std::memory_order_relaxed);
+    work.store(0, std::memory_order_relaxed);
+  }
+};
+
 struct Stream {
   int dev = 0;
   Ctx* ctx = nullptr;
   unsigned flags = 0;
   int priority = 0;
-  U64 tail{0};  // when the last work enqueued on it ends
+  Tail tail;  // where the last work enqueued on it ends
   Graph* capture = nullptr;  // capturing into this graph (owned by Process::graphs), or null
 };
 
 struct Event {
   int dev = 0;
   unsigned flags = 0;
-  U64 ts{0};                       // completion instant of the recorded work
+  U64 record_ns{0};                // when it was recorded
+  Tail mark;                       // the end of the work it waits for
   std::atomic<bool> recorded{false};
 };
 
@@ -310,7 +383,7 @@ struct GraphMemPool {
 };
 
 struct DevLocal {
-  U64 proc_tail{0};  // end of this process's last work on the device (legacy stream)
+  Tail proc_tail;  // end of this process's last work on the device (legacy stream)
   Ctx* primary = nullptr;
   Pool* default_pool = nullptr;
   Pool* current_pool = nullptr;
@@ -320,6 +393,9 @@ struct DevLocal {
 
 struct Process {
   std::mutex mu;  // guards everything below except the atomics
+  // Taken with the OFD lock of a device's scheduler (SchedLock): the OFD
+  // lock excludes other processes, this the other threads of this one.
+  std::mutex sched_mu;
 
   pid_t pid = 0;
   U64 gen{1};  // bumped in a forked child: invalidates every thread-local cache
@@ -438,19 +514,51 @@ void sleep_until(uint64_t t_ns);
 
 struct StreamTarget {
   int dev = 0;
-  U64* tail = nullptr;
+  Tail* tail = nullptr;
   std::shared_ptr<Stream> hold;  // keeps a user stream alive during the operation
   // The graph a capturing user stream records into, or null.
   Graph* capture_graph() const { return hold != nullptr ? hold->capture : nullptr; }
 };
 // Guard held. ptds: the entry point is a _ptsz/_ptds variant (NULL = per-thread stream).
 CUresult resolve_stream(CUstream s, bool ptds, StreamTarget& out);
-// Lock-free. Kernels: serialize on the device timeline, credited as busy time.
-uint64_t enqueue_kernel(const StreamTarget& t, uint64_t duration_ns, uint64_t launches);
-// Lock-free. Copies and memsets: take stream time only (copy engines).
-uint64_t enqueue_copy(const StreamTarget& t, uint64_t duration_ns);
+// Kernels: placed by the model in force (queue: on the device timeline,
+// lock-free; time slice: into the process's work, under the device's
+// scheduler lock). Returns where the kernel ends.
+Mark enqueue_kernel(const StreamTarget& t, uint64_t duration_ns, uint64_t launches);
+// Lock-free. Copies and memsets: take stream time only (copy engines). A copy
+// ordered after kernels still in the time-slice model's queue is not held
+// back by them (it ends at its own time or theirs, whichever is later).
+Mark enqueue_copy(const StreamTarget& t, uint64_t duration_ns);
 uint64_t copy_duration_ns(uint64_t bytes);
 uint64_t function_duration_from_name(std::string_view name);
+
+// ---- Time-slice model (timeslice.cpp); no Guard needed ----
+bool timeslice_model();
+// The time-slice model's enqueue: the kernel joins this process's work on
+// `dev`; returns the point of that work where it ends.
+uint64_t timeslice_enqueue(int dev, uint64_t duration_ns);
+// Runs the device's scheduler up to now (records who ran, and busy time).
+void advance_device(int dev);
+// Whether the work up to `m` of this process on `dev` is done; waiting for it.
+bool mark_done(int dev, const Mark& m);
+void wait_mark(int dev, const Mark& m);
+// When the work up to `m` was done (the mark's time if it is not known).
+uint64_t mark_done_at(int dev, const Mark& m);
+// When the device would run out of work if nobody launched more.
+uint64_t projected_idle_ns(int dev);
+// Drops what a slot's earlier owner left queued (StateLock held, at claim).
+void timeslice_forget_slot(int slot);
+// Model and knobs from SIMCUDA_SCHED, SIMCUDA_TIMESLICE_US, SIMCUDA_SWITCH_US.
+struct SchedParams {
+  uint32_t model = kModelTimeslice;
+  uint64_t timeslice_ns = 1024000;
+  uint64_t switch_ns = 40000;
+};
+SchedParams sched_params_from_env();
+// Shared with state.cpp's bins and kernel log.
+void record_residency(int dev, int32_t pid, int32_t slot, uint64_t start, uint64_t end, uint64_t pos0, uint64_t now);
+bool state_file_lock(off_t byte);
+void state_file_unlock(off_t byte);
 
 // ---- Entry-point table (generated from proc_table.def, the only list) ----
 struct ProcRow {

@@ -82,7 +82,8 @@ SIMCUDA_API uint64_t simcuda_vmm_bytes(int ordinal);
 /* CLOCK_MONOTONIC in nanoseconds: the clock of the simulated timeline. */
 SIMCUDA_API uint64_t simcuda_now_ns(void);
 /* Device time (ns) consumed by kernels and graphs launched by `pid` (0 =
- * caller) on the device, credited at launch. Still answered after the
+ * caller) on the device, credited as it runs (time-slice model) or at launch
+ * (queue model; README.md, "Time"). Still answered after the
  * process exited, until its record is recycled (after 256 newer processes). */
 SIMCUDA_API uint64_t simcuda_busy_ns(int ordinal, int pid);
 /* Kernel + graph launches of `pid` on the device (same rules as above). */
@@ -90,17 +91,19 @@ SIMCUDA_API uint64_t simcuda_launch_count(int ordinal, int pid);
 /* Device time consumed by all kernels ever launched on the device. */
 SIMCUDA_API uint64_t simcuda_device_busy_ns(int ordinal);
 /* Instant (simcuda_now_ns clock) at which the device finishes the work
- * enqueued so far; <= now when idle. */
+ * enqueued so far if nobody launches more; <= now when idle. */
 SIMCUDA_API uint64_t simcuda_device_busy_until_ns(int ordinal);
 /* Simulated duration of a function (default: from its name, see README). */
 SIMCUDA_API void simcuda_set_function_duration_ns(CUfunction f, uint64_t ns);
 SIMCUDA_API uint64_t simcuda_function_duration_ns(CUfunction f);
 
-/* Kernel log: every kernel or graph launch placed on the device's timeline
- * (by any process), in the order they were enqueued, as [start, end) on the
- * simcuda_now_ns clock and the launching pid. It is a ring of the last
- * 16384 launches per device: older records are gone.
- * simcuda_kernel_log_next is the index the next launch will get;
+/* Kernel log: who ran on the device when, as [start, end) on the
+ * simcuda_now_ns clock and the pid. Time-slice model: stretches of one
+ * process's residency, recorded as the scheduler runs forward (a stretch may
+ * be split over several records). Queue model: every kernel or graph launch
+ * as placed on the timeline when enqueued. A ring of the last 16384 records
+ * per device: older records are gone.
+ * simcuda_kernel_log_next is the index the next record will get;
  * simcuda_kernel_log copies the records with index >= `first` still kept
  * (at most `max`) into `out` and returns how many it copied. */
 typedef struct simcuda_kernel_record {

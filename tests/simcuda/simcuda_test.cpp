@@ -1734,6 +1734,7 @@ TEST_F(GraphMemory, UploadBacksWithoutRunning) {
   EXPECT_EQ(simcuda_launch_count(0, 0), launches);
   ASSERT_CU(cuGraphLaunch(e1, s));
   EXPECT_EQ(used(0), u + 8 * kMiB) << "the launch after an upload takes nothing new";
+  ASSERT_CU(cuStreamSynchronize(s));  // device time is recorded as it runs
   EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 1 * kMs);
   EXPECT_EQ(simcuda_launch_count(0, 0), launches + 1);
   ASSERT_CU(cuGraphUpload_ptsz(e2, nullptr));
@@ -2157,6 +2158,24 @@ TEST_F(Processes, KilledProcessGraphMemoryIsDropped) {
 
 using Timeline = Sim;
 
+// A forked child's body: makes a context, says 1, waits for the parent, then
+// launches `count` kernels named `kernel` at once, synchronizes, sends the
+// instant it returned and waits for the parent again.
+std::function<void(Child&)> kernels_then_sync(const char* kernel, int count) {
+  return [kernel, count](Child& me) {
+    CUcontext ctx = nullptr;
+    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
+    CUfunction f = get_function(kernel);
+    CHECK(f != nullptr);
+    me.send(1);
+    me.wait_parent();
+    for (int i = 0; i < count; ++i) CHECK_CU(launch(f));
+    CHECK_CU(cuCtxSynchronize());
+    me.send(simcuda_now_ns());
+    me.wait_parent();
+  };
+}
+
 TEST_F(Timeline, KernelDurationsComeFromNames) {
   ScopedCtx c(0);
   ASSERT_CU(c.result);
@@ -2199,13 +2218,14 @@ TEST_F(Timeline, SleepKernelAdvancesBusyTimeAndSynchronizeWaits) {
   ASSERT_CU(launch(f));
   const uint64_t until = simcuda_device_busy_until_ns(0);
   EXPECT_GE(until, t0 + 20 * kMs);
-  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 20 * kMs);
-  EXPECT_EQ(simcuda_busy_ns(0, 0), my_busy + 20 * kMs);
-  EXPECT_EQ(simcuda_busy_ns(0, getpid()), my_busy + 20 * kMs);
   EXPECT_EQ(simcuda_launch_count(0, 0), my_launches + 1);
   EXPECT_EQ(cuStreamQuery(nullptr), CUDA_ERROR_NOT_READY) << "20 ms of work just enqueued";
   ASSERT_CU(cuCtxSynchronize());
   const uint64_t t1 = simcuda_now_ns();
+  // Device time is recorded as it runs (under the queue model: when placed).
+  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 20 * kMs);
+  EXPECT_EQ(simcuda_busy_ns(0, 0), my_busy + 20 * kMs);
+  EXPECT_EQ(simcuda_busy_ns(0, getpid()), my_busy + 20 * kMs);
   EXPECT_GE(t1, until) << "synchronize returns when the kernel is done";
   EXPECT_GE(t1 - t0, 20 * kMs);
   EXPECT_CU(cuStreamQuery(nullptr));
@@ -2214,8 +2234,8 @@ TEST_F(Timeline, SleepKernelAdvancesBusyTimeAndSynchronizeWaits) {
   // A set duration replaces the name's.
   simcuda_set_function_duration_ns(f, 5 * kMs);
   ASSERT_CU(launch(f));
-  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 25 * kMs);
   ASSERT_CU(cuStreamSynchronize(nullptr));
+  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 25 * kMs);
   simcuda_set_function_duration_ns(f, 20 * kMs);
 
   // Copies take stream time, not device (kernel) time.
@@ -2277,9 +2297,9 @@ TEST_F(Timeline, StreamsOfOneProcessShareTheDevice) {
   ASSERT_CU(cuGraphInstantiateWithFlags(&exec, g, 0));
   const uint64_t busy = simcuda_device_busy_ns(0), launches = simcuda_launch_count(0, 0);
   ASSERT_CU(cuGraphLaunch(exec, nullptr));
-  EXPECT_EQ(simcuda_device_busy_ns(0), busy + 3 * kMs);
   EXPECT_EQ(simcuda_launch_count(0, 0), launches + 2);
   ASSERT_CU(cuCtxSynchronize());
+  EXPECT_EQ(simcuda_device_busy_ns(0), busy + 3 * kMs);
   EXPECT_CU(cuGraphExecDestroy(exec));
   EXPECT_CU(cuGraphDestroy(g));
 }
@@ -2331,14 +2351,14 @@ TEST_F(Timeline, LegacyLaunchesRunLikeLaunchKernel) {
   ASSERT_CU(cuLaunchGrid(f, 4, 2));
   ASSERT_CU(cuLaunchGridAsync(f, 3, 1, nullptr));
   // Four kernels of the function's duration, whatever the grid.
-  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 8 * kMs);
-  EXPECT_EQ(simcuda_busy_ns(0, 0), my_busy + 8 * kMs);
   EXPECT_EQ(simcuda_launch_count(0, 0), launches + 4);
   EXPECT_GE(simcuda_device_busy_until_ns(0), t0 + 8 * kMs);
   EXPECT_EQ(cuStreamQuery(nullptr), CUDA_ERROR_NOT_READY) << "they ran on the legacy stream";
   // The legacy stream waits for the process's other streams too: syncing it
   // drains the kernel launched on s.
   ASSERT_CU(cuStreamSynchronize(nullptr));
+  EXPECT_EQ(simcuda_device_busy_ns(0), dev_busy + 8 * kMs);
+  EXPECT_EQ(simcuda_busy_ns(0, 0), my_busy + 8 * kMs);
   EXPECT_GE(simcuda_now_ns() - t0, 8 * kMs);
   EXPECT_CU(cuStreamQuery(s));
   EXPECT_LE(simcuda_device_busy_until_ns(0), simcuda_now_ns());
@@ -2404,6 +2424,7 @@ TEST_F(Timeline, CaptureRecordsLaunchesIntoAGraph) {
   CUgraphExec exec = nullptr;
   ASSERT_CU(cuGraphInstantiateWithFlags(&exec, graph, 0));
   EXPECT_CU(cuGraphLaunch(exec, s));
+  EXPECT_CU(cuStreamSynchronize(s));
   EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 40 * kMs) << "the graph runs its two kernels";
   EXPECT_EQ(simcuda_launch_count(0, 0), launches + 2);
   // A graph launched into a capturing stream is captured too.
@@ -2415,8 +2436,8 @@ TEST_F(Timeline, CaptureRecordsLaunchesIntoAGraph) {
   CUgraphExec outer_exec = nullptr;
   ASSERT_CU(cuGraphInstantiateWithFlags(&outer_exec, outer, 0));
   EXPECT_CU(cuGraphLaunch(outer_exec, s));
-  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 80 * kMs);
   EXPECT_CU(cuStreamSynchronize(s));
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 80 * kMs);
   EXPECT_CU(cuGraphExecDestroy(outer_exec));
   EXPECT_CU(cuGraphExecDestroy(exec));
   EXPECT_CU(cuGraphDestroy(outer));
@@ -2424,8 +2445,50 @@ TEST_F(Timeline, CaptureRecordsLaunchesIntoAGraph) {
   EXPECT_CU(cuStreamDestroy_v2(s));
 }
 
-// The kernel log has one record per launch, where it ran on the timeline.
-TEST_F(Timeline, KernelLogRecordsEveryLaunchInPlace) {
+// The kernel log says who ran when: under the time-slice model, stretches of
+// residency as they ran; under the queue model, one record per launch where
+// it was placed (InChild.QueueModelLogsEveryLaunchInPlace).
+TEST_F(Timeline, KernelLogRecordsWhoRanWhen) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("sleep_1000us");
+  ASSERT_NE(f, nullptr);
+  CUstream s = nullptr;
+  ASSERT_CU(cuStreamCreate(&s, 0));
+  const uint64_t first = simcuda_kernel_log_next(0);
+  const uint64_t t0 = simcuda_now_ns();
+  for (int i = 0; i < 3; ++i) EXPECT_CU(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, nullptr, nullptr));
+  EXPECT_CU(cuStreamSynchronize(s));
+  const uint64_t t1 = simcuda_now_ns();
+  simcuda_kernel_record log[64] = {};
+  const size_t n = simcuda_kernel_log(0, first, log, 64);
+  ASSERT_GE(n, 1u);
+  uint64_t ran = 0;
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(log[i].index, first + i);
+    EXPECT_EQ(log[i].pid, getpid());
+    EXPECT_GE(log[i].start_ns, t0);
+    EXPECT_LE(log[i].end_ns, t1);
+    if (i > 0) {
+      EXPECT_GE(log[i].start_ns, log[i - 1].end_ns) << "one process at a time, in order";
+    }
+    ran += log[i].end_ns - log[i].start_ns;
+  }
+  EXPECT_EQ(ran, 3 * kMs) << "three 1 ms kernels";
+  EXPECT_EQ(simcuda_kernel_log(0, first + n, log, 8), 0u);
+  EXPECT_EQ(simcuda_kernel_log(99, 0, log, 8), 0u) << "bad ordinal";
+  EXPECT_CU(cuStreamDestroy_v2(s));
+}
+
+TEST(Config, QueueModelLogsEveryLaunchInPlace) {
+  SelfResult r = run_self("QueueLog", {{"SIMCUDA_SCHED", "queue"}, {"SIMCUDA_STATE", g_state + ".queue"}});
+  unlink((g_state + ".queue").c_str());
+  EXPECT_TRUE(r.passed()) << r.output;
+}
+
+TEST(InChild, QueueLog) {
+  CHILD_ONLY("QueueLog");
+  ASSERT_CU(cuInit(0));
   ScopedCtx c(0);
   ASSERT_CU(c.result);
   CUfunction f = get_function("sleep_1000us");
@@ -2434,7 +2497,7 @@ TEST_F(Timeline, KernelLogRecordsEveryLaunchInPlace) {
   ASSERT_CU(cuStreamCreate(&s, 0));
   const uint64_t first = simcuda_kernel_log_next(0);
   for (int i = 0; i < 3; ++i) EXPECT_CU(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, nullptr, nullptr));
-  EXPECT_EQ(simcuda_kernel_log_next(0), first + 3);
+  EXPECT_EQ(simcuda_kernel_log_next(0), first + 3) << "placed when launched, before it runs";
   simcuda_kernel_record log[8] = {};
   ASSERT_EQ(simcuda_kernel_log(0, first, log, 8), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -2448,7 +2511,6 @@ TEST_F(Timeline, KernelLogRecordsEveryLaunchInPlace) {
   EXPECT_EQ(simcuda_kernel_log(0, first + 1, log, 1), 1u);
   EXPECT_EQ(log[0].index, first + 1);
   EXPECT_EQ(simcuda_kernel_log(0, first + 3, log, 8), 0u);
-  EXPECT_EQ(simcuda_kernel_log(99, 0, log, 8), 0u) << "bad ordinal";
   EXPECT_CU(cuStreamSynchronize(s));
   EXPECT_CU(cuStreamDestroy_v2(s));
 }
@@ -2539,18 +2601,7 @@ TEST_F(Timeline, AnotherThreadDrainsTheProcessByPushingItsContext) {
 TEST_F(Timeline, KernelsOfTwoProcessesSerializeOnTheDevice) {
   constexpr int kKernels = 5;
   constexpr uint64_t kEach = 20 * kMs;
-  auto body = [](Child& me) {
-    CUcontext ctx = nullptr;
-    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
-    CUfunction f = get_function("sleep_20000us");
-    CHECK(f != nullptr);
-    me.send(1);
-    me.wait_parent();
-    for (int i = 0; i < kKernels; ++i) CHECK_CU(launch(f));
-    CHECK_CU(cuCtxSynchronize());
-    me.send(simcuda_now_ns());
-    me.wait_parent();
-  };
+  auto body = kernels_then_sync("sleep_20000us", kKernels);
   Child a(body), b(body);
   ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
   ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
@@ -2573,6 +2624,166 @@ TEST_F(Timeline, KernelsOfTwoProcessesSerializeOnTheDevice) {
   // Exited processes keep their busy-time records.
   EXPECT_EQ(simcuda_busy_ns(0, a.pid()), kKernels * kEach);
   EXPECT_EQ(simcuda_launch_count(0, b.pid()), static_cast<uint64_t>(kKernels));
+}
+
+// ===========================================================================
+// The time-slice model (the default): one process's context on the device at
+// a time, slices of SIMCUDA_TIMESLICE_US (1024 us), a switch costs
+// SIMCUDA_SWITCH_US (40 us) of idle device.
+// ===========================================================================
+
+constexpr uint64_t kSlice = 1024000, kSwitch = 40000;
+
+// The kernel log since `first`, with back-to-back records of one process
+// joined: each entry is one stretch of residency.
+std::vector<simcuda_kernel_record> residency_since(uint64_t first) {
+  std::vector<simcuda_kernel_record> out;
+  std::vector<simcuda_kernel_record> buf(16384);
+  const size_t n = simcuda_kernel_log(0, first, buf.data(), buf.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (!out.empty() && out.back().pid == buf[i].pid && out.back().end_ns == buf[i].start_ns) {
+      out.back().end_ns = buf[i].end_ns;
+    } else {
+      out.push_back(buf[i]);
+    }
+  }
+  return out;
+}
+
+TEST_F(Timeline, TwoSaturatingProcessesAlternateSlices) {
+  constexpr int kKernels = 4;  // of 20 ms each, launched at once
+  auto body = kernels_then_sync("sleep_20000us", kKernels);
+  Child a(body), b(body);
+  ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
+  ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
+  const uint64_t first = simcuda_kernel_log_next(0);
+  const uint64_t t0 = simcuda_now_ns();
+  a.release();
+  b.release();
+  std::optional<uint64_t> ea = a.recv(), eb = b.recv();
+  ASSERT_TRUE(ea && eb) << a.report() << b.report();
+  const auto runs = residency_since(first);
+  // Both were busy until near the end: they took turns all along, so both
+  // finish late (a first-come queue would finish the first one at 80 ms).
+  EXPECT_GE(std::min(*ea, *eb) - t0, 2 * kKernels * 20 * kMs * 9 / 10);
+  uint64_t ran_a = 0, ran_b = 0;
+  size_t turns = 0, full_slices = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const uint64_t len = runs[i].end_ns - runs[i].start_ns;
+    (runs[i].pid == a.pid() ? ran_a : ran_b) += len;
+    if (i == 0) continue;
+    ASSERT_NE(runs[i].pid, runs[i - 1].pid) << "a stretch ends only to hand over";
+    ++turns;
+    EXPECT_EQ(runs[i].start_ns - runs[i - 1].end_ns, kSwitch) << "each switch costs the switch time";
+    if (i + 2 < runs.size()) {
+      // While the other has work, a stretch is one slice (the last two end
+      // when their process's work runs out).
+      EXPECT_EQ(len, kSlice) << "stretch " << i;
+      full_slices += len == kSlice;
+    }
+  }
+  EXPECT_EQ(ran_a, kKernels * 20 * kMs) << "cut kernels resume: all the work runs";
+  EXPECT_EQ(ran_b, kKernels * 20 * kMs);
+  EXPECT_GE(turns, 2 * kKernels * 20 * kMs / kSlice - 4) << "about one turn per slice";
+  EXPECT_GT(full_slices, 0u);
+  a.release();
+  b.release();
+  EXPECT_CHILD_PASSED(a);
+  EXPECT_CHILD_PASSED(b);
+}
+
+// A process whose work runs out hands the device over at once (after the
+// switch), not at its slice's end; one that arrives waits at most the rest of
+// the resident's slice.
+TEST_F(Timeline, AProcessThatDrainsHandsOverAtOnce) {
+  constexpr int kShort = 20;  // 300 us kernels, each synchronized
+  auto saturating = [](Child& me) {
+    CUcontext ctx = nullptr;
+    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
+    CUfunction f = get_function("sleep_50000us");
+    CHECK(f != nullptr);
+    me.send(1);
+    me.wait_parent();
+    CHECK_CU(launch(f));
+    CHECK_CU(cuCtxSynchronize());
+    me.send(2);
+    me.wait_parent();
+  };
+  auto light = [](Child& me) {
+    CUcontext ctx = nullptr;
+    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
+    CUfunction f = get_function("sleep_300us");
+    CHECK(f != nullptr);
+    me.send(1);
+    me.wait_parent();
+    uint64_t worst = 0;
+    for (int i = 0; i < kShort; ++i) {
+      const uint64_t t = simcuda_now_ns();
+      CHECK_CU(launch(f));
+      CHECK_CU(cuCtxSynchronize());
+      worst = std::max(worst, simcuda_now_ns() - t);
+    }
+    me.send(worst);
+    me.wait_parent();
+  };
+  Child heavy(saturating), lite(light);
+  ASSERT_EQ(heavy.recv(), std::optional<uint64_t>(1)) << heavy.report();
+  ASSERT_EQ(lite.recv(), std::optional<uint64_t>(1)) << lite.report();
+  const uint64_t first = simcuda_kernel_log_next(0);
+  heavy.release();
+  usleep(2000);  // the heavy one is resident
+  lite.release();
+  const std::optional<uint64_t> worst = lite.recv();
+  ASSERT_TRUE(worst) << lite.report();
+  // At most the rest of a slice, a switch, its kernel and a switch back,
+  // plus the host's wake-ups (slack for a loaded machine): far below the
+  // 50 ms kernel a first-come queue would make it wait behind.
+  EXPECT_LT(*worst, kSlice + 300000 + 2 * kSwitch + 10 * kMs);
+  ASSERT_EQ(heavy.recv(), std::optional<uint64_t>(2)) << heavy.report();
+  const auto runs = residency_since(first);
+  size_t light_runs = 0;
+  for (size_t i = 1; i + 1 < runs.size(); ++i) {
+    if (runs[i].pid != lite.pid()) continue;
+    ++light_runs;
+    EXPECT_EQ(runs[i].end_ns - runs[i].start_ns, 300000u) << "its kernel runs whole: nobody else asks for a slice";
+    EXPECT_EQ(runs[i + 1].start_ns - runs[i].end_ns, kSwitch) << "handed back as soon as its work ran out";
+  }
+  EXPECT_EQ(light_runs, static_cast<size_t>(kShort));
+  heavy.release();
+  lite.release();
+  EXPECT_CHILD_PASSED(heavy);
+  EXPECT_CHILD_PASSED(lite);
+}
+
+TEST(Config, TimeSliceKnobsAreTakenFromTheEnvironment) {
+  SelfResult r = run_self("Knobs", {{"SIMCUDA_TIMESLICE_US", "200"}, {"SIMCUDA_SWITCH_US", "0"},
+                                    {"SIMCUDA_STATE", g_state + ".knobs"}});
+  unlink((g_state + ".knobs").c_str());
+  EXPECT_TRUE(r.passed()) << r.output;
+}
+
+TEST(InChild, Knobs) {
+  CHILD_ONLY("Knobs");
+  ASSERT_CU(cuInit(0));
+  auto body = kernels_then_sync("sleep_5000us", 1);
+  Child a(body), b(body);
+  ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
+  ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
+  const uint64_t first = simcuda_kernel_log_next(0);
+  a.release();
+  b.release();
+  ASSERT_TRUE(a.recv()) << a.report();
+  ASSERT_TRUE(b.recv()) << b.report();
+  const auto runs = residency_since(first);
+  ASSERT_GE(runs.size(), 10u);
+  for (size_t i = 1; i + 1 < runs.size(); ++i) {
+    EXPECT_EQ(runs[i].end_ns - runs[i].start_ns, 200000u);
+    EXPECT_EQ(runs[i].start_ns, runs[i - 1].end_ns) << "no switch cost";
+  }
+  a.release();
+  b.release();
+  EXPECT_CHILD_PASSED(a);
+  EXPECT_CHILD_PASSED(b);
 }
 
 }  // namespace

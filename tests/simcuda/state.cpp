@@ -216,7 +216,11 @@ bool parse_devices(const char* env, std::vector<DevSpec>& out, std::string& err)
 }
 
 std::string canonical(const std::vector<DevSpec>& devs) {
-  std::string s;
+  // The scheduling model is part of the GPU: a stale file made under another
+  // model is re-made like one made for other devices.
+  const SchedParams sp = sched_params_from_env();
+  std::string s = "sched=" + std::string(sp.model == kModelQueue ? "queue" : "timeslice") +
+                  ",slice=" + std::to_string(sp.timeslice_ns) + ",switch=" + std::to_string(sp.switch_ns) + ";";
   for (const auto& d : devs) {
     s += "uuid=" + format_uuid(d.uuid) + ",name=" + d.name + ",mem=" + std::to_string(d.mem) +
          ",ctx=" + std::to_string(d.ctx) + ",sms=" + std::to_string(d.sms) +
@@ -243,6 +247,11 @@ void init_state(SharedState* s, const std::vector<DevSpec>& devs, const std::str
     s->realtime_offset_us.store(us(real) - us(mono), std::memory_order_relaxed);
   }
   std::snprintf(s->spec, sizeof s->spec, "%s", canon.c_str());
+  const SchedParams sp = sched_params_from_env();
+  s->model = sp.model;
+  s->timeslice_ns = sp.timeslice_ns;
+  s->switch_ns = sp.switch_ns;
+  for (auto& d : s->sched) d.copies[0].resident = d.copies[1].resident = -1;
   for (size_t i = 0; i < devs.size(); ++i) {
     SharedDevice& d = s->devices[i];
     std::memcpy(d.uuid, devs[i].uuid, 16);
@@ -391,6 +400,7 @@ bool claim_slot_locked() {
   sl.pid.store(P.pid, std::memory_order_relaxed);
   sl.start_time.store(process_start_time(), std::memory_order_relaxed);
   sl.seq.store(s->next_seq.fetch_add(1) + 1, std::memory_order_relaxed);
+  timeslice_forget_slot(P.slot);
   sl.state.store(kSlotLive, std::memory_order_release);
   set_va_ranges();
   return true;
@@ -459,14 +469,23 @@ bool attach_shared(const char* path, const std::vector<DevSpec>& devs, const std
 
 }  // namespace
 
+bool state_file_lock(off_t byte) { return ofd_lock(proc().fd, byte, true); }
+void state_file_unlock(off_t byte) { ofd_unlock(proc().fd, byte); }
+
 // ---------------------------------------------------------------------------
 // Process and fork handling
 // ---------------------------------------------------------------------------
 
 namespace {
 
-void atfork_prepare() { proc().mu.lock(); }
-void atfork_parent() { proc().mu.unlock(); }
+void atfork_prepare() {
+  proc().mu.lock();
+  proc().sched_mu.lock();
+}
+void atfork_parent() {
+  proc().sched_mu.unlock();
+  proc().mu.unlock();
+}
 // Set in a forked child, consumed by its first Guard: cheaper than asking
 // getpid() (a system call) on every entry point.
 std::atomic<bool> g_forked{false};
@@ -481,6 +500,7 @@ void atfork_child() {
     P.fd = -1;
   }
   for (auto& c : g_calls) c.store(0, std::memory_order_relaxed);
+  P.sched_mu.unlock();
   P.mu.unlock();
 }
 
@@ -519,7 +539,7 @@ void reset_after_fork() {
   P.reservations.clear();
   P.mappings.clear();
   for (auto& d : P.dev) {
-    d.proc_tail.store(0, std::memory_order_relaxed);
+    d.proc_tail.reset();
     d.primary = nullptr;
     d.default_pool = nullptr;
     d.current_pool = nullptr;
@@ -698,7 +718,7 @@ namespace {
 struct ThreadState {
   uint64_t gen = 0;
   std::vector<Ctx*> stack;
-  U64 ptds_tail[kMaxDevices];  // per-thread default stream, per device
+  Tail ptds_tail[kMaxDevices];  // per-thread default stream, per device
   CUstreamCaptureMode capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
 };
 
@@ -714,7 +734,7 @@ ThreadState& thread_state() {
   if (t_state.gen != g) {  // first use in this thread, or a forked child
     t_state.gen = g;
     t_state.stack.clear();
-    for (auto& t : t_state.ptds_tail) t.store(0, std::memory_order_relaxed);
+    for (auto& t : t_state.ptds_tail) t.reset();
     t_state.capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
   }
   return t_state;
@@ -837,49 +857,70 @@ void record_bins(SampleBins& b, uint64_t start, uint64_t end, int32_t pid, uint6
 
 }  // namespace
 
-uint64_t enqueue_kernel(const StreamTarget& t, uint64_t d, uint64_t launches) {
+void record_residency(int dev, int32_t pid, int32_t slot, uint64_t start, uint64_t end, uint64_t pos0,
+                      uint64_t now) {
+  SharedState* st = S();
+  KernelLog& log = st->kernel_logs[dev];
+  const uint64_t index = log.next.fetch_add(1, std::memory_order_acq_rel);
+  KernelRecord& rec = log.records[index % kKernelLogEntries];
+  rec.seq.store(0, std::memory_order_release);  // incomplete until seq is written again
+  rec.start.store(start, std::memory_order_relaxed);
+  rec.end.store(end, std::memory_order_relaxed);
+  rec.pid.store(pid, std::memory_order_relaxed);
+  rec.slot = slot;
+  rec.pos0.store(pos0, std::memory_order_relaxed);
+  rec.seq.store(index + 1, std::memory_order_release);
+  record_bins(st->sample_bins[dev], start, end, pid, now);
+  st->devices[dev].busy_ns.fetch_add(end - start, std::memory_order_relaxed);
+  if (slot >= 0 && slot < kMaxSlots) st->slots[slot].busy_ns[dev].fetch_add(end - start, std::memory_order_relaxed);
+}
+
+void Tail::advance_to(const Mark& m) {
+  atomic_max(time, m.time);
+  atomic_max(work, m.work);
+}
+
+Mark enqueue_kernel(const StreamTarget& t, uint64_t d, uint64_t launches) {
   Process& P = proc();
   SharedDevice& dev = P.S->devices[t.dev];
   SharedSlot& slot = P.S->slots[P.slot];
+  dev.launches.fetch_add(launches, std::memory_order_relaxed);
+  slot.launches[t.dev].fetch_add(launches, std::memory_order_relaxed);
+  if (timeslice_model()) {
+    // Where it ends is known only as a point of this process's work; a copy
+    // still running on the stream does not hold it back (see enqueue_copy).
+    const Mark end{0, timeslice_enqueue(t.dev, d)};
+    t.tail->advance_to(end);
+    P.dev[t.dev].proc_tail.advance_to(end);
+    return end;
+  }
   uint64_t now = now_ns();
   uint64_t busy = dev.busy_until.load(std::memory_order_acquire);
   uint64_t end = 0;
   // One timeline per device: a kernel starts when its stream's earlier work
   // and every kernel already enqueued on the device (any process) are done.
   while (true) {
-    uint64_t start = std::max({now, busy, t.tail->load(std::memory_order_acquire)});
+    uint64_t start = std::max({now, busy, t.tail->time.load(std::memory_order_acquire)});
     end = start + d;
     if (dev.busy_until.compare_exchange_weak(busy, end, std::memory_order_acq_rel)) break;
   }
-  atomic_max(*t.tail, end);
-  atomic_max(P.dev[t.dev].proc_tail, end);
-  KernelLog& log = P.S->kernel_logs[t.dev];
-  const uint64_t index = log.next.fetch_add(1, std::memory_order_acq_rel);
-  KernelRecord& rec = log.records[index % kKernelLogEntries];
-  rec.seq.store(0, std::memory_order_release);  // incomplete until seq is written again
-  rec.start.store(end - d, std::memory_order_relaxed);
-  rec.end.store(end, std::memory_order_relaxed);
-  rec.pid.store(P.pid, std::memory_order_relaxed);
-  rec.seq.store(index + 1, std::memory_order_release);
-  record_bins(P.S->sample_bins[t.dev], end - d, end, P.pid, now);
-  dev.busy_ns.fetch_add(d, std::memory_order_relaxed);
-  dev.launches.fetch_add(launches, std::memory_order_relaxed);
-  slot.busy_ns[t.dev].fetch_add(d, std::memory_order_relaxed);
-  slot.launches[t.dev].fetch_add(launches, std::memory_order_relaxed);
-  return end;
+  t.tail->advance_to({end, 0});
+  P.dev[t.dev].proc_tail.advance_to({end, 0});
+  record_residency(t.dev, P.pid, P.slot, end - d, end, 0, now);
+  return {end, 0};
 }
 
-uint64_t enqueue_copy(const StreamTarget& t, uint64_t d) {
+Mark enqueue_copy(const StreamTarget& t, uint64_t d) {
   Process& P = proc();
   uint64_t now = now_ns();
-  uint64_t tail = t.tail->load(std::memory_order_acquire);
+  uint64_t tail = t.tail->time.load(std::memory_order_acquire);
   uint64_t end = 0;
   while (true) {
     end = std::max(now, tail) + d;
-    if (t.tail->compare_exchange_weak(tail, end, std::memory_order_acq_rel)) break;
+    if (t.tail->time.compare_exchange_weak(tail, end, std::memory_order_acq_rel)) break;
   }
-  atomic_max(P.dev[t.dev].proc_tail, end);
-  return end;
+  P.dev[t.dev].proc_tail.advance_to({end, 0});
+  return {end, t.tail->work.load(std::memory_order_acquire)};
 }
 
 uint64_t copy_duration_ns(uint64_t bytes) {

@@ -230,6 +230,7 @@ nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int* count, Info* i
 // records ended before `from`. Records already overwritten are lost (the
 // ring holds kKernelLogEntries), as a real sampler loses old periods.
 uint64_t kernel_time(int dev, int32_t pid, uint64_t from, uint64_t to) {
+  simcuda::advance_device(dev);  // the time-slice model records residency as it runs forward
   const simcuda::KernelLog& log = simcuda::S()->kernel_logs[dev];
   const uint64_t next = log.next.load(std::memory_order_acquire);
   const uint64_t oldest = next > simcuda::kKernelLogEntries ? next - simcuda::kKernelLogEntries : 0;
@@ -362,6 +363,7 @@ std::vector<RingSample> ring_samples(int dev, uint64_t period_ms, Attribution at
                                      unsigned long long newer_than_us) {
   using simcuda::kBinNs;
   using simcuda::kSampleBins;
+  simcuda::advance_device(dev);  // the time-slice model fills the bins as it runs forward
   const simcuda::SampleBins& b = simcuda::S()->sample_bins[dev];
   const uint64_t offset_us = simcuda::S()->realtime_offset_us.load(std::memory_order_relaxed);
   const uint64_t now_ms = simcuda::now_ns() / kBinNs;
