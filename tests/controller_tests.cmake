@@ -64,6 +64,16 @@ target_compile_definitions(controller_ops_test PRIVATE
 add_dependencies(controller_ops_test fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda)
 gtest_discover_tests(controller_ops_test DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
 
+# deploy/grafana's dashboard queries only metrics and labels fracgpud serves:
+# a daemon on the simulated driver and the stand-in NVML, scraped, against
+# every PromQL expression of the dashboard (and broken copies of it, which
+# must be reported). A few seconds.
+add_test(NAME grafana_dashboard
+         COMMAND python3 ${CMAKE_CURRENT_SOURCE_DIR}/check_dashboard.py --source ${PROJECT_SOURCE_DIR}
+                 --fracgpud $<TARGET_FILE:fracgpud> --simcuda $<TARGET_FILE_DIR:simcuda>
+                 --simnvml $<TARGET_FILE_DIR:simnvml>)
+set_tests_properties(grafana_dashboard PROPERTIES TIMEOUT 60)
+
 # `cmake --install` layout, the installed daemon and CLI, and the container
 # recipes (docs/containers.md, examples/k8s) checked against that install.
 add_test(NAME install_layout_and_recipes
