@@ -20,6 +20,8 @@
 #                     H100 and H200; its PTX also runs on newer GPUs);
 #                     tests/gpu/run_all.sh hands it to run_gpu.sh
 #                     ($FRACGPU_GPU_WORKLOAD).
+#   timeslice_probe   bench/gpu/timeslice_probe.cu, nvcc --arch ARCH
+#                     (tests/gpu/run_timeslice.sh).
 # The CUPTI meter and gpu_workload find libcupti through a RUNPATH that names
 # this machine's toolkit directory (printed at the end; the meter's also
 # /usr/local/cuda's usual ones). Where the GPU machine has it elsewhere, or
@@ -65,7 +67,9 @@ if ((instruments)); then
   # nvml_sampler or nothing (exit 2); the meter only where CUPTI is found.
   bash bench/gpu/build_tools.sh "$dir/bench/gpu"
   bash bench/gpu/build_workload.sh "$dir/bench/gpu/gpu_workload" --arch "$arch"
-  for f in nvml_sampler libfracgpu_cupti_meter.so gpu_workload; do
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  "$nvcc" -O2 -arch="$arch" -o "$dir/bench/gpu/timeslice_probe" bench/gpu/timeslice_probe.cu
+  for f in nvml_sampler libfracgpu_cupti_meter.so gpu_workload timeslice_probe; do
     [[ ! -e $dir/bench/gpu/$f ]] || instrument_files+=("$dir/bench/gpu/$f")
   done
 fi

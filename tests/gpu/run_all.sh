@@ -15,6 +15,11 @@
 #             test rests on them; its first two phases need nothing of fracgpu
 #             to work); raw logs in OUT_DIR/calibration.
 #             3 runs of 20 s either way                          100 s | 100 s
+#   timeslice tests/gpu/run_timeslice.sh: the driver's own slice length and
+#             context-switch gap (two, then three processes spinning on the
+#             GPU's global timer), the simulated driver's time-slice model's
+#             settings. 2 runs of 2 s, ~5 s of nvcc without the bundle's probe
+#                                                                20 s |  20 s
 #   memory    tests/gpu/run_memory_checks.sh: memory quotas under PyTorch and
 #             JAX, the cheapest whole test of the interposer on a real driver.
 #             9 short processes, one after another                50 s |  50 s
@@ -32,7 +37,7 @@
 #             0.25/0.75, 0.1/0.9, MPS). Last: the longest, and its figures
 #             mean little where the checks before it fail.
 #             39 runs of 15 s | 12 runs of 4 s                   750 s |  90 s
-#   In all: about 24 minutes in full; about 8.5 minutes (500 s) with --quick.
+#   In all: about 24 minutes in full; about 8.8 minutes (520 s) with --quick.
 # How the estimates are made (on an idle H100/H200, warm page cache; none has
 # been timed yet): a run is its window plus the start of its processes, which
 # start in parallel (PyTorch: import, CUDA context, cuBLAS, ~5 s; a CUDA
@@ -73,7 +78,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 64
 usage() {
-  echo "usage: run_all.sh [--quick] [--deadline-s N] [--dry-run] BUILD_DIR OUT_DIR [calibrate|memory|share|nvml|latency|bench ...]" >&2
+  echo "usage: run_all.sh [--quick] [--deadline-s N] [--dry-run] BUILD_DIR OUT_DIR [calibrate|timeslice|memory|share|nvml|latency|bench ...]" >&2
   exit 64
 }
 quick=0 deadline="" dry_run=0
@@ -95,11 +100,11 @@ done
 build=$(realpath "${args[0]}") || exit 64
 out=${args[1]}
 checks=("${args[@]:2}")
-[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate memory share nvml latency bench)
+[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [memory]=50 [share]=340 [nvml]=35 [latency]=185 [bench]=750)
-declare -A estimate_quick=([calibrate]=100 [memory]=50 [share]=105 [nvml]=35 [latency]=120 [bench]=90)
+declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=340 [nvml]=35 [latency]=185 [bench]=750)
+declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [nvml]=35 [latency]=120 [bench]=90)
 
 # command_for CHECK: sets cmd to the check's command line.
 command_for() {
@@ -108,6 +113,7 @@ command_for() {
     calibrate)
       ((quick == 0)) || opts=(--seconds 20)
       cmd=(bash tests/gpu/run_sm_share.sh calibrate "$build" --out "$out/calibration" "${opts[@]}") ;;
+    timeslice) cmd=(bash tests/gpu/run_timeslice.sh "$build" --out "$out/timeslice") ;;
     memory) cmd=(env FRACGPU_BUILD_DIR="$build" bash tests/gpu/run_memory_checks.sh) ;;
     nvml) cmd=(env FRACGPU_BUILD_DIR="$build" bash tests/gpu/run_nvml_checks.sh) ;;
     share)
