@@ -209,6 +209,13 @@ class GpuTimeTest : public ::testing::Test {
     tenants_ = tenants;
   }
 
+  // The simulated driver's model for this test's processes, this one's
+  // included (set before anything attaches to the sim).
+  void use_model(const std::string& model) {
+    sched_ = model;
+    setenv("SIMCUDA_SCHED", model.c_str(), 1);
+  }
+
   void start_daemon() {
     daemon_ = spawn(FRACGPUD_PATH, {"--config", config_}, environment("", false), nullptr);
     ASSERT_GT(daemon_, 0);
@@ -1850,8 +1857,12 @@ TEST_F(GpuTimeTest, SampledMeasuredChargingLosesToAPhaseLockedCheat) {
 // A process of a tenant that runs without the interposer: the audit finds it
 // in the samples, the kernel says whose container it is in, and its tenant
 // is charged its GPU time (so its gated processes get less). Without NVML
-// nothing sees it.
+// nothing sees it. Asserted on the simulated driver's queue model; on its
+// time-slice model the ungated process shares the honest tenant's grants
+// slice by slice and the honest tenant keeps about 0.35 (docs/sm-time.md,
+// "Limits"): open work.
 TEST_F(GpuTimeTest, SampledAuditChargesAProcessWithoutTheInterposerToItsTenant) {
+  use_model("queue");
   const auto [honest, cheat] = run_around_the_interposer();
   // The gate cannot stop a process without the interposer: the honest
   // tenant's grants share the GPU with it (without fracgpu the three
@@ -1957,8 +1968,8 @@ const std::vector<std::string> kInference = {"devices=0", "kernels_us=100", "sec
 class LatencyTenantTest : public GpuTimeTest {
  protected:
   void SetUp() override {
-    sched_ = "queue";
     GpuTimeTest::SetUp();
+    use_model("queue");
   }
 
   struct PairFigures {

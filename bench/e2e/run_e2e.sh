@@ -35,6 +35,9 @@
 #   - native, 2 processes: what the driver's own time-slicing gives;
 #   - fracgpu, tenants with shares: 0.5/0.5 (each workload), 0.2/0.3/0.5 and
 #     0.1/0.9 (compute);
+#   - four step50 processes natively, and as four 0.25 tenants; step10 beside
+#     compute natively, and as 0.5 / 0.5 tenants with the compute one's limit
+#     1.0 (the mixed pair); compute alone as a 0.3 tenant capped at 0.3;
 # and the cheat: a tenant `cheat` (mode=cheat: 2 ms kernels, none on the GPU
 # from --guard-ms, default 8, before each sampling instant of the stand-in
 # NVML, k x the sampling period of CLOCK_MONOTONIC (--sample-ms; 167 without
@@ -301,6 +304,16 @@ if [[ $only != latency ]]; then
       run "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
     fi
   done
+  if ((!smoke)); then
+    # The side-by-side shapes beyond pairs: four light tenants of 0.25; a
+    # light tenant beside a compute-bound one that may use what it leaves
+    # (limit 1.0); and a cap alone (limit = share = 0.3).
+    run step50-native-4 step50 native a b c d
+    run step50-fracgpu-0.25x4 step50 fracgpu a:0.25 b:0.25 c:0.25 d:0.25
+    run mixed-native-2 step10 native a b::compute
+    run mixed-fracgpu-0.5-0.5 step10 fracgpu a:0.5 b:0.5:compute::1.0
+    run compute-fracgpu-cap-0.3 compute fracgpu a:0.3:::0.3
+  fi
   # The cheat beside an honest compute-bound tenant, without fracgpu and with it.
   run cheat-native-2 cheat native cheat::cheat honest::compute
   run cheat-fracgpu-0.5-0.5 cheat fracgpu cheat:0.5:cheat honest:0.5:compute
