@@ -6,7 +6,7 @@ packages=(cmake g++ make pkg-config libfmt-dev libspdlog-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev strace python3-yaml
           podman runc busybox-static libcurl4-openssl-dev libyaml-cpp-dev openssl
           libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc python3-jsonschema
-          debootstrap)
+          debootstrap tmux)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,5 +1,9 @@
 // `fracgpu status` against prepared ledgers: the collected report, its text
-// and JSON renderings, and the binary's exit codes.
+// and JSON renderings, and the binary's exit codes; the live view of
+// `fracgpu status --watch` and `fracgpu top` (state/live_view.h): its
+// windows computed from successive readings, its order, its frames, and the
+// binary's frames when stdout is not a terminal. On a terminal it is tested
+// by cli_watch_tmux_test.sh.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -11,9 +15,12 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <atomic>
 #include <sstream>
 #include <string>
+#include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -23,6 +30,7 @@
 #include "gputime.h"
 #include "ledger.h"
 #include "policy_util.h"
+#include "state/live_view.h"
 #include "state/status.h"
 #include "common/uuid.h"
 
@@ -808,6 +816,397 @@ TEST_F(CliTest, ATenantDirectoryThatIsALinkIsRefused) {
   EXPECT_NE(report.tenants[2].error.find(tenant_dir("mallory") + ": refused: not a directory (a symbolic link)"),
             std::string::npos)
       << report.tenants[2].error;
+}
+
+}  // namespace
+
+// ---- The live view: `fracgpu status --watch`, `fracgpu top` ----
+namespace {
+
+constexpr uint64_t kSecondNs = 1'000'000'000;
+const std::string kUuid2 = "GPU-5a1c0de0-0000-4000-8000-000000000002";
+
+// A report as collect_status() would make it, without files: each tenant
+// has GPU entries with the given cumulative figures.
+struct FakeGpu {
+  std::string uuid = kUuid;
+  uint64_t used_ns = 0;       // charged (held mode's counter)
+  uint64_t measured_ns = 0;   // measured mode's counter
+  uint64_t throttled_ns = 0;
+  bool measured = false;
+  uint64_t memory_used = 0;
+  uint32_t share_ppm = 250'000;
+};
+
+StatusReport fake_report(const std::vector<std::pair<std::string, std::vector<FakeGpu>>>& tenants) {
+  StatusReport report;
+  report.run_dir = "/run/fracgpu";
+  report.daemon.alive = true;
+  report.daemon.pid = 42;
+  report.daemon.heartbeat_age_ms = 100;
+  for (const auto& [name, gpus] : tenants) {
+    TenantStatus t;
+    t.name = name;
+    for (const FakeGpu& f : gpus) {
+      GpuEntryStatus g;
+      g.uuid = f.uuid;
+      g.state = "granted";
+      g.memory_quota = 4 * kGiB;
+      g.memory_used = f.memory_used;
+      g.share_ppm = f.share_ppm;
+      g.limit_ppm = f.share_ppm;
+      GpuTimeStatus time;
+      time.used_ns = f.used_ns;
+      time.measured_ns = f.measured_ns;
+      time.measured = f.measured;
+      time.throttled_ns = f.throttled_ns;
+      g.gpu_time = time;
+      t.gpus.push_back(g);
+    }
+    report.tenants.push_back(t);
+  }
+  return report;
+}
+
+StatusReport one_tenant(uint64_t used_ns, uint64_t throttled_ns = 0) {
+  return fake_report({{"alice", {{.used_ns = used_ns, .throttled_ns = throttled_ns}}}});
+}
+
+TEST(LiveView, IntervalSecondsAreChecked) {
+  std::string why;
+  EXPECT_EQ(parse_interval_seconds("1", &why), 1.0);
+  EXPECT_EQ(parse_interval_seconds("0.5", &why), 0.5);
+  EXPECT_EQ(parse_interval_seconds("0.1", &why), 0.1);
+  EXPECT_EQ(parse_interval_seconds("3600", &why), 3600.0);
+  EXPECT_EQ(parse_interval_seconds("2.", &why), 2.0);
+  for (const char* bad : {"", "0", "0.05", "3601", "-1", "+1", "abc", "1s", " 1", "1e3", "inf", "nan", "1.2.3", ".",
+                          "0x10"}) {
+    why.clear();
+    EXPECT_FALSE(parse_interval_seconds(bad, &why)) << bad;
+    EXPECT_EQ(why, fmt::format("\"{}\" is not a number of seconds from 0.1 to 3600 (e.g. 1 or 0.5)", bad)) << bad;
+  }
+  // What it echoes is escaped: the text is the operator's, but a terminal
+  // must not take it for a control sequence.
+  EXPECT_FALSE(parse_interval_seconds("\x1b[2J", &why));
+  EXPECT_EQ(why.find('\x1b'), std::string::npos) << why;
+  EXPECT_EQ(parse_live_order("gpu"), LiveOrder::kGpuTime);
+  EXPECT_EQ(parse_live_order("memory"), LiveOrder::kMemory);
+  EXPECT_EQ(parse_live_order("name"), LiveOrder::kName);
+  EXPECT_FALSE(parse_live_order("cpu"));
+}
+
+// Two readings a second apart give the share over that second; the 10 s
+// window spans only what has been read so far until readings go back 10 s.
+TEST(LiveView, SharesFromTwoReadings) {
+  GpuTimeReadings r;
+  const uint64_t t0 = 1000 * kSecondNs;
+  r.record(one_tenant(5 * kSecondNs, 2 * kSecondNs), t0);
+  EXPECT_FALSE(r.used("alice", kUuid, kLiveShortWindowNs)) << "one reading is no window";
+  r.record(one_tenant(5 * kSecondNs + 300'000'000, 2 * kSecondNs + 700'000'000), t0 + kSecondNs);
+  const auto short_used = r.used("alice", kUuid, kLiveShortWindowNs);
+  ASSERT_TRUE(short_used);
+  EXPECT_EQ(short_used->ppm, 300'000u);
+  EXPECT_EQ(short_used->span_ns, kSecondNs);
+  const auto long_used = r.used("alice", kUuid, kLiveLongWindowNs);
+  ASSERT_TRUE(long_used);
+  EXPECT_EQ(long_used->ppm, 300'000u);
+  EXPECT_EQ(long_used->span_ns, kSecondNs);  // all there is so far
+  const auto throttled = r.throttled("alice", kUuid, kLiveLongWindowNs);
+  ASSERT_TRUE(throttled);
+  EXPECT_EQ(throttled->ppm, 700'000u);
+  EXPECT_FALSE(r.used("bob", kUuid, kLiveShortWindowNs));
+  EXPECT_FALSE(r.used("alice", kUuid2, kLiveShortWindowNs));
+}
+
+// Readings every 0.5 s for 12 s: 30% of the GPU for the first 6 s, 70% for
+// the next 6. At the end, the last second is all 70%; the last ten, 4 s at
+// 30% and 6 s at 70%: 54%.
+TEST(LiveView, WindowsOfOneAndTenSeconds) {
+  GpuTimeReadings r;
+  const uint64_t t0 = 77 * kSecondNs;
+  const uint64_t step = kSecondNs / 2;
+  uint64_t used = 0;
+  for (uint64_t i = 0; i <= 24; ++i) {
+    if (i > 0) used += (i <= 12 ? 300'000'000 : 700'000'000) / 2;
+    r.record(one_tenant(used), t0 + i * step);
+    if (i == 12) {
+      EXPECT_EQ(r.used("alice", kUuid, kLiveShortWindowNs)->ppm, 300'000u);
+      EXPECT_EQ(r.used("alice", kUuid, kLiveLongWindowNs)->span_ns, 6 * kSecondNs);
+    }
+  }
+  const auto short_used = r.used("alice", kUuid, kLiveShortWindowNs);
+  ASSERT_TRUE(short_used);
+  EXPECT_EQ(short_used->ppm, 700'000u);
+  EXPECT_EQ(short_used->span_ns, kSecondNs);
+  const auto long_used = r.used("alice", kUuid, kLiveLongWindowNs);
+  ASSERT_TRUE(long_used);
+  EXPECT_EQ(long_used->ppm, 540'000u);
+  EXPECT_EQ(long_used->span_ns, 10 * kSecondNs);
+  // Readings a little off the half second: the earlier reading closest to
+  // the window's age is used, and the share is over the actual span.
+  GpuTimeReadings jitter;
+  jitter.record(one_tenant(0), t0);
+  jitter.record(one_tenant(100'000'000), t0 + 480'000'000);
+  jitter.record(one_tenant(200'000'000), t0 + 990'000'000);
+  jitter.record(one_tenant(400'000'000), t0 + 1'490'000'000);
+  const auto s = jitter.used("alice", kUuid, kLiveShortWindowNs);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->span_ns, 1'010'000'000u);  // from t0 + 0.48 s
+  EXPECT_EQ(s->ppm, static_cast<uint32_t>(300'000'000ull * 1'000'000 / 1'010'000'000));
+}
+
+// The counter is the one the daemon's achieved shares use: measured GPU
+// time where the daemon charges measured time, else time charged.
+TEST(LiveView, MeasuredChargingCountsMeasuredTime) {
+  GpuTimeReadings r;
+  const auto report = [](uint64_t used, uint64_t measured, bool is_measured) {
+    return fake_report({{"alice", {{.used_ns = used, .measured_ns = measured, .measured = is_measured}}}});
+  };
+  r.record(report(0, 0, true), kSecondNs);
+  r.record(report(900'000'000, 400'000'000, true), 2 * kSecondNs);
+  EXPECT_EQ(r.used("alice", kUuid, kLiveShortWindowNs)->ppm, 400'000u);
+  // A change of charging starts afresh: the two counters do not compare.
+  r.record(report(1'000'000'000, 450'000'000, false), 3 * kSecondNs);
+  EXPECT_FALSE(r.used("alice", kUuid, kLiveShortWindowNs));
+  r.record(report(1'500'000'000, 450'000'000, false), 4 * kSecondNs);
+  EXPECT_EQ(r.used("alice", kUuid, kLiveShortWindowNs)->ppm, 500'000u);
+}
+
+// A counter that goes back (the daemon restarted, the tenant was made
+// again) starts its series afresh, and never shows a negative or huge
+// share; a share above the whole window is capped at 100%; a tenant no
+// longer in the report is forgotten.
+TEST(LiveView, CountersThatGoBackOrVanish) {
+  GpuTimeReadings r;
+  r.record(one_tenant(50 * kSecondNs), kSecondNs);
+  r.record(one_tenant(51 * kSecondNs), 2 * kSecondNs);
+  EXPECT_EQ(r.used("alice", kUuid, kLiveShortWindowNs)->ppm, 1'000'000u);
+  r.record(one_tenant(100'000'000), 3 * kSecondNs);
+  EXPECT_FALSE(r.used("alice", kUuid, kLiveShortWindowNs));
+  r.record(one_tenant(3 * kSecondNs), 4 * kSecondNs);  // more than the second: capped
+  EXPECT_EQ(r.used("alice", kUuid, kLiveShortWindowNs)->ppm, 1'000'000u);
+  r.record(fake_report({{"bob", {{.used_ns = 0}}}}), 5 * kSecondNs);
+  EXPECT_FALSE(r.used("alice", kUuid, kLiveShortWindowNs));
+  r.record(one_tenant(3 * kSecondNs), 6 * kSecondNs);
+  EXPECT_FALSE(r.used("alice", kUuid, kLiveShortWindowNs)) << "forgotten, not compared with 2 s ago";
+}
+
+// The table's tenant column, top to bottom.
+std::vector<std::string> tenant_order(const std::vector<std::string>& lines) {
+  std::vector<std::string> names;
+  bool in_table = false;
+  for (const std::string& line : lines) {
+    if (line.rfind("GPU ", 0) == 0) {
+      in_table = true;
+      continue;
+    }
+    if (!in_table) continue;
+    if (line.empty()) break;
+    std::istringstream in(line);
+    std::string first, second;
+    in >> first >> second;
+    // The GPU cell is blank on a GPU's later rows.
+    names.push_back(line[0] == ' ' ? first : second);
+  }
+  return names;
+}
+
+TEST(LiveView, OrderByGpuTimeMemoryOrName) {
+  // alice and carol on GPU 1, bob on GPU 2 (by UUID); used for 1 s:
+  // alice 20%, bob 50%, carol 30%; memory: carol > alice > bob.
+  const auto report = [](uint64_t a, uint64_t b, uint64_t c) {
+    return fake_report({{"alice", {{.used_ns = a, .memory_used = 2 * kGiB}}},
+                        {"bob", {{.uuid = kUuid2, .used_ns = b, .memory_used = 1 * kGiB}}},
+                        {"carol", {{.used_ns = c, .memory_used = 3 * kGiB}}}});
+  };
+  GpuTimeReadings r;
+  r.record(report(0, 0, 0), kSecondNs);
+  r.record(report(200'000'000, 500'000'000, 300'000'000), 2 * kSecondNs);
+  const StatusReport now = report(200'000'000, 500'000'000, 300'000'000);
+  LiveFrameInfo info;
+  info.title = "fracgpu top";
+  info.node = "node-7";
+  info.clock = "2030-01-02 03:04:05 UTC";
+  const auto order = [&](LiveOrder o) {
+    info.order = o;
+    return tenant_order(live_view_lines(now, "", r, info));
+  };
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(order(LiveOrder::kGpu), (Names{"alice", "carol", "bob"}));  // as fracgpu status: by GPU
+  EXPECT_EQ(order(LiveOrder::kGpuTime), (Names{"bob", "carol", "alice"}));
+  EXPECT_EQ(order(LiveOrder::kMemory), (Names{"carol", "alice", "bob"}));
+  EXPECT_EQ(order(LiveOrder::kName), (Names{"alice", "bob", "carol"}));
+  // Without two readings, GPU time cannot rank: status order.
+  GpuTimeReadings none;
+  info.order = LiveOrder::kGpuTime;
+  EXPECT_EQ(tenant_order(live_view_lines(now, "", none, info)), (Names{"alice", "carol", "bob"}));
+}
+
+TEST(LiveView, FrameShowsHeaderColumnsAndWindows) {
+  StatusReport report = fake_report({{"alice", {{.used_ns = 0, .memory_used = 1 * kGiB, .share_ppm = 250'000}}},
+                                     {"bob", {{.used_ns = 0, .share_ppm = 500'000}}}});
+  report.tenants[1].gpus[0].memory_quota.reset();
+  report.tenants[1].gpus[0].gpu_time->priority = "latency";
+  report.gpu_health = nlohmann::json::parse(R"({"nvml": true, "gpus": [{"index": 3, "uuid": ")" + kUuid +
+                                            R"(", "healthy": false, "reason": "xid"}]})");
+  GpuTimeReadings r;
+  r.record(report, kSecondNs);
+  report.tenants[0].gpus[0].gpu_time->used_ns = 250'000'000;
+  report.tenants[0].gpus[0].gpu_time->throttled_ns = 500'000'000;
+  report.tenants[1].gpus[0].gpu_time->used_ns = 500'000'000;
+  r.record(report, 2 * kSecondNs);
+  LiveFrameInfo info;
+  info.title = "fracgpu status --watch";
+  info.node = "node-7";
+  info.clock = "2030-01-02 03:04:05 UTC";
+  info.interval_s = 0.5;
+  const std::vector<std::string> lines = live_view_lines(report, "", r, info);
+  std::string text;
+  for (const std::string& line : lines) text += line + "\n";
+  ASSERT_GE(lines.size(), 6u) << text;
+  EXPECT_EQ(lines[0], "fracgpu status --watch on node-7  2030-01-02 03:04:05 UTC  every 0.5 s, by GPU, then tenant");
+  EXPECT_EQ(lines[1], "daemon: alive (pid 42, heartbeat 0.1 s ago)  run dir: /run/fracgpu");
+  std::string header, alice, bob;
+  for (const std::string& line : lines) {
+    if (line.rfind("GPU ", 0) == 0) header = line;
+    if (line.find(" alice ") != std::string::npos) alice = line;
+    if (line.find(" bob ") != std::string::npos) bob = line;
+  }
+  ASSERT_FALSE(header.empty()) << text;
+  for (const char* column : {"TENANT", "SHARE", "LIMIT", "1S", "10S", "MEMORY", "THROTTLED", "PRIORITY", "HEALTH"})
+    EXPECT_NE(header.find(column), std::string::npos) << column;
+  // The GPU by its driver ordinal where health.json gives it.
+  EXPECT_EQ(alice.rfind("3 ", 0), 0u) << text;
+  EXPECT_EQ(alice.find("alice"), header.find("TENANT")) << text;
+  EXPECT_EQ(alice.find("0.25"), header.find("SHARE")) << text;
+  EXPECT_EQ(alice.find("25.0%"), header.find("1S")) << text;
+  EXPECT_EQ(alice.find("25.0%*"), header.find("10S")) << text;  // 1 s of 10 so far
+  EXPECT_EQ(alice.find("1 GiB / 4 GiB"), header.find("MEMORY")) << text;
+  EXPECT_EQ(alice.find("50.0%*"), header.find("THROTTLED")) << text;  // 0.5 s of the 1 s read so far
+  EXPECT_EQ(alice.find("normal"), header.find("PRIORITY")) << text;
+  EXPECT_EQ(alice.find("UNHEALTHY (xid)"), header.find("HEALTH")) << text;
+  EXPECT_EQ(bob.find_first_not_of(' '), header.find("TENANT")) << text;  // same GPU: blank
+  EXPECT_EQ(bob.find("50.0%"), header.find("1S")) << text;
+  EXPECT_EQ(bob.find("0 B / unlimited"), header.find("MEMORY")) << text;
+  EXPECT_EQ(bob.find("latency"), header.find("PRIORITY")) << text;
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), header), 1);
+  EXPECT_NE(text.find("\n*: not over the column's whole window"), std::string::npos) << text;
+
+  // The tenant's own mark is what refuses its processes: it wins.
+  report.tenants[1].gpus[0].unavailable = "bypass";
+  report.gpu_health.reset();
+  const std::vector<std::string> marked = live_view_lines(report, "", r, info);
+  std::string marked_text;
+  for (const std::string& line : marked) marked_text += line + "\n";
+  EXPECT_NE(marked_text.find("DENIED (bypass)"), std::string::npos) << marked_text;
+  EXPECT_NE(marked_text.find("\n" + kUuid.substr(0, 12) + " "), std::string::npos)
+      << "no health.json: the GPU by its UUID's start\n" << marked_text;
+
+  // A daemon that went away is said so; a run dir that cannot be read is
+  // a frame that says why, not a failure.
+  report.daemon.alive = false;
+  report.daemon.heartbeat_age_ms = 12'000;
+  const std::vector<std::string> stopped = live_view_lines(report, "", r, info);
+  EXPECT_EQ(stopped[1], "daemon: NOT RUNNING or hung, pid 42 (last heartbeat 12.0 s ago)  run dir: /run/fracgpu");
+  EXPECT_EQ(stopped[2], "fracgpud is not running: its counters stand still (GPU-time shares fall to 0%), the rest is "
+                        "as it left it");
+  const std::vector<std::string> gone = live_view_lines(std::nullopt, "/run/fracgpu: missing", GpuTimeReadings(), info);
+  ASSERT_EQ(gone.size(), 3u);
+  EXPECT_EQ(gone[1], "cannot read the run dir: /run/fracgpu: missing");
+  EXPECT_EQ(gone[2], "trying again every 0.5 s (Ctrl-C quits)");
+}
+
+TEST(CliRunDir, WatchAndTopUsageErrors) {
+  std::string out;
+  EXPECT_EQ(run_cli("status --watch abc --run-dir /nonexistent", &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("fracgpu: --watch: \"abc\" is not a number of seconds from 0.1 to 3600"), std::string::npos)
+      << out;
+  EXPECT_EQ(run_cli("status --watch 0", &out), kStatusUsage) << out;
+  EXPECT_EQ(run_cli("status --watch=-1", &out), kStatusUsage) << out;
+  EXPECT_EQ(run_cli("status --watch 1 --json", &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("cannot be combined with --json"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("status --count 2", &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("--count counts the frames of --watch"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("top --interval 0.01", &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("fracgpu: --interval: \"0.01\" is not a number of seconds"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("top --sort cpu", &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("cpu not in {gpu,memory,name}"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("top --count 0", &out), kStatusUsage) << out;
+  // A run dir that cannot be read at the start: as plain status.
+  EXPECT_EQ(run_cli("top --run-dir /nonexistent/fracgpu", &out), kStatusNoRunDir) << out;
+  EXPECT_NE(out.find("fracgpu: /nonexistent/fracgpu"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("status --watch --run-dir /nonexistent/fracgpu", &out), kStatusNoRunDir) << out;
+  EXPECT_EQ(run_cli("top --help", &out), 0) << out;
+  EXPECT_NE(out.find("--sort"), std::string::npos) << out;
+}
+
+// The binary, stdout a pipe: one frame per interval, a blank line between,
+// no terminal controls; the shares are fracgpu's own, from its readings of
+// counters that a thread here advances as the daemon would (alice 30% of
+// the time, bob 70%, measured).
+TEST_F(CliTest, TopPrintsFramesWithSharesFromItsReadings) {
+  fill_gpu_time();
+  gputime::TenantTime& alice = tenant_row("alice");
+  gputime::TenantTime& bob = tenant_row("bob");
+  // The daemon's own achieved shares, far from what the counters show:
+  // the view must not show (or sort by) these.
+  alice.achieved_1s_ppm.store(990'000);
+  alice.achieved_10s_ppm.store(990'000);
+  bob.achieved_1s_ppm.store(10'000);
+  bob.achieved_10s_ppm.store(10'000);
+  std::atomic<bool> stop{false};
+  const uint64_t start = monotonic_ns();
+  const uint64_t alice_base = alice.measured_ns.load(), bob_base = bob.measured_ns.load();
+  std::thread daemon([&] {
+    while (!stop.load()) {
+      const uint64_t elapsed = monotonic_ns() - start;
+      alice.measured_ns.store(alice_base + elapsed * 3 / 10);
+      bob.measured_ns.store(bob_base + elapsed * 7 / 10);
+      usleep(2000);
+    }
+  });
+  std::string out;
+  const int rc = run_cli("top --interval 0.5 --count 4 --run-dir " + run_dir_, &out);
+  stop = true;
+  daemon.join();
+  ASSERT_EQ(rc, kStatusOk) << out;
+  EXPECT_EQ(out.find('\x1b'), std::string::npos) << "no terminal controls into a pipe";
+  size_t frames = 0;
+  for (size_t at = 0; (at = out.find("fracgpu top on ", at)) != std::string::npos; ++at) ++frames;
+  EXPECT_EQ(frames, 4u) << out;
+  EXPECT_EQ(out.rfind("fracgpu top on ", 0), 0u) << out;
+  size_t gaps = 0;
+  for (size_t at = 0; (at = out.find("\n\nfracgpu top on ", at)) != std::string::npos; ++at) ++gaps;
+  EXPECT_EQ(gaps, 3u) << out;
+  // The last frame: bob first (sorted by GPU time), both near their rates.
+  const std::string last = out.substr(out.rfind("fracgpu top on "));
+  std::istringstream in(last);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  EXPECT_EQ(tenant_order(lines), (std::vector<std::string>{"bob", "alice"})) << last;
+  std::string header;
+  for (const std::string& line : lines)
+    if (line.rfind("GPU ", 0) == 0) header = line;
+  ASSERT_FALSE(header.empty()) << last;
+  const auto percent = [&](const std::string& tenant, const char* column) {
+    for (const std::string& line : lines)
+      if (line.find(" " + tenant + " ") != std::string::npos) return std::atof(line.c_str() + header.find(column));
+    return -1.0;
+  };
+  // Loose: a reading may come while the thread above is not scheduled.
+  EXPECT_NEAR(percent("alice", "1S"), 30, 8) << last;
+  EXPECT_NEAR(percent("bob", "1S"), 70, 8) << last;
+  EXPECT_NEAR(percent("alice", "10S"), 30, 8) << last;
+  EXPECT_NEAR(percent("bob", "10S"), 70, 8) << last;
+
+  // status --watch: the same view, in status order (alice, then bob).
+  ASSERT_EQ(run_cli("status --watch 0.5 --count 2 --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(out.rfind("fracgpu status --watch on ", 0), 0u) << out;
+  const std::string second = out.substr(out.rfind("fracgpu status --watch on "));
+  std::istringstream in2(second);
+  lines.clear();
+  for (std::string line; std::getline(in2, line);) lines.push_back(line);
+  EXPECT_EQ(tenant_order(lines), (std::vector<std::string>{"alice", "bob"})) << out;
 }
 
 }  // namespace

@@ -27,6 +27,15 @@ foreach(name controller_daemon_test controller_cli_test)
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
 endforeach()
 
+# `fracgpu status --watch` and `fracgpu top` in a real terminal: tmux, with
+# fracgpud on the simulated driver and loads under the interposer (about
+# 25 s); skipped (77) where tmux is not installed.
+add_test(NAME cli_watch_tmux
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli_watch_tmux_test.sh $<TARGET_FILE:fracgpu_cli>
+                 $<TARGET_FILE:fracgpud> $<TARGET_FILE_DIR:simcuda> $<TARGET_FILE_DIR:simnvml>
+                 $<TARGET_FILE:fracgpu> $<TARGET_FILE:gputime_load>)
+set_tests_properties(cli_watch_tmux PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 120)
+
 # NVML discovery, GPU health and the bypass audit, against the stand-in NVML
 # (tests/simnvml) sharing one simulated driver state with fracgpud and the
 # probes. And the control API end to end: fracgpud on the simulated driver

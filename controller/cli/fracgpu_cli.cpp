@@ -1,6 +1,8 @@
 // fracgpu: the operator's view of a node. `fracgpu status` reads every tenant
-// ledger read-only; it never changes anything. `fracgpu gpu clear` removes a
-// GPU's Xid fence (health.h), the one thing an operator must undo by hand.
+// ledger read-only; it never changes anything. `fracgpu status --watch` and
+// `fracgpu top` show it live (live_view_command.h). `fracgpu gpu clear`
+// removes a GPU's Xid fence (health.h), the one thing an operator must undo
+// by hand.
 // `fracgpu tenant` speaks to fracgpud's control API (tenant_command.h).
 // Exit codes are in status.h and tenant_command.h.
 #include <cerrno>
@@ -17,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/live_view_command.h"
 #include "cli/tenant_command.h"
 #include "daemon/health.h"
 #include "state/run_dir.h"
@@ -99,6 +102,14 @@ int clear_command(const std::string& run_dir, const std::string& which) {
   return kStatusOk;
 }
 
+// The seconds of --watch or --interval, checked; nullopt after printing why not.
+std::optional<double> interval_option(const char* name, const std::string& text) {
+  std::string why;
+  const std::optional<double> seconds = parse_interval_seconds(text, &why);
+  if (!seconds) fmt::print(stderr, "fracgpu: {}: {}\n", name, why);
+  return seconds;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"fracgpu: inspect fractional GPU sharing on this node"};
   app.require_subcommand(1);
@@ -108,6 +119,29 @@ int run(int argc, char** argv) {
   std::string run_dir = default_run_dir();
   status->add_flag("--json", json, "Print JSON (schema in docs/configuration.md)");
   status->add_option("--run-dir", run_dir, "fracgpud's run directory (default: $FRACGPU_RUN_DIR or /run/fracgpu)");
+  std::string watch;  // empty: --watch without SECONDS
+  CLI::Option* watch_option =
+      status->add_option("--watch", watch,
+                         "Redraw the per-GPU table every SECONDS (default 1), with GPU-time shares over the last 1 s "
+                         "and 10 s, until Ctrl-C")
+          ->expected(0, 1)
+          ->type_name("[SECONDS]");
+  unsigned count = 0;
+  const auto add_count = [&](CLI::App* command) {
+    return command->add_option("--count", count, "Stop after this many frames (default: until Ctrl-C)")
+        ->check(CLI::Range(1u, 1'000'000'000u));
+  };
+  CLI::Option* status_count = add_count(status);
+  CLI::App* top = app.add_subcommand(
+      "top", "Live view of every tenant's GPU time, memory and health, sorted, until Ctrl-C (as status --watch)");
+  std::string interval = "1";
+  std::string sort = "gpu";
+  top->add_option("-d,--interval", interval, "Seconds between frames (default 1)");
+  top->add_option("--sort", sort,
+                  "gpu: by GPU time over the last second (default); memory: by memory used; name: by tenant")
+      ->check(CLI::IsMember({"gpu", "memory", "name"}));
+  add_count(top);
+  top->add_option("--run-dir", run_dir, "fracgpud's run directory (default: $FRACGPU_RUN_DIR or /run/fracgpu)");
   CLI::App* gpu = app.add_subcommand("gpu", "GPU actions");
   gpu->require_subcommand(1);
   CLI::App* clear = gpu->add_subcommand(
@@ -128,6 +162,25 @@ int run(int argc, char** argv) {
   }
   if (clear->parsed()) return clear_command(run_dir, which);
   if (tenant->parsed()) return run_tenant_command(*tenant, tenant_options);
+  if (top->parsed()) {
+    const std::optional<double> seconds = interval_option("--interval", interval);
+    if (!seconds) return kStatusUsage;
+    return run_live_view({run_dir, "fracgpu top", *seconds, parse_live_order(sort).value(), count});
+  }
+  if (watch_option->count() > 0) {
+    if (json) {
+      fmt::print(stderr, "fracgpu: --watch draws a table: it cannot be combined with --json\n");
+      return kStatusUsage;
+    }
+    // `--watch` alone means 1 s.
+    const std::optional<double> seconds = interval_option("--watch", watch.empty() ? "1" : watch);
+    if (!seconds) return kStatusUsage;
+    return run_live_view({run_dir, "fracgpu status --watch", *seconds, LiveOrder::kGpu, count});
+  }
+  if (status_count->count() > 0) {
+    fmt::print(stderr, "fracgpu: --count counts the frames of --watch: it needs --watch\n");
+    return kStatusUsage;
+  }
   return status_command(run_dir, json);
 }
 

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 
+#include "daemon/health.h"
 #include "gputime.h"
 #include "ledger.h"
 #include "state/run_dir.h"
@@ -204,6 +205,8 @@ TenantStatus read_tenant(int tenants, const std::string& name, const std::string
     s.share_ppm = e.share_ppm;
     s.limit_ppm = e.limit_ppm;
     s.count_managed = (e.flags & ledger::kCountManagedMemory) != 0;
+    if (e.unavailable != ledger::kGpuAvailable)
+      s.unavailable = unavailable_reason_name(static_cast<ledger::GpuUnavailableReason>(e.unavailable));
     views[g] = read_gpu_time(dir, policy, g, e.uuid, &s);
     t.gpus.push_back(std::move(s));
   }
@@ -277,18 +280,6 @@ DaemonStatus daemon_status(const StatusReport& report, const std::optional<int32
   return d;
 }
 
-std::string format_share(uint32_t ppm) { return ppm == 0 ? "-" : format_gpus(ppm); }
-
-// "0.4 s", "59.9 s", "12.5 min", "3.2 h": heartbeat ages and GPU times.
-std::string format_duration_ms(uint64_t ms) {
-  const double s = static_cast<double>(ms) / 1000.0;
-  if (ms < 59'950) return fmt::format("{:.1f} s", s);
-  if (ms < 3'597'000) return fmt::format("{:.1f} min", s / 60.0);
-  return fmt::format("{:.1f} h", s / 3600.0);
-}
-
-std::string format_duration_ns(uint64_t ns) { return format_duration_ms(ns / 1'000'000); }
-
 // A wait for the GPU: microseconds to milliseconds, where format_duration_ns
 // would say "0.0 s".
 std::string format_wait_ns(uint64_t ns) {
@@ -296,9 +287,6 @@ std::string format_wait_ns(uint64_t ns) {
   if (ns < 1'000'000'000) return fmt::format("{:.2f} ms", static_cast<double>(ns) / 1e6);
   return format_duration_ns(ns);
 }
-
-// "30.0%": an achieved share, a fraction of the window.
-std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
 
 // The health.json section: one row per GPU, then the bypass audit's findings.
 std::string gpu_health_text(const nlohmann::json& h) {
@@ -368,6 +356,44 @@ std::string render_table(std::vector<std::vector<std::string>> rows) {
     out += line + "\n";
   }
   return out;
+}
+
+std::string format_share(uint32_t ppm) { return ppm == 0 ? "-" : format_gpus(ppm); }
+
+// "0.4 s", "59.9 s", "12.5 min", "3.2 h": heartbeat ages and GPU times.
+std::string format_duration_ms(uint64_t ms) {
+  const double s = static_cast<double>(ms) / 1000.0;
+  if (ms < 59'950) return fmt::format("{:.1f} s", s);
+  if (ms < 3'597'000) return fmt::format("{:.1f} min", s / 60.0);
+  return fmt::format("{:.1f} h", s / 3600.0);
+}
+
+std::string format_duration_ns(uint64_t ns) { return format_duration_ms(ns / 1'000'000); }
+
+// "30.0%": an achieved share, a fraction of the window.
+std::string format_ppm_percent(uint32_t ppm) { return fmt::format("{:.1f}%", ppm / 1e4); }
+
+std::string daemon_summary(const DaemonStatus& d) {
+  const std::string pid = d.pid ? fmt::format("pid {}", *d.pid) : "pid unknown";
+  if (d.alive)
+    return fmt::format("alive ({}{})", pid,
+                       d.heartbeat_age_ms ? ", heartbeat " + format_duration_ms(*d.heartbeat_age_ms) + " ago" : "");
+  if (d.heartbeat_age_ms)
+    return fmt::format("NOT RUNNING{} (last heartbeat {} ago)", d.pid ? " or hung, " + pid : "",
+                       format_duration_ms(*d.heartbeat_age_ms));
+  return "NOT RUNNING";
+}
+
+std::vector<GpuRow> gpu_rows(const StatusReport& report) {
+  std::vector<GpuRow> rows;
+  for (const TenantStatus& t : report.tenants)
+    for (const GpuEntryStatus& g : t.gpus) rows.push_back({&t, &g});
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const GpuRow& a, const GpuRow& b) { return a.gpu->uuid < b.gpu->uuid; });
+  // Readable tenants without any GPU entry still get a row: they exist.
+  for (const TenantStatus& t : report.tenants)
+    if (t.error.empty() && t.gpus.empty()) rows.push_back({&t, nullptr});
+  return rows;
 }
 
 bool StatusReport::all_ledgers_read() const {
@@ -544,36 +570,25 @@ nlohmann::ordered_json status_to_json(const StatusReport& report) {
 std::string status_to_text(const StatusReport& report) {
   std::string out = fmt::format("run dir: {}\n", escape_terminal(report.run_dir));
   const DaemonStatus& d = report.daemon;
-  const std::string pid = d.pid ? fmt::format("pid {}", *d.pid) : "pid unknown";
-  if (d.alive)
-    out += fmt::format("daemon:  alive ({}{})\n", pid,
-                       d.heartbeat_age_ms ? ", heartbeat " + format_duration_ms(*d.heartbeat_age_ms) + " ago" : "");
-  else if (d.heartbeat_age_ms)
-    out += fmt::format("daemon:  NOT RUNNING{} (last heartbeat {} ago)\n", d.pid ? " or hung, " + pid : "",
-                       format_duration_ms(*d.heartbeat_age_ms));
-  else
-    out += "daemon:  NOT RUNNING\n";
+  out += fmt::format("daemon:  {}\n", daemon_summary(d));
 
-  // Per GPU, then tenant: who holds what on each device.
-  struct Row {
-    std::string uuid;
-    const TenantStatus* tenant;
-    const GpuEntryStatus* gpu;
-  };
-  std::vector<Row> rows;
-  for (const TenantStatus& t : report.tenants)
-    for (const GpuEntryStatus& g : t.gpus) rows.push_back({g.uuid, &t, &g});
-  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.uuid < b.uuid; });
+  // Per GPU, then tenant: who holds what on each device; then the tenants
+  // without a GPU.
+  const std::vector<GpuRow> all_rows = gpu_rows(report);
+  const auto first_without_gpu =
+      std::find_if(all_rows.begin(), all_rows.end(), [](const GpuRow& r) { return r.gpu == nullptr; });
+  const std::vector<GpuRow> rows(all_rows.begin(), first_without_gpu);
+  const std::vector<GpuRow> no_gpu(first_without_gpu, all_rows.end());
   // GPU time: share and limit as configured (fractions of a GPU), achieved
   // shares over 1 s and 10 s, GPU time used and throttled, and whether the
   // tenant holds the GPU now or waits for it.
   std::vector<std::vector<std::string>> gpu_table{{"GPU", "TENANT", "STATE", "SHARE", "LIMIT", "1S", "10S", "GPU TIME",
                                                    "THROTTLED", "DUTY", "NOW", "QUOTA", "USED", "PROCS"}};
   for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
+    const GpuRow& r = rows[i];
     // Its processes on this GPU: charged there, or listed by its arbiter.
     const auto on_gpu = [&](const ProcessStatus& p) {
-      const auto here = [&](const auto& e) { return e.uuid == r.uuid; };
+      const auto here = [&](const auto& e) { return e.uuid == r.gpu->uuid; };
       return std::any_of(p.charges.begin(), p.charges.end(), here) ||
              std::any_of(p.gpu_time.begin(), p.gpu_time.end(), here);
     };
@@ -593,7 +608,7 @@ std::string status_to_text(const StatusReport& report) {
     // Only a priority other than normal stands out.
     std::string tenant = r.tenant->name;
     if (time && time->priority != priority_name(Priority::kNormal)) tenant += fmt::format(" [{}]", time->priority);
-    gpu_table.push_back({i > 0 && rows[i - 1].uuid == r.uuid ? "" : r.uuid, tenant, r.gpu->state,
+    gpu_table.push_back({i > 0 && rows[i - 1].gpu->uuid == r.gpu->uuid ? "" : r.gpu->uuid, tenant, r.gpu->state,
                          format_share(r.gpu->share_ppm), format_share(r.gpu->limit_ppm),
                          time ? format_ppm_percent(time->achieved_1s_ppm) : "-",
                          time ? format_ppm_percent(time->achieved_10s_ppm) : "-",
@@ -602,15 +617,13 @@ std::string status_to_text(const StatusReport& report) {
                          r.gpu->memory_quota ? format_size(*r.gpu->memory_quota) : "unlimited",
                          format_size(r.gpu->memory_used), std::to_string(procs)});
   }
-  // Readable tenants without any GPU entry still get a line: they exist.
-  for (const TenantStatus& t : report.tenants)
-    if (t.error.empty() && t.gpus.empty()) {
-      std::vector<std::string> row(gpu_table[0].size(), "-");
-      row[1] = t.name;
-      row[2] = "no GPU";
-      row.back() = std::to_string(t.processes.size());
-      gpu_table.push_back(std::move(row));
-    }
+  for (const GpuRow& r : no_gpu) {
+    std::vector<std::string> row(gpu_table[0].size(), "-");
+    row[1] = r.tenant->name;
+    row[2] = "no GPU";
+    row.back() = std::to_string(r.tenant->processes.size());
+    gpu_table.push_back(std::move(row));
+  }
   out += "\n";
   out += gpu_table.size() == 1 ? "no tenant\n" : render_table(gpu_table);
   // How GPU time is charged, per GPU (docs/sm-time.md), and what held
@@ -618,14 +631,14 @@ std::string status_to_text(const StatusReport& report) {
   for (size_t i = 0; i < rows.size(); ++i) {
     const std::optional<GpuTimeStatus>& time = rows[i].gpu->gpu_time;
     if (!time) continue;
-    if (i == 0 || rows[i - 1].uuid != rows[i].uuid || !rows[i - 1].gpu->gpu_time) {
+    if (i == 0 || rows[i - 1].gpu->uuid != rows[i].gpu->uuid || !rows[i - 1].gpu->gpu_time) {
       std::string how = time->measured ? "as NVML's samples measure it (gpu_time_charging = \"measured\")"
                         : time->sample_period_ns >= 1'000'000
                             ? fmt::format("as held, audited by NVML's samples (one every {})",
                                           format_duration_ns(time->sample_period_ns))
                         : time->sample_period_ns != 0 ? "as held, audited by NVML's samples (none seen yet)"
                             : "as held (no NVML samples)";
-      out += fmt::format("charging on {}: GPU time {}\n", rows[i].uuid, how);
+      out += fmt::format("charging on {}: GPU time {}\n", rows[i].gpu->uuid, how);
     }
     if (time->out_of_grant_samples > 0)
       out += fmt::format("  tenant {}: {} of GPU time found outside its grants ({} samples), charged to it\n",
@@ -641,7 +654,8 @@ std::string status_to_text(const StatusReport& report) {
     }
   }
   // Achieved shares are the daemon's figures: without it they stand still.
-  const bool any_time = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.gpu->gpu_time.has_value(); });
+  const bool any_time =
+      std::any_of(rows.begin(), rows.end(), [](const GpuRow& r) { return r.gpu->gpu_time.has_value(); });
   if (!d.alive && any_time)
     out += "1S and 10S are as the daemon last computed them: it is not running, so they are stale.\n";
 

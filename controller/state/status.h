@@ -73,6 +73,10 @@ struct GpuEntryStatus {
   uint32_t share_ppm = 0;
   uint32_t limit_ppm = 0;
   bool count_managed = false;
+  // The daemon's health mark on this GPU in the tenant's policy ("" when
+  // there is none): why new processes are refused there (health.h's reason
+  // names: "lost", "xid", "ecc", "sensors", "bypass").
+  std::string unavailable;
   // nullopt: no arbiter linked for this entry (a daemon without GPU-time
   // arbiters), or it cannot be read: then gpu_time_error says why.
   std::optional<GpuTimeStatus> gpu_time;
@@ -149,6 +153,27 @@ std::optional<StatusReport> collect_status(const std::string& run_dir, std::stri
 // (text_escape.h): process names, tenant names, annotations, error texts
 // may all carry bytes someone else chose.
 std::string render_table(std::vector<std::vector<std::string>> rows);
+
+// The per-GPU table, shared by `fracgpu status` and the live view
+// (live_view.h): a row per tenant and GPU it has, by GPU (UUID), then
+// tenant; then a row (gpu null) per readable tenant without any GPU.
+struct GpuRow {
+  const TenantStatus* tenant = nullptr;
+  const GpuEntryStatus* gpu = nullptr;  // null: the tenant has no GPU
+};
+std::vector<GpuRow> gpu_rows(const StatusReport& report);
+
+// The daemon's state in a few words: "alive (pid 42, heartbeat 0.3 s ago)",
+// "NOT RUNNING (last heartbeat 12.0 s ago)", ...
+std::string daemon_summary(const DaemonStatus& daemon);
+
+// Cells of the tables: a share or limit as a fraction of a GPU ("0.5"; "-"
+// for none), parts per million as a percentage ("30.0%"), a duration
+// ("0.4 s", "12.5 min", "3.2 h").
+std::string format_share(uint32_t ppm);
+std::string format_ppm_percent(uint32_t ppm);
+std::string format_duration_ms(uint64_t ms);
+std::string format_duration_ns(uint64_t ns);
 
 // Keys keep the documented order (ordered_json), so diffs and eyes can follow.
 nlohmann::ordered_json status_to_json(const StatusReport& report);
