@@ -210,8 +210,10 @@ class GpuTimeTest : public ::testing::Test {
   }
 
   // The simulated driver's model for this test's processes, this one's
-  // included (set before anything attaches to the sim).
-  void use_model(const std::string& model) {
+  // included (set before anything attaches to the sim). FRACGPU_TEST_SCHED
+  // overrides it, to see a test's figures on the other model.
+  void use_model(std::string model) {
+    if (const char* o = std::getenv("FRACGPU_TEST_SCHED"); o != nullptr && *o != 0) model = o;
     sched_ = model;
     setenv("SIMCUDA_SCHED", model.c_str(), 1);
   }
