@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
+#include "control/client.h"
 #include "controller_test_util.h"
 #include "common/gpu_discovery.h"
 #include "ledger.h"
@@ -306,6 +307,31 @@ class NvmlDaemonTest : public ::testing::Test {
     fs::remove(log);
     wait_exit(spawn(args, environment(true), log), 10s);
     return read_file(log);
+  }
+
+  // The control API, spoken to directly.
+  control::Reply control_call(const nlohmann::json& request) const {
+    return control::call(control::socket_path_in(run_dir_), request, 10s);
+  }
+  // create or resize: `name` with share 0.25 and `memory` on GPU 0.
+  control::Reply put_tenant(const char* op, const std::string& name, uint64_t memory) const {
+    const nlohmann::json gpu = {{"uuid", kUuid}, {"share", 0.25}, {"memory", memory}};
+    return control_call({{"op", op}, {"tenant", {{"name", name}, {"gpus", nlohmann::json::array({gpu})}}}});
+  }
+  // GPU 0's memory that the daemon's book leaves free (the node request);
+  // -1 when the daemon does not answer.
+  int64_t free_memory() const {
+    const control::Reply r = control_call({{"op", "node"}});
+    if (!r.ok) return -1;
+    return r.body["node"]["gpus"][0]["free_memory"].get<int64_t>();
+  }
+  // SIGKILL, and a new daemon on the same run dir, ready once its control
+  // API answers (what it read back at start is applied by then).
+  void kill_and_restart() {
+    kill_and_reap(daemon_);
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, environment(true), log_path_);
+    children_.pop_back();
+    ASSERT_TRUE(eventually([&] { return control_call({{"op", "node"}}).ok; }, 10s)) << daemon_log();
   }
 
   std::string daemon_log() const { return read_file(log_path_); }
@@ -737,6 +763,47 @@ TEST_F(NvmlDaemonTest, AResizeBelowWhatATenantHoldsKillsNothingAndFreesNothingSt
   ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
   std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
   EXPECT_EQ(rc, 0) << out;
+}
+
+// A tenant whose memory is held only by processes without the interposer
+// (its container's, within its quota, which the memory audit allows) is
+// shrunk like any other: the driver's count, not its empty ledger, says what
+// it still holds. carol's container holds 3 GiB (+ a 64 MiB context) of her
+// 7 GiB when she is resized to 1 GiB: nothing is killed, the 2112 MiB past
+// her new quota stay booked, across a restart too, and return once freed.
+TEST_F(NvmlDaemonTest, AResizeKeepsWhatProcessesWithoutTheInterposerHold) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container view to test";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  constexpr int64_t kMiB = 1 << 20;
+  ASSERT_TRUE(put_tenant("create", "carol", 7168 * kMiB).ok);
+  const pid_t ctr = in_container("ctr", "carol", {"init", "primary", "0", "alloc", "3GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("ctr", "holding="); })) << probe_output("ctr");
+  std::this_thread::sleep_for(500ms);  // audits: within her quota
+  ASSERT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  const int64_t expected = (16384 - 8192 - 1024 - 2112) * kMiB;
+  EXPECT_TRUE(eventually([&] { return free_memory() == expected; }, 2000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  std::this_thread::sleep_for(1000ms);  // many audit passes, well past the grace
+  EXPECT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_FALSE(log_contains("terminated process")) << daemon_log();
+  const control::Reply dave = put_tenant("create", "dave", 6144 * kMiB);
+  EXPECT_EQ(dave.code, "no_capacity") << dave.body.dump();
+  EXPECT_NE(dave.error.find("still held past shrunk quotas"), std::string::npos) << dave.error;
+
+  kill_and_restart();
+  EXPECT_EQ(free_memory() / kMiB, expected / kMiB) << daemon_log();
+  std::this_thread::sleep_for(1000ms);
+  EXPECT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_EQ(free_memory() / kMiB, expected / kMiB) << daemon_log();
+
+  kill_and_reap(ctr);
+  ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
+  EXPECT_EQ(free_memory(), 7168 * kMiB);
+  EXPECT_TRUE(put_tenant("create", "dave", 6144 * kMiB).ok);
 }
 
 // memory_audit_action = "report": the overuse is shown (health.json, status)

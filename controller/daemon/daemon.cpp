@@ -1123,8 +1123,11 @@ void Daemon::note_shrinks(const NodeConfig& config) {
   for (const auto& [key, before] : applied_quotas_) {
     const auto now = next.find(key);
     const uint64_t after = now == next.end() ? 0 : now->second;
-    // Nothing can be held by a tenant with no process (0); -1: cannot be told, so kept.
-    if (after >= before || live_processes(key.first) == 0) continue;
+    if (after >= before) continue;
+    // Nothing can be held there: no process in the tenant's ledger, and none
+    // the driver counts as the tenant's (a process without the interposer
+    // holds memory too). Either cannot be told: kept.
+    if (live_processes(key.first) == 0 && held_now(key) == uint64_t{0}) continue;
     uint64_t& may_hold = shrunk_[key];
     if (may_hold >= before) continue;
     may_hold = before;
@@ -1138,35 +1141,43 @@ void Daemon::note_shrinks(const NodeConfig& config) {
   if (changed) save_shrinks();
 }
 
+std::optional<uint64_t> Daemon::held_now(const TenantGpu& key) const {
+  // The driver's count: every process the memory audit attributed to the
+  // tenant (its verified slots, and processes of its container without the
+  // interposer), whatever the tenant's own files say.
+  if (memory_auditor_ != nullptr && memory_auditor_->held_read(key.second)) {
+    const auto h = memory_auditor_->held().find(key);
+    return h == memory_auditor_->held().end() ? 0 : h->second;
+  }
+  // No NVML, or that GPU unread: the tenant's own charges are all there is
+  // to go by, read guarded (the tenant may shrink its usage file under us).
+  const int live = live_processes(key.first);
+  if (live == 0) return 0;
+  const auto open = ledgers_.find(key.first);
+  if (live < 0 || open == ledgers_.end() || open->second.ledger.usage == nullptr) return std::nullopt;
+  uint8_t bytes[16];
+  const int entry = ledger::parse_gpu_uuid_text(key.second, bytes) ? ledger::find_gpu(open->second.ledger, bytes) : -1;
+  if (entry < 0) return 0;
+  uint64_t held = 0;
+  const ledger::UsageSegment& usage = *open->second.ledger.usage;
+  if (!shm::sigbus_guarded([&] { held = ledger::tenant_used(usage, static_cast<uint32_t>(entry)); }))
+    return std::nullopt;  // the next pass finds it corrupt (usage_usable)
+  return held;
+}
+
 void Daemon::settle_shrinks() {
   if (shrunk_.empty()) return;
   const size_t before = shrunk_.size();
-  const bool by_driver = memory_auditor_ != nullptr && memory_auditor_->held_complete();
   for (auto it = shrunk_.begin(); it != shrunk_.end();) {
     const auto& [tenant, uuid] = it->first;
-    uint64_t held = 0;
-    if (live_processes(tenant) == 0) {
-      held = 0;
-    } else if (by_driver) {
-      const auto h = memory_auditor_->held().find(it->first);
-      held = h == memory_auditor_->held().end() ? 0 : h->second;
-    } else if (const auto open = ledgers_.find(tenant); open != ledgers_.end() && open->second.ledger.usage != nullptr) {
-      // No NVML: the tenant's own charges are all there is to go by, read
-      // guarded (the tenant may shrink its usage file under us).
-      uint8_t bytes[16];
-      const int entry = ledger::parse_gpu_uuid_text(uuid, bytes) ? ledger::find_gpu(open->second.ledger, bytes) : -1;
-      const ledger::UsageSegment& usage = *open->second.ledger.usage;
-      if (entry >= 0 && !shm::sigbus_guarded([&] { held = ledger::tenant_used(usage, static_cast<uint32_t>(entry)); })) {
-        ++it;  // the next pass finds it corrupt (usage_usable)
-        continue;
-      }
-    } else {
+    const std::optional<uint64_t> held = held_now(it->first);
+    if (!held) {
       ++it;  // cannot be told now
       continue;
     }
     const auto quota = applied_quotas_.find(it->first);
     const uint64_t now_allowed = quota == applied_quotas_.end() ? 0 : quota->second;
-    it->second = std::min(it->second, held);
+    it->second = std::min(it->second, *held);
     if (it->second > now_allowed) {
       ++it;
       continue;
