@@ -765,6 +765,89 @@ TEST_F(NvmlDaemonTest, AResizeBelowWhatATenantHoldsKillsNothingAndFreesNothingSt
   EXPECT_EQ(rc, 0) << out;
 }
 
+// A shrunk tenant's allowance is lowered by every memory audit to what the
+// driver says it holds, and what that frees goes back to the book at once.
+// <run_dir>/shrunk-quotas.json must follow each change, so that a daemon
+// SIGKILLed after any step comes back with the allowance as last lowered,
+// never a higher one from before: the freed capacity may be another
+// tenant's by then, and the shrunk tenant may have grown back while no
+// daemon watched. GPU 0 has 16 GiB, 8 of them alice's. carol (7 GiB) holds
+// 6.75 GiB in two processes (6.375 GiB by the driver's count: 64 MiB
+// contexts, not the 256 MiB charged) and is resized to 1 GiB. The larger
+// process exits: 2.5 GiB + 64 MiB are held, 1600 MiB past her quota stay
+// booked, and dave gets 5 GiB. With the daemon down, a process of carol's
+// container without the interposer takes 4 GiB more, within the 7 GiB she
+// once had but far past what she may still hold: the restarted daemon's
+// memory audit stops it, and nothing is booked twice.
+TEST_F(NvmlDaemonTest, AShrunkAllowanceComesBackFromAKillAsLastLoweredAndNothingIsBookedTwice) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container to regrow in";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  constexpr int64_t kMiB = 1 << 20;
+  const std::string carol_dir = run_dir_ + "/tenants/carol";
+  // What shrunk-quotas.json lets carol hold on GPU 0; 0 when nothing.
+  const auto allowance_on_disk = [&] {
+    const nlohmann::json doc =
+        nlohmann::json::parse(read_file(run_dir_ + "/shrunk-quotas.json"), nullptr, /*allow_exceptions=*/false);
+    if (!doc.is_object() || !doc.contains("held")) return int64_t{0};
+    for (const nlohmann::json& e : doc["held"])
+      if (e.value("tenant", "") == "carol" && e.value("gpu", "") == kUuid) return e.value("bytes", int64_t{0});
+    return int64_t{0};
+  };
+  // The book settles at `free` and the file at `allowance`; the daemon is
+  // SIGKILLed and started again; the book shows the same at once, and still
+  // after a few audits, and the file says no more.
+  const auto kill_after = [&](const std::string& step, int64_t free, int64_t allowance) {
+    SCOPED_TRACE("killed after: " + step);
+    EXPECT_TRUE(eventually([&] { return free_memory() == free && allowance_on_disk() == allowance; }, 3000ms))
+        << free_memory() / kMiB << " MiB free, " << free / kMiB << " MiB expected; "
+        << allowance_on_disk() / kMiB << " MiB allowed on disk, " << allowance / kMiB << " MiB expected\n"
+        << daemon_log();
+    kill_and_restart();
+    EXPECT_EQ(free_memory() / kMiB, free / kMiB) << daemon_log();
+    std::this_thread::sleep_for(400ms);
+    EXPECT_EQ(free_memory() / kMiB, free / kMiB) << daemon_log();
+    EXPECT_LE(allowance_on_disk(), allowance);
+  };
+  kill_after("start", 8192 * kMiB, 0);
+
+  ASSERT_TRUE(put_tenant("create", "carol", 7168 * kMiB).ok);
+  kill_after("carol created", 1024 * kMiB, 0);
+
+  const pid_t big = probe("big", {"init", "primary", "0", "alloc", "3840MiB", "hold"}, true, carol_dir);
+  const pid_t small = probe("small", {"init", "primary", "0", "alloc", "2560MiB", "hold"}, true, carol_dir);
+  ASSERT_TRUE(eventually([&] { return probe_says("big", "holding=") && probe_says("small", "holding="); }))
+      << probe_output("big") << probe_output("small");
+  kill_after("carol holds 6.75 GiB", 1024 * kMiB, 0);
+
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  kill_after("carol resized to 1 GiB", (16384 - 8192 - 6528) * kMiB, 6528 * kMiB);
+  EXPECT_EQ(waitpid(big, nullptr, WNOHANG), 0) << daemon_log();
+
+  kill_and_reap(big);
+  kill_after("carol's larger process exited", (16384 - 8192 - 2624) * kMiB, 2624 * kMiB);
+
+  const control::Reply dave = put_tenant("create", "dave", 5120 * kMiB);
+  ASSERT_TRUE(dave.ok) << dave.error;
+  kill_after("dave created", (16384 - 8192 - 2624 - 5120) * kMiB, 2624 * kMiB);
+
+  // carol grows back while no daemon runs.
+  kill_and_reap(daemon_);
+  const pid_t regrow = in_container("regrow", "carol", {"init", "primary", "0", "alloc", "4GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("regrow", "holding="); })) << probe_output("regrow");
+  kill_and_restart();
+  int status = 0;
+  EXPECT_TRUE(eventually([&] { return waitpid(regrow, &status, WNOHANG) == regrow; }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_EQ(waitpid(small, nullptr, WNOHANG), 0) << daemon_log();  // within what carol may still hold
+  kill_after("carol's regrowth stopped", (16384 - 8192 - 2624 - 5120) * kMiB, 2624 * kMiB);
+
+  kill_and_reap(small);
+  ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
+  kill_after("carol freed everything", (16384 - 8192 - 1024 - 5120) * kMiB, 0);
+}
+
 // A tenant whose memory is held only by processes without the interposer
 // (its container's, within its quota, which the memory audit allows) is
 // shrunk like any other: the driver's count, not its empty ledger, says what

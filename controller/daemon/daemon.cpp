@@ -1138,7 +1138,9 @@ void Daemon::note_shrinks(const NodeConfig& config) {
                now == next.end() ? format_size(before) : format_size(before) + " to " + format_size(after));
   }
   applied_quotas_ = std::move(next);
-  if (changed) save_shrinks();
+  // Raised in memory whether or not it is written: a failed write costs the
+  // allowance at a restart, never capacity booked twice.
+  if (changed) save_shrinks(shrunk_);
 }
 
 std::optional<uint64_t> Daemon::held_now(const TenantGpu& key) const {
@@ -1167,9 +1169,9 @@ std::optional<uint64_t> Daemon::held_now(const TenantGpu& key) const {
 
 void Daemon::settle_shrinks() {
   if (shrunk_.empty()) return;
-  const size_t before = shrunk_.size();
-  for (auto it = shrunk_.begin(); it != shrunk_.end();) {
-    const auto& [tenant, uuid] = it->first;
+  std::map<TenantGpu, uint64_t> next = shrunk_;
+  std::vector<TenantGpu> settled;
+  for (auto it = next.begin(); it != next.end();) {
     const std::optional<uint64_t> held = held_now(it->first);
     if (!held) {
       ++it;  // cannot be told now
@@ -1182,22 +1184,40 @@ void Daemon::settle_shrinks() {
       ++it;
       continue;
     }
-    log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
-    it = shrunk_.erase(it);
+    settled.push_back(it->first);
+    it = next.erase(it);
   }
-  if (shrunk_.size() != before) save_shrinks();
+  if (next == shrunk_) return;
+  // On disk first: what this frees may be booked by the next request, and a
+  // daemon killed after that must not come back with the old allowance.
+  // Not written: nothing is lowered; the next pass tries again.
+  if (!save_shrinks(next)) return;
+  for (const auto& [tenant, uuid] : settled)
+    log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
+  shrunk_ = std::move(next);
 }
 
 namespace {
 constexpr const char* kShrunkFileName = "shrunk-quotas.json";
 }  // namespace
 
-void Daemon::save_shrinks() {
+bool Daemon::save_shrinks(const std::map<TenantGpu, uint64_t>& shrunk) {
   nlohmann::json held = nlohmann::json::array();
-  for (const auto& [key, bytes] : shrunk_) held.push_back({{"tenant", key.first}, {"gpu", key.second}, {"bytes", bytes}});
+  for (const auto& [key, bytes] : shrunk) held.push_back({{"tenant", key.first}, {"gpu", key.second}, {"bytes", bytes}});
   const std::string text = nlohmann::json{{"version", 1}, {"held", std::move(held)}}.dump(2) + "\n";
-  if (std::string error; !write_run_file(config_->daemon.run_dir, "", kShrunkFileName, text, &error))
-    log_->warn("{}: a restart would forget what shrunk tenants may still hold", error);
+  std::string error;
+  if (!write_run_file(config_->daemon.run_dir, "", kShrunkFileName, text, &error, RunFileWrite::kDurable)) {
+    // Once as a warning: a full disk fails every pass.
+    log_->log(shrinks_unsaved_ ? spdlog::level::debug : spdlog::level::warn,
+              "{}; until it can be written, shrunk quotas are lowered no further (nothing they hold is freed) and a "
+              "restart would forget those raised since",
+              error);
+    shrinks_unsaved_ = true;
+    return false;
+  }
+  if (shrinks_unsaved_) log_->info("{}/{} written again", config_->daemon.run_dir, kShrunkFileName);
+  shrinks_unsaved_ = false;
+  return true;
 }
 
 void Daemon::load_shrinks() {

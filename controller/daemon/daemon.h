@@ -256,10 +256,13 @@ class Daemon {
   // process). nullopt when it cannot be told.
   std::optional<uint64_t> held_now(const TenantGpu& key) const;
   // shrunk_ survives a restart in <run_dir>/shrunk-quotas.json (the run
-  // dir's, never a tenant's), written when an entry comes or goes, read at
-  // start: a restart must not turn an allowance into a kill.
-  void save_shrinks();
+  // dir's, never a tenant's), read at start: a restart must not turn an
+  // allowance into a kill, nor hand back one that was lowered (its capacity
+  // may be another tenant's by then). So the file follows every change,
+  // written durably, and a lowering takes effect only once it is written.
+  bool save_shrinks(const std::map<TenantGpu, uint64_t>& shrunk);
   void load_shrinks();
+  bool shrinks_unsaved_ = false;  // the last write failed (logged once as a warning)
   // book_of(), plus what shrunk tenants still hold past their quota.
   std::vector<GpuBook> capacity_book(std::string_view except = {}) const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health
