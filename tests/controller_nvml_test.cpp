@@ -889,6 +889,29 @@ TEST_F(NvmlDaemonTest, AResizeKeepsWhatProcessesWithoutTheInterposerHold) {
   EXPECT_TRUE(put_tenant("create", "dave", 6144 * kMiB).ok);
 }
 
+// Without NVML, what a shrunk tenant holds is read from its own charges:
+// its allowance follows them down, and the capacity returns once they are
+// freed. carol (4 GiB) is charged 3.25 GiB (3 GiB + a 256 MiB context) when
+// she is resized to 1 GiB: 3.25 GiB stay hers and booked until her process
+// ends.
+TEST_F(NvmlDaemonTest, WithoutNvmlAShrunkAllowanceFollowsTheTenantsCharges) {
+  write_config();
+  start_daemon(/*with_nvml=*/false);
+  ASSERT_TRUE(eventually([&] { return control_call({{"op", "node"}}).ok; })) << daemon_log();
+  constexpr int64_t kMiB = 1 << 20;
+  ASSERT_TRUE(put_tenant("create", "carol", 4096 * kMiB).ok);
+  const pid_t carol = probe("carol", {"init", "primary", "0", "alloc", "3GiB", "hold"}, true, run_dir_ + "/tenants/carol");
+  ASSERT_TRUE(eventually([&] { return probe_says("carol", "holding="); })) << probe_output("carol");
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  EXPECT_TRUE(eventually([&] { return free_memory() == (16384 - 8192 - 3328) * kMiB; }, 2000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  EXPECT_EQ(waitpid(carol, nullptr, WNOHANG), 0);
+  kill_and_reap(carol);
+  EXPECT_TRUE(eventually([&] { return free_memory() == (16384 - 8192 - 1024) * kMiB; }, 3000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  EXPECT_TRUE(log_contains("fits its quota again")) << daemon_log();
+}
+
 // memory_audit_action = "report": the overuse is shown (health.json, status)
 // and nothing is killed.
 TEST_F(NvmlDaemonTest, MemoryAuditReportOnlyShowsTheOveruse) {

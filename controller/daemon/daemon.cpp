@@ -1004,7 +1004,9 @@ void Daemon::tick() {
   }
   tick_gpu_time(now);
   check_gpus(now);
-  if (memory_auditor_ == nullptr) settle_shrinks();  // else after each memory audit, by the driver's count
+  // With NVML, after each memory audit (check_gpus), by the driver's count;
+  // without, every pass, by the tenants' charges.
+  if (nvml_ == nullptr) settle_shrinks();
   remove_drained();
   if (std::string why; metrics_.died(&why))
     log_->error("metrics: the endpoint's process {}; metrics are off until the next reload", why);
