@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
+#include "control/client.h"
 #include "controller_test_util.h"
 #include "common/gpu_discovery.h"
 #include "ledger.h"
@@ -306,6 +307,31 @@ class NvmlDaemonTest : public ::testing::Test {
     fs::remove(log);
     wait_exit(spawn(args, environment(true), log), 10s);
     return read_file(log);
+  }
+
+  // The control API, spoken to directly.
+  control::Reply control_call(const nlohmann::json& request) const {
+    return control::call(control::socket_path_in(run_dir_), request, 10s);
+  }
+  // create or resize: `name` with share 0.25 and `memory` on GPU 0.
+  control::Reply put_tenant(const char* op, const std::string& name, uint64_t memory) const {
+    const nlohmann::json gpu = {{"uuid", kUuid}, {"share", 0.25}, {"memory", memory}};
+    return control_call({{"op", op}, {"tenant", {{"name", name}, {"gpus", nlohmann::json::array({gpu})}}}});
+  }
+  // GPU 0's memory that the daemon's book leaves free (the node request);
+  // -1 when the daemon does not answer.
+  int64_t free_memory() const {
+    const control::Reply r = control_call({{"op", "node"}});
+    if (!r.ok) return -1;
+    return r.body["node"]["gpus"][0]["free_memory"].get<int64_t>();
+  }
+  // SIGKILL, and a new daemon on the same run dir, ready once its control
+  // API answers (what it read back at start is applied by then).
+  void kill_and_restart() {
+    kill_and_reap(daemon_);
+    daemon_ = spawn({FRACGPUD_PATH, "--config", config_path_}, environment(true), log_path_);
+    children_.pop_back();
+    ASSERT_TRUE(eventually([&] { return control_call({{"op", "node"}}).ok; }, 10s)) << daemon_log();
   }
 
   std::string daemon_log() const { return read_file(log_path_); }
@@ -737,6 +763,153 @@ TEST_F(NvmlDaemonTest, AResizeBelowWhatATenantHoldsKillsNothingAndFreesNothingSt
   ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
   std::tie(rc, out) = cli({"tenant", "create", "dave", "--gpu", kUuid + ":share=0.25:memory=7GiB"});
   EXPECT_EQ(rc, 0) << out;
+}
+
+// A shrunk tenant's allowance is lowered by every memory audit to what the
+// driver says it holds, and what that frees goes back to the book at once.
+// <run_dir>/shrunk-quotas.json must follow each change, so that a daemon
+// SIGKILLed after any step comes back with the allowance as last lowered,
+// never a higher one from before: the freed capacity may be another
+// tenant's by then, and the shrunk tenant may have grown back while no
+// daemon watched. GPU 0 has 16 GiB, 8 of them alice's. carol (7 GiB) holds
+// 6.75 GiB in two processes (6.375 GiB by the driver's count: 64 MiB
+// contexts, not the 256 MiB charged) and is resized to 1 GiB. The larger
+// process exits: 2.5 GiB + 64 MiB are held, 1600 MiB past her quota stay
+// booked, and dave gets 5 GiB. With the daemon down, a process of carol's
+// container without the interposer takes 4 GiB more, within the 7 GiB she
+// once had but far past what she may still hold: the restarted daemon's
+// memory audit stops it, and nothing is booked twice.
+TEST_F(NvmlDaemonTest, AShrunkAllowanceComesBackFromAKillAsLastLoweredAndNothingIsBookedTwice) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container to regrow in";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  constexpr int64_t kMiB = 1 << 20;
+  const std::string carol_dir = run_dir_ + "/tenants/carol";
+  // What shrunk-quotas.json lets carol hold on GPU 0; 0 when nothing.
+  const auto allowance_on_disk = [&] {
+    const nlohmann::json doc =
+        nlohmann::json::parse(read_file(run_dir_ + "/shrunk-quotas.json"), nullptr, /*allow_exceptions=*/false);
+    if (!doc.is_object() || !doc.contains("held")) return int64_t{0};
+    for (const nlohmann::json& e : doc["held"])
+      if (e.value("tenant", "") == "carol" && e.value("gpu", "") == kUuid) return e.value("bytes", int64_t{0});
+    return int64_t{0};
+  };
+  // The book settles at `free` and the file at `allowance`; the daemon is
+  // SIGKILLed and started again; the book shows the same at once, and still
+  // after a few audits, and the file says no more.
+  const auto kill_after = [&](const std::string& step, int64_t free, int64_t allowance) {
+    SCOPED_TRACE("killed after: " + step);
+    EXPECT_TRUE(eventually([&] { return free_memory() == free && allowance_on_disk() == allowance; }, 3000ms))
+        << free_memory() / kMiB << " MiB free, " << free / kMiB << " MiB expected; "
+        << allowance_on_disk() / kMiB << " MiB allowed on disk, " << allowance / kMiB << " MiB expected\n"
+        << daemon_log();
+    kill_and_restart();
+    EXPECT_EQ(free_memory() / kMiB, free / kMiB) << daemon_log();
+    std::this_thread::sleep_for(400ms);
+    EXPECT_EQ(free_memory() / kMiB, free / kMiB) << daemon_log();
+    EXPECT_LE(allowance_on_disk(), allowance);
+  };
+  kill_after("start", 8192 * kMiB, 0);
+
+  ASSERT_TRUE(put_tenant("create", "carol", 7168 * kMiB).ok);
+  kill_after("carol created", 1024 * kMiB, 0);
+
+  const pid_t big = probe("big", {"init", "primary", "0", "alloc", "3840MiB", "hold"}, true, carol_dir);
+  const pid_t small = probe("small", {"init", "primary", "0", "alloc", "2560MiB", "hold"}, true, carol_dir);
+  ASSERT_TRUE(eventually([&] { return probe_says("big", "holding=") && probe_says("small", "holding="); }))
+      << probe_output("big") << probe_output("small");
+  kill_after("carol holds 6.75 GiB", 1024 * kMiB, 0);
+
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  kill_after("carol resized to 1 GiB", (16384 - 8192 - 6528) * kMiB, 6528 * kMiB);
+  EXPECT_EQ(waitpid(big, nullptr, WNOHANG), 0) << daemon_log();
+
+  kill_and_reap(big);
+  kill_after("carol's larger process exited", (16384 - 8192 - 2624) * kMiB, 2624 * kMiB);
+
+  const control::Reply dave = put_tenant("create", "dave", 5120 * kMiB);
+  ASSERT_TRUE(dave.ok) << dave.error;
+  kill_after("dave created", (16384 - 8192 - 2624 - 5120) * kMiB, 2624 * kMiB);
+
+  // carol grows back while no daemon runs.
+  kill_and_reap(daemon_);
+  const pid_t regrow = in_container("regrow", "carol", {"init", "primary", "0", "alloc", "4GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("regrow", "holding="); })) << probe_output("regrow");
+  kill_and_restart();
+  int status = 0;
+  EXPECT_TRUE(eventually([&] { return waitpid(regrow, &status, WNOHANG) == regrow; }, 3000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_EQ(waitpid(small, nullptr, WNOHANG), 0) << daemon_log();  // within what carol may still hold
+  kill_after("carol's regrowth stopped", (16384 - 8192 - 2624 - 5120) * kMiB, 2624 * kMiB);
+
+  kill_and_reap(small);
+  ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
+  kill_after("carol freed everything", (16384 - 8192 - 1024 - 5120) * kMiB, 0);
+}
+
+// A tenant whose memory is held only by processes without the interposer
+// (its container's, within its quota, which the memory audit allows) is
+// shrunk like any other: the driver's count, not its empty ledger, says what
+// it still holds. carol's container holds 3 GiB (+ a 64 MiB context) of her
+// 7 GiB when she is resized to 1 GiB: nothing is killed, the 2112 MiB past
+// her new quota stay booked, across a restart too, and return once freed.
+TEST_F(NvmlDaemonTest, AResizeKeepsWhatProcessesWithoutTheInterposerHold) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container view to test";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  constexpr int64_t kMiB = 1 << 20;
+  ASSERT_TRUE(put_tenant("create", "carol", 7168 * kMiB).ok);
+  const pid_t ctr = in_container("ctr", "carol", {"init", "primary", "0", "alloc", "3GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("ctr", "holding="); })) << probe_output("ctr");
+  std::this_thread::sleep_for(500ms);  // audits: within her quota
+  ASSERT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  const int64_t expected = (16384 - 8192 - 1024 - 2112) * kMiB;
+  EXPECT_TRUE(eventually([&] { return free_memory() == expected; }, 2000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  std::this_thread::sleep_for(1000ms);  // many audit passes, well past the grace
+  EXPECT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_FALSE(log_contains("terminated process")) << daemon_log();
+  const control::Reply dave = put_tenant("create", "dave", 6144 * kMiB);
+  EXPECT_EQ(dave.code, "no_capacity") << dave.body.dump();
+  EXPECT_NE(dave.error.find("still held past shrunk quotas"), std::string::npos) << dave.error;
+
+  kill_and_restart();
+  EXPECT_EQ(free_memory() / kMiB, expected / kMiB) << daemon_log();
+  std::this_thread::sleep_for(1000ms);
+  EXPECT_EQ(waitpid(ctr, nullptr, WNOHANG), 0) << daemon_log();
+  EXPECT_EQ(free_memory() / kMiB, expected / kMiB) << daemon_log();
+
+  kill_and_reap(ctr);
+  ASSERT_TRUE(eventually([&] { return log_contains("fits its quota again"); }, 3000ms)) << daemon_log();
+  EXPECT_EQ(free_memory(), 7168 * kMiB);
+  EXPECT_TRUE(put_tenant("create", "dave", 6144 * kMiB).ok);
+}
+
+// Without NVML, what a shrunk tenant holds is read from its own charges:
+// its allowance follows them down, and the capacity returns once they are
+// freed. carol (4 GiB) is charged 3.25 GiB (3 GiB + a 256 MiB context) when
+// she is resized to 1 GiB: 3.25 GiB stay hers and booked until her process
+// ends.
+TEST_F(NvmlDaemonTest, WithoutNvmlAShrunkAllowanceFollowsTheTenantsCharges) {
+  write_config();
+  start_daemon(/*with_nvml=*/false);
+  ASSERT_TRUE(eventually([&] { return control_call({{"op", "node"}}).ok; })) << daemon_log();
+  constexpr int64_t kMiB = 1 << 20;
+  ASSERT_TRUE(put_tenant("create", "carol", 4096 * kMiB).ok);
+  const pid_t carol = probe("carol", {"init", "primary", "0", "alloc", "3GiB", "hold"}, true, run_dir_ + "/tenants/carol");
+  ASSERT_TRUE(eventually([&] { return probe_says("carol", "holding="); })) << probe_output("carol");
+  ASSERT_TRUE(put_tenant("resize", "carol", 1024 * kMiB).ok);
+  EXPECT_TRUE(eventually([&] { return free_memory() == (16384 - 8192 - 3328) * kMiB; }, 2000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  EXPECT_EQ(waitpid(carol, nullptr, WNOHANG), 0);
+  kill_and_reap(carol);
+  EXPECT_TRUE(eventually([&] { return free_memory() == (16384 - 8192 - 1024) * kMiB; }, 3000ms))
+      << free_memory() / kMiB << " MiB free\n" << daemon_log();
+  EXPECT_TRUE(log_contains("fits its quota again")) << daemon_log();
 }
 
 // memory_audit_action = "report": the overuse is shown (health.json, status)

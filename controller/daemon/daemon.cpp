@@ -1004,7 +1004,9 @@ void Daemon::tick() {
   }
   tick_gpu_time(now);
   check_gpus(now);
-  if (memory_auditor_ == nullptr) settle_shrinks();  // else after each memory audit, by the driver's count
+  // With NVML, after each memory audit (check_gpus), by the driver's count;
+  // without, every pass, by the tenants' charges.
+  if (nvml_ == nullptr) settle_shrinks();
   remove_drained();
   if (std::string why; metrics_.died(&why))
     log_->error("metrics: the endpoint's process {}; metrics are off until the next reload", why);
@@ -1123,8 +1125,11 @@ void Daemon::note_shrinks(const NodeConfig& config) {
   for (const auto& [key, before] : applied_quotas_) {
     const auto now = next.find(key);
     const uint64_t after = now == next.end() ? 0 : now->second;
-    // Nothing can be held by a tenant with no process (0); -1: cannot be told, so kept.
-    if (after >= before || live_processes(key.first) == 0) continue;
+    if (after >= before) continue;
+    // Nothing can be held there: no process in the tenant's ledger, and none
+    // the driver counts as the tenant's (a process without the interposer
+    // holds memory too). Either cannot be told: kept.
+    if (live_processes(key.first) == 0 && held_now(key) == uint64_t{0}) continue;
     uint64_t& may_hold = shrunk_[key];
     if (may_hold >= before) continue;
     may_hold = before;
@@ -1135,58 +1140,86 @@ void Daemon::note_shrinks(const NodeConfig& config) {
                now == next.end() ? format_size(before) : format_size(before) + " to " + format_size(after));
   }
   applied_quotas_ = std::move(next);
-  if (changed) save_shrinks();
+  // Raised in memory whether or not it is written: a failed write costs the
+  // allowance at a restart, never capacity booked twice.
+  if (changed) save_shrinks(shrunk_);
+}
+
+std::optional<uint64_t> Daemon::held_now(const TenantGpu& key) const {
+  // The driver's count: every process the memory audit attributed to the
+  // tenant (its verified slots, and processes of its container without the
+  // interposer), whatever the tenant's own files say.
+  if (memory_auditor_ != nullptr && memory_auditor_->held_read(key.second)) {
+    const auto h = memory_auditor_->held().find(key);
+    return h == memory_auditor_->held().end() ? 0 : h->second;
+  }
+  // No NVML, or that GPU unread: the tenant's own charges are all there is
+  // to go by, read guarded (the tenant may shrink its usage file under us).
+  const int live = live_processes(key.first);
+  if (live == 0) return 0;
+  const auto open = ledgers_.find(key.first);
+  if (live < 0 || open == ledgers_.end() || open->second.ledger.usage == nullptr) return std::nullopt;
+  uint8_t bytes[16];
+  const int entry = ledger::parse_gpu_uuid_text(key.second, bytes) ? ledger::find_gpu(open->second.ledger, bytes) : -1;
+  if (entry < 0) return 0;
+  uint64_t held = 0;
+  const ledger::UsageSegment& usage = *open->second.ledger.usage;
+  if (!shm::sigbus_guarded([&] { held = ledger::tenant_used(usage, static_cast<uint32_t>(entry)); }))
+    return std::nullopt;  // the next pass finds it corrupt (usage_usable)
+  return held;
 }
 
 void Daemon::settle_shrinks() {
   if (shrunk_.empty()) return;
-  const size_t before = shrunk_.size();
-  const bool by_driver = memory_auditor_ != nullptr && memory_auditor_->held_complete();
-  for (auto it = shrunk_.begin(); it != shrunk_.end();) {
-    const auto& [tenant, uuid] = it->first;
-    uint64_t held = 0;
-    if (live_processes(tenant) == 0) {
-      held = 0;
-    } else if (by_driver) {
-      const auto h = memory_auditor_->held().find(it->first);
-      held = h == memory_auditor_->held().end() ? 0 : h->second;
-    } else if (const auto open = ledgers_.find(tenant); open != ledgers_.end() && open->second.ledger.usage != nullptr) {
-      // No NVML: the tenant's own charges are all there is to go by, read
-      // guarded (the tenant may shrink its usage file under us).
-      uint8_t bytes[16];
-      const int entry = ledger::parse_gpu_uuid_text(uuid, bytes) ? ledger::find_gpu(open->second.ledger, bytes) : -1;
-      const ledger::UsageSegment& usage = *open->second.ledger.usage;
-      if (entry >= 0 && !shm::sigbus_guarded([&] { held = ledger::tenant_used(usage, static_cast<uint32_t>(entry)); })) {
-        ++it;  // the next pass finds it corrupt (usage_usable)
-        continue;
-      }
-    } else {
+  std::map<TenantGpu, uint64_t> next = shrunk_;
+  std::vector<TenantGpu> settled;
+  for (auto it = next.begin(); it != next.end();) {
+    const std::optional<uint64_t> held = held_now(it->first);
+    if (!held) {
       ++it;  // cannot be told now
       continue;
     }
     const auto quota = applied_quotas_.find(it->first);
     const uint64_t now_allowed = quota == applied_quotas_.end() ? 0 : quota->second;
-    it->second = std::min(it->second, held);
+    it->second = std::min(it->second, *held);
     if (it->second > now_allowed) {
       ++it;
       continue;
     }
-    log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
-    it = shrunk_.erase(it);
+    settled.push_back(it->first);
+    it = next.erase(it);
   }
-  if (shrunk_.size() != before) save_shrinks();
+  if (next == shrunk_) return;
+  // On disk first: what this frees may be booked by the next request, and a
+  // daemon killed after that must not come back with the old allowance.
+  // Not written: nothing is lowered; the next pass tries again.
+  if (!save_shrinks(next)) return;
+  for (const auto& [tenant, uuid] : settled)
+    log_->info("tenant \"{}\": what it holds on GPU {} fits its quota again; the rest is free", tenant, uuid);
+  shrunk_ = std::move(next);
 }
 
 namespace {
 constexpr const char* kShrunkFileName = "shrunk-quotas.json";
 }  // namespace
 
-void Daemon::save_shrinks() {
+bool Daemon::save_shrinks(const std::map<TenantGpu, uint64_t>& shrunk) {
   nlohmann::json held = nlohmann::json::array();
-  for (const auto& [key, bytes] : shrunk_) held.push_back({{"tenant", key.first}, {"gpu", key.second}, {"bytes", bytes}});
+  for (const auto& [key, bytes] : shrunk) held.push_back({{"tenant", key.first}, {"gpu", key.second}, {"bytes", bytes}});
   const std::string text = nlohmann::json{{"version", 1}, {"held", std::move(held)}}.dump(2) + "\n";
-  if (std::string error; !write_run_file(config_->daemon.run_dir, "", kShrunkFileName, text, &error))
-    log_->warn("{}: a restart would forget what shrunk tenants may still hold", error);
+  std::string error;
+  if (!write_run_file(config_->daemon.run_dir, "", kShrunkFileName, text, &error, RunFileWrite::kDurable)) {
+    // Once as a warning: a full disk fails every pass.
+    log_->log(shrinks_unsaved_ ? spdlog::level::debug : spdlog::level::warn,
+              "{}; until it can be written, shrunk quotas are lowered no further (nothing they hold is freed) and a "
+              "restart would forget those raised since",
+              error);
+    shrinks_unsaved_ = true;
+    return false;
+  }
+  if (shrinks_unsaved_) log_->info("{}/{} written again", config_->daemon.run_dir, kShrunkFileName);
+  shrinks_unsaved_ = false;
+  return true;
 }
 
 void Daemon::load_shrinks() {

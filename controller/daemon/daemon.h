@@ -240,18 +240,29 @@ class Daemon {
   // they still use (docs/security.md). So the old quota stays what the tenant
   // may hold there, and stays booked, until the driver's count falls: each
   // memory audit lowers it to what is held, and it goes once that fits the
-  // new quota. Only new charges see the new quota at once.
+  // new quota. Only new charges see the new quota at once. What is held is
+  // the driver's count (held_now), so memory held by processes without the
+  // interposer is kept like memory charged in the ledger.
   // (tenant, GPU uuid) -> bytes the tenant may still hold there.
-  std::map<std::pair<std::string, std::string>, uint64_t> shrunk_;
+  using TenantGpu = std::pair<std::string, std::string>;
+  std::map<TenantGpu, uint64_t> shrunk_;
   // Each tenant's quota per GPU as last applied, to see a shrink coming.
-  std::map<std::pair<std::string, std::string>, uint64_t> applied_quotas_;
+  std::map<TenantGpu, uint64_t> applied_quotas_;
   void note_shrinks(const NodeConfig& config);
   void settle_shrinks();
+  // What the tenant holds on the GPU now: by the driver's count where the
+  // last memory audit read that GPU (all its processes, with or without the
+  // interposer), else by its ledger (its processes' own charges; 0 with no
+  // process). nullopt when it cannot be told.
+  std::optional<uint64_t> held_now(const TenantGpu& key) const;
   // shrunk_ survives a restart in <run_dir>/shrunk-quotas.json (the run
-  // dir's, never a tenant's), written when an entry comes or goes, read at
-  // start: a restart must not turn an allowance into a kill.
-  void save_shrinks();
+  // dir's, never a tenant's), read at start: a restart must not turn an
+  // allowance into a kill, nor hand back one that was lowered (its capacity
+  // may be another tenant's by then). So the file follows every change,
+  // written durably, and a lowering takes effect only once it is written.
+  bool save_shrinks(const std::map<TenantGpu, uint64_t>& shrunk);
   void load_shrinks();
+  bool shrinks_unsaved_ = false;  // the last write failed (logged once as a warning)
   // book_of(), plus what shrunk tenants still hold past their quota.
   std::vector<GpuBook> capacity_book(std::string_view except = {}) const;
   // Writes GpuPolicy::unavailable of every ledger entry from the health

@@ -39,7 +39,7 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
   std::map<int32_t, std::string> charged;
   for (const auto& [pid, tenants] : owners) charged.emplace(pid, *tenants.begin());
   held_.clear();
-  held_complete_ = true;
+  read_.clear();
   for (const DiscoveredGpu& gpu : gpus_) {
     // Every GPU, granted or not: on a GPU a tenant has no grant on, its quota is 0.
     std::map<std::string, uint64_t> quota_here;
@@ -48,10 +48,9 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
     nvmlDevice_t handle = nullptr;
     std::vector<Nvml::Process> processes;
     if (api.get_handle_by_uuid(gpu.uuid.c_str(), &handle) != NVML_SUCCESS ||  // health reports it
-        nvml_->compute_processes(handle, &processes) != NVML_SUCCESS) {
-      held_complete_ = false;
+        nvml_->compute_processes(handle, &processes) != NVML_SUCCESS)
       continue;
-    }
+    read_.insert(gpu.uuid);
     // Each process on this GPU, by tenant: verified owners first, then
     // uncharged processes in a tenant's container. Its start time is read
     // first: the process found to be the tenant's is the one (PID, start

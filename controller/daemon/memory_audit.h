@@ -102,11 +102,12 @@ class MemoryAuditor {
              const MemoryAuditSettings& settings, const std::string& run_dir);
   const std::vector<MemoryOveruse>& overuses() const { return overuses_; }
   // What each tenant's processes held on each GPU at the last pass, by the
-  // driver's count, (tenant, GPU uuid) -> bytes; pairs holding nothing are
-  // absent. False when the last pass could not read some GPU's processes
-  // (then absence proves nothing).
+  // driver's count, (tenant, GPU uuid) -> bytes: every process attributed to
+  // the tenant, with or without the interposer; pairs holding nothing are
+  // absent. Absence proves nothing on a GPU the last pass did not read.
   const std::map<std::pair<std::string, std::string>, uint64_t>& held() const { return held_; }
-  bool held_complete() const { return held_complete_; }
+  // Whether the last pass read the processes of GPU `uuid`.
+  bool held_read(const std::string& uuid) const { return read_.contains(uuid); }
 
  private:
   struct Over {
@@ -119,7 +120,7 @@ class MemoryAuditor {
   std::map<std::pair<std::string, std::string>, Over> over_;  // (tenant, GPU uuid)
   std::vector<MemoryOveruse> overuses_;
   std::map<std::pair<std::string, std::string>, uint64_t> held_;
-  bool held_complete_ = false;
+  std::set<std::string> read_;  // GPU uuids the last pass read
 };
 
 }  // namespace fracgpu::controller

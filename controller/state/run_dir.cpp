@@ -136,7 +136,7 @@ std::optional<std::string> read_file_at(int dirfd, const std::string& shown_dir,
 }
 
 bool write_run_file(const std::string& run_dir, std::string_view subdir, const std::string& name,
-                    std::string_view text, std::string* error) {
+                    std::string_view text, std::string* error, RunFileWrite how) {
   const std::string shown = subdir.empty() ? run_dir : fmt::format("{}/{}", run_dir, subdir);
   const auto fail = [&](const std::string& why) {
     *error = fmt::format("cannot write {}/{}: {}; the previous version (if any) is kept", shown, name, why);
@@ -177,9 +177,18 @@ bool write_run_file(const std::string& run_dir, std::string_view subdir, const s
     if (n <= 0) return discard(n < 0 ? errno : ENOSPC);
     rest.remove_prefix(static_cast<size_t>(n));
   }
+  const bool durable = how == RunFileWrite::kDurable;
+  // Durable: the content is on disk before the name points at it.
+  if (durable && ::fsync(fd.get()) != 0) return discard(errno);
   if (::close(fd.release()) != 0) return discard(errno);
   // Readers see the old file or the new one, never half of one.
   if (renameat(priv.get(), tmp, target, name.c_str()) != 0) return discard(errno);
+  // And the rename itself. The new file is in place whatever this says.
+  if (durable && ::fsync(target) != 0) {
+    *error = fmt::format("{}/{} replaced, but syncing {} failed: {}; a crash of the machine may still lose the change",
+                         shown, name, shown, strerror(errno));
+    return false;
+  }
   return true;
 }
 

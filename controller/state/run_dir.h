@@ -99,12 +99,20 @@ UniqueFd make_daemon_dir(int parent, const std::string& shown_parent, const char
 std::optional<std::string> read_file_at(int dirfd, const std::string& shown_dir, const char* name, uid_t owner,
                                         size_t max_bytes, std::string* error, bool* missing = nullptr);
 
+// How write_run_file leaves the file. kAtomic: readers see the old file or
+// the new one, never half of one, and a process killed at any point leaves
+// one of them; a crash of the machine may lose the change. kDurable: also
+// fsync()ed before it is renamed, and its directory after, so that once the
+// call returns the new content survives a crash of the machine too (for
+// state that a restart must not forget; the cost is paid by each write).
+enum class RunFileWrite { kAtomic, kDurable };
+
 // Replaces <run_dir>/<subdir>/<name> (subdir empty: in the run dir itself)
 // with `text`, whole or not at all: written to a new file in the private
 // .tmp/ with its space reserved first, then renamed over the old one. Any
 // failure (a full file system, say) keeps the old file and says why.
 bool write_run_file(const std::string& run_dir, std::string_view subdir, const std::string& name,
-                    std::string_view text, std::string* error);
+                    std::string_view text, std::string* error, RunFileWrite how = RunFileWrite::kAtomic);
 
 // Removes the tenant directory `name` in `tenants_dir` (shown as
 // `shown_parent`) and what it holds: the daemon's own files and links, never
