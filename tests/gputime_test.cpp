@@ -1966,7 +1966,7 @@ const std::vector<std::string> kInference = {"devices=0", "kernels_us=100", "sec
 // Its targets are asserted on the simulated driver's queue model (every
 // process's kernels in one first-come queue, which never cuts a training
 // kernel). On the time-slice model they are not met yet (docs/sm-time.md,
-// "Latency tenants": p99 5.7 ms against 5.5 there).
+// "Limits": p99 6.5 ms against 6.0 with 1,000 training kernels queued).
 class LatencyTenantTest : public GpuTimeTest {
  protected:
   void SetUp() override {
