@@ -185,36 +185,42 @@ uint64_t run(SchedState& s, Pending& p, const Params& k, uint64_t until, Ran&& r
   return kNever;
 }
 
-// Runs the device forward to `now` and records who ran (lock held).
-void advance_locked(int dev, SchedState& s, uint64_t now) {
-  if (now <= s.now) return;
-  Pending p = pending_of(s, true);
+// Runs the device forward to `now` and records who ran (lock held), with
+// `change` applied to the state before it is committed (one commit per
+// call: a launch's enqueue rides on the advance's).
+template <class Change>
+SchedState advance_locked(int dev, uint64_t now, Change&& change) {
+  SharedState* st = S();
+  DevSched& d = st->sched[dev];
+  SchedState s = in_force(d);
   struct Stretch {
     int32_t slot;
     uint64_t start, end, pos0;
   };
   Stretch ran_buf[64];
   size_t n = 0;
-  SharedState* st = S();
   const auto flush = [&] {
     for (size_t i = 0; i < n; ++i)
       record_residency(dev, st->slots[ran_buf[i].slot].pid.load(std::memory_order_relaxed), ran_buf[i].slot,
                        ran_buf[i].start, ran_buf[i].end, ran_buf[i].pos0, now);
     n = 0;
   };
-  run(s, p, params(), now, [&](int slot, uint64_t a, uint64_t b, uint64_t pos0) {
-    if (n == std::size(ran_buf)) flush();
-    ran_buf[n++] = {slot, a, b, pos0};
-  });
-  commit(st->sched[dev], s);
+  const bool moved = now > s.now;
+  if (moved) {
+    Pending p = pending_of(s, true);
+    run(s, p, params(), now, [&](int slot, uint64_t a, uint64_t b, uint64_t pos0) {
+      if (n == std::size(ran_buf)) flush();
+      ran_buf[n++] = {slot, a, b, pos0};
+    });
+  }
+  const bool changed = change(s);
+  if (moved || changed) commit(d, s);
   flush();  // after the commit: a process killed in between loses a record, never doubles one
+  return s;
 }
 
 SchedState snapshot_advanced(int dev) {
-  DevSched& d = S()->sched[dev];
-  SchedState s = in_force(d);
-  advance_locked(dev, s, now_ns());
-  return s;
+  return advance_locked(dev, now_ns(), [](SchedState&) { return false; });
 }
 
 }  // namespace
@@ -253,12 +259,13 @@ SchedParams sched_params_from_env() {
 bool timeslice_model() { return S()->model == kModelTimeslice; }
 
 uint64_t timeslice_enqueue(int dev, uint64_t duration_ns) {
-  Process& P = proc();
+  const int slot = proc().slot;
   SchedLock lock(dev);
-  SchedState s = snapshot_advanced(dev);
-  s.queued[P.slot] += duration_ns;
-  commit(S()->sched[dev], s);
-  return s.queued[P.slot];
+  const SchedState s = advance_locked(dev, now_ns(), [&](SchedState& next) {
+    next.queued[slot] += duration_ns;
+    return true;
+  });
+  return s.queued[slot];
 }
 
 void advance_device(int dev) {
