@@ -1876,6 +1876,49 @@ TEST_F(GpuTimeTest, SampledAuditChargesAProcessWithoutTheInterposerToItsTenant) 
   EXPECT_LE(cheat, 0.64);
 }
 
+// A container with two claims that share GPU 0 runs a process without the
+// interposer: each claim's tenant directory is mounted in its namespace, so
+// it is both tenants', and its GPU time is charged to them in equal parts
+// (and given back to the tenant that held the GPU then). Charged to neither,
+// it took the honest tenant's grants for free: honest 0.28. On the queue
+// model, as its one-claim twin above.
+TEST_F(GpuTimeTest, AProcessWithoutTheInterposerOfTwoClaimsOnOneGpuIsChargedToBoth) {
+  use_model("queue");
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  write_config({{"honest", "0.5", "[0]", ""}, {"cheat", "0.25", "[0]", ""}, {"cheat2", "0.25", "[0]", ""}});
+  start_daemon();
+  start_load("honest", load_args("1000", 9.5));
+  start_load("cheat", load_args("1000", 9.5));
+  const std::string claim1 = root_ + "/claim-1", claim2 = root_ + "/claim-2";
+  fs::create_directories(claim1);
+  fs::create_directories(claim2);
+  std::vector<std::string> args = {"-m", "--propagation", "private", "/bin/sh", "-c",
+                                   "mount --bind \"$0\" \"$1\" && mount --bind \"$2\" \"$3\" && shift 3 && exec \"$@\"",
+                                   root_ + "/tenants/cheat", claim1, root_ + "/tenants/cheat2", claim2, LOAD_PATH};
+  for (const std::string& a : load_args("1000", 9.5)) args.push_back(a);
+  Load l;
+  l.tenant = "cheat";  // the container's: its two claims' GPU time together
+  l.out_path = root_ + "/load-bypass.out";
+  l.pid = spawn("/usr/bin/unshare", args, environment("cheat", /*preload=*/false), &l.err_fd, l.out_path);
+  ASSERT_GT(l.pid, 0);
+  loads_.push_back(l);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto [a, b] = span(1, 7000);
+  const double honest = busy_share(a, b, "honest", 0), container = busy_share(a, b, "cheat", 0);
+  auto status = status_by_tenant();
+  for (const char* t : {"honest", "cheat", "cheat2"}) printf("  %s: %s\n", t, status[t]["gpu_time"].dump().c_str());
+  printf("a process without the interposer of two claims on one GPU: honest %.3f, the container %.3f\n", honest,
+         container);
+  finish_loads();
+  // Each claim was charged for what the driver saw of it outside their grants.
+  EXPECT_GT(status["cheat"]["gpu_time"]["out_of_grant_ns"].get<uint64_t>(), 0u);
+  EXPECT_GT(status["cheat2"]["gpu_time"]["out_of_grant_ns"].get<uint64_t>(), 0u) << "the second claim paid nothing";
+  // The one-claim figure's bound (its twin above): the honest share, or
+  // where lower what it would get without fracgpu (a third).
+  EXPECT_GE(honest, 0.36);
+}
+
 // Tenants come and go (in Kubernetes every claim is a new tenant): after 64
 // tenants have filled a GPU's table of GPU-time rows and gone, two new ones
 // are scheduled there (a 0.1 cap beside 0.9 holds), because the rows of

@@ -161,6 +161,12 @@ std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>&
   return tenants.size() == 1 ? *tenants.begin() : std::string();
 }
 
+std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32_t, std::string>& charged,
+                                               const std::string& run_dir, const std::string& gpu_uuid) {
+  std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
+  return tenants.size() > 1 ? tenants_holding_gpu(tenants, run_dir, gpu_uuid) : tenants;
+}
+
 std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,
                                       const std::string& run_dir) {
   if (std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())

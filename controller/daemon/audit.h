@@ -92,6 +92,11 @@ std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
 // container with several claims) the one whose policy holds that GPU.
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir,
                               const std::string& gpu_uuid = {});
+// The same, every tenant it names whose policy holds the GPU `gpu_uuid`: one
+// for a container with one claim there, several for a container whose
+// claims share that GPU (the GPU time it uses there is theirs together).
+std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32_t, std::string>& charged,
+                                               const std::string& run_dir, const std::string& gpu_uuid);
 // The same evidence, every tenant it names: each tenant mounted in the
 // process's container (a container with several claims has several), or
 // the tenants whose verified processes share its mount namespace (one

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/sinks/stdout_sinks.h>
 
 #include "config/placement.h"
@@ -850,7 +851,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
       }
       o.checked_ns = now;
       const bool gone = process_start_time(static_cast<int32_t>(it->first)) != o.start_time;
-      it = o.tenant.empty() || gone ? outside_gate_.erase(it) : std::next(it);
+      it = o.tenants.empty() || gone ? outside_gate_.erase(it) : std::next(it);
     }
     const std::map<int32_t, std::string> owners = unknown.empty() ? std::map<int32_t, std::string>{} : tenant_processes();
     for (const auto& [pid, seen_on] : unknown) {
@@ -861,13 +862,20 @@ void Daemon::tick_gpu_time(uint64_t now) {
       OutsideGate& o = outside_gate_[pid];
       o.start_time = start_time;
       o.checked_ns = now;
-      o.tenant = attribute_process(static_cast<int32_t>(pid), owners, config_->daemon.run_dir, seen_on);
-      if (!o.tenant.empty())
+      o.tenants = attribute_process_on_gpu(static_cast<int32_t>(pid), owners, config_->daemon.run_dir, seen_on);
+      if (o.tenants.size() == 1)
         log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
-                   "\"{}\", whose container it is in", pid, o.tenant);
+                   "\"{}\", whose container it is in", pid, *o.tenants.begin());
+      else if (!o.tenants.empty())
+        log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenants "
+                   "\"{}\" in equal parts, the claims of its container on that GPU",
+                   pid, fmt::join(o.tenants, "\", \""));
     }
+    // A process several tenants are named for is in each one's list: the
+    // scheduler splits its GPU time between them.
     for (const auto& [pid, o] : outside_gate_)
-      if (!o.tenant.empty() && ledgers_.contains(o.tenant)) pids_by_tenant[o.tenant].push_back(pid);
+      for (const std::string& t : o.tenants)
+        if (ledgers_.contains(t)) pids_by_tenant[t].push_back(pid);
   }
   for (auto& [uuid, arbiter] : arbiters_) {
     arbiter.scheduler->attribute(pids_by_tenant);

@@ -225,7 +225,9 @@ class Daemon {
   // container they are in (empty: none known; asked again after a second).
   struct OutsideGate {
     uint64_t start_time = 0, checked_ns = 0;
-    std::string tenant;
+    // Whose GPU time it is: the tenant of its container, or the container's
+    // claims that share the GPU it was seen on (all of them; empty: nobody's).
+    std::set<std::string> tenants;
   };
   std::map<uint32_t, OutsideGate> outside_gate_;
   // Every grant's memory quota, by tenant and GPU, each raised to what the

@@ -169,25 +169,36 @@ std::vector<uint32_t> GpuScheduler::unattributed_pids() {
 
 void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant) {
   std::lock_guard lock(mutex_);
-  pid_row_.clear();
+  pid_rows_.clear();
   for (const auto& [tenant, pids] : pids_by_tenant) {
     const int index = gputime::find_tenant(seg_, tenant.c_str());
     if (index < 0 || !rows_[index].active) continue;  // no share of this GPU
-    Row& r = rows_[index];
     for (const uint32_t pid : pids) {
-      if (pid == 0) continue;
-      pid_row_[pid] = static_cast<uint32_t>(index);
-      // Usage measured before the daemon knew whose the process is.
-      if (auto it = unattributed_.find(pid); it != unattributed_.end()) {
-        if (measured_charging_) {
-          r.pending_use = gputime::saturating_add(r.pending_use, it->second.busy_ns);
-        } else {
-          for (const auto& [at, busy] : it->second.uses) file_use(static_cast<uint32_t>(index), busy, at, last_pass_ns_);
-        }
-        unattributed_.erase(it);
-      }
+      std::vector<uint32_t>& rows = pid_rows_[pid];
+      if (pid != 0 && std::find(rows.begin(), rows.end(), static_cast<uint32_t>(index)) == rows.end())
+        rows.push_back(static_cast<uint32_t>(index));
     }
   }
+  pid_rows_.erase(0);
+  // Usage measured before the daemon knew whose the process is.
+  for (const auto& [pid, rows] : pid_rows_) {
+    auto it = unattributed_.find(pid);
+    if (it == unattributed_.end()) continue;
+    if (measured_charging_) {
+      const uint64_t part = it->second.busy_ns / rows.size();
+      for (const uint32_t t : rows) rows_[t].pending_use = gputime::saturating_add(rows_[t].pending_use, part);
+    } else {
+      for (const auto& [at, busy] : it->second.uses) file_split_use(rows, busy, at, last_pass_ns_);
+    }
+    unattributed_.erase(it);
+  }
+}
+
+void GpuScheduler::file_split_use(const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now) {
+  // Equal parts; the remainder of the division to the first, so that the
+  // parts add up to what the driver saw.
+  const uint64_t part = busy / rows.size();
+  for (size_t i = 0; i < rows.size(); ++i) file_use(rows[i], i == 0 ? busy - part * (rows.size() - 1) : part, at, now);
 }
 
 // ---- Configuration (main thread) ----
@@ -578,8 +589,8 @@ void GpuScheduler::read_meter(uint64_t now) {
     const uint64_t busy = std::min<uint64_t>(u.busy_ns, kSecond);
     const uint64_t at = u.at_ns != 0 ? std::min(u.at_ns, now) : now;
     pass_busy_ += busy;
-    if (auto it = pid_row_.find(u.pid); it != pid_row_.end()) {
-      file_use(it->second, busy, at, now);
+    if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end()) {
+      file_split_use(it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];
       if (un.since == 0) un.since = now;

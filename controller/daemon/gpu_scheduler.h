@@ -311,7 +311,11 @@ class GpuScheduler {
   // and the GPU's busy time over the current room window.
   std::unique_ptr<UsageMeter> meter_;
   uint64_t last_meter_ns_ = 0, meter_ok_ns_ = 0;
-  std::unordered_map<uint32_t, uint32_t> pid_row_;
+  // PID -> the rows whose GPU time its use is: one, or the claims of one
+  // container that share this GPU (its use is split between them).
+  std::unordered_map<uint32_t, std::vector<uint32_t>> pid_rows_;
+  // Files `busy` used at `at` by a PID of these rows, in equal parts.
+  void file_split_use(const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now);
   struct Unattributed {
     uint64_t busy_ns = 0, since = 0;
     std::vector<std::pair<uint64_t, uint64_t>> uses;  // (instant, busy), the first few (held mode's audit)
