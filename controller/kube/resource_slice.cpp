@@ -408,22 +408,58 @@ json SlicePublisher::owner_references() const {
       {{{"apiVersion", "v1"}, {"kind", "Node"}, {"name", node_name_}, {"uid", node_uid_}, {"controller", true}}});
 }
 
-void SlicePublisher::learn_node_uid() {
-  if (!node_uid_.empty()) return;
+bool SlicePublisher::read_node() {
+  if (node_read_) return !node_absent_;
+  if (node_absent_ && std::chrono::steady_clock::now() < node_retry_at_) return false;
+  node_read_ = true;
+  const std::string who = escape_terminal(node_name_);
   HttpResult result = api_.get("/api/v1/nodes/" + escape_query_value(node_name_));
-  const json node = result.ok() ? json::parse(result.body, nullptr, false) : json();
-  const std::string uid = node.is_object() ? metadata_string(node, "uid") : std::string();
-  if (!uid.empty() && metadata_string(node, "name") == node_name_) {
-    node_uid_ = uid;
-    log_->info("node {}: uid {}; its ResourceSlice is owned by it (deleted with the node)", escape_terminal(node_name_),
-               escape_terminal(uid));
-    return;
+  if (result.status == 404) {
+    // Deleted, and not (yet) registered again by the kubelet. A slice written
+    // now would be collected at once (its owner gone) or, without an owner,
+    // outlive the node: nothing is written until the Node exists.
+    const auto most = std::max(options_.node_retry_max, std::chrono::milliseconds(1));
+    node_retry_delay_ = node_absent_ ? std::min(node_retry_delay_ * 2, most)
+                                     : std::min<std::chrono::milliseconds>(std::chrono::seconds(1), most);
+    node_retry_at_ = std::chrono::steady_clock::now() + node_retry_delay_;
+    if (!node_absent_)
+      log_->warn("node {}: the Node does not exist (deleted?): its ResourceSlice is not written until it exists "
+                 "again; asking for it with backoff, at least every {} ms",
+                 who, most.count());
+    node_absent_ = true;
+    return false;
   }
-  if (!node_uid_warned_)
+  const json object = result.ok() ? json::parse(result.body, nullptr, false) : json();
+  const std::string uid = object.is_object() ? metadata_string(object, "uid") : std::string();
+  if (!uid.empty() && metadata_string(object, "name") == node_name_) {
+    if (node_absent_) log_->info("node {}: the Node exists again", who);
+    node_absent_ = false;
+    if (uid == node_uid_) return true;
+    if (node_uid_.empty()) {
+      log_->info("node {}: uid {}; its ResourceSlice is owned by it (deleted with the node)", who,
+                 escape_terminal(uid));
+    } else {
+      // The garbage collector deletes every slice naming the old uid.
+      log_->warn("node {}: uid {}, was {}: the Node was created again; its ResourceSlice is owned by the new one", who,
+                 escape_terminal(uid), escape_terminal(node_uid_));
+    }
+    node_uid_ = uid;
+    return true;
+  }
+  // No usable answer (a refusal, no answer, no uid in it).
+  if (node_absent_) {
+    // Still not seen again: wait as long once more before asking.
+    node_retry_at_ = std::chrono::steady_clock::now() + node_retry_delay_;
+    return false;
+  }
+  // The uid known before stays (the failure is logged by the client).
+  if (node_uid_.empty() && !node_uid_warned_) {
     log_->warn("node {}: cannot read its uid ({}): the ResourceSlice is published without an owner, so it outlives a "
                "deleted node; RBAC must allow get on nodes (deploy/rbac.yaml). Asked again at each publish",
-               escape_terminal(node_name_), result.ok() ? "no uid in the answer" : result.error);
-  node_uid_warned_ = true;
+               who, result.ok() ? "no uid in the answer" : result.error);
+    node_uid_warned_ = true;
+  }
+  return true;
 }
 
 SlicePublisher::SlicePublisher(ApiClient& api, std::string node_name, std::shared_ptr<spdlog::logger> log,
@@ -507,6 +543,14 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current, bool* t
                     "DRAConsumableCapacity feature gate (Kubernetes 1.34 and 1.35)", slice_name_);
       return true;
     }
+    if (result.status == 404 && current->present) {
+      // Deleted since we listed it (the garbage collector, perhaps, the Node
+      // having been created again): the Node read again, then created.
+      log_->info("ResourceSlice {}: deleted meanwhile; creating it again", slice_name_);
+      if (!read_node()) return false;
+      *current = Existing{};
+      continue;
+    }
     if (result.status != 409) return false;  // logged by the client
     // Someone else wrote (or created) it since we read it: read it again.
     HttpResult fresh = api_.get(slice_path(slice_name_));
@@ -523,7 +567,11 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current, bool* t
                                object["spec"].contains("devices")
                            ? object["spec"]["devices"]
                            : json::array();
-    if (normalized_devices(current->devices) == normalized_devices(devices)) {
+    const json owners = object.is_object() && object.contains("metadata") && object["metadata"].is_object()
+                            ? object["metadata"].value("ownerReferences", json::array())
+                            : json::array();
+    if (normalized_devices(current->devices) == normalized_devices(devices) &&
+        (node_uid_.empty() || owners == owner_references())) {
       generation_ = current->generation;
       last_resource_version_ = current->resource_version;
       last_devices_ = devices;
@@ -534,9 +582,12 @@ bool SlicePublisher::write_slice(const json& devices, Existing* current, bool* t
   return false;
 }
 
-bool SlicePublisher::publish(const json& node) {
+bool SlicePublisher::publish(const json& node, bool periodic) {
   std::lock_guard lock(mutex_);
+  node_read_ = false;
   try {
+    // The Node is absent: nothing to do before its next read is due.
+    if (node_absent_ && std::chrono::steady_clock::now() < node_retry_at_) return false;
     SliceOptions options = options_;
     options.taint_fenced = options_.taint_fenced && !taints_dropped_;
     std::vector<std::string> left_out;
@@ -558,7 +609,9 @@ bool SlicePublisher::publish(const json& node) {
       last_tainted_ = tainted;
     }
 
-    learn_node_uid();
+    // The Node's uid: at each periodic publish (a Node created again has a
+    // new one), while it is unknown, and while the Node is absent.
+    if ((periodic || node_uid_.empty() || node_absent_) && !read_node()) return false;
     std::vector<json> slices;
     if (!list_node_slices(&slices)) return false;
     Existing ours;
@@ -580,6 +633,13 @@ bool SlicePublisher::publish(const json& node) {
       } else {
         stale.push_back(name);
       }
+    }
+    // Ours is gone though it was there at our last publish: someone deleted
+    // it, perhaps the garbage collector because the Node was created again.
+    if (!ours.present && !last_resource_version_.empty() && !node_read_) {
+      log_->info("ResourceSlice {}: gone from the API server; reading node {} again before creating it", slice_name_,
+                 escape_terminal(node_name_));
+      if (!read_node()) return false;
     }
     // The pool's generation must rise above every slice of it consumers may have seen.
     generation_ = std::max(generation_, highest_generation);

@@ -23,6 +23,7 @@
 // value, default reachable from min in steps); tests check them.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -64,6 +65,10 @@ struct SliceOptions {
   // A fenced GPU: true, in the slice with the kUnhealthyTaintKey NoSchedule
   // taint; false, left out.
   bool taint_fenced = false;
+  // While the node's Node object does not exist, it is asked for again
+  // after 1 s, then twice as long each time, up to this (the plugin: its
+  // --slice-interval).
+  std::chrono::milliseconds node_retry_max{30'000};
 };
 
 // The taint value for the daemon's fence_reason: a short class of fault
@@ -89,16 +94,30 @@ nlohmann::json build_resource_slice(const std::string& node_name, const nlohmann
 
 // Keeps the node's slice in the API server equal to what the NODE object says.
 // Thread-safe (one mutex).
+//
+// The slice's controlling owner is the node's Node object, named by its uid
+// (GET /api/v1/nodes/<node>). A Node deleted and created again (`kubectl
+// delete node`, then the kubelet registering anew) has a new uid, and the
+// garbage collector deletes at once every slice naming the old one. So the
+// Node is read again at each periodic publish and whenever our slice turned
+// out to be gone (absent from the list, or a 404 on our update), and the
+// slice is written under the uid the Node has now. While the Node does not
+// exist nothing is written (the collector would delete it, and a slice with
+// no owner would outlive the node); it is asked for again with backoff
+// (SliceOptions::node_retry_max), said once in the log.
 class SlicePublisher {
  public:
   SlicePublisher(ApiClient& api, std::string node_name, std::shared_ptr<spdlog::logger> log,
                  SliceOptions options = {});
 
   // Reads the node's slices, then creates or updates ours when its devices
-  // differ (pool generation bumped, a 409 conflict re-read and retried) and
-  // deletes other slices of this node and driver. Unchanged: no write.
-  // false on failure (logged); the next call starts over from the server.
-  bool publish(const nlohmann::json& node);
+  // or its owner differ (pool generation bumped, a 409 conflict re-read and
+  // retried) and deletes other slices of this node and driver. Unchanged: no
+  // write. `periodic`: the caller's periodic publish; the Node is read again
+  // first. false on failure (logged) and while the Node does not exist; the
+  // next call starts over from the server (during a backoff for the absent
+  // Node, it returns false without asking the server anything).
+  bool publish(const nlohmann::json& node, bool periodic = false);
   // Deletes this node's slices of this driver (uninstall); absent is success.
   bool remove();
 
@@ -117,8 +136,12 @@ class SlicePublisher {
   bool list_node_slices(std::vector<nlohmann::json>* slices);
   // *taints_dropped: the server's copy lacks taints we wrote.
   bool write_slice(const nlohmann::json& devices, Existing* current, bool* taints_dropped);
-  // GET /api/v1/nodes/<node>: its uid, once (needs RBAC get on nodes).
-  void learn_node_uid();
+  // GET /api/v1/nodes/<node> (RBAC get on nodes): its uid now, once per
+  // publish. false: the Node does not exist (404), or did not at the last
+  // answer and has not been seen since; the next read waits for the backoff.
+  // An unreadable answer keeps the uid known before (none: the slice goes
+  // without an owner, warned once).
+  bool read_node();
   nlohmann::json owner_references() const;  // [] while the uid is unknown
 
   ApiClient& api_;
@@ -138,6 +161,10 @@ class SlicePublisher {
   bool taints_dropped_ = false;
   std::string node_uid_;
   bool node_uid_warned_ = false;
+  bool node_read_ = false;    // during one publish: the Node was read in it
+  bool node_absent_ = false;  // the last answer about the Node was 404
+  std::chrono::milliseconds node_retry_delay_{0};
+  std::chrono::steady_clock::time_point node_retry_at_{};
 };
 
 }  // namespace fracgpu::kube

@@ -98,6 +98,9 @@ int main(int argc, char** argv) {
   // A fenced GPU stays in the slice with a NoSchedule taint; the publisher
   // falls back to leaving it out where the API server drops taints.
   slice_options.taint_fenced = true;
+  const auto interval = std::chrono::milliseconds(std::llround(slice_interval_s * 1000));
+  // A deleted Node is asked for again at least as often as the slice is published.
+  slice_options.node_retry_max = interval;
   kube::SlicePublisher publisher(*api, driver_options.node_name, log, slice_options);
   if (uninstall) {
     const bool ok = publisher.remove();
@@ -112,7 +115,6 @@ int main(int argc, char** argv) {
     log->error("{}", error);
     return 1;
   }
-  const auto interval = std::chrono::milliseconds(std::llround(slice_interval_s * 1000));
   kube_plugin::SliceLoop slices(
       publisher,
       {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),

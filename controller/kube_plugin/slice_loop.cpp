@@ -58,9 +58,11 @@ void SliceLoop::run() {
       if (health_) health_->update_from_node(node, std::time(nullptr));
       const uint64_t changes = changes_();
       const json generation = node.value("generation", json());
-      if (!published || generation != last_generation || changes != last_changes ||
-          Clock::now() - last_publish >= options_.interval) {
-        published = publisher_.publish(node);  // failures logged there
+      // The periodic publish also reads the Node again (a Node created
+      // again has a new uid, under which the slice must be owned).
+      const bool periodic = Clock::now() - last_publish >= options_.interval;
+      if (!published || generation != last_generation || changes != last_changes || periodic) {
+        published = publisher_.publish(node, periodic);  // failures logged there
         last_generation = generation;
         last_changes = changes;
         last_publish = Clock::now();

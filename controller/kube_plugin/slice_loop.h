@@ -2,7 +2,9 @@
 // poll period (a local socket: cheap) and publishes (kube::SlicePublisher)
 // when the daemon's NODE generation moved, when the plugin prepared or
 // unprepared something, after a failed publish, and every --slice-interval
-// in any case (a slice deleted by someone else comes back). A fenced GPU
+// in any case (a slice deleted by someone else comes back; the node's Node
+// is read again then, so that a Node deleted and created again, with a new
+// uid, owns the slice: see kube::SlicePublisher). A fenced GPU
 // is tainted in the slice on the next poll (or leaves it, where the API
 // server drops taints), and is clean again when the fence clears. The same
 // NODE reply feeds the kubelet's health stream (DeviceHealthBoard): fenced

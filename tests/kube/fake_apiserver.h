@@ -32,6 +32,9 @@ struct FakeApiServerOptions {
   bool canonical = true;            // store quantities in the API server's canonical form
   std::string tls_dir;              // reuse certificates (e.g. another server's); default: its own
   bool device_taints = true;        // false: as with the gate DRADeviceTaints off (taints dropped on write)
+  // How long after a change its garbage collector looks at the objects it
+  // concerns (--gc-delay; POST /fake/gc changes it at run time).
+  std::chrono::milliseconds gc_delay{100};
 };
 
 class FakeApiServer {
@@ -52,6 +55,7 @@ class FakeApiServer {
     if (!options_.fixtures.empty()) args.insert(args.end(), {"--fixtures", options_.fixtures});
     if (!options_.canonical) args.push_back("--no-canonical");
     if (!options_.device_taints) args.insert(args.end(), {"--feature-gates", "DRADeviceTaints=false"});
+    args.insert(args.end(), {"--gc-delay", std::to_string(options_.gc_delay.count() / 1000.0)});
 
     std::string stderr_path = dir_ + "/stderr";
     pid_ = ::fork();

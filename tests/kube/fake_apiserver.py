@@ -40,6 +40,9 @@ Command line
   --no-canonical     keep quantities as written (by default they are stored in
                      the API server's canonical form: "1000m" -> "1",
                      "16000000000" -> "16G", "1024Mi" -> "1Gi").
+  --gc-delay SECONDS
+                     how long after a change the garbage collector (below)
+                     looks at the objects it concerns (0.1).
   --feature-gates DRADeviceTaints=false
                      as an API server with that gate off (Kubernetes 1.33 to
                      1.35 by default): a device's "taints" is dropped from
@@ -56,14 +59,33 @@ Control, at run time (loopback, no authentication):
                       [{"method", "path", "status",
                        "authorized"}], for counting attempts
   GET  /fake/slices   every stored ResourceSlice
-  POST /fake/delete-node {"name": NODE}: the node object is deleted and, as
-                      the garbage collector does, every slice whose
-                      ownerReferences name its uid
+  POST /fake/delete-node {"name": NODE}: the Node is deleted (404 if it does
+                      not exist); answers {"uid": its uid, "dependents":
+                      [names of the slices whose ownerReferences name it]},
+                      which the garbage collector deletes (below)
+  POST /fake/create-node {"name": NODE}: the Node is created with a new uid
+                      (409 if it exists); answers {"uid": the new uid}. A
+                      deleted and re-created Node, as `kubectl delete node`
+                      and a kubelet registering again make
+  POST /fake/gc       {"delay": SECONDS}: as --gc-delay, from now on
   POST /fake/feature-gates {"DRADeviceTaints": false}: as --feature-gates,
                       for the writes from now on
 
 Nodes (GET /api/v1/nodes/NAME) all exist, each with a uid stable for its
-name, until deleted.
+name, until deleted; a Node created again has a new uid.
+
+The garbage collector, as the real one (kube-controller-manager's
+garbagecollector: attemptToDeleteItem, isDangling): an owner reference is
+dangling when no object of that kind and name exists or the one that exists
+has another uid; an object whose owner references are all dangling is
+deleted, and one with some dangling and some not loses the dangling ones.
+It looks at a ResourceSlice --gc-delay seconds (default 0.1; the real one
+whenever its work queue gets to it) after it was created or its
+ownerReferences changed, and at a Node's dependents that long after the Node
+was deleted, judging the objects as they are then. Only Node owners
+(apiVersion v1) are judged; references to kinds this server does not serve
+are left alone, as the real collector leaves kinds it cannot resolve. Its
+writes are in the --log file with "by": "garbage-collector".
 
 Also: fake_apiserver.py --check-slice FILE... validates ResourceSlice JSON
 files and prints the errors (exit 1 if any).
@@ -602,7 +624,10 @@ class State:
         self.failures = []  # dicts: method, regex, status, count, retry_after, message
         self.requests = []
         self.tokens = list(args.token or [])
-        self.deleted_nodes = set()  # names of nodes deleted through /fake/delete-node
+        # Nodes created or deleted through /fake/create-node, /fake/delete-node:
+        # name -> uid, None while deleted. Any other name is a Node with node_uid(name).
+        self.nodes = {}
+        self.gc_delay = args.gc_delay
         self.feature_gates = {}  # name -> bool; absent: on
         for spec in args.feature_gates or []:
             for item in spec.split(","):
@@ -630,12 +655,57 @@ class State:
         self.resource_version += 1
         return str(self.resource_version)
 
-    def log_write(self, verb, name, status, body, obj):
+    def log_write(self, verb, name, status, body, obj, by=None):
         self.log_seq += 1
-        line = json.dumps({"seq": self.log_seq, "verb": verb, "name": name, "status": status,
-                           "body": body, "object": obj}, sort_keys=True)
+        entry = {"seq": self.log_seq, "verb": verb, "name": name, "status": status, "body": body, "object": obj}
+        if by:
+            entry["by"] = by
+        line = json.dumps(entry, sort_keys=True)
         with open(self.args.log, "a") as f:
             f.write(line + "\n")
+
+    # -- Nodes
+    def node_uid_now(self, name):
+        """The uid of the Node `name` as it exists now, or None."""
+        if name in self.nodes:
+            return self.nodes[name]
+        return node_uid(name) if _dns_subdomain(name) else None
+
+    # -- The garbage collector
+    def dangling(self, ref):
+        """Whether an owner reference names an owner that is gone (isDangling):
+        absent by name, or present with another uid. None: not judged (a kind
+        this server does not serve)."""
+        if ref.get("apiVersion") != "v1" or ref.get("kind") != "Node":
+            return None
+        return self.node_uid_now(ref.get("name") or "") != ref.get("uid")
+
+    def schedule_gc(self, name, uid):
+        """Look at slice `name` (the object with `uid`) after the delay, as the
+        collector's queue does after an event."""
+        timer = threading.Timer(self.gc_delay, self.collect, (name, uid))
+        timer.daemon = True
+        timer.start()
+
+    def collect(self, name, uid):
+        with self.lock:
+            obj = self.slices.get(name)
+            # Another object of that name by now is another item of the graph.
+            if obj is None or obj["metadata"].get("uid") != uid:
+                return
+            refs = obj["metadata"].get("ownerReferences") or []
+            verdicts = [self.dangling(r) for r in refs]
+            if not any(verdicts):
+                return
+            if all(verdicts):
+                # Background propagation: the dependent goes at once.
+                self.slices.pop(name)
+                self.log_write("delete", name, 200, None, obj, by="garbage-collector")
+                return
+            kept = [r for r, d in zip(refs, verdicts) if not d]
+            obj["metadata"]["ownerReferences"] = kept
+            obj["metadata"]["resourceVersion"] = self.next_version()
+            self.log_write("update", name, 200, None, obj, by="garbage-collector")
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -780,16 +850,35 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     st.feature_gates[name] = value
                 self.send_json(200, {"ok": True, "feature_gates": st.feature_gates})
             elif method == "POST" and path == "/fake/delete-node":
-                # The node object goes, and the garbage collector deletes
-                # what it owns (ownerReferences naming its uid).
+                # The Node goes; the garbage collector then looks at what it
+                # owns (ownerReferences naming its uid).
                 name = (body or {}).get("name", "")
-                st.deleted_nodes.add(name)
-                uid = node_uid(name)
-                owned = [n for n, obj in st.slices.items()
+                uid = st.node_uid_now(name)
+                if uid is None:
+                    self.send_status(404, "NotFound", 'nodes "%s" not found' % name)
+                    return
+                st.nodes[name] = None
+                owned = [(n, obj["metadata"]["uid"]) for n, obj in st.slices.items()
                          if any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])]
-                for n in owned:
-                    st.log_write("delete", n, 200, None, st.slices.pop(n))
-                self.send_json(200, {"ok": True, "collected": owned})
+                for n, slice_uid in owned:
+                    st.schedule_gc(n, slice_uid)
+                self.send_json(200, {"ok": True, "uid": uid, "dependents": [n for n, _ in owned]})
+            elif method == "POST" and path == "/fake/create-node":
+                name = (body or {}).get("name", "")
+                if not _dns_subdomain(name):
+                    self.send_status(422, "Invalid", 'Node "%s" is invalid: metadata.name' % name)
+                elif st.node_uid_now(name) is not None:
+                    self.send_status(409, "AlreadyExists", 'nodes "%s" already exists' % name)
+                else:
+                    st.nodes[name] = str(uuidlib.uuid4())
+                    self.send_json(201, {"ok": True, "uid": st.nodes[name]})
+            elif method == "POST" and path == "/fake/gc":
+                delay = (body or {}).get("delay")
+                if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
+                    self.send_status(400, "BadRequest", "delay: seconds, a number >= 0")
+                    return
+                st.gc_delay = float(delay)
+                self.send_json(200, {"ok": True, "delay": st.gc_delay})
             else:
                 self.send_status(404, "NotFound", "no such control path")
 
@@ -820,14 +909,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_status(404, "NotFound", "the server could not find the requested resource")
 
-    # -- Nodes: every node exists (with a stable uid) until deleted.
+    # -- Nodes: every node exists (with a stable uid) until deleted; created again, with a new uid.
     def get_node(self, name):
         with self.state.lock:
-            gone = name in self.state.deleted_nodes
-        if gone or not _dns_subdomain(name):
+            uid = self.state.node_uid_now(name)
+        if uid is None:
             self.send_status(404, "NotFound", 'nodes "%s" not found' % name)
             return
-        self.send_json(200, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": node_uid(name)}})
+        self.send_json(200, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}})
 
     # -- ResourceClaims
     def get_claim(self, namespace, name):
@@ -913,6 +1002,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             self.state.slices[name] = obj
             self.state.log_write("create", name, 201, body, obj)
+            if meta.get("ownerReferences"):
+                self.state.schedule_gc(name, meta["uid"])
             self.send_json(201, obj)
 
     def update_slice(self, name, body):
@@ -954,6 +1045,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             obj["metadata"]["generation"] = current["metadata"]["generation"] + (1 if spec_changed else 0)
             self.state.slices[name] = obj
             self.state.log_write("update", name, 200, body, obj)
+            owners = obj["metadata"].get("ownerReferences")
+            if owners and owners != current["metadata"].get("ownerReferences"):
+                self.state.schedule_gc(name, obj["metadata"]["uid"])
             self.send_json(200, obj)
 
     def delete_slice(self, name):
@@ -1027,6 +1121,7 @@ def main():
     parser.add_argument("--fail", action="append")
     parser.add_argument("--no-canonical", action="store_true")
     parser.add_argument("--feature-gates", action="append")
+    parser.add_argument("--gc-delay", type=float, default=0.1)
     parser.add_argument("--check-slice", nargs="+", metavar="FILE")
     args = parser.parse_args()
 

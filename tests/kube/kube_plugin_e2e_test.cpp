@@ -272,6 +272,52 @@ class KubePluginE2E : public ::testing::Test {
         },
         timeout);
   }
+  // The node's slice in the stand-in API server (null if none), and the uid
+  // its owner reference names ("" if none).
+  json node_slice() const {
+    kube::HttpResult r = api_control_->get("/fake/slices");
+    if (!r.ok()) return nullptr;
+    for (const json& s : json::parse(r.body))
+      if (s["spec"]["nodeName"] == kNode) return s;
+    return nullptr;
+  }
+  static std::string owner_uid(const json& slice) {
+    const json owners = slice.is_object() ? slice["metadata"].value("ownerReferences", json::array()) : json();
+    return owners.is_array() && owners.size() == 1 ? owners[0].value("uid", std::string()) : std::string();
+  }
+  // A client of the stand-in API server with the plugin's credentials.
+  std::unique_ptr<kube::ApiClient> api_client() const {
+    std::string error;
+    auto client = kube::ApiClient::from_kubeconfig(kubeconfig_, &error);
+    EXPECT_TRUE(client) << error;
+    if (client) client->set_retry_policy(kube::testing::fast_retries());
+    return client;
+  }
+  // The Node's uid now, as the plugin reads it ("" if it does not exist).
+  std::string node_uid() const {
+    const kube::HttpResult r = api_client()->get(std::string("/api/v1/nodes/") + kNode);
+    return r.ok() ? json::parse(r.body)["metadata"].value("uid", std::string()) : std::string();
+  }
+  // How many times the plugin has asked for its Node so far.
+  size_t node_reads() const {
+    size_t n = 0;
+    for (const json& r : json::parse(api_control_->get("/fake/requests").body))
+      n += r["method"] == "GET" && r["path"] == std::string("/api/v1/nodes/") + kNode;
+    return n;
+  }
+  // The slice writes of the stand-in's garbage collector so far.
+  std::vector<json> collector_writes() const {
+    std::vector<json> out;
+    for (const json& w : api_->writes())
+      if (w.value("by", "") == "garbage-collector") out.push_back(w);
+    return out;
+  }
+  static size_t count(const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  }
+
   static const json* find_device(const json& devices, const std::string& name) {
     for (const json& d : devices)
       if (d["name"] == name) return &d;
@@ -920,13 +966,14 @@ TEST_F(KubePluginE2E, ATenantThatTruncatesItsUsageStillGoesWhenItsLastProcessDoe
 // library does the same), with the node's uid read from the API server, so
 // deleting the node deletes the slice: it no longer lingers for a node that
 // is gone. The stand-in API server validates owner references as the real
-// one does and plays the garbage collector.
+// one does and plays the garbage collector (a slice whose owner's uid no
+// longer exists is deleted, shortly after). While the Node is absent the
+// plugin writes no slice (it would be collected at once), says so once, and
+// asks for the Node with backoff, never more than once a period.
 TEST_F(KubePluginE2E, TheSliceIsOwnedByItsNodeAndGoesWithIt) {
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
-  json slice;
-  for (const json& s : json::parse(api_control_->get("/fake/slices").body))
-    if (s["spec"]["nodeName"] == kNode) slice = s;
+  const json slice = node_slice();
   ASSERT_TRUE(slice.is_object());
   const json& owners = slice["metadata"]["ownerReferences"];
   ASSERT_TRUE(owners.is_array() && owners.size() == 1) << slice.dump();
@@ -934,13 +981,127 @@ TEST_F(KubePluginE2E, TheSliceIsOwnedByItsNodeAndGoesWithIt) {
   EXPECT_EQ(owners[0]["kind"], "Node");
   EXPECT_EQ(owners[0]["name"], kNode);
   EXPECT_EQ(owners[0]["controller"], true);
-  EXPECT_FALSE(owners[0].value("uid", std::string()).empty()) << slice.dump();
+  EXPECT_EQ(owners[0].value("uid", std::string()), node_uid()) << slice.dump();
 
-  // Collected only if the uid is the node's (the stand-in's GC matches on it).
   const kube::HttpResult deleted = api_control_->post("/fake/delete-node", {{"name", kNode}});
   ASSERT_TRUE(deleted.ok()) << deleted.error;
-  EXPECT_EQ(json::parse(deleted.body)["collected"].size(), 1u) << deleted.body;
-  EXPECT_TRUE(slice_devices().is_null());
+  EXPECT_EQ(json::parse(deleted.body)["dependents"], json::array({slice["metadata"]["name"]})) << deleted.body;
+  EXPECT_TRUE(eventually(
+      [&] {
+        std::this_thread::sleep_for(50ms);
+        return node_slice().is_null();
+      },
+      5s));
+  // Ten of the plugin's periods (0.2 s): nothing written, the Node asked for
+  // at most once a period.
+  const size_t writes = api_->writes().size(), reads = node_reads();
+  std::this_thread::sleep_for(2s);
+  EXPECT_TRUE(node_slice().is_null()) << node_slice().dump();
+  EXPECT_EQ(api_->writes().size(), writes) << api_->writes().back().dump();
+  EXPECT_GE(node_reads() - reads, 1u);
+  EXPECT_LE(node_reads() - reads, 11u);
+  EXPECT_EQ(count(read_file(plugin_log_), "the Node does not exist"), 1u) << read_file(plugin_log_);
+}
+
+// `kubectl delete node` and the kubelet registering the node again: a Node
+// of the same name with a new uid. The garbage collector deletes the slice
+// naming the old uid; the plugin, asking for the Node while it is absent,
+// publishes under the new uid within a few of its periods (0.2 s), and the
+// collector leaves that slice alone.
+TEST_F(KubePluginE2E, ANodeCreatedAgainOwnsTheSliceAgain) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  const std::string old_uid = node_uid();
+  ASSERT_EQ(owner_uid(node_slice()), old_uid);
+  ASSERT_TRUE(api_control_->post("/fake/delete-node", {{"name", kNode}}).ok());
+  ASSERT_TRUE(eventually(
+      [&] {
+        std::this_thread::sleep_for(50ms);
+        return node_slice().is_null();
+      },
+      5s));
+  std::this_thread::sleep_for(600ms);  // three periods without the Node
+  const kube::HttpResult created = api_control_->post("/fake/create-node", {{"name", kNode}});
+  ASSERT_TRUE(created.ok()) << created.error;
+  const std::string new_uid = json::parse(created.body)["uid"];
+  ASSERT_NE(new_uid, old_uid);
+
+  EXPECT_TRUE(eventually(
+      [&] {
+        std::this_thread::sleep_for(50ms);
+        return owner_uid(node_slice()) == new_uid;
+      },
+      5s))
+      << node_slice().dump();
+  // It stays: ten periods, and the collector (0.1 s) has looked at it long since.
+  const size_t collected = collector_writes().size();
+  for (int i = 0; i < 20; ++i) {
+    std::this_thread::sleep_for(100ms);
+    const json slice = node_slice();
+    ASSERT_EQ(owner_uid(slice), new_uid) << slice.dump();
+    ASSERT_EQ(slice["spec"]["devices"].size(), 3u);
+  }
+  EXPECT_EQ(collector_writes().size(), collected);
+  EXPECT_NE(read_file(plugin_log_).find("the Node exists again"), std::string::npos) << read_file(plugin_log_);
+}
+
+// The Node deleted and created again at once, the plugin never seeing it
+// absent, the collector slower than the plugin's period (3 s against 0.2 s):
+// the periodic publish reads the Node, finds the new uid, and rewrites the
+// slice's owner before the collector looks; the collector then keeps it.
+TEST_F(KubePluginE2E, ANodeCreatedAgainAtOnceIsFoundAtThePeriodicPublish) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  const std::string slice_uid = node_slice()["metadata"]["uid"];
+  std::this_thread::sleep_for(300ms);  // the collector (0.1 s) has looked at the new slice
+  ASSERT_TRUE(api_control_->post("/fake/gc", {{"delay", 3.0}}).ok());
+  ASSERT_TRUE(api_control_->post("/fake/delete-node", {{"name", kNode}}).ok());
+  const kube::HttpResult created = api_control_->post("/fake/create-node", {{"name", kNode}});
+  ASSERT_TRUE(created.ok()) << created.error;
+  const std::string new_uid = json::parse(created.body)["uid"];
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool owned = eventually(
+      [&] {
+        std::this_thread::sleep_for(50ms);
+        return owner_uid(node_slice()) == new_uid;
+      },
+      2s);
+  EXPECT_TRUE(owned) << node_slice().dump();
+  if (owned)
+    printf("owned by the new uid after %.2f s\n",
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::this_thread::sleep_for(4s);  // the collector has looked (after the deletion, after the rewrite)
+  const json slice = node_slice();
+  EXPECT_EQ(owner_uid(slice), new_uid) << slice.dump();
+  EXPECT_EQ(slice["metadata"].value("uid", std::string()), slice_uid) << "rewritten, not deleted and created";
+  EXPECT_TRUE(collector_writes().empty()) << collector_writes().front().dump();
+  EXPECT_NE(read_file(plugin_log_).find("the Node was created again"), std::string::npos) << read_file(plugin_log_);
+}
+
+// Someone deletes the slice while the Node stays (an admin, the kubelet on
+// unregistering the driver): the plugin creates it again, owned by the same
+// Node, within a few of its periods.
+TEST_F(KubePluginE2E, ASliceDeletedWhileItsNodeStaysComesBack) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  const json before = node_slice();
+  const std::string uid = node_uid();
+  ASSERT_EQ(owner_uid(before), uid);
+  const std::string name = before["metadata"]["name"];
+  ASSERT_TRUE(api_client()->del("/apis/resource.k8s.io/v1/resourceslices/" + name).ok());
+  EXPECT_TRUE(eventually(
+      [&] {
+        std::this_thread::sleep_for(50ms);
+        const json slice = node_slice();
+        return slice.is_object() && slice["metadata"]["uid"] != before["metadata"]["uid"];
+      },
+      5s));
+  std::this_thread::sleep_for(1s);
+  const json after = node_slice();
+  EXPECT_EQ(owner_uid(after), uid) << after.dump();
+  EXPECT_EQ(after["spec"]["devices"].size(), 3u);
+  EXPECT_GT(after["spec"]["pool"]["generation"].get<int64_t>(), before["spec"]["pool"]["generation"].get<int64_t>());
+  EXPECT_TRUE(collector_writes().empty()) << collector_writes().front().dump();
 }
 
 // The shapes a real allocator writes besides the plain one: two results of

@@ -2,7 +2,10 @@
 // NODE object, its conformance with resource.k8s.io/v1's validation, and the
 // publisher's create / update / no-op / delete against the stand-in API server.
 #include <algorithm>
+#include <functional>
 #include <regex>
+#include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -426,6 +429,51 @@ struct KubeSlicePublisher : StandInServerTest {
     return out;
   }
   json stored_slices() { return json::parse(control->get("/fake/slices").body); }
+  // The stored slice `name` (null if none) and the uid its owner names.
+  json stored_slice(const std::string& name) {
+    for (json& s : stored_slices())
+      if (s["metadata"]["name"] == name) return s;
+    return nullptr;
+  }
+  static std::string owner_uid(const json& slice) {
+    const json owners = slice.is_object() ? slice["metadata"].value("ownerReferences", json::array()) : json();
+    return owners.is_array() && owners.size() == 1 ? owners[0].value("uid", std::string()) : std::string();
+  }
+  // The Node's uid now ("" if it does not exist).
+  std::string node_uid(const std::string& name) {
+    HttpResult r = client->get("/api/v1/nodes/" + name);
+    return r.ok() ? json::parse(r.body)["metadata"].value("uid", std::string()) : std::string();
+  }
+  // `kubectl delete node` and the kubelet registering again: the new uid.
+  std::string create_node_again(const std::string& name) {
+    EXPECT_TRUE(control->post("/fake/delete-node", {{"name", name}}).ok());
+    HttpResult created = control->post("/fake/create-node", {{"name", name}});
+    EXPECT_TRUE(created.ok()) << created.error;
+    return created.ok() ? json::parse(created.body)["uid"].get<std::string>() : std::string();
+  }
+  void set_gc_delay(double seconds) { ASSERT_TRUE(control->post("/fake/gc", {{"delay", seconds}}).ok()); }
+  // Requests so far: GETs of the Node `name`, and requests for slices.
+  size_t node_reads(const std::string& name) {
+    size_t n = 0;
+    for (const json& r : json::parse(control->get("/fake/requests").body))
+      n += r["method"] == "GET" && r["path"] == "/api/v1/nodes/" + name;
+    return n;
+  }
+  size_t slice_requests() { return api_requests(*control).size(); }
+  static size_t count(const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  }
+  // Polls `holds` every 20 ms for up to `timeout`.
+  static bool within(std::chrono::milliseconds timeout, const std::function<bool()>& holds) {
+    return fracgpu::testing::eventually(
+        [&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          return holds();
+        },
+        timeout);
+  }
 
  private:
   size_t seen_ = 0;
@@ -679,6 +727,196 @@ TEST_F(KubeSlicePublisher, EveryWrittenSlicePassesTheServersValidation) {
     ASSERT_TRUE(publisher.publish(node)) << log.text();
   }
   for (const json& w : new_writes()) EXPECT_NE(w["status"], 422) << w.dump();
+}
+
+// ---- The Node that owns the slice, and the stand-in's garbage collector ----
+
+// The stand-in's collector judges owner references as the real one does
+// (kube-controller-manager's garbagecollector.go, isDangling): a reference is
+// dangling when its owner is absent by name or present with another uid; a
+// slice whose references all dangle is deleted, one with a live owner too
+// only loses the dangling reference; references to kinds it does not serve
+// are left alone.
+TEST_F(KubeSlicePublisher, TheStandInsCollectorJudgesOwnersByUid) {
+  const std::string live = node_uid(kNode);
+  ASSERT_FALSE(live.empty());
+  ASSERT_TRUE(control->post("/fake/delete-node", {{"name", "node-z"}}).ok());
+  const std::string stranger = "00000000-0000-4000-8000-000000000001";
+  auto ref = [](const std::string& kind, const std::string& name, const std::string& uid, bool controller) {
+    json r = {{"apiVersion", kind == "Node" ? "v1" : "apps/v1"}, {"kind", kind}, {"name", name}, {"uid", uid}};
+    if (controller) r["controller"] = true;
+    return r;
+  };
+  auto post = [&](const std::string& name, const json& owners) {
+    json slice = build_resource_slice(kNode, node_object(1), 1);
+    slice["metadata"]["name"] = name;
+    if (!owners.empty()) slice["metadata"]["ownerReferences"] = owners;
+    HttpResult r = client->post("/apis/resource.k8s.io/v1/resourceslices", slice);
+    ASSERT_TRUE(r.ok()) << r.error;
+  };
+  post("live", json::array({ref("Node", kNode, live, true)}));
+  post("another-uid", json::array({ref("Node", kNode, stranger, true)}));
+  post("absent-node", json::array({ref("Node", "node-z", "00000000-0000-4000-8000-000000000002", true)}));
+  post("mixed", json::array({ref("Node", kNode, live, true), ref("Node", "node-b", stranger, false)}));
+  post("no-owner", json::array());
+  post("unserved-kind", json::array({ref("DaemonSet", "ds", stranger, true)}));
+  auto names = [&] {
+    std::set<std::string> out;
+    for (const json& s : stored_slices()) out.insert(s["metadata"]["name"]);
+    return out;
+  };
+  const std::set<std::string> kept = {"live", "mixed", "no-owner", "unserved-kind"};
+  EXPECT_TRUE(within(std::chrono::seconds(5), [&] {
+    return names() == kept && stored_slice("mixed")["metadata"]["ownerReferences"].size() == 1;
+  }));
+  EXPECT_EQ(names(), kept);
+  EXPECT_EQ(stored_slice("mixed")["metadata"]["ownerReferences"], json::array({ref("Node", kNode, live, true)}));
+  size_t collected = 0;
+  for (const json& w : server->writes()) collected += w.value("by", "") == "garbage-collector";
+  EXPECT_EQ(collected, 3u);  // two deletes, one update
+
+  // The Node deleted: what it owns goes, shortly after; created again, it
+  // has a new uid, and what named the old one does not come back to life.
+  HttpResult deleted = control->post("/fake/delete-node", {{"name", kNode}});
+  ASSERT_TRUE(deleted.ok()) << deleted.error;
+  const json answer = json::parse(deleted.body);
+  EXPECT_EQ(answer["uid"], live);
+  EXPECT_EQ(answer["dependents"].size(), 2u) << deleted.body;
+  EXPECT_TRUE(node_uid(kNode).empty());
+  EXPECT_EQ(control->post("/fake/delete-node", {{"name", kNode}}).status, 404);
+  HttpResult created = control->post("/fake/create-node", {{"name", kNode}});
+  ASSERT_TRUE(created.ok()) << created.error;
+  const std::string fresh = json::parse(created.body)["uid"];
+  EXPECT_NE(fresh, live);
+  EXPECT_EQ(node_uid(kNode), fresh);
+  EXPECT_EQ(control->post("/fake/create-node", {{"name", kNode}}).status, 409);
+  const std::set<std::string> left = {"no-owner", "unserved-kind"};
+  EXPECT_TRUE(within(std::chrono::seconds(5), [&] { return names() == left; })) << stored_slices().dump();
+}
+
+// The Node deleted and created again (a new uid), the collector has taken
+// the slice naming the old one: the next publish, periodic or not, finds
+// its slice gone, reads the Node again and creates the slice under the new
+// uid, which the collector keeps.
+TEST_F(KubeSlicePublisher, ASliceTheCollectorTookIsCreatedAgainUnderTheNewUid) {
+  SlicePublisher publisher(*client, kNode, log.logger);
+  const std::string name = slice_name(kNode);
+  ASSERT_TRUE(publisher.publish(node_object(1))) << log.text();
+  const std::string old_uid = owner_uid(stored_slice(name));
+  EXPECT_EQ(old_uid, node_uid(kNode));
+  const std::string new_uid = create_node_again(kNode);
+  ASSERT_TRUE(within(std::chrono::seconds(5), [&] { return stored_slice(name).is_null(); }));
+  new_writes();
+
+  ASSERT_TRUE(publisher.publish(node_object(1))) << log.text();
+  auto writes = new_writes();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0]["verb"], "create");
+  EXPECT_EQ(owner_uid(writes[0]["object"]), new_uid);
+  EXPECT_NE(log.text().find("gone from the API server; reading node node-a again"), std::string::npos) << log.text();
+  EXPECT_NE(log.text().find("the Node was created again"), std::string::npos) << log.text();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the collector (0.1 s) has looked
+  EXPECT_EQ(owner_uid(stored_slice(name)), new_uid);
+  ASSERT_TRUE(publisher.publish(node_object(1)));
+  EXPECT_TRUE(new_writes().empty());
+}
+
+// The Node created again while the slice naming the old uid still stands
+// (the collector not there yet): a publish for a change of devices does not
+// read the Node; the periodic one does, and rewrites the owner, and the
+// collector then keeps the slice.
+TEST_F(KubeSlicePublisher, ThePeriodicPublishReadsTheNodeAgain) {
+  SlicePublisher publisher(*client, kNode, log.logger);
+  const std::string name = slice_name(kNode);
+  ASSERT_TRUE(publisher.publish(node_object(1), true)) << log.text();
+  const size_t reads = node_reads(kNode);
+  EXPECT_EQ(reads, 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the collector (0.1 s) has looked at it
+  set_gc_delay(1.0);
+  const std::string new_uid = create_node_again(kNode);
+  new_writes();
+
+  json node = node_object(1);
+  node["gpus"][0]["config_share"] = 0.5;
+  ASSERT_TRUE(publisher.publish(node)) << log.text();
+  EXPECT_EQ(node_reads(kNode), reads);
+  ASSERT_TRUE(publisher.publish(node, true)) << log.text();
+  EXPECT_EQ(node_reads(kNode), reads + 1);
+  auto writes = new_writes();
+  ASSERT_EQ(writes.size(), 2u);
+  EXPECT_EQ(owner_uid(writes[1]["body"]), new_uid);
+  const std::string slice_uid = writes[1]["object"]["metadata"]["uid"];
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // the collector has looked, twice
+  EXPECT_EQ(stored_slice(name)["metadata"]["uid"], slice_uid);
+  EXPECT_EQ(owner_uid(stored_slice(name)), new_uid);
+  EXPECT_TRUE(new_writes().empty());
+}
+
+// Our update answered 404 (the slice deleted between our list and our
+// write): the Node is read again and the slice created, under the uid the
+// Node has now.
+TEST_F(KubeSlicePublisher, AnUpdateAnswered404ReadsTheNodeAndCreates) {
+  set_gc_delay(60);  // no collector in this one
+  SlicePublisher publisher(*client, kNode, log.logger);
+  const std::string name = slice_name(kNode);
+  ASSERT_TRUE(publisher.publish(node_object(1))) << log.text();
+  const std::string new_uid = create_node_again(kNode);
+  new_writes();
+  // The 404 is the stand-in's, the slice still there: the create meets it
+  // (409), reads it and updates it.
+  fail_next("PUT", "resourceslices/" + name, 404, 1);
+  json node = node_object(1);
+  node["gpus"][0]["config_share"] = 0.5;
+  ASSERT_TRUE(publisher.publish(node)) << log.text();
+  auto writes = new_writes();
+  ASSERT_EQ(writes.size(), 3u);
+  EXPECT_EQ(writes[0]["status"], 404);
+  EXPECT_EQ(writes[1]["verb"], "create");
+  EXPECT_EQ(writes[1]["status"], 409);
+  EXPECT_EQ(writes[1]["body"]["metadata"]["ownerReferences"][0]["uid"], new_uid);
+  EXPECT_EQ(writes[2]["verb"], "update");
+  EXPECT_EQ(writes[2]["status"], 200);
+  EXPECT_EQ(owner_uid(stored_slice(name)), new_uid);
+  EXPECT_NE(log.text().find("deleted meanwhile; creating it again"), std::string::npos) << log.text();
+}
+
+// While the Node does not exist nothing is written (the collector would take
+// it; without an owner it would outlive the node), the absence is logged
+// once, and the Node is asked for after 1 s, then twice as long each time up
+// to node_retry_max; the publishes in between ask the server nothing. When
+// it exists again the slice is published under its new uid.
+TEST_F(KubeSlicePublisher, AnAbsentNodeIsAskedForWithBackoffAndNothingWritten) {
+  SlicePublisher publisher(*client, kNode, log.logger, SliceOptions{.node_retry_max = std::chrono::seconds(2)});
+  const std::string name = slice_name(kNode);
+  ASSERT_TRUE(publisher.publish(node_object(1))) << log.text();
+  ASSERT_TRUE(control->post("/fake/delete-node", {{"name", kNode}}).ok());
+  ASSERT_TRUE(within(std::chrono::seconds(5), [&] { return stored_slice(name).is_null(); }));
+  new_writes();
+  const size_t reads = node_reads(kNode), requests = slice_requests();
+  // 3.5 s of the plugin's loop, polling every 20 ms, every publish periodic.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(3500)) {
+    EXPECT_FALSE(publisher.publish(node_object(1), true));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Read at 0, 1 s and 3 s.
+  EXPECT_EQ(node_reads(kNode) - reads, 3u);
+  EXPECT_EQ(slice_requests(), requests);
+  EXPECT_TRUE(new_writes().empty());
+  EXPECT_EQ(count(log.text(), "the Node does not exist"), 1u) << log.text();
+
+  HttpResult created = control->post("/fake/create-node", {{"name", kNode}});
+  ASSERT_TRUE(created.ok()) << created.error;
+  const std::string new_uid = json::parse(created.body)["uid"];
+  // The next read is due 2 s after the last.
+  EXPECT_TRUE(within(std::chrono::seconds(3), [&] { return publisher.publish(node_object(1), true); })) << log.text();
+  EXPECT_EQ(owner_uid(stored_slice(name)), new_uid);
+  EXPECT_NE(log.text().find("the Node exists again"), std::string::npos) << log.text();
+  // Absent again later: said again, once.
+  ASSERT_TRUE(control->post("/fake/delete-node", {{"name", kNode}}).ok());
+  EXPECT_FALSE(publisher.publish(node_object(1), true));
+  EXPECT_FALSE(publisher.publish(node_object(1), true));
+  EXPECT_EQ(count(log.text(), "the Node does not exist"), 2u) << log.text();
 }
 
 }  // namespace
