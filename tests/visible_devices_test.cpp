@@ -298,4 +298,249 @@ TEST_F(VisibleDevicesTest, TheSimulatedDriversOrdinalsAreTheVisibleOnes) {
   EXPECT_EQ(n["gpus_direct_count"], "3");  // NVML ignores CUDA_VISIBLE_DEVICES
 }
 
+// ---- A tenant's process sees only its GPUs ----
+
+// A tenant granted GPU 0 of two, CUDA_VISIBLE_DEVICES unset (as outside
+// Kubernetes): one device, GPU 0, through every path to cuInit; GPU 1 is no
+// device at all. (Before: the count was 2 and a context could be made on
+// GPU 1, which nothing charged.)
+TEST_F(VisibleDevicesTest, ATenantSeesOnlyTheGpuItIsGranted) {
+  grant("alice", 0, 1 * kGiB);
+  for (const char* init : {"init", "init-dlsym"}) {
+    SCOPED_TRACE(init);
+    const Output r = probe({init, "devices", "primary", "1", "getenv", "CUDA_VISIBLE_DEVICES"}, env("alice"));
+    EXPECT_EQ(r["init"], kSuccess) << r.err;
+    EXPECT_EQ(r["devices"], "1");
+    EXPECT_EQ(r["device_0_uuid"], kUuids[0]);
+    EXPECT_EQ(r["device_past_end"], kInvalidDevice);
+    EXPECT_EQ(r["primary"], kInvalidDevice);  // GPU 1 cannot be reached
+    EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], kUuids[0]);
+    EXPECT_EQ(r.err, "");
+  }
+  EXPECT_EQ(sim_used(1), 0u);
+  // Granted GPU 1 only: it is device 0.
+  grant("bob", 1, 1 * kGiB);
+  const Output r = probe({"init", "devices", "primary", "0", "alloc", "10MiB"}, env("bob"));
+  EXPECT_EQ(r["devices"], "1");
+  EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+  EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+}
+
+// JAX's start-up makes a context and takes most of the memory on every GPU
+// it is shown. Granted GPU 0 of two, it is shown GPU 0 only: nothing is held
+// on GPU 1, and its share of GPU 0 is taken within its quota. (Before: a
+// context on GPU 1 held there uncharged, and the allocation there failed.)
+TEST_F(VisibleDevicesTest, AJaxStartTouchesOnlyTheGrantedGpu) {
+  grant("alice", 0, 4 * kGiB);
+  const Output r = probe_and_hold({"jax-start", "75"}, env("alice"));
+  EXPECT_EQ(r["jax_init"], kSuccess);
+  EXPECT_EQ(r["jax_count"], "1");
+  EXPECT_EQ(r["jax_0_uuid"], kUuids[0]);
+  EXPECT_EQ(r["jax_0_ctx"], kSuccess);
+  EXPECT_EQ(r["jax_0_alloc"], kSuccess);
+  EXPECT_EQ(r.values.count("jax_1_ctx"), 0u) << r.out;
+  const uint64_t taken = (4 * kGiB - kContext) * 3 / 4;
+  EXPECT_EQ(r["jax_0_free"], std::to_string(4 * kGiB - kContext));
+  EXPECT_EQ(sim_used(0), kContext + taken);
+  EXPECT_EQ(sim_used(1), 0u);
+  EXPECT_EQ(tenant_used_on("alice", 0), kContext + taken);
+}
+
+// Three such processes side by side: none holds anything on GPU 1.
+TEST_F(VisibleDevicesTest, SeveralJaxStartsHoldNothingOnAnotherGpu) {
+  grant("alice", 0, 8 * kGiB);
+  for (int i = 0; i < 3; ++i) {
+    const Output r = probe_and_hold({"jax-start", "10"}, env("alice"));
+    EXPECT_EQ(r["jax_count"], "1");
+    EXPECT_EQ(r["jax_0_alloc"], kSuccess);
+  }
+  EXPECT_EQ(sim_used(1), 0u);
+  EXPECT_EQ(sim_used(0), tenant_used_on("alice", 0));
+}
+
+// Two claims (two tenants) in one process, granting GPU 0 and GPU 1 of
+// three: the process sees both, in the node's order, each charged to the
+// tenant granting it, and nothing on GPU 2.
+TEST_F(VisibleDevicesTest, TwoClaimsSeeTheUnionOfTheirGpus) {
+  use_three_gpus(devices_);
+  grant("bob", 1, 2 * kGiB);  // bob's claim is listed second, its GPU still comes second
+  grant("alice", 0, 1 * kGiB);
+  const std::vector<std::string> both = claims({"alice", "bob"});
+  const Output r = probe_and_hold({"jax-start", "50"}, env("", true, both));
+  EXPECT_EQ(r["jax_count"], "2") << r.out;
+  EXPECT_EQ(r["jax_0_uuid"], kUuids[0]);
+  EXPECT_EQ(r["jax_1_uuid"], kUuids[1]);
+  EXPECT_EQ(r["jax_0_alloc"], kSuccess);
+  EXPECT_EQ(r["jax_1_alloc"], kSuccess);
+  EXPECT_EQ(r["jax_peer_0_1"], kSuccess);
+  EXPECT_EQ(r["jax_peer_1_0"], kSuccess);
+  EXPECT_EQ(r.values.count("jax_2_ctx"), 0u) << r.out;
+  EXPECT_EQ(tenant_used_on("alice", 0), kContext + (1 * kGiB - kContext) / 2);
+  EXPECT_EQ(tenant_used_on("bob", 1), kContext + (2 * kGiB - kContext) / 2);
+  EXPECT_EQ(sim_used(2), 0u);
+  const Output n = nvml({"init", "gpus", "direct", "gpus", "dlsym"}, env("", true, both));
+  for (const char* path : {"direct", "dlsym"}) {
+    SCOPED_TRACE(path);
+    const std::string p = std::string("gpus_") + path;
+    EXPECT_EQ(n[p + "_count"], "2");
+    EXPECT_EQ(n[p + "_0_uuid"], kUuids[0]);
+    EXPECT_EQ(n[p + "_1_uuid"], kUuids[1]);
+    EXPECT_EQ(n[p + "_1_index"], "1");
+  }
+}
+
+// NVML ignores CUDA_VISIBLE_DEVICES: its hooks show a tenant's process its
+// GPUs only, numbered as CUDA numbers them; lookups of the others find nothing.
+TEST_F(VisibleDevicesTest, NvmlShowsOnlyTheTenantsGpus) {
+  use_three_gpus(devices_);
+  grant("alice", 1, 1 * kGiB);
+  grant("alice", 2, 1 * kGiB);
+  const Output n = nvml({"init", "gpus", "direct", "gpus", "dlsym", "byuuid", kUuids[0], "direct", "byuuid", kUuids[0],
+                      "dlsym", "byuuid", kUuids[2], "dlsym", "bypci", "0000:10:00.0", "direct", "bypci",
+                      "0000:10:00.0", "dlsym", "bypci", "0000:11:00.0", "dlsym"},
+                     env("alice"));
+  for (const char* path : {"direct", "dlsym"}) {
+    SCOPED_TRACE(path);
+    const std::string p = std::string("gpus_") + path;
+    EXPECT_EQ(n[p + "_rc"], kSuccess);
+    EXPECT_EQ(n[p + "_count"], "2");
+    EXPECT_EQ(n[p + "_0_uuid"], kUuids[1]);
+    EXPECT_EQ(n[p + "_0_index"], "0");
+    EXPECT_EQ(n[p + "_1_uuid"], kUuids[2]);
+    EXPECT_EQ(n[p + "_1_index"], "1");
+    EXPECT_EQ(n[p + "_past_end_rc"], kNvmlInvalidArgument);
+    EXPECT_EQ(n[std::string("byuuid_") + path + "_" + kUuids[0] + "_rc"], kNvmlNotFound);
+    EXPECT_EQ(n[std::string("bypci_") + path + "_0000:10:00.0_rc"], kNvmlNotFound);
+  }
+  EXPECT_EQ(n[std::string("byuuid_dlsym_") + kUuids[2] + "_rc"], kSuccess);
+  EXPECT_EQ(n["bypci_dlsym_0000:11:00.0_rc"], kSuccess);
+  // CUDA numbers them the same way.
+  const Output r = probe({"init", "devices"}, env("alice"));
+  EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+  EXPECT_EQ(r["device_1_uuid"], kUuids[2]);
+  // Not a tenant's process: every GPU, as NVML has them.
+  for (const auto& e : {env(""), env("alice", false)}) {
+    const Output all = nvml({"init", "gpus", "direct", "byuuid", kUuids[0], "direct"}, e);
+    EXPECT_EQ(all["gpus_direct_count"], "3");
+    EXPECT_EQ(all[std::string("byuuid_direct_") + kUuids[0] + "_rc"], kSuccess);
+  }
+}
+
+// The GPUs are numbered in NVML's (the node's) order, whatever the order of
+// the grants; without NVML, in the order of the grants.
+TEST_F(VisibleDevicesTest, TheTenantsGpusKeepTheNodesOrder) {
+  grant("alice", 1, 1 * kGiB);  // entry 0
+  grant("alice", 0, 1 * kGiB);  // entry 1
+  Output r = probe({"init", "devices"}, env("alice"));
+  EXPECT_EQ(r["devices"], "2");
+  EXPECT_EQ(r["device_0_uuid"], kUuids[0]);
+  EXPECT_EQ(r["device_1_uuid"], kUuids[1]);
+  r = probe({"init", "devices"}, env("alice", true, {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR}));
+  EXPECT_EQ(r["devices"], "2");
+  if (r["device_0_uuid"] == kUuids[0]) GTEST_SKIP() << "an NVML outside the tests numbers these GPUs";
+  EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+  EXPECT_EQ(r["device_1_uuid"], kUuids[0]);
+}
+
+// A CUDA_VISIBLE_DEVICES the user set chooses among the tenant's GPUs as the
+// driver would on a node that had only them.
+TEST_F(VisibleDevicesTest, AUserValueChoosesAmongTheTenantsGpus) {
+  use_three_gpus(devices_);
+  grant("alice", 0, 1 * kGiB);
+  grant("alice", 2, 1 * kGiB);
+  struct Case {
+    std::string value;
+    std::vector<int> devices;  // empty: cuInit refused
+    bool said;                 // a log line says why it was refused
+  };
+  const std::vector<Case> cases = {
+      {"1", {2}, false},  // the tenant's second GPU
+      {"1,0", {2, 0}, false},
+      {"0,1,2", {0, 2}, false},  // "2" names none of its GPUs: the list ends there
+      {std::string(kUuids[2]) + "," + kUuids[0], {2, 0}, false},
+      {"GPU-22222222", {2}, false},
+      {"gpu-22222222", {}, true},  // not a UUID: read as an index, and none
+      {kUuids[1], {}, true},       // a GPU the tenant is not granted
+      {std::string(kUuids[0]) + "," + kUuids[1] + "," + kUuids[2], {0}, false},
+      {"2", {}, true},
+      {"0,0", {}, true},
+      {"MIG-11111111-2222-3333-4444-000000000000/1/0", {}, true},
+      {"", {}, false},  // asked for no GPU: refused without a word, as the driver would
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE("CUDA_VISIBLE_DEVICES=\"" + c.value + "\"");
+    const Output r = probe({"init", "devices", "getenv", "CUDA_VISIBLE_DEVICES"},
+                        env("alice", true, {"CUDA_VISIBLE_DEVICES=" + c.value}));
+    if (c.devices.empty()) {
+      EXPECT_EQ(r["init"], kNoDevice);
+      EXPECT_EQ(r["devices_rc"], kNotInitialized);
+      EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], c.value);  // left as the user set it
+      if (c.said) {
+        EXPECT_NE(r.err.find("cuInit refused (CUDA_ERROR_NO_DEVICE): CUDA_VISIBLE_DEVICES=\"" + c.value + "\""),
+                  std::string::npos)
+            << r.err;
+        EXPECT_NE(r.err.find(std::string(kUuids[0]) + "," + kUuids[2]), std::string::npos) << r.err;
+      } else {
+        EXPECT_EQ(r.err, "");
+      }
+      continue;
+    }
+    EXPECT_EQ(r["init"], kSuccess) << r.err;
+    EXPECT_EQ(r["devices"], std::to_string(c.devices.size()));
+    std::string expected;
+    for (size_t i = 0; i < c.devices.size(); ++i) {
+      EXPECT_EQ(r["device_" + std::to_string(i) + "_uuid"], kUuids[c.devices[i]]) << i;
+      expected += (i > 0 ? "," : "") + std::string(kUuids[c.devices[i]]);
+    }
+    EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], expected);
+  }
+}
+
+// No GPU granted (here: the policy not committed yet): cuInit says there is
+// no device, without initializing the driver, so a later cuInit succeeds
+// once the GPU is granted.
+TEST_F(VisibleDevicesTest, NoGpuGrantedIsNoDevice) {
+  open_tenant("alice");
+  Output r = probe({"init", "devices"}, env("alice"));
+  EXPECT_EQ(r["init"], kNoDevice);
+  EXPECT_NE(r.err.find("cuInit refused (CUDA_ERROR_NO_DEVICE): no GPU is granted to tenant \"alice\""),
+            std::string::npos)
+      << r.err;
+  grant("alice", 1, 1 * kGiB);
+  r = probe({"init", "devices"}, env("alice"));
+  EXPECT_EQ(r["init"], kSuccess);
+  EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+}
+
+// A process with no tenant (FRACGPU_UNMANAGED=passthrough) or without the
+// interposer sees what the driver shows, CUDA_VISIBLE_DEVICES untouched.
+TEST_F(VisibleDevicesTest, ProcessesWithoutATenantSeeWhatTheDriverShows) {
+  grant("alice", 0, 1 * kGiB);
+  for (const auto& e : {env(""), env("alice", false)}) {
+    Output r = probe({"init", "devices", "getenv", "CUDA_VISIBLE_DEVICES"}, e);
+    EXPECT_EQ(r["devices"], "2");
+    EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES_unset"], "1");
+    std::vector<std::string> one = e;
+    one.push_back("CUDA_VISIBLE_DEVICES=1");
+    r = probe({"init", "devices", "getenv", "CUDA_VISIBLE_DEVICES"}, one);
+    EXPECT_EQ(r["devices"], "1");
+    EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+    EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], "1");
+  }
+}
+
+// A forked child keeps its parent's view, and a program it runs inherits the
+// narrowed variable (and under the interposer chooses the same GPUs again).
+TEST_F(VisibleDevicesTest, ChildrenKeepTheNarrowedView) {
+  grant("alice", 1, 1 * kGiB);
+  const Output r = probe({"init", "fork", "init", "devices", "getenv", "CUDA_VISIBLE_DEVICES"}, env("alice"));
+  EXPECT_EQ(r["fork_child_exit"], "0");
+  EXPECT_EQ(r["devices"], "1");
+  EXPECT_EQ(r["device_0_uuid"], kUuids[1]);
+  EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], kUuids[1]);
+  const Output again = probe({"init", "devices"}, env("alice", true, {std::string("CUDA_VISIBLE_DEVICES=") + kUuids[1]}));
+  EXPECT_EQ(again["devices"], "1");
+  EXPECT_EQ(again["device_0_uuid"], kUuids[1]);
+}
+
 }  // namespace
