@@ -60,12 +60,14 @@ extern RealTable g_driver_table;
 extern RealTable g_nvml_table;  // nvml_hooks.cpp
 
 // Loads the table's library (once, thread-safe, re-entrancy safe: a call
-// from the thread that is loading it returns false). False if it cannot.
-bool load_real_table_slow(RealTable& table);
-inline bool load_real_table(RealTable& table) {
+// from the thread that is loading it returns false). False if it cannot;
+// that is an error line, or an info line when `optional` (a caller that has
+// a way to do without it).
+bool load_real_table_slow(RealTable& table, bool optional = false);
+inline bool load_real_table(RealTable& table, bool optional = false) {
   if (table.ready->load(std::memory_order_acquire)) [[likely]]
     return true;
-  return load_real_table_slow(table);
+  return load_real_table_slow(table, optional);
 }
 
 // Our hook for a real address of the table's library, or `address` itself

@@ -1,21 +1,28 @@
-// cuInit and cuGetProcAddress: where a process meets the driver first, and
-// how the CUDA runtime finds every other entry point (see resolve.cpp).
+// cuInit and cuGetProcAddress: where a process meets the driver first (and
+// where a tenant's process is given only its GPUs), and how the CUDA runtime
+// finds every other entry point (see resolve.cpp).
 #pragma once
 
 #include "hook_table.h"
 #include "log.h"
 #include "memory_hooks.h"
+#include "visible_devices.h"
 
 namespace fracgpu::interpose {
 
 template <HookId id>
 CUresult init(unsigned int flags) {
   if (!load_real_driver()) return kNoDriver;
+  // Attach now, so a refused ledger is reported where the process starts
+  // using the GPU rather than at some later allocation, and before the
+  // driver reads CUDA_VISIBLE_DEVICES: a tenant's process sees only its
+  // tenants' GPUs (visible_devices.h).
+  const TenantMode mode = tenant_mode();
+  if (mode == TenantMode::kManaged)
+    if (const CUresult chosen = choose_visible_devices(); chosen != CUDA_SUCCESS) return chosen;
   CUresult result = FRACGPU_PASS(id, flags);
   if (result != CUDA_SUCCESS) return result;
-  // Attach now, so a refused ledger is reported where the process starts
-  // using the GPU rather than at some later allocation.
-  const TenantMode mode = tenant_mode();
+  if (mode == TenantMode::kManaged) note_driver_initialized();
   if (mode == TenantMode::kDenied) return kDenied;
   // A GPU the daemon marked unavailable (unhealthy, or a bypass found) turns
   // new processes away here, where the application expects device errors.

@@ -409,6 +409,7 @@ CUresult mem_create(CUmemGenericAllocationHandle* handle, size_t bytes, const CU
   if (handle == nullptr || prop == nullptr || bytes == 0 || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return FRACGPU_PASS(id, handle, bytes, prop, flags);
   const int gpu = gpu_entry_for_device(prop->location.id);
+  if (gpu < 0 && !device_exists(prop->location.id)) return FRACGPU_PASS(id, handle, bytes, prop, flags);  // its error
   if (!reserve(gpu, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, handle, bytes, prop, flags);
   if (result != CUDA_SUCCESS) {
@@ -594,7 +595,7 @@ CUresult ctx_create(CUcontext* ctx, Args... args) {
   const CUdevice device = last_of(args...);
   const int gpu = gpu_entry_for_device(device);
   if (gpu < 0 && device_denied(device)) return kDenied;  // two tenants grant it
-  if (ctx == nullptr) return FRACGPU_PASS(id, ctx, args...);
+  if (ctx == nullptr || (gpu < 0 && !device_exists(device))) return FRACGPU_PASS(id, ctx, args...);
   const uint64_t footprint = gpu >= 0 ? gpu_policy(gpu).context_memory : 0;
   if (!reserve(gpu, footprint)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, args...);
@@ -668,6 +669,7 @@ CUresult primary_ctx_retain(CUcontext* ctx, CUdevice device) {
   if (ctx == nullptr || device < 0 || device >= kMaxDevices) return FRACGPU_PASS(id, ctx, device);
   const int gpu = gpu_entry_for_device(device);
   if (gpu < 0 && device_denied(device)) return kDenied;  // two tenants grant it
+  if (gpu < 0 && !device_exists(device)) return FRACGPU_PASS(id, ctx, device);  // the driver's error
   if (!primary_retain_charge(device, gpu)) return CUDA_ERROR_OUT_OF_MEMORY;
   CUresult result = FRACGPU_PASS(id, ctx, device);
   note_contexts_changed();

@@ -1,6 +1,12 @@
-// NVML inside the tenant: what nvidia-smi and frameworks read about memory
-// and processes, shown as the tenant's share of the GPU.
+// NVML inside the tenant: which GPUs there are, and what nvidia-smi and
+// frameworks read about memory and processes, shown as the tenant's share of
+// the GPU.
 //
+// - GPUs (nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, both versions;
+//   nvmlDeviceGetIndex): only those the process's tenants grant, numbered
+//   from 0 in NVML's order, which is the order CUDA numbers them in for the
+//   process (visible_devices.h). Lookups by UUID, PCI bus ID or serial of any
+//   other GPU: NVML_ERROR_NOT_FOUND.
 // - Memory (nvmlDeviceGetMemoryInfo, _v2): the same view as cuMemGetInfo
 //   (tenant_memory_view): total = the quota, used = the tenant's usage on
 //   that GPU (all its processes, from the ledger), free = total - used capped
@@ -43,9 +49,13 @@ namespace fracgpu::interpose {
 namespace {
 
 decltype(&::nvmlDeviceGetUUID) g_nvml_get_uuid = nullptr;
+decltype(&::nvmlInit_v2) g_nvml_init = nullptr;
+decltype(&::nvmlShutdown) g_nvml_shutdown = nullptr;
 
 void resolve_nvml_calls(DlsymFn sym, void* handle) {
   g_nvml_get_uuid = reinterpret_cast<decltype(&::nvmlDeviceGetUUID)>(sym(handle, "nvmlDeviceGetUUID"));
+  g_nvml_init = reinterpret_cast<decltype(&::nvmlInit_v2)>(sym(handle, "nvmlInit_v2"));
+  g_nvml_shutdown = reinterpret_cast<decltype(&::nvmlShutdown)>(sym(handle, "nvmlShutdown"));
 }
 
 }  // namespace
@@ -106,6 +116,57 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
   return Scope::kTenant;
 }
 
+// A device's GPU UUID (false: NVML cannot say, or it is no GPU's: a MIG
+// device's "MIG-..." included).
+bool device_uuid(nvmlDevice_t device, uint8_t uuid[16]) {
+  char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = {};
+  return g_nvml_get_uuid != nullptr && g_nvml_get_uuid(device, text, sizeof text) == NVML_SUCCESS &&
+         ledger::parse_gpu_uuid_text(text, uuid);
+}
+
+// Whether a tenant's process (managed mode) sees the device: one of its
+// tenants grants it.
+bool tenant_sees(nvmlDevice_t device) {
+  uint8_t uuid[16];
+  return device_uuid(device, uuid) && is_granted_gpu(uuid);
+}
+
+// NVML's enumeration a hook goes with: the first versions' count and index
+// lookup, or the _v2 ones (either one standing in where NVML lacks the other).
+struct Enumeration {
+  nvmlReturn_t (*count)(unsigned int*) = nullptr;
+  nvmlReturn_t (*by_index)(unsigned int, nvmlDevice_t*) = nullptr;
+};
+
+template <NvmlHookId id>
+Enumeration enumeration() {
+  constexpr bool first = id == NvmlHookId::nvmlDeviceGetCount || id == NvmlHookId::nvmlDeviceGetHandleByIndex;
+  Enumeration v1{nvml_real<NvmlHookId::nvmlDeviceGetCount>(), nvml_real<NvmlHookId::nvmlDeviceGetHandleByIndex>()};
+  Enumeration v2{nvml_real<NvmlHookId::nvmlDeviceGetCount_v2>(),
+                 nvml_real<NvmlHookId::nvmlDeviceGetHandleByIndex_v2>()};
+  Enumeration e = first ? v1 : v2;
+  const Enumeration& other = first ? v2 : v1;
+  if (e.count == nullptr) e.count = other.count;
+  if (e.by_index == nullptr) e.by_index = other.by_index;
+  return e;
+}
+
+// The tenant's devices in NVML's order: visit(handle, k) for the k-th, until
+// it returns true. NVML's error if it cannot count (not initialized, ...).
+template <class Visit>
+nvmlReturn_t walk_tenant_devices(const Enumeration& e, Visit visit) {
+  if (e.count == nullptr || e.by_index == nullptr) return no_real_function();
+  unsigned real_count = 0;
+  if (const nvmlReturn_t r = e.count(&real_count); r != NVML_SUCCESS) return r;
+  unsigned k = 0;
+  for (unsigned i = 0; i < real_count; ++i) {
+    nvmlDevice_t device = nullptr;
+    if (e.by_index(i, &device) != NVML_SUCCESS || !tenant_sees(device)) continue;
+    if (visit(device, k++)) break;
+  }
+  return NVML_SUCCESS;
+}
+
 // The tenant's memory on GPU entry `gpu`; false: no quota, keep the real figures.
 bool tenant_memory(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* total, uint64_t* free, uint64_t* used) {
   if (!tenant_memory_view(gpu, real_free, real_total, free, total)) return false;
@@ -164,6 +225,89 @@ Query<id> query(nvmlDevice_t device) {
 }
 
 }  // namespace
+
+int nvml_gpu_order(uint8_t (*out)[16], int capacity) {
+  if (!load_real_table(g_nvml_table, /*optional=*/true)) return -1;
+  const auto count = nvml_real<NvmlHookId::nvmlDeviceGetCount_v2>();
+  const auto by_index = nvml_real<NvmlHookId::nvmlDeviceGetHandleByIndex_v2>();
+  if (g_nvml_init == nullptr || g_nvml_shutdown == nullptr || count == nullptr || by_index == nullptr) return -1;
+  if (g_nvml_init() != NVML_SUCCESS) return -1;
+  unsigned n = 0;
+  int kept = 0;
+  if (count(&n) == NVML_SUCCESS) {
+    for (unsigned i = 0; i < n && kept < capacity; ++i) {
+      nvmlDevice_t device = nullptr;
+      if (by_index(i, &device) == NVML_SUCCESS && device_uuid(device, out[kept])) ++kept;
+    }
+  }
+  g_nvml_shutdown();
+  return kept;
+}
+
+// The count and the index lookups (both versions): the tenant's devices
+// only. Not a tenant's process (no tenant, or refused): NVML's answers.
+template <NvmlHookId id>
+nvmlReturn_t nvml_device_count(unsigned int* count) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  if (count == nullptr || tenant_mode() != TenantMode::kManaged) return real(count);
+  unsigned n = 0;
+  const nvmlReturn_t result = walk_tenant_devices(enumeration<id>(), [&](nvmlDevice_t, unsigned) {
+    ++n;
+    return false;
+  });
+  if (result == NVML_SUCCESS) *count = n;
+  return result;
+}
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_handle_by_index(unsigned int index, nvmlDevice_t* device) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  if (device == nullptr || tenant_mode() != TenantMode::kManaged) return real(index, device);
+  nvmlDevice_t found = nullptr;
+  const nvmlReturn_t result = walk_tenant_devices(enumeration<id>(), [&](nvmlDevice_t d, unsigned k) {
+    if (k == index) found = d;
+    return k == index;
+  });
+  if (result != NVML_SUCCESS) return result;
+  if (found == nullptr) return NVML_ERROR_INVALID_ARGUMENT;  // NVML's answer for an index past the count
+  *device = found;
+  return NVML_SUCCESS;
+}
+
+// By UUID, PCI bus ID, serial number: a GPU that is not the tenant's is not found.
+template <NvmlHookId id>
+nvmlReturn_t nvml_handle_lookup(const char* key, nvmlDevice_t* device) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  const nvmlReturn_t result = real(key, device);
+  if (result != NVML_SUCCESS || tenant_mode() != TenantMode::kManaged || tenant_sees(*device)) return result;
+  *device = nullptr;
+  return NVML_ERROR_NOT_FOUND;
+}
+
+// A device's index among the tenant's devices (the index the count and the
+// index lookup above number it by).
+template <NvmlHookId id>
+nvmlReturn_t nvml_device_index(nvmlDevice_t device, unsigned int* index) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  const unsigned before = index != nullptr ? *index : 0;
+  const nvmlReturn_t result = real(device, index);  // checks the handle and the pointer
+  if (result != NVML_SUCCESS || tenant_mode() != TenantMode::kManaged) return result;
+  *index = before;  // NVML's own index is not the tenant's to see
+  bool found = false;
+  const nvmlReturn_t walked = walk_tenant_devices(enumeration<id>(), [&](nvmlDevice_t d, unsigned k) {
+    if (d == device) {
+      *index = k;
+      found = true;
+    }
+    return found;
+  });
+  if (walked != NVML_SUCCESS) return walked;
+  return found ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+}
 
 template <NvmlHookId id, class Memory>
 nvmlReturn_t nvml_memory_info(nvmlDevice_t device, Memory* memory) {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 
 #include "fracgpu/nvml_abi.h"
 #include "hook_table.h"
@@ -24,6 +25,12 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, uns
                                                         nvmlProcessInfo_v2_t* infos);
 nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int* infoCount,
                                                         nvmlProcessInfo_t* infos);
+// The first versions of the count and index lookup, and the lookups by PCI
+// bus ID and by board serial number.
+nvmlReturn_t nvmlDeviceGetCount(unsigned int* deviceCount);
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t* device);
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char* pciBusId, nvmlDevice_t* device);
+nvmlReturn_t nvmlDeviceGetHandleBySerial(const char* serial, nvmlDevice_t* device);
 }
 
 namespace fracgpu::interpose {
@@ -46,6 +53,12 @@ struct NvmlHookTraits;
 
 // Real NVML entry points, indexed by NvmlHookId (g_nvml_table loads them).
 extern void* g_nvml_real[kNvmlHookCount];
+
+// NVML's GPUs in its index order (PCI bus order, as nvidia-smi numbers
+// them), read with NVML's own functions (this process's tenants play no part):
+// their UUIDs in out[0, n), at most `capacity`; returns n, or -1 when NVML
+// cannot be loaded or initialized. Slow: initializes NVML and shuts it down.
+int nvml_gpu_order(uint8_t (*out)[16], int capacity);
 
 // The real function for an NVML hook, typed; loads NVML on first use. Null
 // if NVML cannot be loaded or lacks the function.

@@ -79,7 +79,7 @@ DlsymFn real_dlsym() {
   return fn;
 }
 
-bool load_real_table_slow(RealTable& table) {
+bool load_real_table_slow(RealTable& table, bool optional) {
   int state = table.state.load(std::memory_order_acquire);
   if (state == 2) return true;
   if (state == 3) return false;
@@ -96,7 +96,8 @@ bool load_real_table_slow(RealTable& table) {
   void* handle = dlopen(table.soname, RTLD_NOW | RTLD_GLOBAL);
   bool ok = sym != nullptr && handle != nullptr;
   if (!ok) {
-    log_line(LogLevel::kError, "cannot load %s (%s): %s", table.what, table.soname, dlerror());
+    log_line(optional ? LogLevel::kInfo : LogLevel::kError, "cannot load %s (%s): %s", table.what, table.soname,
+             dlerror());
   } else {
     for (size_t i = 0; i < table.count; ++i) {
       void* address = sym(handle, table.names[i]);

@@ -339,9 +339,48 @@ int gpu_for_uuid(const uint8_t uuid[16]) {
   return gpu >= 0 ? gpu : kNotGranted;
 }
 
+int granted_gpus(uint8_t (*out)[16], int capacity) {
+  int n = 0;
+  for (int t = 0; t < g_tenant_count; ++t) {
+    ledger::GpuTable table;
+    ledger::read_gpu_table(g_tenants[t].ledger, &table);
+    for (const ledger::GpuEntry& e : table.gpus) {
+      if (e.state != ledger::kGpuGranted) continue;
+      bool listed = false;
+      for (int i = 0; i < n && !listed; ++i) listed = memcmp(out[i], e.uuid, 16) == 0;
+      if (listed || n == capacity) continue;
+      memcpy(out[n++], e.uuid, 16);
+    }
+  }
+  return n;
+}
+
+bool is_granted_gpu(const uint8_t uuid[16]) {
+  for (int t = 0; t < g_tenant_count; ++t) {
+    ledger::GpuTable table;
+    ledger::read_gpu_table(g_tenants[t].ledger, &table);
+    const int entry = ledger::find_gpu(table, uuid);
+    if (entry >= 0 && table.gpus[entry].state == ledger::kGpuGranted) return true;
+  }
+  return false;
+}
+
+const char* tenants_text(char* buf, size_t size) {
+  if (g_tenant_count == 1)
+    snprintf(buf, size, "tenant \"%s\" (%s)", g_tenants[0].ledger.policy->tenant, g_tenants[0].dir);
+  else
+    snprintf(buf, size, "this process's %d tenants", g_tenant_count);
+  return buf;
+}
+
 bool device_denied(CUdevice device) {
   return device >= 0 && device < kMaxDevices && gpu_entry_for_device(device) == kNotGranted &&
          (g_device_denied.load(std::memory_order_relaxed) >> device & 1) != 0;
+}
+
+bool device_exists(CUdevice device) {
+  CUuuid uuid{};
+  return g_driver.cuDeviceGetUuid_v2 != nullptr && g_driver.cuDeviceGetUuid_v2(&uuid, device) == CUDA_SUCCESS;
 }
 
 int gpu_entry_for_device(CUdevice device) {
@@ -358,8 +397,11 @@ int gpu_entry_for_device(CUdevice device) {
   CUuuid uuid{};
   entry = kNotGranted;
   int first = kNotGranted, second = kNotGranted;
-  if (g_driver.cuDeviceGetUuid_v2 != nullptr && g_driver.cuDeviceGetUuid_v2(&uuid, device) == CUDA_SUCCESS)
-    entry = find_tenant_gpu(reinterpret_cast<const uint8_t*>(uuid.bytes), &first, &second);
+  // No such device (an ordinal past those the process sees): nobody's, and
+  // nothing to say or remember (the caller lets the driver answer).
+  if (g_driver.cuDeviceGetUuid_v2 == nullptr || g_driver.cuDeviceGetUuid_v2(&uuid, device) != CUDA_SUCCESS)
+    return kNotGranted;
+  entry = find_tenant_gpu(reinterpret_cast<const uint8_t*>(uuid.bytes), &first, &second);
   if (entry == kTwoTenants) {
     // Whose quota and GPU time would it be? Neither can be told: refused.
     const uint64_t bit = uint64_t{1} << device;

@@ -73,8 +73,20 @@ inline constexpr int kMaxDevices = 64;
 // tenants' grants: kNotGranted if no tenant grants it, or if two do (then
 // device_denied() says so). Managed mode only.
 int gpu_entry_for_device(CUdevice device);
+// Whether the driver has a device of that ordinal for this process (it
+// numbers only the tenants' GPUs: visible_devices.h). Slow: a driver call.
+bool device_exists(CUdevice device);
 // The GPU granted by the tenants for a GPU's UUID (kNotGranted: none, or two).
 int gpu_for_uuid(const uint8_t uuid[16]);
+// The GPUs this process's tenants grant now (each once, however many of its
+// tenants grant it), in the order of the tenants and of their entries: how
+// many, their UUIDs in out[0, n) (at most `capacity`). Managed mode only.
+int granted_gpus(uint8_t (*out)[16], int capacity);
+// Whether one of this process's tenants grants the GPU `uuid` now.
+bool is_granted_gpu(const uint8_t uuid[16]);
+// Who the tenants are, for a log line: `tenant "alice" (dir)`, or `this
+// process's N tenants`.
+const char* tenants_text(char* buf, size_t size);
 // True for a device two attached tenants both grant: whose quota and time
 // it would use cannot be told, so it is refused (after one log line).
 bool device_denied(CUdevice device);

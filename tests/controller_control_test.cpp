@@ -526,11 +526,13 @@ TEST_F(ControlTest, CreatesAreRefusedBeforeTheDaemonRunsOutOfDescriptors) {
   EXPECT_EQ(kill(daemon_, 0), 0);
 }
 
+// Its one GPU (GPU 1 of the node) is its device 0: a tenant's process sees
+// only the GPUs it is granted.
 TEST_F(ControlTest, AnApiTenantsProcessSeesItsQuotaThroughTheInterposer) {
   start_daemon();
   ASSERT_TRUE(create("q", {gpu(kUuid1, 0.25, 1 * kGiB)}).ok);
   const std::string log = tmp_ / "probe.log";
-  const pid_t probe = spawn_probe("q", {"init", "primary", "1", "info", "alloc", "2GiB", "alloc", "512MiB"}, log);
+  const pid_t probe = spawn_probe("q", {"init", "primary", "0", "info", "alloc", "2GiB", "alloc", "512MiB"}, log);
   ASSERT_EQ(wait_exit(probe, 20s), 0) << read_file(log);
   const std::string out = read_file(log);
   EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
@@ -548,7 +550,7 @@ TEST_F(ControlTest, DeletingATenantWithAProcessDrainsIt) {
   fs::create_directories(barrier);
   const std::string log = tmp_ / "running.log";
   const pid_t running = spawn_probe(
-      "drain", {"init", "primary", "1", "alloc", "100MiB", "barrier", barrier, "alloc", "100MiB", "alloc", "2GiB", "hold"},
+      "drain", {"init", "primary", "0", "alloc", "100MiB", "barrier", barrier, "alloc", "100MiB", "alloc", "2GiB", "hold"},
       log);
   ASSERT_TRUE(eventually([&] { return fs::exists(barrier + "/ready-" + std::to_string(running)); }, 20s))
       << read_file(log);
@@ -566,7 +568,7 @@ TEST_F(ControlTest, DeletingATenantWithAProcessDrainsIt) {
 
   // A new process is refused at cuInit, as a denied tenant is.
   const std::string late_log = tmp_ / "late.log";
-  const pid_t late = spawn_probe("drain", {"init", "primary", "1", "alloc", "10MiB"}, late_log);
+  const pid_t late = spawn_probe("drain", {"init", "primary", "0", "alloc", "10MiB"}, late_log);
   ASSERT_EQ(wait_exit(late, 20s), 0) << read_file(late_log);
   EXPECT_NE(read_file(late_log).find("init=800\n"), std::string::npos) << read_file(late_log);  // NOT_PERMITTED
   EXPECT_NE(read_file(late_log).find("is being deleted"), std::string::npos) << read_file(late_log);
@@ -596,7 +598,7 @@ TEST_F(ControlTest, ATenantThatTruncatesItsUsageFileIsStillDeletedWhenItsLastPro
   const std::string barrier = tmp_ / "barrier";
   fs::create_directories(barrier);
   const std::string log = tmp_ / "running.log";
-  const pid_t running = spawn_probe("drain", {"init", "primary", "1", "alloc", "100MiB", "barrier", barrier, "hold"}, log);
+  const pid_t running = spawn_probe("drain", {"init", "primary", "0", "alloc", "100MiB", "barrier", barrier, "hold"}, log);
   ASSERT_TRUE(eventually([&] { return fs::exists(barrier + "/ready-" + std::to_string(running)); }, 20s))
       << read_file(log);
   ASSERT_EQ(call({{"op", "delete"}, {"name", "drain"}}).body["state"], "draining");

@@ -450,7 +450,7 @@ class GpuTimeTest : public ::testing::Test {
     write_config({{"capped", "0.3", "[0]", ""}, {"open", "0.3", "[1]", "1.0"}, {"other", "0.7", "[1]", ""}});
     start_daemon();
     start_load("capped", load_args("50,5000", 5, "0"));
-    start_load("open", load_args("50,5000", 5, "1"));
+    start_load("open", load_args("50,5000", 5, "0"));  // its one GPU, GPU 1
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     const auto [a, b] = span(2, 4000);
     const double capped = busy_share(a, b, "capped", 0), open = busy_share(a, b, "open", 1);
@@ -1033,7 +1033,7 @@ TEST_F(GpuTimeTest, ATenantTheSchedulerHasNoRowForIsRefusedItsLaunches) {
   start_load("norow", load_args("1000", 1, "0"));
   std::vector<std::string> warn = environment("nosched", true);
   warn.push_back("FRACGPU_LOG=warn");  // the no-arbiter line is a warning
-  start_load_with("nosched", load_args("1000", 0.5, "1"), warn);
+  start_load_with("nosched", load_args("1000", 0.5, "0"), warn);  // its one GPU, GPU 1
   const uint64_t deadline = now_ns() + 20 * kSecond;
   const int refused = finish_load(loads_[0], deadline);
   EXPECT_TRUE(WIFEXITED(refused) && WEXITSTATUS(refused) == 1) << refused << ": " << loads_[0].err;
@@ -1077,7 +1077,7 @@ TEST_F(GpuTimeTest, TwoAndAHalfGpusAreTwoWholeOnesAndHalfOfAThird) {
   start_daemon();
   const double seconds = 12.5;
   start_load("big", load_args("50,5000,50000", seconds, "0,1,2"));
-  start_load("half", load_args("500", seconds, "2"));
+  start_load("half", load_args("500", seconds, "0"));  // its one GPU, GPU 2
   const std::vector<Sample> samples = record(3, static_cast<uint64_t>((seconds - 0.5) * kSecond));
   expect_shares(samples, 0, {{"big", 1.0}}, kSecond, 10 * kSecond, 0.02);
   expect_shares(samples, 1, {{"big", 1.0}}, kSecond, 10 * kSecond, 0.02);
@@ -1181,8 +1181,8 @@ TEST_F(GpuTimeTest, AKilledHolderStallsNobodyAndTenantsRunUnsharedWithoutTheDaem
 
   // Nobody schedules: processes run their GPU unshared (and say so), never blocked.
   stop_daemon(SIGKILL);
-  start_load("c", load_args("50,5000", 2.5, "1"));
-  start_load("d", load_args("500", 2.5, "1"));
+  start_load("c", load_args("50,5000", 2.5, "0"));  // c and d: their one GPU, GPU 1
+  start_load("d", load_args("500", 2.5, "0"));
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   const Sample x = sample(2);
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
@@ -1268,7 +1268,7 @@ TEST_F(GpuTimeTest, ContextSwitchesDoNotCarryAPassToAnotherGpu) {
     std::vector<std::string> args = load_args("1000", 2.5, "0,1");
     args.push_back(std::string("switch=") + mode);
     start_load("sw", args);
-    start_load("q", load_args("1000", 2.5, "1"));
+    start_load("q", load_args("1000", 2.5, "0"));  // its one GPU, GPU 1
     const RunsInSlices got = runs_in_slices("sw", "q", 1, 400, 1600);
     const double sw_whole = got.share(*this, "sw", 0);
     printf("switch=%s: on GPU 1 %d runs in %llu slices, share %.3f; on GPU 0 %.3f\n", mode, got.runs,
@@ -1291,7 +1291,7 @@ TEST_F(GpuTimeTest, AContextCreatedAfterLaunchingElsewhereIsGoverned) {
   std::vector<std::string> args = load_args("1000", 2.0, "0,1");
   args.push_back("switch=create");
   start_load("sw", args);  // 2 s on GPU 0, then 2 s on GPU 1
-  start_load("q", load_args("1000", 4.5, "1"));
+  start_load("q", load_args("1000", 4.5, "0"));  // its one GPU, GPU 1
   const RunsInSlices got = runs_in_slices("sw", "q", 1, 2400, 1400);  // sw is on GPU 1 from 2 s
   printf("created context: on GPU 1 %d runs in %llu slices, share %.3f\n", got.runs,
          static_cast<unsigned long long>(got.slices), got.share(*this, "sw", 1));
@@ -1310,7 +1310,7 @@ TEST_F(GpuTimeTest, AMultiDeviceLaunchWaitsForEveryGpu) {
   write_config({{"sw", "1.5", "[0, 1]", ""}, {"q", "0.5", "[1]", ""}});
   start_daemon();
   start_load("sw", {"devices=0,1", "kernels_us=1000", "seconds=2.5", "path=multi_pair"});
-  start_load("q", load_args("1000", 2.5, "1"));
+  start_load("q", load_args("1000", 2.5, "0"));  // its one GPU, GPU 1
   const RunsInSlices got = runs_in_slices("sw", "q", 1, 400, 1600);
   printf("multi-device: on GPU 1 %d runs in %llu slices\n", got.runs, static_cast<unsigned long long>(got.slices));
   EXPECT_GT(got.runs, 5) << "the load did not reach GPU 1";

@@ -285,8 +285,9 @@ TEST_F(NvmlInTenantTest, ProcessDetailListShowsOnlyTheTenantsOwnProcesses) {
   const std::string everyone = gpu0_rows();
   EXPECT_EQ(get(nvml({"init", "detail", "0", "0", "dlsym"}, env("")), "detail0_dlsym_0_list"), everyone);
   EXPECT_EQ(get(nvml({"init", "detail", "0", "0", "direct"}, env("alice", false)), "detail0_direct_0_list"), everyone);
-  // A GPU not granted: nothing, though bob runs there.
-  EXPECT_EQ(get(nvml({"init", "detail", "1", "0", "dlsym"}, env("alice")), "detail0_dlsym_1_list"), "");
+  // A GPU not granted is not shown at all (its processes neither), though
+  // bob runs there; without tenant state NVML shows it and bob's process.
+  EXPECT_EQ(get(nvml({"init", "gpus", "dlsym"}, env("alice")), "gpus_dlsym_count"), "1");
   EXPECT_EQ(get(nvml({"init", "detail", "1", "0", "dlsym"}, env("")), "detail0_dlsym_1_list"),
             rows({{b2_, kContext + 50 * kMiB}}));
 }
@@ -326,8 +327,8 @@ TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsOnlyTheTenantsOwnProcesses) {
       EXPECT_EQ(get(v, p + "_list"), alices);
     }
   }
-  // A GPU alice has no grant on: nothing, though bob runs there.
-  EXPECT_EQ(get(nvml({"init", "util", "1", "direct"}, env("alice")), "util_direct_1_count"), "0");
+  // A GPU alice has no grant on is not shown, though bob runs there.
+  EXPECT_EQ(get(nvml({"init", "gpus", "direct"}, env("alice")), "gpus_direct_count"), "1");
   // NVML's own samples, without tenant state or the interposer: every
   // process on GPU 0, alice's and bob's.
   const std::string everyone = rows({{a1_, 0}, {a2_, 0}, {b1_, 0}});
@@ -370,21 +371,25 @@ TEST_F(NvmlInTenantTest, AccountingShowsOnlyTheTenantsOwnProcesses) {
   EXPECT_EQ(get(nvml({"init", "acct", "0", "direct"}, env("alice", false)), "acct_direct_0_list"), everyone);
 }
 
-TEST_F(NvmlInTenantTest, AGpuNotGrantedShowsNoMemoryAndNoProcesses) {
+// A GPU not granted is not there: not counted, no handle by index, UUID or
+// PCI bus ID, so neither its memory nor its processes can be asked for
+// (visible_devices_test covers the enumeration in full).
+TEST_F(NvmlInTenantTest, AGpuNotGrantedIsNotShown) {
   two_tenants();  // alice has no grant on GPU 1; bob runs a process there
-  const Values v = nvml({"init", "mem", "1", "dlsym", "mem2", "1", "direct", "procs", "1", "3", "dlsym",
-                         "procs", "1", "1", "direct"},
+  const Values v = nvml({"init", "gpus", "dlsym", "gpus", "direct", "byuuid", kUuids[1], "dlsym", "bypci",
+                         "0000:11:00.0", "direct", "mem", "0", "dlsym"},
                         env("alice"));
-  for (const std::string& p : std::vector<std::string>{"mem_dlsym_1", "mem2_direct_1"}) {
-    SCOPED_TRACE(p);
-    EXPECT_EQ(get(v, p + "_rc"), "0");
-    EXPECT_EQ(get(v, p + "_total"), "0");
-    EXPECT_EQ(get(v, p + "_used"), "0");
-    EXPECT_EQ(get(v, p + "_free"), "0");
+  for (const auto& path : kPaths) {
+    SCOPED_TRACE(path);
+    EXPECT_EQ(get(v, "gpus_" + path + "_count"), "1");
+    EXPECT_EQ(get(v, "gpus_" + path + "_0_uuid"), kUuids[0]);
+    EXPECT_EQ(get(v, "gpus_" + path + "_past_end_rc"), "2");  // NVML_ERROR_INVALID_ARGUMENT
   }
-  EXPECT_EQ(get(v, "procs3_dlsym_1_sized_rc"), "0");
-  EXPECT_EQ(get(v, "procs3_dlsym_1_list"), "");
-  EXPECT_EQ(get(v, "procs1_direct_1_list"), "");
+  EXPECT_EQ(get(v, std::string("byuuid_dlsym_") + kUuids[1] + "_rc"), "6");  // NVML_ERROR_NOT_FOUND
+  EXPECT_EQ(get(v, "bypci_direct_0000:11:00.0_rc"), "6");
+  EXPECT_EQ(get(v, "mem_dlsym_0_total"), std::to_string(1 * kGiB));  // its own GPU as before
+  // Bob, granted both, sees both.
+  EXPECT_EQ(get(nvml({"init", "gpus", "direct"}, env("bob")), "gpus_direct_count"), "2");
 }
 
 TEST_F(NvmlInTenantTest, GraphicsAndMpsListsAreNeverOtherTenants) {

@@ -41,6 +41,7 @@ constexpr const char* kSuccess = "0";
 constexpr const char* kOutOfMemory = "2";
 constexpr const char* kNotPermitted = "800";
 constexpr const char* kNotFound = "500";
+constexpr const char* kNoDevice = "100";
 
 void uuid_bytes(const char* text, uint8_t out[16]) {
   std::string hex;
@@ -120,7 +121,8 @@ class InterposeTest : public ::testing::Test {
   std::vector<std::string> environment(bool preload, const std::vector<std::string>& extra) {
     std::vector<std::string> env = {
         "PATH=/usr/bin:/bin",
-        std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR,
+        // NVML too: a tenant's GPUs are numbered in NVML's (the node's) order.
+        std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
         "SIMCUDA_STATE=" + root_ + "/sim-state",
         "SIMCUDA_DEVICES=" + devices_,
         "FRACGPU_TENANT_DIR=" + tenant_dir_,
@@ -237,7 +239,8 @@ class InterposeTest : public ::testing::Test {
   pid_t start_daemon() {
     pid_t pid = fork();
     if (pid == 0) {
-      std::vector<std::string> env = environment(false, {});
+      // The daemon as these tests always ran it: without NVML.
+      std::vector<std::string> env = environment(false, {std::string("LD_LIBRARY_PATH=") + SIMCUDA_DIR});
       std::vector<char*> envp;
       for (auto& e : env) envp.push_back(e.data());
       envp.push_back(nullptr);
@@ -324,12 +327,35 @@ TEST_F(InterposeTest, QuotasAreKeyedByUuidNotByOrdinal) {
   (void)g0;
 }
 
-TEST_F(InterposeTest, DevicesNotGrantedAreRefused) {
+// A process sees only its tenant's GPUs (visible_devices_test), numbered
+// as the driver numbers them then. A GPU taken from the tenant while the
+// process runs stays one of its devices: it is refused there, and shown 0.
+TEST_F(InterposeTest, AGpuNoLongerGrantedIsRefused) {
+  grant(kUuid0, 1 * kGiB);
   grant(kUuid1, 1 * kGiB);
-  ProbeResult r = probe({"init", "primary", "0", "total", "0"});
-  EXPECT_EQ(r["primary"], kOutOfMemory);
-  EXPECT_EQ(r.num("device_total"), 0u);
-  EXPECT_NE(r.err.find("not granted"), std::string::npos) << r.err;
+  const std::string barrier = root_ + "/barrier";
+  ASSERT_TRUE(fs::create_directories(barrier));
+  ProbeResult r;
+  std::thread runner([&] { r = probe({"init", "barrier", barrier, "primary", "0", "total", "0", "primary", "1"}); });
+  bool ready = false;
+  for (int waited_ms = 0; !ready && waited_ms < 20000; waited_ms += 5) {
+    for (const auto& entry : fs::directory_iterator(barrier)) ready |= entry.path().filename().string().rfind("ready-", 0) == 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(ready);
+  uint8_t gpu0[16];
+  uuid_bytes(kUuid0, gpu0);
+  fracgpu::testing::publish_policy(daemon_, [&](GpuPolicy* gpus) {
+    gpus[find_gpu(daemon_, gpu0)].state.store(kGpuUnused);
+  });
+  FILE* go = fopen((barrier + "/go").c_str(), "w");
+  ASSERT_NE(go, nullptr);
+  fclose(go);
+  runner.join();
+  EXPECT_EQ(r["init"], kSuccess);
+  EXPECT_NE(r.out.find("primary=2\ntotal_result=0\ndevice_total=0\n"), std::string::npos) << r.out;  // out of memory
+  EXPECT_EQ(r["primary"], kSuccess);  // GPU 1, still granted
+  EXPECT_NE(r.err.find("device 0 is not granted"), std::string::npos) << r.err;
 }
 
 TEST_F(InterposeTest, PitchIsChargedAsPitchTimesHeight) {
@@ -883,10 +909,11 @@ TEST_F(InterposeTest, APolicyWithoutACopyOfTheCommittedGenerationGrantsNothing) 
   daemon_.node->committed.store(daemon_.node->committed.load() + 2);
   ProbeResult r = probe({"init", "primary", "0", "alloc", "1MiB"});
   EXPECT_EQ(r.status, 0);
-  EXPECT_EQ(r["primary"], kOutOfMemory) << r.err;  // not even its context is granted
+  EXPECT_EQ(r["init"], kNoDevice) << r.err;  // no GPU at all
+  EXPECT_NE(r["primary"], kSuccess) << r.err;
   EXPECT_NE(r["alloc"], kSuccess) << r.err;
   EXPECT_NE(r.err.find("holds no copy of generation"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("device 0 is not granted"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("no GPU is granted to tenant \"alice\""), std::string::npos) << r.err;
 }
 
 TEST_F(InterposeTest, ACorruptOrForeignLedgerIsRefusedWithoutCrashing) {
@@ -1152,7 +1179,8 @@ TEST_F(InterposeTest, TwoClaimsGrantingOneGpuAreRefusedThatGpu) {
 
 // At most 8 tenant directories per process: with 9 claims, the first 8 by
 // name are attached, the process says so once, and the GPU only the ninth
-// grants is refused (never let through). The first 8 grant nothing here.
+// grants is not given (never let through). The first 8 grant nothing here,
+// so the process has no GPU.
 TEST_F(InterposeTest, NineClaimsAttachTheFirstEightAndRefuseTheNinthsGpu) {
   fs::create_directories(root_ + "/claims");
   for (int t = 0; t < 9; ++t) {
@@ -1171,11 +1199,11 @@ TEST_F(InterposeTest, NineClaimsAttachTheFirstEightAndRefuseTheNinthsGpu) {
     fs::create_directory_symlink(dir, root_ + "/claims/" + name);
   }
   ProbeResult r = probe({"init", "primary", "0"}, {"FRACGPU_TENANT_DIR=", "FRACGPU_CLAIMS_DIR=" + root_ + "/claims"});
-  EXPECT_EQ(r["init"], kSuccess);
-  EXPECT_EQ(r["primary"], kOutOfMemory);  // as any GPU no tenant of the process grants
+  EXPECT_EQ(r["init"], kNoDevice);
+  EXPECT_NE(r["primary"], kSuccess);
   EXPECT_NE(r.err.find("holds 9 claims' tenant directories: attached to the first 8 by name only"), std::string::npos)
       << r.err;
-  EXPECT_NE(r.err.find("device 0 is granted to none of this process's 8 tenants"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("no GPU is granted to this process's 8 tenants"), std::string::npos) << r.err;
 }
 
 TenantLedger two_claims(const std::string& root, const char* bob_uuid, uint64_t bob_quota) {

@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 cd "${FRACGPU_BUILD_DIR:-build}"
+# The simulated driver reads CUDA_VISIBLE_DEVICES as the real one does; the
+# tests set it where they mean to, and expect every simulated GPU elsewhere.
+unset CUDA_VISIBLE_DEVICES
 ctest --output-on-failure --timeout 300 -j 2

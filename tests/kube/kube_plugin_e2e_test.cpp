@@ -519,9 +519,10 @@ TEST_F(KubePluginE2E, PrepareMakesTheTenantItsContainerSeesTheQuotaUnprepareRemo
   ASSERT_TRUE(fs::exists(cdi_spec_path(claim.uid)));
 
   // A process started with the spec's mounts and environment sees the quota
-  // through the interposer.
-  const std::string out =
-      run_in_container(claim.uid, {"init", "primary", "1", "info", "alloc", "5GiB", "alloc", "1GiB"});
+  // through the interposer, on its one GPU (the node's GPU 1), its device 0.
+  const std::string out = run_in_container(
+      claim.uid, {"init", "devices", "primary", "0", "info", "alloc", "5GiB", "alloc", "1GiB"});
+  EXPECT_NE(out.find("devices=1\ndevice_0_uuid=" + kUuids[1] + "\n"), std::string::npos) << out;
   EXPECT_NE(out.find("init=0\n"), std::string::npos) << out;
   EXPECT_NE(out.find("total=" + std::to_string(4 * kGiB) + "\n"), std::string::npos) << out;
   EXPECT_NE(out.find("alloc=2\nalloc=0\n"), std::string::npos) << out;  // 5 GiB: out of memory; 1 GiB fits

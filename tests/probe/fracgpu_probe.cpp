@@ -394,6 +394,71 @@ size_t index_arg(const char* s, size_t size) {
   return i;
 }
 
+// JAX's start-up (XLA's GPU client): every device the driver shows gets a
+// context and its share of memory up front. Every call is found with
+// cuGetProcAddress, as the CUDA runtime finds them: cuInit, the device
+// count, then on every device its UUID, its primary context (made current)
+// and `percent` of the free memory it is shown, then a peer query for every
+// pair of devices. Prints jax_init, jax_count, jax_<i>_{uuid,ctx,free,alloc}
+// and jax_peer_<a>_<b> (the query's result), and keeps what it allocated.
+void jax_start(double percent) {
+  auto fn = [](const char* name, auto type) {
+    void* p = nullptr;
+    if (get_proc(name, 12000, 0, &p) != CUDA_SUCCESS) p = nullptr;
+    return reinterpret_cast<decltype(type)>(p);
+  };
+  const auto init = fn("cuInit", &cuInit);
+  const auto get_count = fn("cuDeviceGetCount", &cuDeviceGetCount);
+  const auto get = fn("cuDeviceGet", &cuDeviceGet);
+  const auto get_uuid = fn("cuDeviceGetUuid", &cuDeviceGetUuid_v2);
+  const auto retain = fn("cuDevicePrimaryCtxRetain", &cuDevicePrimaryCtxRetain);
+  const auto set_current = fn("cuCtxSetCurrent", &cuCtxSetCurrent);
+  const auto mem_info = fn("cuMemGetInfo", &cuMemGetInfo_v2);
+  const auto mem_alloc = fn("cuMemAlloc", &cuMemAlloc_v2);
+  const auto can_access_peer = fn("cuDeviceCanAccessPeer", &cuDeviceCanAccessPeer);
+  if (!init || !get_count || !get || !get_uuid || !retain || !set_current || !mem_info || !mem_alloc ||
+      !can_access_peer)
+    usage("jax-start: cuGetProcAddress lacks a function");
+  const CUresult r = init(0);
+  print("jax_init", r);
+  if (r != CUDA_SUCCESS) return;
+  int count = 0;
+  get_count(&count);
+  print("jax_count", count);
+  char key[64];
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    CUuuid uuid{};
+    get(&dev, i);
+    get_uuid(&uuid, dev);
+    const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
+    printf("jax_%d_uuid=GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\n", i, u[0], u[1],
+           u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    CUcontext ctx = nullptr;
+    CUresult c = retain(&ctx, dev);
+    if (c == CUDA_SUCCESS) c = set_current(ctx);
+    snprintf(key, sizeof key, "jax_%d_ctx", i);
+    print(key, c);
+    if (c != CUDA_SUCCESS) continue;
+    size_t free_bytes = 0, total_bytes = 0;
+    mem_info(&free_bytes, &total_bytes);
+    snprintf(key, sizeof key, "jax_%d_free", i);
+    print(key, static_cast<long long>(free_bytes));
+    CUdeviceptr p = 0;
+    const CUresult a = mem_alloc(&p, static_cast<size_t>(static_cast<double>(free_bytes) * percent / 100));
+    if (a == CUDA_SUCCESS) g_ptrs.push_back(p);
+    snprintf(key, sizeof key, "jax_%d_alloc", i);
+    print(key, a);
+  }
+  for (int a = 0; a < count; ++a)
+    for (int b = 0; b < count; ++b) {
+      if (a == b) continue;
+      int can = 0;
+      snprintf(key, sizeof key, "jax_peer_%d_%d", a, b);
+      print(key, can_access_peer(&can, a, b));
+    }
+}
+
 // PROBE_BEFORE_MAIN=1: a library constructor that uses the GPU before main,
 // as some frameworks' static initializers do.
 __attribute__((constructor)) void use_gpu_before_main() {
@@ -431,6 +496,40 @@ int main(int argc, char** argv) {
     };
     if (cmd == "init") {
       print("init", cuInit(0));
+    } else if (cmd == "init-dlsym") {  // cuInit found with dlsym, as a runtime that dlopens libcuda does
+      auto fn = reinterpret_cast<CUresult (*)(unsigned)>(dlsym(driver_handle(), "cuInit"));
+      print("init", fn != nullptr ? fn(0) : CUDA_ERROR_NOT_FOUND);
+    } else if (cmd == "devices") {  // devices: the count, and each device's UUID and PCI bus ID
+      int count = 0;
+      print("devices_rc", cuDeviceGetCount(&count));
+      print("devices", count);
+      for (int i = 0; i < count; ++i) {
+        CUdevice dev = 0;
+        CUuuid uuid{};
+        char bus[32] = "";
+        cuDeviceGet(&dev, i);
+        cuDeviceGetUuid_v2(&uuid, dev);
+        cuDeviceGetPCIBusId(bus, sizeof bus, dev);
+        const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
+        printf("device_%d_uuid=GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\n", i, u[0],
+               u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+        printf("device_%d_bus=%s\n", i, bus);
+      }
+      CUdevice past = 0;
+      print("device_past_end", cuDeviceGet(&past, count));
+      fflush(stdout);
+    } else if (cmd == "getenv") {  // getenv NAME: env_NAME=<value>, or env_NAME_unset=1
+      const char* name = arg();
+      const char* value = getenv(name);
+      if (value != nullptr) printf("env_%s=%s\n", name, value);
+      else printf("env_%s_unset=1\n", name);
+      fflush(stdout);
+    } else if (cmd == "ctx-device") {  // the current context's device ordinal
+      CUdevice dev = -1;
+      const CUresult r = cuCtxGetDevice(&dev);
+      print("ctx_device", r == CUDA_SUCCESS ? dev : -static_cast<long long>(r));
+    } else if (cmd == "jax-start") {  // jax-start PERCENT (see jax_start)
+      jax_start(atof(arg()));
     } else if (cmd == "primary") {
       CUdevice dev = atoi(arg());
       CUcontext ctx = nullptr;

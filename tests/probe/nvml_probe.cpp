@@ -21,6 +21,11 @@
 //   acct DEV PATH                nvmlDeviceGetAccountingPids -> acct_PATH_DEV_{rc,count,list} (list: pid:0,...)
 //   acctstats DEV PID PATH       nvmlDeviceGetAccountingStats -> acctstats_PATH_DEV_PID_{rc,mem}
 //   which NAME                   which library dlsym(NVML handle, NAME) lands in -> which_NAME=<file>
+//   gpus PATH                    nvmlDeviceGetCount_v2, then each index's handle (nvmlDeviceGetHandleByIndex_v2),
+//                                UUID and nvmlDeviceGetIndex -> gpus_PATH_{rc,count,past_end_rc},
+//                                gpus_PATH_I_{uuid,index}; past_end: the handle at index count
+//   byuuid UUID PATH             nvmlDeviceGetHandleByUUID -> byuuid_PATH_UUID_rc
+//   bypci BUSID PATH             nvmlDeviceGetHandleByPciBusId_v2 -> bypci_PATH_BUSID_rc
 // PATH is "direct" or "dlsym"; DEV an NVML index. Bad usage exits 64.
 #include <dlfcn.h>
 
@@ -242,6 +247,40 @@ int main(int argc, char** argv) {
       nvmlProcessInfo_t infos[4];
       print(p + "_rc", fn(device(index), &count, infos));
       print(p + "_count", count);
+    } else if (cmd == "gpus") {
+      const std::string path = arg();
+      const std::string p = "gpus_" + path;
+      auto count_fn = pick(path, &nvmlDeviceGetCount_v2, "nvmlDeviceGetCount_v2");
+      auto handle_fn = pick(path, &nvmlDeviceGetHandleByIndex_v2, "nvmlDeviceGetHandleByIndex_v2");
+      auto index_fn = pick(path, &nvmlDeviceGetIndex, "nvmlDeviceGetIndex");
+      unsigned count = 0;
+      print(p + "_rc", count_fn(&count));
+      print(p + "_count", count);
+      for (unsigned i = 0; i < count; ++i) {
+        nvmlDevice_t d = nullptr;
+        char uuid[96] = "";
+        unsigned index = 999;
+        if (handle_fn(i, &d) == NVML_SUCCESS) {
+          nvmlDeviceGetUUID(d, uuid, sizeof uuid);
+          index_fn(d, &index);
+        }
+        printf("%s_%u_uuid=%s\n", p.c_str(), i, uuid);
+        print(p + "_" + std::to_string(i) + "_index", index);
+      }
+      nvmlDevice_t past = nullptr;
+      print(p + "_past_end_rc", handle_fn(count, &past));
+    } else if (cmd == "byuuid") {
+      const std::string uuid = arg();
+      const std::string path = arg();
+      auto fn = pick(path, &nvmlDeviceGetHandleByUUID, "nvmlDeviceGetHandleByUUID");
+      nvmlDevice_t d = nullptr;
+      print("byuuid_" + path + "_" + uuid + "_rc", fn(uuid.c_str(), &d));
+    } else if (cmd == "bypci") {
+      const std::string bus = arg();
+      const std::string path = arg();
+      auto fn = pick(path, &nvmlDeviceGetHandleByPciBusId_v2, "nvmlDeviceGetHandleByPciBusId_v2");
+      nvmlDevice_t d = nullptr;
+      print("bypci_" + path + "_" + bus + "_rc", fn(bus.c_str(), &d));
     } else if (cmd == "which") {
       const char* name = arg();
       Dl_info info{};

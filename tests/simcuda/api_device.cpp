@@ -161,7 +161,7 @@ Ctx* new_context_record(CUdevice dev) {
 
 CUresult ctx_create(CUcontext* pctx, unsigned flags, CUdevice dev) {
   if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (!valid_ctx_flags(flags)) return CUDA_ERROR_INVALID_VALUE;
   if (CUresult r = charge(dev, S()->devices[dev].ctx_bytes)) return r;
   Ctx* raw = new_context_record(dev);
@@ -175,7 +175,8 @@ CUresult check_affinity(const CUexecAffinityParam* params, int n, CUdevice dev) 
   if (n < 0 || (n > 0 && params == nullptr)) return CUDA_ERROR_INVALID_VALUE;
   for (int i = 0; i < n; ++i) {
     if (params[i].type != CU_EXEC_AFFINITY_TYPE_SM_COUNT) return CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY;
-    if (valid_device(dev) && params[i].param.smCount.val > S()->devices[dev].sms)
+    int d = dev;
+    if (take_ordinal(d) && params[i].param.smCount.val > S()->devices[d].sms)
       return CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY;
   }
   return CUDA_SUCCESS;
@@ -236,7 +237,7 @@ CUresult ctx_synchronize(Guard& guard, Ctx* c) {
 }
 
 CUresult primary_release(CUdevice dev) {
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   Ctx* c = primary_of(dev);
   if (c->refcount == 0) return CUDA_ERROR_INVALID_CONTEXT;
   if (--c->refcount == 0) teardown_ctx(c);  // the last release destroys it
@@ -244,7 +245,7 @@ CUresult primary_release(CUdevice dev) {
 }
 
 CUresult primary_reset(CUdevice dev) {
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   Ctx* c = primary_of(dev);
   if (c->active) teardown_ctx(c);
   c->refcount = 0;
@@ -253,7 +254,7 @@ CUresult primary_reset(CUdevice dev) {
 }
 
 CUresult primary_set_flags(CUdevice dev, unsigned flags, bool reject_if_active) {
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (!valid_ctx_flags(flags)) return CUDA_ERROR_INVALID_VALUE;
   Ctx* c = primary_of(dev);
   if (reject_if_active && c->active) return CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE;  // pre-11.0 behaviour
@@ -404,7 +405,7 @@ CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int cuda_version, c
 CUresult cuDeviceGet(CUdevice* device, int ordinal) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGet);
   if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
+  if (ordinal < 0 || ordinal >= visible_count()) return CUDA_ERROR_INVALID_DEVICE;
   *device = ordinal;
   return CUDA_SUCCESS;
 }
@@ -412,14 +413,14 @@ CUresult cuDeviceGet(CUdevice* device, int ordinal) {
 CUresult cuDeviceGetCount(int* count) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetCount);
   if (count == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  *count = device_count();
+  *count = visible_count();
   return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetName);
   if (name == nullptr || len <= 0) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   std::snprintf(name, static_cast<size_t>(len), "%s", S()->devices[dev].name);
   return CUDA_SUCCESS;
 }
@@ -427,7 +428,7 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
 CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetUuid);
   if (uuid == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   std::memcpy(uuid->bytes, S()->devices[dev].uuid, 16);
   return CUDA_SUCCESS;
 }
@@ -435,7 +436,7 @@ CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
 CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetUuid_v2);
   if (uuid == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   std::memcpy(uuid->bytes, S()->devices[dev].uuid, 16);
   return CUDA_SUCCESS;
 }
@@ -443,7 +444,7 @@ CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev) {
 CUresult cuDeviceTotalMem(unsigned int* bytes, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceTotalMem);
   if (bytes == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   uint64_t cap = S()->devices[dev].capacity;
   *bytes = cap > UINT_MAX ? UINT_MAX : static_cast<unsigned int>(cap);  // the 32-bit ABI saturates
   return CUDA_SUCCESS;
@@ -452,7 +453,7 @@ CUresult cuDeviceTotalMem(unsigned int* bytes, CUdevice dev) {
 CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceTotalMem_v2);
   if (bytes == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   *bytes = S()->devices[dev].capacity;
   return CUDA_SUCCESS;
 }
@@ -460,7 +461,7 @@ CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice dev) {
 CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetAttribute);
   if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
   const SharedDevice& d = S()->devices[dev];
   int v = 0;  // everything not listed: 0 (unsupported / absent)
@@ -508,8 +509,17 @@ CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice de
 CUresult cuDeviceGetPCIBusId(char* bus_id, int len, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetPCIBusId);
   if (bus_id == nullptr || len <= 0) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02x:00.0", S()->devices[dev].pci_bus);
+  return CUDA_SUCCESS;
+}
+
+// Peer access is not simulated: no device can reach another's memory.
+CUresult cuDeviceCanAccessPeer(int* can_access, CUdevice dev, CUdevice peer) {
+  SIMCUDA_LOCKED_ENTRY(cuDeviceCanAccessPeer);
+  if (can_access == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (!take_ordinal(dev) || !take_ordinal(peer)) return CUDA_ERROR_INVALID_DEVICE;
+  *can_access = 0;
   return CUDA_SUCCESS;
 }
 
@@ -520,7 +530,7 @@ CUresult cuDeviceGetPCIBusId(char* bus_id, int len, CUdevice dev) {
 CUresult cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDevicePrimaryCtxRetain);
   if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   Ctx* c = primary_of(dev);
   if (c->refcount == 0) {  // (re)activation: the footprint is charged again
     if (CUresult r = charge(dev, S()->devices[dev].ctx_bytes)) return r;
@@ -564,7 +574,7 @@ CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
   SIMCUDA_LOCKED_ENTRY(cuDevicePrimaryCtxGetState);
   if (flags == nullptr || active == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   Ctx* c = primary_of(dev);
   *flags = c->flags;
   *active = c->active ? 1 : 0;
@@ -684,7 +694,7 @@ CUresult cuCtxGetDevice(CUdevice* device) {
   if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
   Ctx* c = nullptr;
   if (CUresult r = require_ctx(c)) return r;
-  *device = c->dev;
+  *device = ordinal_of(c->dev);
   return CUDA_SUCCESS;
 }
 
@@ -693,7 +703,7 @@ CUresult cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
   if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
   Ctx* c = nullptr;
   if (CUresult r = resolve_ctx(ctx, c)) return r;
-  *device = c->dev;
+  *device = ordinal_of(c->dev);
   return CUDA_SUCCESS;
 }
 
@@ -718,7 +728,7 @@ CUresult cuCtxSynchronize_v2(CUcontext ctx) {
 CUresult cuDeviceGetDevResource(CUdevice dev, CUdevResource* resource, CUdevResourceType type) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetDevResource);
   if (resource == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (type != CU_DEV_RESOURCE_TYPE_SM) return CUDA_ERROR_INVALID_RESOURCE_TYPE;
   std::memset(resource, 0, sizeof(*resource));
   resource->type = CU_DEV_RESOURCE_TYPE_SM;
@@ -748,7 +758,7 @@ CUresult cuGreenCtxCreate(CUgreenCtx* phandle, CUdevResourceDesc desc, CUdevice 
   SIMCUDA_LOCKED_ENTRY(cuGreenCtxCreate);
   Process& P = proc();
   if (phandle == nullptr || P.desc_set.count(key(desc)) == 0) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (flags != CU_GREEN_CTX_DEFAULT_STREAM) return CUDA_ERROR_INVALID_VALUE;  // required, and the only flag
   const unsigned sms = reinterpret_cast<ResourceDesc*>(desc)->sms;
   if (sms == 0 || sms > S()->devices[dev].sms) return CUDA_ERROR_INVALID_VALUE;

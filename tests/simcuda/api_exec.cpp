@@ -690,9 +690,9 @@ CUresult cuGraphAddMemAllocNode(CUgraphNode* node, CUgraph graph, const CUgraphN
   if (CUresult r = graph_for_new_node(node, graph, deps, ndeps, g)) return r;
   if (p == nullptr || p->bytesize == 0 || (p->accessDescCount > 0 && p->accessDescs == nullptr))
     return CUDA_ERROR_INVALID_VALUE;
-  const CUmemPoolProps& props = p->poolProps;
+  CUmemPoolProps props = p->poolProps;  // kept with the state's device
   if (props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-      !valid_device(props.location.id))
+      !take_ordinal(props.location.id))
     return CUDA_ERROR_INVALID_VALUE;
   GraphNode* n = add_mem_alloc_node(g, props, p->bytesize);
   if (n == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -716,6 +716,7 @@ CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARA
   const GraphNode* n = find_node(node);
   if (n == nullptr || n->kind != NodeKind::MemAlloc || params_out == nullptr) return CUDA_ERROR_INVALID_VALUE;
   *params_out = n->alloc;
+  params_out->poolProps.location.id = ordinal_of(n->alloc.poolProps.location.id);
   return CUDA_SUCCESS;
 }
 

@@ -246,7 +246,7 @@ bool valid_mem_location(const CUmemLocation& loc, int& dev) {
   switch (loc.type) {
     case CU_MEM_LOCATION_TYPE_DEVICE:
       dev = loc.id;
-      return valid_device(loc.id);
+      return take_ordinal(dev);
     case CU_MEM_LOCATION_TYPE_HOST:
     case CU_MEM_LOCATION_TYPE_HOST_NUMA:
     case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT:
@@ -450,7 +450,7 @@ CUresult destroy_in(std::unordered_map<const void*, std::unique_ptr<Array>>& tab
 CUresult fill_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS* req, const Array* a, CUdevice dev) {
   if (req == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (a == nullptr) return CUDA_ERROR_INVALID_HANDLE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   std::memset(req, 0, sizeof *req);
   req->size = a->bytes;
   req->alignment = kChunk;
@@ -647,7 +647,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr dp
 CUresult cuMemAdvise(CUdeviceptr dptr, size_t count, CUmem_advise advice, CUdevice device) {
   SIMCUDA_LOCKED_ENTRY(cuMemAdvise);
   if (CUresult r = check_advise(dptr, count, advice)) return r;
-  if (device != CU_DEVICE_CPU && !valid_device(device)) return CUDA_ERROR_INVALID_DEVICE;
+  if (device != CU_DEVICE_CPU && !take_ordinal(device)) return CUDA_ERROR_INVALID_DEVICE;
   return CUDA_SUCCESS;
 }
 
@@ -765,7 +765,7 @@ CUresult cuMemsetD32_v2_ptds(CUdeviceptr dst, unsigned int, size_t n) {
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetDefaultMemPool);
   if (pool == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   *pool = reinterpret_cast<CUmemoryPool>(default_pool(dev));
   return CUDA_SUCCESS;
 }
@@ -773,14 +773,14 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
 CUresult cuDeviceGetMemPool(CUmemoryPool* pool, CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetMemPool);
   if (pool == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   *pool = reinterpret_cast<CUmemoryPool>(current_pool(dev));
   return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceSetMemPool);
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   Pool* p = find_pool(pool);
   if (p == nullptr || p->dev != dev) return CUDA_ERROR_INVALID_VALUE;
   proc().dev[dev].current_pool = p;
@@ -796,8 +796,9 @@ CUresult cuMemPoolCreate(CUmemoryPool* pool, const CUmemPoolProps* props) {
     // Host pools exist on newer drivers; the sim models device pools only.
     return valid_mem_location(props->location, ignored) ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_INVALID_VALUE;
   }
-  if (!valid_device(props->location.id)) return CUDA_ERROR_INVALID_DEVICE;
-  Pool* p = new_pool(props->location.id, false);
+  int dev = props->location.id;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  Pool* p = new_pool(dev, false);
   p->max_size = props->maxSize;
   *pool = reinterpret_cast<CUmemoryPool>(p);
   return CUDA_SUCCESS;
@@ -919,7 +920,7 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
 CUresult cuDeviceGraphMemTrim(CUdevice dev) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGraphMemTrim);
   Process& P = proc();
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   for (auto& [h, e] : P.graph_execs)
     if (e->graph_mem[dev] != 0) unback_graph_exec(e.get());
   GraphMemPool& pool = P.dev[dev].graph_mem;
@@ -931,7 +932,7 @@ CUresult cuDeviceGraphMemTrim(CUdevice dev) {
 
 CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void* value) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceGetGraphMemAttribute);
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
   const GraphMemPool& pool = proc().dev[dev].graph_mem;
   auto u64 = static_cast<cuuint64_t*>(value);
@@ -947,7 +948,7 @@ CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, v
 // Only the high-water marks can be set, and only reset (to the current value).
 CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void* value) {
   SIMCUDA_LOCKED_ENTRY(cuDeviceSetGraphMemAttribute);
-  if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
+  if (!take_ordinal(dev)) return CUDA_ERROR_INVALID_DEVICE;
   if (value == nullptr || *static_cast<cuuint64_t*>(value) != 0) return CUDA_ERROR_INVALID_VALUE;
   GraphMemPool& pool = proc().dev[dev].graph_mem;
   switch (attr) {

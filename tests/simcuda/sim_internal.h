@@ -408,6 +408,10 @@ struct Process {
   SharedState* S = nullptr;
   bool initialized = false;  // cuInit succeeded
   int slot = -1;
+  // The devices the driver API shows (CUDA_VISIBLE_DEVICES, read at the
+  // first cuInit that succeeds): ordinal i is state device visible[i].
+  int visible[kMaxDevices] = {};
+  int visible_count = 0;
 
   // Fake device addresses.
   uint64_t va_next = 0, va_end = 0;
@@ -473,6 +477,14 @@ CUresult initialize();                         // cuInit: attach + claim a slot
 inline SharedState* S() { return proc().S; }
 int device_count();                            // 0 when not attached
 bool valid_device(int dev);
+// The driver API numbers devices by ordinal, after CUDA_VISIBLE_DEVICES;
+// everything else here (state, control API, the stand-in NVML) by the state's
+// device index. At the API's edge: an ordinal a caller gave becomes the
+// state's device (false: no such ordinal), and a device goes out as its
+// ordinal. cuInit succeeded (SIMCUDA_LOCKED_ENTRY) before either is used.
+int visible_count();
+bool take_ordinal(int& dev);
+int ordinal_of(int dev);
 uint64_t sum_live_locked(int dev);             // StateLock held
 CUresult charge(int dev, uint64_t bytes);      // CUDA_ERROR_OUT_OF_MEMORY if over capacity
 void uncharge(int dev, uint64_t bytes);

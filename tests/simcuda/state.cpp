@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -636,11 +637,78 @@ bool attach() {
   return true;
 }
 
+namespace {
+
+// How the driver reads CUDA_VISIBLE_DEVICES (at cuInit), as NVIDIA's CUDA
+// programming guide describes it ("CUDA Environment Variables") and as
+// PyTorch's own reading of the variable (torch.cuda._parse_visible_devices)
+// spells out the cases the guide leaves open:
+//   - unset: every device, in order;
+//   - a comma-separated list of device indices or of GPU UUIDs ("GPU-" and
+//     enough of the UUID's leading characters to name one device), read as
+//     the first entry is: the devices appear in the list's order;
+//   - an index is read like strtoul (blanks around it ignored, "1gpu" is 1);
+//   - the list ends at the first entry that names no device: not a number,
+//     negative, past the last device, a UUID that no device's starts with or
+//     that several share, an entry of the other kind;
+//   - naming a device twice leaves no device at all;
+//   - "MIG-..." entries name MIG devices: none here.
+// Into `out`, the devices; returns how many.
+int select_visible(const char* value, const SharedState& s, int out[kMaxDevices]) {
+  const int n = static_cast<int>(s.device_count);
+  if (value == nullptr) {
+    for (int d = 0; d < n; ++d) out[d] = d;
+    return n;
+  }
+  std::string_view rest(value);
+  const bool by_uuid = rest.substr(0, 4) == "GPU-";
+  if (!by_uuid && rest.substr(0, 4) == "MIG-") return 0;
+  int count = 0;
+  for (;;) {
+    const size_t comma = rest.find(',');
+    const std::string_view entry = rest.substr(0, comma);
+    int dev = -1;
+    if (by_uuid) {
+      if (entry.substr(0, 4) != "GPU-") break;
+      int matches = 0;
+      for (int d = 0; d < n; ++d) {
+        const std::string text = format_uuid(s.devices[d].uuid);
+        if (entry.size() > text.size()) continue;
+        bool same = true;
+        for (size_t i = 0; i < entry.size() && same; ++i)
+          same = std::tolower(static_cast<unsigned char>(entry[i])) == std::tolower(static_cast<unsigned char>(text[i]));
+        if (same) {
+          dev = d;
+          ++matches;
+        }
+      }
+      if (matches != 1) break;
+    } else {
+      std::string_view t = trim(entry);
+      if (!t.empty() && t[0] == '+') t.remove_prefix(1);
+      if (t.empty() || t[0] < '0' || t[0] > '9') break;  // not a number, or negative
+      long long index = 0;
+      for (size_t i = 0; i < t.size() && t[i] >= '0' && t[i] <= '9' && index <= n; ++i) index = index * 10 + (t[i] - '0');
+      if (index >= n) break;
+      dev = static_cast<int>(index);
+    }
+    if (std::find(out, out + count, dev) != out + count) return 0;
+    out[count++] = dev;
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  return count;
+}
+
+}  // namespace
+
 CUresult initialize() {
   Process& P = proc();
   if (P.initialized) return CUDA_SUCCESS;
   if (!attach()) return CUDA_ERROR_INVALID_VALUE;  // malformed configuration (logged)
   if (P.S->device_count == 0) return CUDA_ERROR_NO_DEVICE;
+  P.visible_count = select_visible(std::getenv("CUDA_VISIBLE_DEVICES"), *P.S, P.visible);
+  if (P.visible_count == 0) return CUDA_ERROR_NO_DEVICE;
   bool ok;
   {
     if (P.shared) ofd_lock(P.fd, 0, true);
@@ -661,6 +729,22 @@ int device_count() {
 }
 
 bool valid_device(int dev) { return dev >= 0 && dev < device_count(); }
+
+int visible_count() { return proc().visible_count; }
+
+bool take_ordinal(int& dev) {
+  const Process& P = proc();
+  if (dev < 0 || dev >= P.visible_count) return false;
+  dev = P.visible[dev];
+  return true;
+}
+
+int ordinal_of(int dev) {
+  const Process& P = proc();
+  for (int i = 0; i < P.visible_count; ++i)
+    if (P.visible[i] == dev) return i;
+  return -1;
+}
 
 uint64_t sum_live_locked(int dev) {
   SharedState* s = S();

@@ -8,6 +8,7 @@
 //
 // Faults are read from the file named by SIMNVML_FAULTS on every call, so a
 // test can flip them (rename a new file into place) while a daemon runs.
+#include <strings.h>
 #include <time.h>
 
 #include <algorithm>
@@ -578,6 +579,20 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char* uuid, nvmlDevice_t* device) {
   if (uuid == nullptr || device == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   for (int d = 0; d < device_count(); ++d) {
     if (uuid_text(d) == uuid) {
+      *device = reinterpret_cast<nvmlDevice_t>(&g_handles[d]);
+      return NVML_SUCCESS;
+    }
+  }
+  return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char* bus_id, nvmlDevice_t* device) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  if (bus_id == nullptr || device == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  for (int d = 0; d < device_count(); ++d) {
+    char text[32];
+    std::snprintf(text, sizeof text, "0000:%02x:00.0", simcuda::S()->devices[d].pci_bus);
+    if (strcasecmp(text, bus_id) == 0) {
       *device = reinterpret_cast<nvmlDevice_t>(&g_handles[d]);
       return NVML_SUCCESS;
     }
