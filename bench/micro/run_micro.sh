@@ -127,7 +127,9 @@ bench() {
   case $mode in
     native) args=(env -u LD_PRELOAD -u FRACGPU_TENANT "$bin" --micro_device=0) ;;
     solo) args=(env LD_PRELOAD="$lib" FRACGPU_TENANT=solo FRACGPU_RUN_DIR="$run" "$bin" --micro_device=0) ;;
-    shared) args=(env LD_PRELOAD="$lib" FRACGPU_TENANT=shared FRACGPU_RUN_DIR="$run" "$bin" --micro_device=1
+    # The shared tenant's one GPU is the node's GPU 1, its process's device 0
+    # (a tenant's process sees only its GPUs, numbered from 0).
+    shared) args=(env LD_PRELOAD="$lib" FRACGPU_TENANT=shared FRACGPU_RUN_DIR="$run" "$bin" --micro_device=0
                   --benchmark_filter='^cuLaunchKernel$') ;;
   esac
   if ! "${args[@]}" "${timing[@]}" --benchmark_out="$json" --benchmark_out_format=json \
@@ -152,7 +154,7 @@ if [ "$callgrind" != 0 ]; then
     case $mode in
       native) env=(env -u LD_PRELOAD -u FRACGPU_TENANT) device=0 only=() ;;
       solo) env=(env LD_PRELOAD="$lib" FRACGPU_TENANT=solo FRACGPU_RUN_DIR="$run") device=0 only=() ;;
-      shared) env=(env LD_PRELOAD="$lib" FRACGPU_TENANT=shared FRACGPU_RUN_DIR="$run") device=1
+      shared) env=(env LD_PRELOAD="$lib" FRACGPU_TENANT=shared FRACGPU_RUN_DIR="$run") device=0
               only=(--micro_only=cuLaunchKernel) ;;
     esac
     # One dump per benchmark and thread (the client requests in the binary
