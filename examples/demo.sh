@@ -6,25 +6,38 @@
 # each tenant's achieved share of GPU time beside its configured share, as
 # fracgpu reports it and as the simulated driver measured it). On a machine
 # without an NVIDIA GPU, everything runs on the simulated driver (a test
-# double built with the tests), and says so; fracgpud then gets the stand-in
-# NVML (tests/simnvml), sampling every 167 ms as the real one does. On a real
-# GPU the GPU-time part shows `fracgpu status` only: its ground truth is the
-# simulated driver's, and the project builds no GPU-time load for a real GPU.
+# double, tests/simcuda, built here without the tests), and says so; fracgpud
+# then gets the stand-in NVML (tests/simnvml), sampling every 167 ms as the
+# real one does. On a real GPU the GPU-time part shows `fracgpu status` only:
+# its ground truth is the simulated driver's, and the project builds no
+# GPU-time load for a real GPU.
+# It installs and builds only what it runs (scripts/install-deps.sh --demo),
+# into its own build directory, build-demo/ (or $FRACGPU_DEMO_BUILD_DIR):
+# no tests, benchmarks or Kubernetes parts; tests/run_all.sh does the full
+# install and build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
-bash scripts/build.sh
-build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
+bash scripts/install-deps.sh --demo
+simulated=1
+if nvidia-smi -L >/dev/null 2>&1; then simulated=0; fi
+build=$(realpath -m "${FRACGPU_DEMO_BUILD_DIR:-build-demo}")
+targets=(fracgpud fracgpu_cli fracgpu quota_demo)
+simulator=OFF
+if ((simulated)); then targets+=(simcuda simnvml e2e_workload); simulator=ON; fi
+# -O2 without debug info: the quickest to build of the usual optimized builds.
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG" \
+  -DCUDAToolkit_ROOT=/usr/local/cuda \
+  -DFRACGPU_BUILD_TESTS=OFF -DFRACGPU_BUILD_BENCH=OFF -DFRACGPU_BUILD_KUBE=OFF \
+  -DFRACGPU_BUILD_SIMULATOR=$simulator >/dev/null
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 run_dir=/tmp/fracgpu-demo
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 
-simulated=0
 daemon_env=()
-if nvidia-smi -L >/dev/null 2>&1; then
+if ((simulated == 0)); then
   echo "== real GPU: $(nvidia-smi -L | head -n 1)"
 else
   echo "== no NVIDIA GPU here: using the simulated driver (16 GiB, 256 MiB per context)"
-  simulated=1
   export LD_LIBRARY_PATH="$build/simcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export SIMCUDA_STATE="$run_dir/simulated-gpu"
   export SIMCUDA_DEVICES="uuid=GPU-5eed0000-0000-4000-8000-000000000000,name=Simulated H100,mem=16GiB,ctx=256MiB"
