@@ -594,7 +594,7 @@ class GpuTimeTest : public ::testing::Test {
 
   // The realistic stand-in's sampling period: 167 ms (about the real
   // driver's best case), or FRACGPU_TEST_SAMPLE_MS to take the same figures
-  // at another (docs/sm-time.md gives them at 1000 ms too). The cheat that
+  // at another (docs/performance.md gives them at 1000 ms too). The cheat that
   // times its work around the samples follows it.
   static std::string realistic_period() {
     const char* ms = getenv("FRACGPU_TEST_SAMPLE_MS");
@@ -705,7 +705,7 @@ class GpuTimeTest : public ::testing::Test {
       }
     }
     EXPECT_GT(windows, 0) << "no complete window: the run was too short";
-    // The figures, for the log and docs/sm-time.md.
+    // The figures, for the log and docs/performance.md.
     for (const auto& [tenant, r] : range)
       printf("device %d tenant %s: configured %.3f, measured %.3f..%.3f over %d windows of %.0f s\n", device,
              tenant.c_str(), expected.at(tenant), r.first, r.second, windows, window / 1e9);
@@ -1840,7 +1840,7 @@ TEST_F(GpuTimeTest, SampledAuditDefeatsTheFalseDrainCheat) {
   // The target is 0.48 of the wall time, and it is not met: the cheat's
   // grants end as soon as they begin, and the hand-overs it provokes leave
   // the GPU idle 12-18% of the time, which both tenants lose
-  // (docs/sm-time.md gives the figures). What the audit does keep: the
+  // (docs/performance.md gives the figures). What the audit does keep: the
   // honest tenant ahead of the cheat. Without it the cheat is ahead, the
   // honest tenant at about 0.41 (HeldChargingLosesToTheFalseDrainCheat).
   EXPECT_GE(honest, 0.42) << "the false drain took the honest tenant's time";
