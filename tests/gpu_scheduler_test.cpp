@@ -1240,3 +1240,168 @@ TEST_F(SchedulerTest, ANormalTenantTakesTheGpuFromABatchOneAfterItsDrain) {
   pass(1 * kMs);
   EXPECT_TRUE(holds(1));
 }
+
+// ---- Side by side (held charging; docs/sm-time.md, "Side by side") ----
+
+class SideBySideTest : public SchedulerTest {
+ protected:
+  // Held charging audited by a meter whose driver samples every 100 ms and
+  // finds the GPU `util` busy over each period; tenants a and b, one
+  // process each, both asking; side by side allowed on a GPU whose driver
+  // time-slices (unless `slices` is false).
+  void start(double util, bool slices = true) {
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    sched_->set_side_by_side(true, slices);
+    meter_.last = now_;
+    meter_.period = 100 * kMs;
+    util_ = util;
+    a_ = spawn_attributed(0, &pa_);
+    b_ = spawn_attributed(1, &pb_);
+    want(0, a_);
+    want(1, b_);
+  }
+  // `ms` passes 1 ms apart. Each process enters its tenant's grant, drains
+  // a revoked one, and asks again once it holds none (it always has work);
+  // every 100 ms the driver's sample names a process of a holder.
+  void run(int ms) {
+    for (int i = 0; i < ms; ++i) {
+      pass(1 * kMs);
+      for (const auto& [t, slot] : std::vector<std::pair<int, int>>{{0, a_}, {1, b_}, {2, c_}}) {
+        if (slot < 0) continue;
+        follow(t, slot);
+        if (state_of(t) == gputime::kGrantIdle && request(t, slot).want_since_ns.load() == 0) want(t, slot);
+      }
+      if (++ticks_ % 100 == 0) {
+        const uint32_t pid = holds(0) ? pa_ : pb_;
+        meter_.samples.push_back({pid, static_cast<uint64_t>(util_ * 100 * kMs), now_});
+      }
+    }
+  }
+  bool side_by_side(int t) const { return (row(t).flags.load() & gputime::kTenantSideBySide) != 0; }
+
+  double util_ = 0;
+  int a_ = -1, b_ = -1, c_ = -1;
+  uint32_t pa_ = 0, pb_ = 0;
+  uint64_t ticks_ = 0;
+};
+
+// Two tenants that leave the GPU idle a third of the time while taking
+// turns hold it side by side after a few sampling periods, each paying half
+// of the time they hold it together (their default limits, the shares,
+// allow that), until the phase ends and they take turns again to measure.
+TEST_F(SideBySideTest, TenantsThatLeaveRoomInTurnsHoldTheGpuSideBySide) {
+  start(0.6);
+  run(250);
+  EXPECT_FALSE(holds(0) && holds(1)) << "turns until two whole periods say there is room";
+  run(200);
+  ASSERT_TRUE(holds(0) && holds(1)) << "side by side after the periods measured";
+  EXPECT_TRUE(side_by_side(0) && side_by_side(1));
+  const uint64_t used_a = row(0).used_ns.load(), used_b = row(1).used_ns.load();
+  run(1000);
+  EXPECT_TRUE(holds(0) && holds(1)) << "a second later: still side by side (the 0.5 limits allow half each)";
+  EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - used_a), 500.0 * kMs, 5.0 * kMs);
+  EXPECT_NEAR(static_cast<double>(row(1).used_ns.load() - used_b), 500.0 * kMs, 5.0 * kMs);
+  int side_ms = 1000;
+  while (holds(0) && holds(1) && side_ms < 10'000) {
+    run(1);
+    ++side_ms;
+  }
+  EXPECT_NEAR(side_ms, GpuScheduler::kMinSidePhaseNs / kMs, 450) << "the phase ends: turns again";
+  EXPECT_FALSE(side_by_side(0) || side_by_side(1));
+  run(100);
+  EXPECT_FALSE(holds(0) && holds(1)) << "turns, for the periods they are measured over";
+}
+
+// Tenants that fill their turns gain nothing side by side (the driver's
+// switches would cost them): they keep taking turns.
+TEST_F(SideBySideTest, TenantsThatFillTheirTurnsKeepTakingTurns) {
+  start(0.97);
+  for (int i = 0; i < 20; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+}
+
+// Where the driver does not time-slice (no compute preemption), holding the
+// GPU together would leave shares to the order of the driver's queue.
+TEST_F(SideBySideTest, NotWhereTheDriverDoesNotTimeSliceContexts) {
+  start(0.6, false);
+  for (int i = 0; i < 20; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+}
+
+// A tenant with a second process on the GPU would get two turns of the
+// driver's to the other's one; one found outside the gate likewise.
+TEST_F(SideBySideTest, NotWithATenantOfTwoProcessesOrOneOutsideTheGate) {
+  start(0.6);
+  const int a2 = spawn(0);
+  want(0, a2);
+  for (int i = 0; i < 10; ++i) {
+    run(100);
+    request(0, a2).poll_ns.store(now_);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+  request(0, a2).want_since_ns.store(0);
+  request(0, a2).poll_ns.store(0);
+  run(600);
+  ASSERT_TRUE(holds(0) && holds(1)) << "its second process gone quiet, side by side";
+  sched_->set_outside_tenants({"b"});
+  run(5);
+  EXPECT_FALSE(holds(0) && holds(1)) << "b has a process outside the gate: turns at once";
+  for (int i = 0; i < 10; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+}
+
+// A third tenant of another share, or of latency priority, asks: the
+// driver's equal turns would not give it what it is promised, so everybody
+// takes turns again, the holder with the least virtual time first.
+TEST_F(SideBySideTest, ATenantThatDoesNotFitEndsItAtOnce) {
+  for (const uint32_t priority : {gputime::kPriorityLatency, gputime::kPriorityNormal}) {
+    SCOPED_TRACE(priority == gputime::kPriorityLatency ? "latency" : "another share");
+    if (priority == gputime::kPriorityLatency)
+      configure_three(gputime::kPriorityLatency);
+    else
+      sched_->configure({{"a", 400'000, 500'000, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal},
+                         {"b", 400'000, 500'000, tenants_[1].daemon.usage_fd, 0, gputime::kPriorityNormal},
+                         {"c", 200'000, 200'000, tenants_[2].daemon.usage_fd, 0, gputime::kPriorityNormal}},
+                        20 * kMs);
+    if (a_ < 0) start(0.6);
+    c_ = -1;
+    run(600);
+    ASSERT_TRUE(holds(0) && holds(1));
+    uint32_t pc = 0;
+    const int c = spawn_attributed(2, &pc);
+    want(2, c);
+    pass(1 * kMs);
+    EXPECT_EQ((state_of(0) == gputime::kGrantRevoking) + (state_of(1) == gputime::kGrantRevoking), 1)
+        << "one of the two holders leaves";
+    c_ = c;
+    run(300);
+    EXPECT_FALSE(holds(0) && holds(1));
+    request(2, c).want_since_ns.store(0);
+    request(2, c).poll_ns.store(0);
+    kill_and_reap(processes_.back());
+    processes_.pop_back();
+    attributed_.erase(2);
+    reattribute();
+    c_ = -1;
+  }
+}
+
+// Holding the GPU together, each pays its part of the time: where the
+// limits do not allow that part (two tenants of 0.25 capped there), they
+// take turns, each held to its limit.
+TEST_F(SideBySideTest, NotWhereTheLimitsDoNotAllowEachItsPart) {
+  sched_->configure({{"a", 250'000, 250'000, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal},
+                     {"b", 250'000, 250'000, tenants_[1].daemon.usage_fd, 0, gputime::kPriorityNormal}},
+                    20 * kMs);
+  start(0.4);
+  for (int i = 0; i < 20; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+}

@@ -54,6 +54,8 @@ class Nvml {
     decltype(&nvmlSystemGetDriverVersion) driver_version = nullptr;  // for the control API's node view
     // The GPU-time meter (daemon/gpu_meter.h): per-process SM utilization.
     decltype(&nvmlDeviceGetProcessUtilization) get_process_utilization = nullptr;
+    // Whether the driver time-slices contexts (compute preemption, 6.0 and later).
+    decltype(&nvmlDeviceGetCudaComputeCapability) get_compute_capability = nullptr;
   };
 
   // dlopen()s `library` and calls nvmlInit_v2. nullptr (with *problem set to

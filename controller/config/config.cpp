@@ -456,7 +456,7 @@ class Parser {
       return;
     }
     constexpr std::string_view where = "[daemon]";
-    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "gpu_time_charging", "placement",
+    check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "gpu_time_charging", "side_by_side", "placement",
                     "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout",
                     "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action",
                     "control_group"},
@@ -495,6 +495,7 @@ class Parser {
         error_in(where, line_of(*t->get("gpu_time_charging")),
                  fmt::format("gpu_time_charging \"{}\" is not a way of charging GPU time (use held, measured)", *charging));
     }
+    if (auto side = get_bool(*t, "side_by_side", where)) d.side_by_side = *side;
     if (auto policy = get_string(*t, "placement", where)) {
       if (auto parsed = parse_placement_policy(*policy))
         d.placement = *parsed;

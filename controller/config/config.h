@@ -62,6 +62,10 @@ struct DaemonSettings {
   // pay the GPU time NVML attributes to their processes and share the GPU
   // while it has room). docs/sm-time.md says why held is the default.
   bool gpu_time_measured = false;
+  // `side_by_side` (held charging): light tenants of equal shares hold the
+  // GPU together where the driver time-slices contexts, instead of taking
+  // turns (docs/sm-time.md, "Side by side").
+  bool side_by_side = true;
   PlacementPolicy placement = PlacementPolicy::kBundle;  // `placement`: where `gpus` without `devices` go
   // `metrics_address`: "host:port" of the Prometheus endpoint; empty: off.
   std::string metrics_address = std::string(kDefaultMetricsAddress);

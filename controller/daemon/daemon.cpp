@@ -796,6 +796,30 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
     arbiter->scheduler->start();
   }
   attach_meters();
+  configure_side_by_side();
+}
+
+void Daemon::configure_side_by_side() {
+  // Side by side needs a driver that time-slices contexts: compute
+  // preemption, compute capability 6.0 and later (docs/sm-time.md). Asked
+  // once per GPU; without NVML it is not known, and tenants take turns.
+  for (auto& [uuid, arbiter] : arbiters_) {
+    if (arbiter.compute_major == 0 && nvml_ != nullptr && nvml_->api().get_compute_capability != nullptr) {
+      nvmlDevice_t device = nullptr;
+      int major = 0, minor = 0;
+      if (nvml_->api().get_handle_by_uuid(uuid.c_str(), &device) == NVML_SUCCESS &&
+          nvml_->api().get_compute_capability(device, &major, &minor) == NVML_SUCCESS && major > 0) {
+        arbiter.compute_major = major;
+        if (config_.has_value() && config_->daemon.side_by_side && !config_->daemon.gpu_time_measured)
+          log_->info("GPU {}: compute capability {}.{}: {}", uuid, major, minor,
+                     major >= 6 ? "the driver time-slices contexts, so light tenants of equal shares hold it side "
+                                  "by side (side_by_side)"
+                                : "no compute preemption, so tenants always take turns on it");
+      }
+    }
+    const bool allowed = config_.has_value() && config_->daemon.side_by_side && !config_->daemon.gpu_time_measured;
+    arbiter.scheduler->set_side_by_side(allowed, arbiter.compute_major >= 6);
+  }
 }
 
 void Daemon::attach_meters() {
@@ -826,6 +850,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
   // never the tenant-writable copy): the meter's figures are charged by it.
   // Built once per tick, for every GPU's scheduler.
   std::map<std::string, std::vector<uint32_t>> pids_by_tenant;
+  std::set<std::string> outside_tenants;  // with a process outside the gate
   if (!arbiters_.empty()) {
     for (const auto& [name, open] : ledgers_) {
       std::vector<uint32_t>& pids = pids_by_tenant[name];
@@ -875,10 +900,14 @@ void Daemon::tick_gpu_time(uint64_t now) {
     // scheduler splits its GPU time between them.
     for (const auto& [pid, o] : outside_gate_)
       for (const std::string& t : o.tenants)
-        if (ledgers_.contains(t)) pids_by_tenant[t].push_back(pid);
+        if (ledgers_.contains(t)) {
+          pids_by_tenant[t].push_back(pid);
+          outside_tenants.insert(t);
+        }
   }
   for (auto& [uuid, arbiter] : arbiters_) {
     arbiter.scheduler->attribute(pids_by_tenant);
+    arbiter.scheduler->set_outside_tenants(outside_tenants);
     arbiter.scheduler->sample_achieved(now);
     for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
       if (m.warning)
@@ -1030,6 +1059,7 @@ void Daemon::start_gpu_checks() {
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
   memory_auditor_ = std::make_unique<MemoryAuditor>(nvml_.get(), discovery_.gpus, *log_);
   attach_meters();
+  configure_side_by_side();
   next_health_ns_ = next_audit_ns_ = next_memory_audit_ns_ = 0;  // all at the first tick
   if (nvml_ == nullptr) {
     // Written once, so `fracgpu status` says why there is no health data.

@@ -207,11 +207,17 @@ class Daemon {
     gputime::Arbiter arbiter;
     // The arbiter's only writer, on a thread of its own (gpu_scheduler.h).
     std::unique_ptr<GpuScheduler> scheduler;
+    // NVML's compute capability major of the GPU: 6 and later time-slice
+    // contexts (side by side needs it); 0: not known.
+    int compute_major = 0;
   };
   void apply_gpu_time(const NodeConfig& config);
   // Gives each arbiter's scheduler an NVML meter, where NVML measures
   // per-process utilization (measured mode, docs/sm-time.md).
   void attach_meters();
+  // Tells each scheduler whether its tenants may hold the GPU side by side
+  // (the config, and the GPU's compute capability from NVML).
+  void configure_side_by_side();
   GpuArbiter* open_arbiter(const ManagedGpu& gpu);
   void link_arbiter(const std::string& tenant, const OpenLedger& open, const GpuArbiter& arbiter, int entry);
   void tick_gpu_time(uint64_t now);

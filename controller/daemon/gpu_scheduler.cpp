@@ -157,6 +157,17 @@ void GpuScheduler::set_measured_charging(bool measured) {
   measured_charging_ = measured;
 }
 
+void GpuScheduler::set_side_by_side(bool allowed, bool driver_time_slices) {
+  std::lock_guard lock(mutex_);
+  side_allowed_ = allowed;
+  driver_slices_ = driver_time_slices;
+}
+
+void GpuScheduler::set_outside_tenants(const std::set<std::string>& tenants) {
+  std::lock_guard lock(mutex_);
+  for (Row& r : rows_) r.outside = r.bound && tenants.contains(r.name);
+}
+
 std::vector<uint32_t> GpuScheduler::unattributed_pids() {
   std::lock_guard lock(mutex_);
   std::vector<uint32_t> pids;
@@ -363,6 +374,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   r.waiting = 0;
   r.want_since = 0;
   r.last_active = 0;
+  r.gpu_processes = 0;
   if (r.usage == nullptr || r.entry < 0) {
     r.readable = false;
     r.high = 0;
@@ -414,6 +426,9 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
     v.poll = std::min(v.poll, now);
     v.active = std::min(v.active, now);
     r.last_active = std::max(r.last_active, v.active);
+    // A process that ever asked for this GPU or entered a grant on it (a
+    // claim: one that hides is found outside the gate, or counts nothing).
+    if (v.poll != 0 || v.entered != 0) ++r.gpu_processes;
     // A latency tenant with a live process keeps the others paced, asking
     // or not: an inference server's first request after a quiet spell must
     // not find a training queue of seconds ahead of it.
@@ -589,6 +604,13 @@ void GpuScheduler::read_meter(uint64_t now) {
     const uint64_t busy = std::min<uint64_t>(u.busy_ns, kSecond);
     const uint64_t at = u.at_ns != 0 ? std::min(u.at_ns, now) : now;
     pass_busy_ += busy;
+    // Turns: what the GPU did over whole periods since they began (side by side).
+    if (!side_ && at >= turns_from_) {
+      turns_busy_ = gputime::saturating_add(turns_busy_, busy);
+      turns_samples_ += 1;
+      turns_first_at_ = turns_first_at_ == 0 ? at : std::min(turns_first_at_, at);
+      turns_last_at_ = std::max(turns_last_at_, at);
+    }
     if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end()) {
       file_split_use(it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
@@ -626,13 +648,21 @@ void GpuScheduler::charge(uint64_t now) {
   // Held mode has a holder granted beside one revoking only when a latency
   // tenant took the GPU (step()): until the revoked holder has drained, the
   // GPU runs its work, and it pays; the latency tenant pays from then on.
-  const bool draining = !measured && holders(gputime::kGrantRevoking) > 0;
+  const bool draining = !measured && !side_ && holders(gputime::kGrantRevoking) > 0;
+  // Side by side, the holders share each interval in proportion to their
+  // shares (equal parts: side_by_side_fits()), which is how the driver's
+  // time slices divide it between them when each has work.
+  uint64_t side_shares = 0;
+  if (side_ && !measured)
+    for (const Row& r : rows_) side_shares += r.gstate == gputime::kGranted ? r.share : 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
       uint64_t ns = r.gstate == gputime::kGrantRevoking || (r.gstate == gputime::kGranted && !draining) ? dt : 0;
+      if (side_shares > 0 && r.gstate == gputime::kGranted)
+        ns = static_cast<uint64_t>(static_cast<unsigned __int128>(dt) * r.share / side_shares);
       const uint64_t credit = std::min(ns, r.credit);
       r.credit -= credit;
       ns = gputime::saturating_add(ns - credit, std::exchange(r.pending_out_of_grant, 0));
@@ -933,10 +963,11 @@ void GpuScheduler::step(uint64_t now) {
       break;
     }
   }
+  if (!measured) step_side_by_side(now);
   // A slice's end: a lone holder gives way to a tenant with a smaller
   // virtual time that waits.
   const uint32_t granted = holders(gputime::kGranted);
-  if (granted == 1) {
+  if (granted == 1 && !side_) {
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
       Row& h = rows_[t];
       if (h.gstate != gputime::kGranted) continue;
@@ -948,11 +979,100 @@ void GpuScheduler::step(uint64_t now) {
   }
   // Grants. Held mode: one holder at a time, the next once the last drained.
   // Measured mode: the next at once, and more while the GPU has room.
+  // Side by side: every tenant that asks, at once.
   const uint32_t busy = holders(gputime::kGranted) + (measured ? 0 : holders(gputime::kGrantRevoking));
-  if (busy == 0 || (measured && room(now))) {
+  if (side_ && !measured) {
+    for (int best = best_candidate(now, -1); best >= 0; best = best_candidate(now, -1))
+      grant(static_cast<uint32_t>(best), now);
+  } else if (busy == 0 || (measured && room(now))) {
     const int best = best_candidate(now, -1);
     if (best >= 0) grant(static_cast<uint32_t>(best), now);
   }
+}
+
+// ---- Side by side (docs/sm-time.md, "Side by side") ----
+//
+// Without MPS the driver gives the GPU to one context at a time and switches
+// to another as soon as the resident one runs out of work, or at the end of
+// its time slice (1024 us) while another has work; a kernel is cut there and
+// resumed later (compute preemption, since Pascal). So tenants that each
+// have one process on the GPU and equal shares, holding the GPU together,
+// get equal turns of it whenever both have work, and a light one's idle
+// moments go to the other at once: what turns through the daemon (one
+// holder, a host round trip per hand-over) cannot give. Nothing a tenant
+// writes decides it beyond its own standing: the choice rests on the
+// driver's own busy figure over whole sampling periods (which a process
+// cannot time its work around), the daemon's count of each tenant's
+// processes there, and the configuration.
+
+bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
+  if (!side_allowed_ || !driver_slices_ || !auditing(now)) return false;
+  uint32_t members = 0, share = 0;
+  for (const Row& r : rows_) {
+    if (!r.active || !((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle)) continue;
+    // One context each (a tenant with two gets two turns of the driver's),
+    // none outside the gate, ordinary priority (latency and batch tenants
+    // are served by turns), and equal shares (the driver's turns are equal).
+    if (r.gpu_processes > 1 || r.outside || r.priority != gputime::kPriorityNormal || r.blocked) return false;
+    if (share == 0) share = r.share;
+    if (r.share > share + share / 200 || r.share + share / 200 < share) return false;
+    ++members;
+  }
+  // Each pays its part of the time they hold together (charge()): the
+  // limits must allow it (two tenants of 0.25 capped there take turns).
+  for (const Row& r : rows_)
+    if (r.active && ((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle) &&
+        static_cast<uint64_t>(r.limit) * members + r.limit / 200 * members < r.share)
+      return false;
+  return !starting || members >= 2;
+}
+
+bool GpuScheduler::turns_leave_room(uint64_t now) const {
+  const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
+  if (period == 0 || turns_samples_ < 2 || now < turns_from_ + 2 * period) return false;
+  // A sample is the busy share of the period before its instant: n samples
+  // cover n periods. Samples that named nobody (the GPU idle at their
+  // instant) do not come: the periods from the first sample's to the last's
+  // are then more, and count.
+  const uint64_t span = std::max<uint64_t>(turns_last_at_ - turns_first_at_ + period,
+                                           static_cast<uint64_t>(turns_samples_) * period);
+  return static_cast<unsigned __int128>(turns_busy_) * kPpm < static_cast<unsigned __int128>(span) * kSideRoomPpm;
+}
+
+void GpuScheduler::step_side_by_side(uint64_t now) {
+  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  auto start_turns = [&] {
+    side_ = false;
+    phase_since_ = now;
+    // The first period mixes in what went before.
+    turns_from_ = now + period;
+    turns_busy_ = 0;
+    turns_samples_ = 0;
+    turns_first_at_ = turns_last_at_ = 0;
+  };
+  if (side_) {
+    const uint64_t phase = std::max(kMinSidePhaseNs, kSidePhasePeriods * period);
+    if (side_by_side_fits(now, false) && now - phase_since_ < phase) return;
+    // Back to turns: the holder with the least virtual time keeps the GPU,
+    // the others leave it (drain handshake).
+    start_turns();
+    int keep = -1;
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+      if (rows_[t].gstate == gputime::kGranted &&
+          (keep < 0 || effective_vtime(rows_[t]) < effective_vtime(rows_[static_cast<uint32_t>(keep)])))
+        keep = static_cast<int>(t);
+    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+      if (rows_[t].gstate == gputime::kGranted && static_cast<int>(t) != keep) start_revoke(t, now);
+    return;
+  }
+  if (phase_since_ == 0 || !side_by_side_fits(now, false)) {
+    // A tenant that must not share: turns, measured afresh once it is gone.
+    start_turns();
+    return;
+  }
+  if (!side_by_side_fits(now, true) || !turns_leave_room(now)) return;
+  side_ = true;
+  phase_since_ = now;
 }
 
 // The GPU has room for another tenant: measured busy (every process on it)
@@ -1020,7 +1140,8 @@ void GpuScheduler::publish(uint64_t now) {
     store_if_changed(f.waiting_processes, r.active ? r.waiting : 0u);
     store_if_changed(f.missed_deadlines, r.missed_deadlines);
     store_if_changed(f.flags, (r.active && r.wants ? uint32_t{gputime::kTenantWants} : 0u) |
-                                  (r.blocked ? uint32_t{gputime::kTenantBlocked} : 0u));
+                                  (r.blocked ? uint32_t{gputime::kTenantBlocked} : 0u) |
+                                  (side_ && r.gstate == gputime::kGranted ? uint32_t{gputime::kTenantSideBySide} : 0u));
     // The state last (release): a reader that sees the row active sees its configuration.
     store_if_changed(f.state, uint32_t{r.active ? gputime::kTenantActive : gputime::kTenantRetired});
   }

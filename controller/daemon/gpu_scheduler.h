@@ -102,6 +102,14 @@ class GpuScheduler {
   static constexpr uint64_t kLatencyArrivalNs = 60'000'000'000;
   // ... to keep at most this much GPU time queued (one launch at least).
   static constexpr uint64_t kPaceInflightNs = 1'000'000;
+  // Side by side: tenants taking turns whose GPU is busy below this over
+  // whole sampling periods (the driver's own figure) leave room ...
+  static constexpr uint32_t kSideRoomPpm = 900'000;
+  // ... and hold it side by side for this many sampling periods (at least
+  // kMinSidePhaseNs); then they take turns again for two periods, to see
+  // whether they still leave room.
+  static constexpr uint64_t kSidePhasePeriods = 20;
+  static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -129,6 +137,14 @@ class GpuScheduler {
   // GPU, audited by the meter's samples (false, the default), or the GPU
   // time the meter attributes to them (true). docs/sm-time.md.
   void set_measured_charging(bool measured);
+  // Side by side (held charging only; docs/sm-time.md, "Side by side"):
+  // whether it is allowed (the `side_by_side` key), and whether this GPU's
+  // driver time-slices contexts (compute preemption: compute capability 6.0
+  // and later), which it needs. Both false until set.
+  void set_side_by_side(bool allowed, bool driver_time_slices);
+  // Tenants with a process the daemon found on a GPU outside the gate (no
+  // interposer): such a tenant never holds the GPU side by side.
+  void set_outside_tenants(const std::set<std::string>& tenants);
   // PIDs the meter named that no tenant's list holds yet (at most 64): the
   // daemon finds out whose they are (a process without the interposer in a
   // tenant's container) and lists them in the next attribute().
@@ -211,6 +227,11 @@ class GpuScheduler {
     uint64_t out_of_grant = 0, out_of_grant_samples = 0;
     uint64_t alone_ns = 0;       // held alone while another waited, since the last reading
     uint32_t missed_deadlines = 0;
+    // Side by side: live processes of the tenant using this GPU (its
+    // slots' requests say so), and whether the daemon found one outside
+    // the gate.
+    uint32_t gpu_processes = 0;
+    bool outside = false;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
     bool blocked = false;         // missed a drain deadline; waits for progress
     uint64_t blocked_seq = 0;
@@ -273,6 +294,13 @@ class GpuScheduler {
   // Files GPU time the meter found process(es) of row `t` using at `at`.
   void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now);
   bool room(uint64_t now) const;
+  // Side by side: may the tenants that ask or hold now share the GPU
+  // through the driver's time slices (`starting`: at least two of them)?
+  bool side_by_side_fits(uint64_t now, bool starting) const;
+  // Turns (held mode, one holder) left room over the periods measured since
+  // they began.
+  bool turns_leave_room(uint64_t now) const;
+  void step_side_by_side(uint64_t now);
   void read_meter(uint64_t now);
   void charge(uint64_t now);
   // Charges `ns` of GPU time to the row; `contended`: another tenant wanted
@@ -327,6 +355,14 @@ class GpuScheduler {
   uint64_t pass_busy_ = 0;   // measured by this pass's reading, all processes
   bool fresh_reading_ = false;  // this pass read the meter
   uint64_t room_since_ = 0, room_busy_ = 0;
+  // Side by side: allowed, the driver time-slices, in force now; when the
+  // current phase (side by side, or turns) began; the GPU time the meter
+  // found used by all processes in the turns since turns_from_, and in how
+  // many samples.
+  bool side_allowed_ = false, driver_slices_ = false, side_ = false;
+  uint64_t phase_since_ = 0, turns_from_ = 0, turns_busy_ = 0;
+  uint64_t turns_first_at_ = 0, turns_last_at_ = 0;
+  uint32_t turns_samples_ = 0;
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;

@@ -160,6 +160,7 @@ inline constexpr int kLatencyRank = priority_rank(kPriorityLatency);
 enum TenantTimeFlags : uint32_t {
   kTenantWants = 1u << 0,    // a live process of the tenant asks for the GPU
   kTenantBlocked = 1u << 1,  // missed a drain deadline: not granted again until it shows progress
+  kTenantSideBySide = 1u << 2,  // holds the GPU beside others, sharing it through the driver's time slices
 };
 
 // One tenant's standing on this GPU. A row is bound to a tenant name for

@@ -620,6 +620,20 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char* name, unsigned int len
   return copy_string(simcuda::S()->devices[dev].name, name, length);
 }
 
+// The device's compute capability, except on the queue model: that models a
+// GPU without compute preemption, whose contexts' work runs first come,
+// first served (before Pascal, 6.0), so it reports a Maxwell's 5.2 and the
+// daemon does not rely on the driver's time slices there (docs/sm-time.md).
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int* major, int* minor) {
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
+  if (major == nullptr || minor == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  const bool preempts = simcuda::timeslice_model();
+  *major = preempts ? static_cast<int>(simcuda::S()->devices[dev].cc_major) : 5;
+  *minor = preempts ? static_cast<int>(simcuda::S()->devices[dev].cc_minor) : 2;
+  return NVML_SUCCESS;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t* mem) {
   if (mem == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   unsigned long long total = 0, used = 0;
