@@ -1786,7 +1786,32 @@ TEST_F(GpuTimeTest, MeasuredLaunchBoundPairOf50usKernelsKeepsTheGpuBusy) { expec
 TEST_F(GpuTimeTest, HeldLaunchBoundPairWastesTheGpu) {
   double error = 1;
   const double busy = launch_bound_pair("10", "12", "640", &error);
-  EXPECT_LT(busy, 0.9) << "held mode keeps launch-bound tenants busy: the measured-mode test proves nothing";
+  EXPECT_LT(busy, 0.9) << "turns keep launch-bound tenants busy: the side-by-side tests prove nothing";
+}
+
+// The default (held charging) with NVML sampling like the real one, on the
+// time-slicing driver: launch-bound tenants of equal shares leave room in
+// their turns, so they hold the GPU side by side and keep it about as busy
+// as the same pair without fracgpu, measured in the same test (the target,
+// 0.95 of it, is the benchmark's; 0.9 here, where other work may take the
+// CPUs the loads need: turns give 0.78-0.87), each with half of the GPU
+// time used.
+TEST_F(GpuTimeTest, SampledLaunchBoundPairOf10usKernelsKeepsTheGpuBusySideBySide) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  double error = 1, native = 0;
+  const double busy = launch_bound_pair("10", "12", "640", &error, &native);
+  EXPECT_GE(busy, 0.9 * native) << "without fracgpu: " << native;
+  EXPECT_LE(error, 0.03);
+}
+
+TEST_F(GpuTimeTest, SampledLaunchBoundPairOf50usKernelsKeepsTheGpuBusySideBySide) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  double error = 1, native = 0;
+  const double busy = launch_bound_pair("50", "60", "3200", &error, &native);
+  EXPECT_GE(busy, 0.9 * native) << "without fracgpu: " << native;
+  EXPECT_LE(error, 0.03);
 }
 
 // ---- The realistic stand-in NVML: samples every 167 ms, one process each ----
