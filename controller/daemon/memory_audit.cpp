@@ -60,9 +60,10 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
   // For the mount-namespace rule of process_tenants: one tenant per PID is enough.
   std::map<int32_t, std::string> charged;
   for (const auto& [pid, tenants] : owners) charged.emplace(pid, *tenants.begin());
-  // Where the tenants' verified processes run: read once per pass.
+  // Where the tenants' verified processes run: read at most once per pass,
+  // and only once a process with no slot is seen (most passes see none).
   const ProcReader proc(run_dir);
-  const TenantContainers containers(charged, proc);
+  std::optional<TenantContainers> containers;
   const std::string unowned(kUnownedProcesses);
   const auto self = static_cast<int32_t>(getpid());
   held_.clear();
@@ -92,7 +93,8 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
       const uint64_t start_time = pid > 1 ? process_start_time(pid) : 0;
       if (start_time == 0) continue;  // gone, or not visible here (the bypass audit says so)
       const auto it = owners.find(pid);
-      const std::set<std::string> tenants = it != owners.end() ? it->second : containers.tenants_of(pid);
+      if (it == owners.end() && !containers) containers.emplace(charged, proc);
+      const std::set<std::string> tenants = it != owners.end() ? it->second : containers->tenants_of(pid);
       if (tenants.empty()) {
         // Nobody's: on a GPU fracgpu manages, held with the others like it
         // to the allowance, unless it is a node agent the operator named.
