@@ -171,6 +171,139 @@ TEST(NvmlConfig, MemoryAuditKeysAreValidatedWithFileAndLine) {
   EXPECT_NE(bad.errors[2].to_string().find("node.toml:4:"), std::string::npos) << bad.errors[2].to_string();
 }
 
+TEST(NvmlConfig, UnownedAllowanceAndNodeAgentCgroupsAreValidatedWithFileAndLine) {
+  const std::vector<controller::DiscoveredGpu> node{{0, kUuid, "Sim A", 16ull << 30}};
+  auto parse = [&](const std::string& daemon_keys) {
+    return controller::parse_config("[daemon]\n" + daemon_keys + "\n[[gpu]]\nindex = 0\n", "node.toml", node);
+  };
+  const auto defaults = parse("");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults.config->daemon.memory_audit.unowned_allowance, 512ull << 20);
+  EXPECT_TRUE(defaults.config->daemon.memory_audit.node_agent_cgroups.empty());
+  const auto good = parse("unowned_memory_allowance = \"0\"\n"
+                          "node_agent_cgroups = [\"/system.slice/dcgm.service\", \"/agents\"]");
+  ASSERT_TRUE(good.ok()) << (good.errors.empty() ? "" : good.errors[0].to_string());
+  EXPECT_EQ(good.config->daemon.memory_audit.unowned_allowance, 0u);
+  EXPECT_EQ(good.config->daemon.memory_audit.node_agent_cgroups,
+            (std::vector<std::string>{"/system.slice/dcgm.service", "/agents"}));
+
+  const auto bad = parse("unowned_memory_allowance = \"lots\"\nnode_agent_cgroups = [\n  \"/\",\n  \"system.slice\",\n"
+                         "  \"/a/../b\",\n  \"/a/\",\n  7,\n]\nnode_agent_cgroups2 = 1");
+  ASSERT_EQ(bad.errors.size(), 7u);
+  EXPECT_NE(bad.errors[0].to_string().find("node.toml:2: [daemon]: unowned_memory_allowance \"lots\""),
+            std::string::npos)
+      << bad.errors[0].to_string();
+  EXPECT_EQ(bad.errors[1].to_string(), "node.toml:4: [daemon]: node_agent_cgroups \"/\" is the root cgroup: it would "
+                                       "exempt every process, tenants' escaped ones included");
+  EXPECT_EQ(bad.errors[2].to_string(), "node.toml:5: [daemon]: node_agent_cgroups \"system.slice\" must be an "
+                                       "absolute cgroup path (as /proc/<pid>/cgroup shows it)");
+  EXPECT_NE(bad.errors[3].to_string().find("node.toml:6: [daemon]: node_agent_cgroups \"/a/../b\" must not hold"),
+            std::string::npos)
+      << bad.errors[3].to_string();
+  EXPECT_EQ(bad.errors[4].to_string(), "node.toml:7: [daemon]: node_agent_cgroups \"/a/\" must not end in \"/\"");
+  EXPECT_NE(bad.errors[5].to_string().find("node.toml:8:"), std::string::npos) << bad.errors[5].to_string();
+  EXPECT_NE(bad.errors[6].to_string().find("node.toml:10:"), std::string::npos) << bad.errors[6].to_string();
+  const auto not_a_list = parse("node_agent_cgroups = \"/agents\"");
+  ASSERT_EQ(not_a_list.errors.size(), 1u);
+  EXPECT_NE(not_a_list.errors[0].to_string().find("node.toml:2: [daemon]: node_agent_cgroups must be an array"),
+            std::string::npos)
+      << not_a_list.errors[0].to_string();
+}
+
+// ---- Attribution, fed fabricated /proc ----
+
+// Processes as the kernel would show them, written by the test.
+class FabricatedProc : public controller::ProcessReader {
+ public:
+  int32_t self() const override { return kDaemon; }
+  std::optional<controller::KernelTies> ties(int32_t pid) const override {
+    const auto it = ties_.find(pid);
+    if (it == ties_.end()) return std::nullopt;
+    return it->second;
+  }
+  std::set<std::string> mounted_tenants(int32_t pid) const override {
+    const auto it = mounts_.find(pid);
+    return it == mounts_.end() ? std::set<std::string>{} : it->second;
+  }
+  static constexpr int32_t kDaemon = 100;
+  std::map<int32_t, controller::KernelTies> ties_;
+  std::map<int32_t, std::set<std::string>> mounts_;
+};
+
+TEST(Attribution, ProcFilesAreParsedAsTheKernelWritesThem) {
+  const std::string cgroup = "12:memory:/kubepods/x\n1:name=systemd:/system.slice/a:b.service\n0::/kubepods/pod1/ctr\n";
+  EXPECT_EQ(controller::cgroup_path_in(cgroup, ""), "/kubepods/pod1/ctr");
+  EXPECT_EQ(controller::cgroup_path_in(cgroup, "name=systemd"), "/system.slice/a:b.service");  // ':' in a path
+  EXPECT_EQ(controller::cgroup_path_in("4:memory:/x\n", ""), "");
+  EXPECT_EQ(controller::parent_pid_in("Name:\tsh\nState:\tS\nTgid:\t42\nPid:\t42\nPPid:\t7\n"), 7);
+  EXPECT_EQ(controller::parent_pid_in("PPid:\t0\n"), 0);
+  EXPECT_EQ(controller::parent_pid_in("Name:\tPPid: 9\n"), 0);  // a name is not a field
+  EXPECT_TRUE(controller::cgroup_within("/a/b", "/a"));
+  EXPECT_TRUE(controller::cgroup_within("/a", "/a"));
+  EXPECT_FALSE(controller::cgroup_within("/ab", "/a"));
+  EXPECT_FALSE(controller::cgroup_within("/a", "/a/b"));  // the reverse never
+  EXPECT_FALSE(controller::cgroup_within("", "/a"));
+}
+
+// Each tie on its own: a process is its tenant's by what it cannot leave
+// (its cgroup, its PID namespace's ancestry, its parents), however it
+// rearranged its mounts; and never by anything that reads the other way.
+TEST(Attribution, ByCgroupPidNamespaceAndParentsNeverTheReverse) {
+  using controller::KernelTies;
+  FabricatedProc proc;
+  const std::string host_mnt = "mnt:[4026531840]";
+  proc.ties_[FabricatedProc::kDaemon] = KernelTies{"/system.slice/fracgpud.service", "", host_mnt, {}, 1};
+  // alice: a container (own mount and PID namespaces, its own cgroup).
+  proc.ties_[200] = KernelTies{"/kubepods/pod-a/ctr-a", "", "mnt:[2]", {20}, 150};
+  proc.ties_[150] = KernelTies{"/kubepods/pod-a/ctr-a", "", "mnt:[2]", {20}, 1};  // its container's init
+  // bob: on the host, in a login session, verified too.
+  proc.ties_[300] = KernelTies{"/user.slice/session-1.scope", "", host_mnt, {}, 290};
+  // carol: a container that shares the daemon's cgroup (ties nothing by cgroup).
+  proc.ties_[400] = KernelTies{"/system.slice/fracgpud.service", "", "mnt:[4]", {}, 1};
+  const std::map<int32_t, std::string> charged{{200, "alice"}, {300, "bob"}, {400, "carol"}};
+  const controller::TenantContainers containers(charged, proc);
+  const auto tenants = [&](int32_t pid, KernelTies t) {
+    proc.ties_[pid] = std::move(t);
+    return containers.tenants_of(pid);
+  };
+  using Set = std::set<std::string>;
+  // unshare -U -r -m, pivot_root, a sub-cgroup of its own: the cgroup tells.
+  EXPECT_EQ(tenants(501, {"/kubepods/pod-a/ctr-a/escaped", "", "mnt:[9]", {}, 1}), Set{"alice"});
+  // A new PID namespace beneath the container's, a cgroup elsewhere: the PID namespace tells.
+  EXPECT_EQ(tenants(502, {"/elsewhere", "", "mnt:[9]", {25, 20}, 1}), Set{"alice"});
+  // Nothing but its parent chain: a grandchild of alice's verified process.
+  proc.ties_[503] = KernelTies{"/elsewhere", "", "mnt:[9]", {}, 200};
+  EXPECT_EQ(tenants(504, {"/elsewhere", "", "mnt:[9]", {}, 503}), Set{"alice"});
+  // A child of bob's verified process on the host is bob's...
+  EXPECT_EQ(tenants(505, {"/user.slice/session-1.scope", "", host_mnt, {}, 300}), Set{"bob"});
+  // ...but another process of that login session is not: a host cgroup names no container.
+  EXPECT_EQ(tenants(506, {"/user.slice/session-1.scope", "", host_mnt, {}, 1}), Set{});
+  // A sibling cgroup whose name merely starts the same, and the pod above
+  // alice's container (the reverse of a prefix): nobody's.
+  EXPECT_EQ(tenants(507, {"/kubepods/pod-a/ctr-ab", "", "mnt:[9]", {}, 1}), Set{});
+  EXPECT_EQ(tenants(508, {"/kubepods/pod-a", "", "mnt:[9]", {}, 1}), Set{});
+  // The daemon's own cgroup ties nobody to carol.
+  EXPECT_EQ(tenants(509, {"/system.slice/fracgpud.service", "", "mnt:[9]", {}, 1}), Set{});
+  // Mounts still count, and every tie is kept: a container with two claims.
+  proc.mounts_[510] = {"dave"};
+  EXPECT_EQ(tenants(510, {"/kubepods/pod-a/ctr-a", "", "mnt:[9]", {}, 1}), (Set{"alice", "dave"}));
+  // An ancestor with a tenant directory mounted (nothing verified beside it).
+  proc.mounts_[511] = {"erin"};
+  proc.ties_[511] = KernelTies{"/elsewhere", "", "mnt:[11]", {}, 1};
+  EXPECT_EQ(tenants(512, {"/elsewhere", "", "mnt:[12]", {}, 511}), Set{"erin"});
+  // cgroup v1's name=systemd hierarchy where v2 shows every process at "/".
+  proc.ties_[FabricatedProc::kDaemon].systemd_cgroup = "/system.slice/fracgpud.service";
+  proc.ties_[600] = KernelTies{"/", "/docker/ctr-f", "mnt:[6]", {}, 1};
+  const std::map<int32_t, std::string> v1{{600, "frank"}};
+  const controller::TenantContainers v1_containers(v1, proc);
+  proc.ties_[601] = KernelTies{"/", "/docker/ctr-f/inner", "mnt:[9]", {}, 1};
+  EXPECT_EQ(v1_containers.tenants_of(601), Set{"frank"});
+  proc.ties_[602] = KernelTies{"/", "/docker", "mnt:[9]", {}, 1};
+  EXPECT_EQ(v1_containers.tenants_of(602), Set{});
+  // Gone: nobody's, and no crash.
+  EXPECT_EQ(containers.tenants_of(999), Set{});
+}
+
 // ---- The daemon with NVML: health and audit ----
 
 class NvmlDaemonTest : public ::testing::Test {
@@ -180,6 +313,59 @@ class NvmlDaemonTest : public ::testing::Test {
     for (pid_t pid : children_)
       if (waitpid(pid, nullptr, WNOHANG) == 0) kill_and_reap(pid);
     kill_and_reap(daemon_);
+    // Deepest first; a cgroup empties once its processes are gone (a moment after their reaping).
+    for (auto it = cgroups_.rbegin(); it != cgroups_.rend(); ++it)
+      eventually([&] { return rmdir(it->c_str()) == 0 || errno == ENOENT; }, 2000ms);
+  }
+
+  // A cgroup (v2) of the test's own at `name` (nested with "/"), made on the
+  // node's cgroup2 mount: (its directory, its path as /proc/<pid>/cgroup
+  // shows it). Empty where none can be made (not root, no writable cgroup2).
+  std::pair<std::string, std::string> make_cgroup(const std::string& name) {
+    std::istringstream mounts(read_file("/proc/self/mounts"));
+    std::string device, mount_point, type, rest;
+    while (mounts >> device >> mount_point >> type && std::getline(mounts, rest)) {
+      if (type != "cgroup2") continue;
+      // Only where the test itself sits at the root: then paths under the
+      // mount are the paths /proc/<pid>/cgroup shows.
+      if (controller::cgroup_path_in(read_file("/proc/self/cgroup"), "") != "/") return {};
+      const std::string relative = "/fracgpu-test-" + std::to_string(getpid()) + "/" + name;
+      std::error_code ec;
+      size_t from = 1;
+      for (size_t slash = relative.find('/', from); from <= relative.size(); slash = relative.find('/', from)) {
+        const std::string dir = mount_point + relative.substr(0, slash == std::string::npos ? relative.size() : slash);
+        if (!fs::exists(dir)) {
+          if (!fs::create_directory(dir, ec)) return {};
+          cgroups_.push_back(dir);
+        }
+        if (slash == std::string::npos) break;
+        from = slash + 1;
+      }
+      return {mount_point + relative, relative};
+    }
+    return {};
+  }
+
+  // `args` started in cgroup `dir` (make_cgroup's directory) by a shell that
+  // moves itself there and execs them: the returned PID is theirs.
+  pid_t spawn_in_cgroup(const std::string& dir, const std::vector<std::string>& args, const std::string& log) {
+    std::string script = "echo $$ > '" + dir + "/cgroup.procs' && exec";
+    for (const std::string& a : args) script += " '" + a + "'";
+    return spawn({"/bin/sh", "-c", script}, environment(true), log);
+  }
+
+  // The host PID of the fracgpu_probe started with `sleep-ms <marker>`
+  // among its commands (how a probe deep inside namespaces is found); 0 if none.
+  static pid_t probe_marked(const std::string& marker) {
+    const std::string wanted = std::string(PROBE_PATH) + '\0';
+    const std::string mark = std::string("sleep-ms") + '\0' + marker + '\0';
+    for (const auto& entry : fs::directory_iterator("/proc")) {
+      const std::string name = entry.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      const std::string cmdline = read_file(entry.path() / "cmdline");
+      if (cmdline.starts_with(wanted) && cmdline.find(mark) != std::string::npos) return std::stoi(name);
+    }
+    return 0;
   }
 
   // `extra`: more [daemon] lines; `every`: the health and audit interval.
@@ -373,6 +559,7 @@ class NvmlDaemonTest : public ::testing::Test {
   std::string faults_path_ = tmp_ / "nvml-faults";
   std::string devices_ = kDevices;
   std::vector<pid_t> children_;
+  std::vector<std::string> cgroups_;  // made by make_cgroup, removed at the end
   pid_t daemon_ = -1;
 };
 
@@ -716,6 +903,122 @@ TEST_F(NvmlDaemonTest, MemoryAuditCountsAProcessWithTwoTenantsMountsAgainstTheGp
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
   EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
   EXPECT_FALSE(log_contains("memory audit: tenant \"bob\" holds")) << daemon_log();
+}
+
+// A process of alice's container enters a user and mount namespace of its
+// own (unshare -U -r -m, as rootless container tools do: no capability
+// needed) and moves into a sub-cgroup it made: no tenant directory is
+// mounted where it runs, and its mount namespace holds no charged process.
+// It cannot leave the container's cgroup: that ties it to alice, and its
+// 9 GiB count against her 8 GiB quota. (Before: nobody's, and it held the
+// memory for as long as it liked.)
+TEST_F(NvmlDaemonTest, MemoryAuditCountsAProcessThatLeftItsContainersMountsByItsCgroup) {
+  if (!can_make_containers() || system("unshare -U -r -m true 2>/dev/null") != 0)
+    GTEST_SKIP() << "unshare -m or unprivileged user namespaces are not permitted here";
+  const auto [container, container_path] = make_cgroup("ctr");
+  const auto [escaped_dir, escaped_path] = make_cgroup("ctr/escaped");
+  if (container.empty() || escaped_dir.empty()) GTEST_SKIP() << "no cgroup v2 the test can make cgroups in (needs root)";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  // alice's process, under the interposer, in the container: its own mount
+  // namespace and the container's cgroup.
+  const pid_t verified = spawn_in_cgroup(
+      container,
+      {"/usr/bin/unshare", "-m", "--propagation", "private", "/usr/bin/env", std::string("LD_PRELOAD=") + FRACGPU_LIB,
+       "FRACGPU_TENANT_DIR=" + run_dir_ + "/tenants/alice", PROBE_PATH, "init", "primary", "0", "alloc", "32MiB", "hold"},
+      tmp_ / "verified.log");
+  ASSERT_TRUE(eventually([&] { return probe_says("verified", "holding="); })) << probe_output("verified");
+  std::this_thread::sleep_for(200ms);  // the daemon has found its slot's holder by now
+  const pid_t escaped = spawn_in_cgroup(escaped_dir,
+                                        {"/usr/bin/unshare", "-U", "-r", "-m", PROBE_PATH, "init", "primary", "0",
+                                         "alloc", "9GiB", "hold"},
+                                        tmp_ / "escaped.log");
+  EXPECT_EQ(controller::tenants_mounted_in(std::to_string(escaped), run_dir_), std::set<std::string>{});
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(escaped, &status, WNOHANG) == escaped; }, 5000ms))
+      << probe_output("escaped") << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
+  EXPECT_FALSE(log_contains("memory audit: processes no tenant owns hold")) << daemon_log();
+  EXPECT_TRUE(log_contains("audit: process " + std::to_string(escaped) + " (fracgpu_probe, tenant \"alice\") uses"))
+      << daemon_log();
+  EXPECT_EQ(kill(verified, 0), 0);  // the rest fits: left alone
+}
+
+// A container (its own PID and mount namespaces; no tenant directory
+// mounted, the host's cgroup) runs alice's process under the interposer and
+// one that made its own user, mount and PID namespaces: the PID namespace
+// it made is a descendant of the container's, which it cannot leave.
+TEST_F(NvmlDaemonTest, MemoryAuditCountsAProcessInAPidNamespaceBeneathItsContainers) {
+  if (system("unshare -U -r -m -p -f true 2>/dev/null") != 0 || !can_make_containers())
+    GTEST_SKIP() << "PID, mount or unprivileged user namespaces are not permitted here";
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n");
+  set_faults("");
+  start_daemon();
+  const std::string verified_log = tmp_ / "verified.log", escaped_log = tmp_ / "escaped.log";
+  const std::string script =
+      std::string("LD_PRELOAD='") + FRACGPU_LIB + "' FRACGPU_TENANT_DIR='" + run_dir_ + "/tenants/alice' '" +
+      PROBE_PATH + "' init primary 0 alloc 32MiB sleep-ms 101 hold > '" + verified_log +
+      "' 2>&1 &\nwhile ! grep -q holding= '" + verified_log + "'; do sleep 0.05; done; sleep 0.3\n" +
+      "unshare -U -r -m -p -f '" + PROBE_PATH + "' init primary 0 alloc 9GiB sleep-ms 102 hold > '" + escaped_log +
+      "' 2>&1\nwait\n";  // the container's init stays: its end would end every process in the container
+  spawn({"/usr/bin/unshare", "-p", "-f", "--kill-child", "-m", "--propagation", "private", "/bin/sh", "-c", script},
+        environment(true), tmp_ / "container.log");
+  ASSERT_TRUE(eventually([&] { return read_file(escaped_log).find("holding=") != std::string::npos; }, 10s))
+      << read_file(escaped_log) << read_file(tmp_ / "container.log");
+  const pid_t verified = probe_marked("101"), escaped = probe_marked("102");
+  ASSERT_GT(verified, 0);
+  ASSERT_TRUE(escaped > 0 || log_contains("terminated process")) << daemon_log();
+  ASSERT_TRUE(eventually([&] { return log_contains("terminated process"); }, 5000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("memory audit: tenant \"alice\" holds")) << daemon_log();
+  EXPECT_FALSE(log_contains("memory audit: processes no tenant owns hold")) << daemon_log();
+  if (escaped > 0) {
+    EXPECT_TRUE(log_contains("terminated process " + std::to_string(escaped))) << daemon_log();
+    EXPECT_TRUE(eventually([&] { return kill(escaped, 0) != 0; }, 2000ms));
+  }
+  EXPECT_EQ(kill(verified, 0), 0);
+}
+
+// By default, a process on a managed GPU that no tenant owns (here: on the
+// host, no interposer, beside no tenant) is held to a small allowance,
+// together with every other such process there, and stopped beyond it. Not
+// on a GPU fracgpu does not manage, and not a node agent in a cgroup the
+// operator named. The daemon says at start that this is in force.
+TEST_F(NvmlDaemonTest, ProcessesNoTenantOwnsAreHeldToAnAllowanceOnManagedGpusOnly) {
+  const auto [agent_dir, agent_path] = make_cgroup("agent");
+  write_config("report", "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\n"
+                         "unowned_memory_allowance = \"256MiB\"\nnode_agent_cgroups = [\"" +
+                             (agent_path.empty() ? std::string("/no/agent/here") : agent_path) + "\"]\n");
+  set_faults("");
+  start_daemon();
+  EXPECT_TRUE(log_contains("memory audit: processes no tenant owns (by cgroup, PID namespace, parent or mounts) may "
+                           "hold 256 MiB together on each managed GPU (unowned_memory_allowance); beyond it for "
+                           "200 ms: terminate (memory_audit_action); node agents exempt by cgroup"))
+      << daemon_log();
+  const pid_t small = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "32MiB", "hold"}, environment(true),
+                            tmp_ / "small.log");
+  const pid_t stray = spawn({PROBE_PATH, "init", "primary", "0", "alloc", "1GiB", "hold"}, environment(true),
+                            tmp_ / "stray.log");
+  // GPU 1 is not in the config: fracgpu does not manage it.
+  const pid_t elsewhere = spawn({PROBE_PATH, "init", "primary", "1", "alloc", "1GiB", "hold"}, environment(true),
+                                tmp_ / "elsewhere.log");
+  const pid_t agent = agent_dir.empty() ? -1
+                                        : spawn_in_cgroup(agent_dir, {PROBE_PATH, "init", "primary", "0", "alloc",
+                                                                      "1GiB", "hold"},
+                                                          tmp_ / "agent.log");
+  int status = 0;
+  ASSERT_TRUE(eventually([&] { return waitpid(stray, &status, WNOHANG) == stray; }, 5000ms)) << daemon_log();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(log_contains("memory audit: processes no tenant owns hold")) << daemon_log();
+  EXPECT_TRUE(log_contains("terminated process " + std::to_string(stray))) << daemon_log();
+  std::this_thread::sleep_for(500ms);  // several more passes: what is left fits, or is not held
+  EXPECT_EQ(kill(small, 0), 0) << daemon_log();  // 32 MiB and its context fit the allowance
+  EXPECT_EQ(kill(elsewhere, 0), 0) << daemon_log();
+  if (agent > 0) {
+    EXPECT_TRUE(probe_says("agent", "holding=")) << probe_output("agent");
+    EXPECT_EQ(kill(agent, 0), 0) << daemon_log();
+  }
 }
 
 // An operator's resize never kills and never frees what is still held:

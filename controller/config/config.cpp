@@ -447,6 +447,53 @@ class Parser {
                  fmt::format("memory_audit_action \"{}\" is not a memory audit action (use {})", *action,
                              kMemoryAuditActionList));
     }
+    if (const toml::node* n = t.get("unowned_memory_allowance"))
+      if (auto bytes = get_size(*n, "unowned_memory_allowance", where, /*allow_zero=*/true))
+        m.unowned_allowance = *bytes;
+    if (const toml::node* n = t.get("node_agent_cgroups")) parse_node_agent_cgroups(*n, where, m);
+  }
+
+  // `node_agent_cgroups`: absolute cgroup paths, each naming one subtree.
+  void parse_node_agent_cgroups(const toml::node& n, std::string_view where, MemoryAuditSettings& m) {
+    const toml::array* list = n.as_array();
+    if (list == nullptr) {
+      wrong_type(where, "node_agent_cgroups", n, "an array of cgroup paths such as [\"/system.slice/dcgm.service\"]");
+      return;
+    }
+    std::vector<std::string> paths;
+    for (const toml::node& element : *list) {
+      const auto* text = element.as_string();
+      if (text == nullptr) {
+        wrong_type(where, "node_agent_cgroups", element, "a cgroup path string");
+        continue;
+      }
+      if (std::string why = node_agent_cgroup_problem(text->get()); !why.empty()) {
+        error_in(where, line_of(element), fmt::format("node_agent_cgroups \"{}\" {}", text->get(), why));
+        continue;
+      }
+      paths.push_back(text->get());
+    }
+    m.node_agent_cgroups = std::move(paths);
+  }
+
+  // Why `path` cannot name a node agent's cgroup; empty if it can. Matched
+  // by whole components (cgroup_within), so it must be written as
+  // /proc/<pid>/cgroup shows it: one form only.
+  static std::string node_agent_cgroup_problem(std::string_view path) {
+    if (path.empty() || path.front() != '/') return "must be an absolute cgroup path (as /proc/<pid>/cgroup shows it)";
+    if (path == "/") return "is the root cgroup: it would exempt every process, tenants' escaped ones included";
+    if (path.back() == '/') return "must not end in \"/\"";
+    if (std::any_of(path.begin(), path.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+      return "holds a control character";
+    for (size_t start = 1; start <= path.size();) {
+      size_t end = path.find('/', start);
+      if (end == std::string_view::npos) end = path.size();
+      const std::string_view part = path.substr(start, end - start);
+      if (part.empty() || part == "." || part == "..")
+        return "must not hold an empty, \".\" or \"..\" component (write the path as /proc/<pid>/cgroup shows it)";
+      start = end + 1;
+    }
+    return {};
   }
 
   void parse_daemon(const toml::node& n) {
@@ -459,6 +506,7 @@ class Parser {
     check_keys(*t, {"run_dir", "log_level", "reap_interval_ms", "allow_overcommit", "time_slice", "gpu_time_charging", "side_by_side", "placement",
                     "metrics_address", "health_interval", "audit_interval", "audit_action", "liveness_timeout",
                     "memory_audit_interval", "memory_grace", "memory_tolerance", "memory_audit_action",
+                    "unowned_memory_allowance", "node_agent_cgroups",
                     "control_group"},
                where);
     DaemonSettings& d = config_.daemon;

@@ -1,6 +1,10 @@
 #include "daemon/audit.h"
 
+#include <fcntl.h>
+#include <linux/nsfs.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -152,6 +156,156 @@ std::set<std::string> tenants_holding_gpu(const std::set<std::string>& tenants, 
 
 }  // namespace
 
+std::string cgroup_path_in(std::string_view proc_cgroup, std::string_view controllers) {
+  // Each line: "<hierarchy id>:<controllers>:<path>"; the path may hold ':'.
+  size_t start = 0;
+  while (start < proc_cgroup.size()) {
+    size_t end = proc_cgroup.find('\n', start);
+    if (end == std::string_view::npos) end = proc_cgroup.size();
+    const std::string_view line = proc_cgroup.substr(start, end - start);
+    start = end + 1;
+    const size_t first = line.find(':');
+    const size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
+    if (second == std::string_view::npos) continue;
+    if (line.substr(first + 1, second - first - 1) != controllers) continue;
+    // cgroup v2's line is the one of hierarchy 0 and no controllers.
+    if (controllers.empty() && line.substr(0, first) != "0") continue;
+    return std::string(line.substr(second + 1));
+  }
+  return {};
+}
+
+int32_t parent_pid_in(std::string_view proc_status) {
+  const size_t at = proc_status.starts_with("PPid:") ? 0 : proc_status.find("\nPPid:");
+  if (at == std::string_view::npos) return 0;
+  const size_t value = proc_status.find_first_not_of(" \t", at + (at == 0 ? 5 : 6));
+  if (value == std::string_view::npos) return 0;
+  return static_cast<int32_t>(std::strtol(std::string(proc_status.substr(value, 12)).c_str(), nullptr, 10));
+}
+
+bool cgroup_within(std::string_view path, std::string_view prefix) {
+  if (path.empty() || prefix.empty()) return false;
+  if (prefix == "/") return path.starts_with('/');
+  return path == prefix || (path.starts_with(prefix) && path[prefix.size()] == '/');
+}
+
+namespace {
+
+// The inode of the namespace `fd` refers to; 0 if unreadable.
+uint64_t namespace_inode(int fd) {
+  struct stat st {};
+  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// The PID namespace of `pid`, then each parent (NS_GET_PARENT), up to
+// `stop` (the daemon's own, not included). Empty unless the chain reaches
+// `stop`: a namespace the daemon's is not an ancestor of (the daemon not in
+// the host's) ties nothing. PID namespaces nest at most 32 deep.
+std::vector<uint64_t> pid_namespace_chain(const std::string& pid, uint64_t stop) {
+  std::vector<uint64_t> chain;
+  bool reached = false;
+  int fd = open(("/proc/" + pid + "/ns/pid").c_str(), O_RDONLY | O_CLOEXEC);
+  while (fd >= 0 && chain.size() < 33) {
+    const uint64_t inode = namespace_inode(fd);
+    if (inode == 0) break;
+    if (inode == stop) {
+      reached = true;
+      break;
+    }
+    chain.push_back(inode);
+    const int parent = ioctl(fd, NS_GET_PARENT);
+    close(fd);
+    fd = parent;
+  }
+  if (fd >= 0) close(fd);
+  if (!reached) chain.clear();
+  return chain;
+}
+
+uint64_t own_pid_namespace() {
+  static const uint64_t inode = [] {
+    const int fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    const uint64_t found = fd >= 0 ? namespace_inode(fd) : 0;
+    if (fd >= 0) close(fd);
+    return found;
+  }();
+  return inode;
+}
+
+}  // namespace
+
+int32_t ProcReader::self() const { return static_cast<int32_t>(getpid()); }
+
+std::optional<KernelTies> ProcReader::ties(int32_t pid) const {
+  const std::string status = read_proc(pid, "status");
+  if (status.empty()) return std::nullopt;
+  KernelTies t;
+  t.parent = parent_pid_in(status);
+  const std::string cgroups = read_proc(pid, "cgroup");
+  t.cgroup = cgroup_path_in(cgroups, "");
+  t.systemd_cgroup = cgroup_path_in(cgroups, "name=systemd");
+  t.mount_ns = mount_namespace_of(pid);
+  t.pid_namespaces = pid_namespace_chain(std::to_string(pid), own_pid_namespace());
+  return t;
+}
+
+std::set<std::string> ProcReader::mounted_tenants(int32_t pid) const {
+  return tenants_mounted_in(std::to_string(pid), run_dir_);
+}
+
+TenantContainers::TenantContainers(const std::map<int32_t, std::string>& charged, const ProcessReader& proc)
+    : charged_(charged), proc_(proc), daemon_(proc.ties(proc.self()).value_or(KernelTies{})) {
+  // A cgroup names a container only if it is neither the daemon's nor above
+  // it (the root cgroup, a slice holding the daemon too).
+  const auto names_a_container = [](const std::string& path, const std::string& daemons) {
+    return !path.empty() && !daemons.empty() && !cgroup_within(daemons, path);
+  };
+  for (const auto& [pid, tenant] : charged) {
+    const std::optional<KernelTies> t = proc.ties(pid);
+    if (!t) continue;
+    const bool own_mounts = !t->mount_ns.empty() && t->mount_ns != daemon_.mount_ns;
+    const bool own_pids = !t->pid_namespaces.empty();
+    if (!own_mounts && !own_pids) continue;  // on the host: ties only its descendants (tenants_of)
+    if (own_mounts) mount_namespaces_[t->mount_ns].insert(tenant);
+    if (own_pids) pid_namespaces_[t->pid_namespaces.front()].insert(tenant);
+    if (names_a_container(t->cgroup, daemon_.cgroup)) cgroups_.emplace_back(t->cgroup, tenant);
+    if (names_a_container(t->systemd_cgroup, daemon_.systemd_cgroup))
+      systemd_cgroups_.emplace_back(t->systemd_cgroup, tenant);
+  }
+}
+
+std::set<std::string> TenantContainers::tenants_of(int32_t pid) const {
+  const std::optional<KernelTies> t = proc_.ties(pid);
+  if (!t) return {};
+  std::set<std::string> found = proc_.mounted_tenants(pid);
+  for (const auto& [cgroup, tenant] : cgroups_)
+    if (cgroup_within(t->cgroup, cgroup)) found.insert(tenant);
+  for (const auto& [cgroup, tenant] : systemd_cgroups_)
+    if (cgroup_within(t->systemd_cgroup, cgroup)) found.insert(tenant);
+  for (const uint64_t ns : t->pid_namespaces)
+    if (const auto it = pid_namespaces_.find(ns); it != pid_namespaces_.end()) found.insert(it->second.begin(), it->second.end());
+  if (const auto it = mount_namespaces_.find(t->mount_ns); it != mount_namespaces_.end())
+    found.insert(it->second.begin(), it->second.end());
+  // The nearest ancestor that is a tenant's: a process's parent is whoever
+  // forked it (or the subreaper that adopted it, itself an ancestor), never
+  // something the process picks. Bounded: a chain is never this long.
+  int32_t ancestor = t->parent;
+  for (int hops = 0; hops < 64 && ancestor > 1 && ancestor != proc_.self(); ++hops) {
+    if (const auto it = charged_.find(ancestor); it != charged_.end()) {
+      found.insert(it->second);
+      break;
+    }
+    if (std::set<std::string> mounted = proc_.mounted_tenants(ancestor); !mounted.empty()) {
+      found.insert(mounted.begin(), mounted.end());
+      break;
+    }
+    const std::optional<KernelTies> up = proc_.ties(ancestor);
+    if (!up) break;
+    ancestor = up->parent;
+  }
+  return found;
+}
+
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir,
                               const std::string& gpu_uuid) {
   std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
@@ -169,18 +323,8 @@ std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32
 
 std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,
                                       const std::string& run_dir) {
-  if (std::set<std::string> mounted = tenants_mounted_in(std::to_string(pid), run_dir); !mounted.empty())
-    return mounted;
-  // The daemon's own namespace is the host's (or its pod's): a process there
-  // is in no tenant's container, whoever else runs there.
-  const std::string ns = mount_namespace_of(pid);
-  if (ns.empty() || ns == mount_namespace_of(static_cast<int32_t>(getpid()))) return {};
-  // Several tenants' verified processes in one mount namespace are one
-  // container with several claims: each of them is named.
-  std::set<std::string> found;
-  for (const auto& [other, tenant] : charged)
-    if (!found.contains(tenant) && mount_namespace_of(other) == ns) found.insert(tenant);
-  return found;
+  const ProcReader proc(run_dir);
+  return TenantContainers(charged, proc).tenants_of(pid);
 }
 
 std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir) {

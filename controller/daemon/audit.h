@@ -78,16 +78,88 @@ class Auditor {
 // The process wrote that itself: a claim, shown to the operator, never acted on.
 std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir);
 
+// What the kernel says about a process that ties it to a container. None of
+// it can be changed by the process itself: a process can enter new
+// namespaces (unshare -U -r -m, pivot_root), but it keeps its cgroup (it may
+// only move within a subtree delegated to it), its PID namespace stays a
+// descendant of the one it left, and its parent chain stays its own.
+struct KernelTies {
+  std::string cgroup;          // its cgroup v2 path ("0::" line of /proc/<pid>/cgroup); empty: none
+  std::string systemd_cgroup;  // its cgroup v1 "name=systemd" path, where v2 tracks nothing; empty: none
+  std::string mount_ns;        // /proc/<pid>/ns/mnt's link text; empty: unreadable
+  // Its PID namespace's inode, then its parent's, and so on, stopping before
+  // the daemon's own (or where the kernel lets the daemon see no further).
+  std::vector<uint64_t> pid_namespaces;
+  int32_t parent = 0;  // PPid of /proc/<pid>/status; 0: none or unreadable
+};
+
+// Where attribution reads what the kernel says: /proc (ProcReader), or, in
+// tests, fabricated processes.
+class ProcessReader {
+ public:
+  virtual ~ProcessReader() = default;
+  virtual int32_t self() const = 0;  // the daemon's own PID
+  // nullopt: the process is gone, or not visible here.
+  virtual std::optional<KernelTies> ties(int32_t pid) const = 0;
+  // Tenants whose directory is mounted into its mount namespace (tenants_mounted_in).
+  virtual std::set<std::string> mounted_tenants(int32_t pid) const = 0;
+};
+
+// The live system's /proc, for the tenant directories under `run_dir`.
+class ProcReader : public ProcessReader {
+ public:
+  explicit ProcReader(std::string run_dir) : run_dir_(std::move(run_dir)) {}
+  int32_t self() const override;
+  std::optional<KernelTies> ties(int32_t pid) const override;
+  std::set<std::string> mounted_tenants(int32_t pid) const override;
+
+ private:
+  std::string run_dir_;
+};
+
+// Where each tenant's verified processes (`charged`: host PID -> tenant, as
+// the daemon found them) run, by the kernel's account, and so which tenants
+// an uncharged process belongs to. Built once per audit pass: it reads each
+// verified process once.
+//
+// A verified process in the daemon's own mount and PID namespaces is on the
+// host, not in a container: its cgroup (a login session, a system service)
+// is shared with processes of nobody's, so it ties nothing but its own
+// descendants. A cgroup that holds the daemon itself, or is above it, ties
+// nothing either.
+class TenantContainers {
+ public:
+  TenantContainers(const std::map<int32_t, std::string>& charged, const ProcessReader& proc);
+
+  // Every tenant `pid` is tied to, by any of (each one the process cannot
+  // undo; a tenant can never make another tenant's process look like its own):
+  //  - a tenant directory mounted into its mount namespace;
+  //  - its cgroup: at or beneath the cgroup of a tenant's verified process in
+  //    a container (matched by that cgroup as a prefix, never the reverse: a
+  //    tenant may create sub-cgroups beneath its own, never above);
+  //  - its PID namespace: that of a tenant's containerized verified process,
+  //    or a descendant of it;
+  //  - its mount namespace: shared with a tenant's verified process outside
+  //    the daemon's own;
+  //  - its parent chain: the nearest ancestor that is a tenant's verified
+  //    process or has a tenant directory mounted.
+  // Several tenants: one container with several claims. Empty: nobody's.
+  std::set<std::string> tenants_of(int32_t pid) const;
+
+ private:
+  const std::map<int32_t, std::string>& charged_;
+  const ProcessReader& proc_;
+  KernelTies daemon_;
+  std::vector<std::pair<std::string, std::string>> cgroups_;          // (cgroup v2 path, tenant)
+  std::vector<std::pair<std::string, std::string>> systemd_cgroups_;  // (v1 name=systemd path, tenant)
+  std::map<uint64_t, std::set<std::string>> pid_namespaces_;          // container PID namespace -> tenants
+  std::map<std::string, std::set<std::string>> mount_namespaces_;     // container mount namespace -> tenants
+};
+
 // The tenant an uncharged process belongs to, from what the kernel says, not
-// what the process says. First, the one tenant whose directory
-// (<run_dir>/tenants/<name>, or a file in it) is mounted into the process's
-// mount namespace (/proc/<pid>/mountinfo): what a container of that tenant
-// is given, and a process without CAP_SYS_ADMIN can neither add nor remove.
-// Else, the one tenant whose verified processes (`charged`: host PID ->
-// tenant) share its mount namespace, unless that is the daemon's own (the
-// host's: processes outside containers are in no tenant's). Empty when
-// neither tells exactly one tenant. So a process can never get another
-// tenant denied or charged by naming it, nor by running beside it on the host.
+// what the process says (TenantContainers::tenants_of): exactly one, else
+// empty. So a process can never get another tenant denied or charged by
+// naming it, nor by running beside it on the host.
 // Given `gpu_uuid` (the GPU the process was seen on), of several tenants (a
 // container with several claims) the one whose policy holds that GPU.
 std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>& charged, const std::string& run_dir,
@@ -97,16 +169,23 @@ std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>&
 // claims share that GPU (the GPU time it uses there is theirs together).
 std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32_t, std::string>& charged,
                                                const std::string& run_dir, const std::string& gpu_uuid);
-// The same evidence, every tenant it names: each tenant mounted in the
-// process's container (a container with several claims has several), or
-// the tenants whose verified processes share its mount namespace (one
-// container: mount namespaces are never shared between containers). Empty
-// when nothing ties it to a tenant.
+// The same evidence, every tenant it names (TenantContainers::tenants_of
+// over /proc). Empty when nothing ties it to a tenant.
 std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,
                                       const std::string& run_dir);
 
+// The parts of /proc text that attribution reads, parsed (exposed for tests).
+// /proc/<pid>/cgroup: the path of the line whose controllers field is
+// `controllers` ("" for cgroup v2's "0::" line, "name=systemd"); empty if none.
+std::string cgroup_path_in(std::string_view proc_cgroup, std::string_view controllers);
+// /proc/<pid>/status: the PPid field; 0 if absent.
+int32_t parent_pid_in(std::string_view proc_status);
+// Whether cgroup `path` is `prefix` or beneath it, by whole path components
+// ("/a/b" is within "/a", "/ab" is not).
+bool cgroup_within(std::string_view path, std::string_view prefix);
+
 // Tenants whose directory under `run_dir` is mounted into the mount
-// namespace of `pid` (see attribute_process). "self" reads the caller's.
+// namespace of `pid`: what a container of that tenant is given. "self" reads the caller's.
 std::set<std::string> tenants_mounted_in(const std::string& pid, const std::string& run_dir);
 
 // Field 22 of /proc/<pid>/stat (clock ticks after boot): with the PID, names

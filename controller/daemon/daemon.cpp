@@ -1058,6 +1058,15 @@ void Daemon::start_gpu_checks() {
   health_ = std::make_unique<HealthMonitor>(nvml_.get(), discovery_.gpus, *log_, config_->daemon.run_dir);
   auditor_ = std::make_unique<Auditor>(nvml_.get(), discovery_.gpus, *log_);
   memory_auditor_ = std::make_unique<MemoryAuditor>(nvml_.get(), discovery_.gpus, *log_);
+  if (nvml_ != nullptr) {
+    // A default that stops processes: said at every start (docs/configuration.md).
+    const MemoryAuditSettings& m = config_->daemon.memory_audit;
+    log_->info("memory audit: processes no tenant owns (by cgroup, PID namespace, parent or mounts) may hold {} "
+               "together on each managed GPU (unowned_memory_allowance); beyond it for {} ms: {} "
+               "(memory_audit_action); node agents exempt by cgroup (node_agent_cgroups): {}",
+               format_size(m.unowned_allowance), m.grace.count() / 1000, memory_audit_action_name(m.action),
+               m.node_agent_cgroups.empty() ? std::string("none") : fmt::format("{}", fmt::join(m.node_agent_cgroups, ", ")));
+  }
   attach_meters();
   configure_side_by_side();
   next_health_ns_ = next_audit_ns_ = next_memory_audit_ns_ = 0;  // all at the first tick
@@ -1097,8 +1106,10 @@ void Daemon::check_gpus(uint64_t now) {
     ran = true;
   }
   if (memory_audit) {
+    std::set<std::string> managed;
+    for (const ManagedGpu& gpu : config_->gpus) managed.insert(gpu.uuid);
     ran |= memory_auditor_->check(memory_owners(), memory_quotas(), config_->daemon.memory_audit,
-                                  config_->daemon.run_dir);
+                                  config_->daemon.run_dir, managed);
     settle_shrinks();
     next_memory_audit_ns_ = now + ns(config_->daemon.memory_audit.interval);
   }

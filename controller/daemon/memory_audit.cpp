@@ -1,6 +1,7 @@
 #include "daemon/memory_audit.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -28,8 +29,29 @@ const char* memory_audit_action_name(MemoryAuditAction action) {
 MemoryAuditor::MemoryAuditor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log)
     : nvml_(nvml), log_(log), gpus_(gpus) {}
 
+namespace {
+
+// Whether `pid` runs in one of the operator's node agent cgroups.
+bool in_node_agent_cgroup(int32_t pid, const ProcessReader& proc, const std::vector<std::string>& agent_cgroups) {
+  if (agent_cgroups.empty()) return false;
+  const std::optional<KernelTies> t = proc.ties(pid);
+  if (!t) return false;
+  return std::any_of(agent_cgroups.begin(), agent_cgroups.end(), [&](const std::string& agent) {
+    return cgroup_within(t->cgroup, agent) || cgroup_within(t->systemd_cgroup, agent);
+  });
+}
+
+// How a log line names whose memory it is.
+std::string holder_name(const std::string& tenant) {
+  return tenant == kUnownedProcesses ? std::string("processes no tenant owns")
+                                     : fmt::format("tenant \"{}\"", tenant);
+}
+
+}  // namespace
+
 bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQuota>& quotas,
-                          const MemoryAuditSettings& settings, const std::string& run_dir) {
+                          const MemoryAuditSettings& settings, const std::string& run_dir,
+                          const std::set<std::string>& managed_gpus) {
   if (nvml_ == nullptr) return false;
   const Nvml::Api& api = nvml_->api();
   const uint64_t now = ledger::monotonic_ns();
@@ -38,6 +60,12 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
   // For the mount-namespace rule of process_tenants: one tenant per PID is enough.
   std::map<int32_t, std::string> charged;
   for (const auto& [pid, tenants] : owners) charged.emplace(pid, *tenants.begin());
+  // Where the tenants' verified processes run: read at most once per pass,
+  // and only once a process with no slot is seen (most passes see none).
+  const ProcReader proc(run_dir);
+  std::optional<TenantContainers> containers;
+  const std::string unowned(kUnownedProcesses);
+  const auto self = static_cast<int32_t>(getpid());
   held_.clear();
   read_.clear();
   for (const DiscoveredGpu& gpu : gpus_) {
@@ -65,7 +93,16 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
       const uint64_t start_time = pid > 1 ? process_start_time(pid) : 0;
       if (start_time == 0) continue;  // gone, or not visible here (the bypass audit says so)
       const auto it = owners.find(pid);
-      const std::set<std::string> tenants = it != owners.end() ? it->second : process_tenants(pid, charged, run_dir);
+      if (it == owners.end() && !containers) containers.emplace(charged, proc);
+      const std::set<std::string> tenants = it != owners.end() ? it->second : containers->tenants_of(pid);
+      if (tenants.empty()) {
+        // Nobody's: on a GPU fracgpu manages, held with the others like it
+        // to the allowance, unless it is a node agent the operator named.
+        if (managed_gpus.contains(gpu.uuid) && pid != self &&
+            !in_node_agent_cgroup(pid, proc, settings.node_agent_cgroups))
+          by_tenant[unowned].push_back({p, start_time});
+        continue;
+      }
       // Tied to several tenants: counted against those with a grant here,
       // or, if none has one, against every one of them.
       std::set<std::string> granted;
@@ -74,14 +111,18 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
       for (const std::string& t : granted.empty() ? tenants : granted) by_tenant[t].push_back({p, start_time});
     }
     for (auto& [tenant, mine] : by_tenant) {
+      const bool nobodys = tenant == unowned;
       const auto found = quota_here.find(tenant);
-      const uint64_t quota = found == quota_here.end() ? 0 : found->second;
+      const uint64_t quota = nobodys ? settings.unowned_allowance : found == quota_here.end() ? 0 : found->second;
       uint64_t used = 0;
       for (const Held& h : mine) used += h.p.used_bytes;
       const auto key = std::make_pair(tenant, gpu.uuid);
       if (used > 0) held_[key] = used;
       if (quota == ledger::kUnlimited) continue;
-      const uint64_t allowed = quota > UINT64_MAX - settings.tolerance ? UINT64_MAX : quota + settings.tolerance;
+      // Nobody's processes get the allowance alone: the tolerance is for a
+      // tenant's contexts beyond what its quota charges.
+      const uint64_t tolerance = nobodys ? 0 : settings.tolerance;
+      const uint64_t allowed = quota > UINT64_MAX - tolerance ? UINT64_MAX : quota + tolerance;
       if (used <= allowed) continue;
       over_now.insert(key);
       Over& o = over_[key];
@@ -97,17 +138,23 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
         o.since_ns = now;
         r.since_unix = static_cast<uint64_t>(time(nullptr));
         r.action = "over (within grace)";
-        log_.warn("memory audit: tenant \"{}\" holds {} on GPU {} ({}) by the driver's count in {} process(es), "
-                  "over {} ({} allowed: quota {} plus the tolerance); acting ({}) if it lasts {} ms",
-                  tenant, format_size(used), gpu.index, gpu.uuid, mine.size(),
-                  found == quota_here.end() ? "a GPU it has no grant on" : "its quota", format_size(allowed),
-                  format_size(quota), memory_audit_action_name(settings.action), settings.grace.count() / 1000);
+        if (nobodys)
+          log_.warn("memory audit: processes no tenant owns hold {} on GPU {} ({}) by the driver's count in {} "
+                    "process(es), over their allowance ({}: unowned_memory_allowance); acting ({}) if it lasts {} ms",
+                    format_size(used), gpu.index, gpu.uuid, mine.size(), format_size(allowed),
+                    memory_audit_action_name(settings.action), settings.grace.count() / 1000);
+        else
+          log_.warn("memory audit: tenant \"{}\" holds {} on GPU {} ({}) by the driver's count in {} process(es), "
+                    "over {} ({} allowed: quota {} plus the tolerance); acting ({}) if it lasts {} ms",
+                    tenant, format_size(used), gpu.index, gpu.uuid, mine.size(),
+                    found == quota_here.end() ? "a GPU it has no grant on" : "its quota", format_size(allowed),
+                    format_size(quota), memory_audit_action_name(settings.action), settings.grace.count() / 1000);
         continue;
       }
       if (now - o.since_ns < grace_ns) continue;
       if (settings.action == MemoryAuditAction::kReport) {
         if (r.action != "reported")
-          log_.warn("memory audit: tenant \"{}\" still over on GPU {}: {} held, {} allowed: reported", tenant,
+          log_.warn("memory audit: {} still over on GPU {}: {} held, {} allowed: reported", holder_name(tenant),
                     gpu.uuid, format_size(used), format_size(allowed));
         r.action = "reported";
         continue;
@@ -121,18 +168,19 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
         if (left <= allowed) break;
         const auto pid = static_cast<int32_t>(h.p.pid);
         if (process_start_time(pid) != h.start_time) {
-          log_.warn("memory audit: process {} of tenant \"{}\" exited before it could be terminated", pid, tenant);
+          log_.warn("memory audit: process {} ({}) exited before it could be terminated", pid, holder_name(tenant));
           continue;
         }
         if (kill(pid, SIGKILL) != 0) {
-          log_.warn("memory audit: cannot terminate process {} of tenant \"{}\": {}", pid, tenant, strerror(errno));
+          log_.warn("memory audit: cannot terminate process {} ({}): {}", pid, holder_name(tenant), strerror(errno));
           continue;
         }
         killed += fmt::format(" {}", pid);
         left -= std::min(left, h.p.used_bytes);
-        log_.warn("memory audit: tenant \"{}\" over its quota on GPU {} ({} held, {} allowed): terminated process {} "
+        log_.warn("memory audit: {} over {} on GPU {} ({} held, {} allowed): terminated process {} "
                   "(SIGKILL, {} by the driver's count)",
-                  tenant, gpu.uuid, format_size(used), format_size(allowed), pid, format_size(h.p.used_bytes));
+                  holder_name(tenant), nobodys ? "their allowance" : "its quota", gpu.uuid, format_size(used),
+                  format_size(allowed), pid, format_size(h.p.used_bytes));
       }
       if (!killed.empty()) r.action = "terminated" + killed;
     }
@@ -143,7 +191,9 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
       ++it;
       continue;
     }
-    log_.info("memory audit: tenant \"{}\" is within its quota on GPU {} again", it->first.first, it->first.second);
+    log_.info("memory audit: {} {} within {} on GPU {} again", holder_name(it->first.first),
+              it->first.first == unowned ? "are" : "is", it->first.first == unowned ? "their allowance" : "its quota",
+              it->first.second);
     it = over_.erase(it);
     changed = true;
   }

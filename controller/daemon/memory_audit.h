@@ -24,7 +24,10 @@
 // the kernel ties it to the tenant's container. A process tied to several
 // tenants (a container with two claims: two slots, or two tenant mounts) is
 // counted on a GPU against those of its tenants with a grant there, or, when
-// none has one, against all of them: it is never left out.
+// none has one, against all of them: it is never left out. A process tied
+// to no tenant at all, on a GPU fracgpu manages, is held with every other
+// such process there to a small allowance (unowned_allowance), unless it
+// runs in a node agent's cgroup.
 #pragma once
 
 #include <sys/types.h>
@@ -64,7 +67,24 @@ struct MemoryAuditSettings {
   // many-process tenant to fit. Not measured on a real GPU yet.
   uint64_t tolerance = 512ull << 20;
   MemoryAuditAction action = MemoryAuditAction::kTerminate;  // `memory_audit_action`
+  // Per managed GPU, what processes no tenant owns (TenantContainers finds
+  // no tie to any tenant) may hold there together (`unowned_memory_allowance`):
+  // about one context, for a host tool that opens the GPU briefly. Beyond
+  // it for the grace, `action` applies to them as to a tenant. Together, not
+  // per process: more nobody's processes buy no more memory.
+  uint64_t unowned_allowance = 512ull << 20;
+  // Cgroups of node agents (monitoring, a device plugin) exempt from that
+  // allowance (`node_agent_cgroups`): paths as /proc/<pid>/cgroup shows
+  // them to fracgpud, cgroup v2's, or v1's name=systemd; a process at or
+  // beneath one is exempt. A cgroup, not an executable path: a process can
+  // put any file at any path in a mount namespace of its own, but cannot
+  // leave its cgroup subtree.
+  std::vector<std::string> node_agent_cgroups;
 };
+
+// The name under which processes no tenant owns are reported (overuses,
+// held()): not a valid tenant name, so never confused with one.
+inline constexpr std::string_view kUnownedProcesses = "(no tenant)";
 
 // One tenant's memory quota on one GPU (ledger::kUnlimited: not audited).
 // A tenant with no entry for a GPU has quota 0 there.
@@ -97,9 +117,12 @@ class MemoryAuditor {
 
   // One pass. `owners`: every process the daemon verified as a tenant's
   // (its slots' record-lock holder); `quotas`: every grant of every tenant.
+  // `managed_gpus`: the uuids of the GPUs fracgpu manages: only there are
+  // processes no tenant owns held to settings.unowned_allowance.
   // Returns true if the overuses changed.
   bool check(const ProcessOwners& owners, const std::vector<TenantQuota>& quotas,
-             const MemoryAuditSettings& settings, const std::string& run_dir);
+             const MemoryAuditSettings& settings, const std::string& run_dir,
+             const std::set<std::string>& managed_gpus = {});
   const std::vector<MemoryOveruse>& overuses() const { return overuses_; }
   // What each tenant's processes held on each GPU at the last pass, by the
   // driver's count, (tenant, GPU uuid) -> bytes: every process attributed to
