@@ -193,6 +193,12 @@ uint64_t pace_budget(const GpuTime& g) {
 
 // ---- contexts the pacer drains ----
 
+// Tells the daemon how many contexts of ours the GPU runs (side by side
+// needs one per process). Under g_context_lock.
+void publish_context_count(GpuTime& g, int count) {
+  if (g.request != nullptr) g.request->contexts.store(static_cast<uint64_t>(count), std::memory_order_relaxed);
+}
+
 void note_context(GpuTime& g, CUcontext ctx, CUdevice device) {
   const int n = g.context_count.load(std::memory_order_acquire);
   for (int i = 0; i < n; ++i)
@@ -205,6 +211,7 @@ void note_context(GpuTime& g, CUcontext ctx, CUdevice device) {
     g.contexts[count] = ctx;
     g.context_device[count] = device;
     g.context_count.store(count + 1, std::memory_order_release);
+    publish_context_count(g, count + 1);
   } else if (!known) {
     FRACGPU_LOG_ONCE(LogLevel::kWarn, "more than %d contexts on one GPU: later ones are not drained at hand-over",
                      kMaxContexts);
@@ -227,6 +234,7 @@ void forget_contexts(Match match) {
       --count;
     }
     g.context_count.store(count, std::memory_order_release);
+    publish_context_count(g, count);
   }
   pthread_mutex_unlock(&g_context_lock);
 }
@@ -384,6 +392,7 @@ int open_gpu(int gpu, char* why, size_t why_len) {
   g.arbiter = arbiter;
   g.row = static_cast<uint32_t>(row);
   g.request = &tenant.ledger.usage->gputime[entry_of(gpu)][tenant.slot];
+  publish_context_count(g, g.context_count.load(std::memory_order_acquire));
   // Nothing asked, nothing entered yet (claim_slot cleared the row; a
   // process re-opening its GPU entries clears what it said before).
   g.request->want_since_ns.store(0, std::memory_order_relaxed);

@@ -1405,3 +1405,21 @@ TEST_F(SideBySideTest, NotWhereTheLimitsDoNotAllowEachItsPart) {
     EXPECT_FALSE(holds(0) && holds(1)) << i;
   }
 }
+
+// A process that launches into two contexts on the GPU gets two turns of
+// the driver's to the other's one: its tenant takes turns.
+TEST_F(SideBySideTest, NotWithAProcessOfTwoContexts) {
+  start(0.6);
+  run(600);
+  ASSERT_TRUE(holds(0) && holds(1));
+  request(0, a_).contexts.store(2);
+  run(5);
+  EXPECT_FALSE(holds(0) && holds(1)) << "turns at once";
+  for (int i = 0; i < 10; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+  request(0, a_).contexts.store(1);
+  run(600);
+  EXPECT_TRUE(holds(0) && holds(1)) << "one context again: side by side";
+}

@@ -374,7 +374,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   r.waiting = 0;
   r.want_since = 0;
   r.last_active = 0;
-  r.gpu_processes = 0;
+  r.gpu_contexts = 0;
   if (r.usage == nullptr || r.entry < 0) {
     r.readable = false;
     r.high = 0;
@@ -400,6 +400,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
       v.active = q.last_active_ns.load(std::memory_order_relaxed);
       v.entered = q.entered_grant.load(std::memory_order_seq_cst);
       v.drained = q.drained_grant.load(std::memory_order_seq_cst);
+      v.contexts = q.contexts.load(std::memory_order_relaxed);
       fold = fold_request(fold, s, v.want, v.entered, v.drained);
     }
   });
@@ -426,9 +427,11 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
     v.poll = std::min(v.poll, now);
     v.active = std::min(v.active, now);
     r.last_active = std::max(r.last_active, v.active);
-    // A process that ever asked for this GPU or entered a grant on it (a
-    // claim: one that hides is found outside the gate, or counts nothing).
-    if (v.poll != 0 || v.entered != 0) ++r.gpu_processes;
+    // A process that ever asked for this GPU or entered a grant on it, and
+    // its contexts there (claims: a process that hides is found outside the
+    // gate; one that claims more only keeps its own tenant in turns).
+    if (v.poll != 0 || v.entered != 0)
+      r.gpu_contexts += static_cast<uint32_t>(std::clamp<uint64_t>(v.contexts, 1, ledger::kMaxSlots));
     // A latency tenant with a live process keeps the others paced, asking
     // or not: an inference server's first request after a quiet spell must
     // not find a training queue of seconds ahead of it.
@@ -1013,7 +1016,7 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
     // One context each (a tenant with two gets two turns of the driver's),
     // none outside the gate, ordinary priority (latency and batch tenants
     // are served by turns), and equal shares (the driver's turns are equal).
-    if (r.gpu_processes > 1 || r.outside || r.priority != gputime::kPriorityNormal || r.blocked) return false;
+    if (r.gpu_contexts > 1 || r.outside || r.priority != gputime::kPriorityNormal || r.blocked) return false;
     if (share == 0) share = r.share;
     if (r.share > share + share / 200 || r.share + share / 200 < share) return false;
     ++members;

@@ -178,7 +178,7 @@ class GpuScheduler {
   // What one slot of a tenant's usage file said at the last observation.
   struct SlotView {
     bool live = false;  // its state word says so (a claim; liveness is the record lock)
-    uint64_t want = 0, poll = 0, active = 0, entered = 0, drained = 0;
+    uint64_t want = 0, poll = 0, active = 0, entered = 0, drained = 0, contexts = 0;
   };
   struct Row {
     bool bound = false;   // the file has this row (by name)
@@ -227,10 +227,10 @@ class GpuScheduler {
     uint64_t out_of_grant = 0, out_of_grant_samples = 0;
     uint64_t alone_ns = 0;       // held alone while another waited, since the last reading
     uint32_t missed_deadlines = 0;
-    // Side by side: live processes of the tenant using this GPU (its
-    // slots' requests say so), and whether the daemon found one outside
-    // the gate.
-    uint32_t gpu_processes = 0;
+    // Side by side: the contexts of the tenant's live processes using this
+    // GPU (its slots' requests say so; one at least for each), and whether
+    // the daemon found a process of it outside the gate.
+    uint32_t gpu_contexts = 0;
     bool outside = false;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
     bool blocked = false;         // missed a drain deadline; waits for progress

@@ -222,7 +222,10 @@ struct alignas(64) GpuTimeRequest {
   // (its waiting threads and its pacer, every few milliseconds): a want
   // nobody renews (a stopped process) stops counting.
   std::atomic<uint64_t> poll_ns;
-  uint64_t reserved;
+  // Contexts the process has launched into on this GPU (each gets turns of
+  // its own from the driver): side by side counts them (docs/sm-time.md).
+  // Was reserved (always 0), which reads as one.
+  std::atomic<uint64_t> contexts;
 };
 static_assert(sizeof(GpuTimeRequest) == 64);
 static_assert(offsetof(GpuTimeRequest, poll_ns) == 48);
