@@ -1358,7 +1358,7 @@ TEST_F(SideBySideTest, NotWithATenantOfTwoProcessesOrOneOutsideTheGate) {
 
 // A third tenant of another share, or of latency priority, asks: the
 // driver's equal turns would not give it what it is promised, so everybody
-// takes turns again, the holder with the least virtual time first.
+// takes turns again; a latency tenant is granted at once.
 TEST_F(SideBySideTest, ATenantThatDoesNotFitEndsItAtOnce) {
   for (const uint32_t priority : {gputime::kPriorityLatency, gputime::kPriorityNormal}) {
     SCOPED_TRACE(priority == gputime::kPriorityLatency ? "latency" : "another share");
@@ -1377,8 +1377,9 @@ TEST_F(SideBySideTest, ATenantThatDoesNotFitEndsItAtOnce) {
     const int c = spawn_attributed(2, &pc);
     want(2, c);
     pass(1 * kMs);
-    EXPECT_EQ((state_of(0) == gputime::kGrantRevoking) + (state_of(1) == gputime::kGrantRevoking), 1)
-        << "one of the two holders leaves";
+    EXPECT_TRUE(state_of(0) == gputime::kGrantRevoking && state_of(1) == gputime::kGrantRevoking)
+        << "both holders leave";
+    if (priority == gputime::kPriorityLatency) EXPECT_TRUE(holds(2)) << "the latency tenant at once";
     c_ = c;
     run(300);
     EXPECT_FALSE(holds(0) && holds(1));

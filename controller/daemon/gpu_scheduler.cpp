@@ -894,6 +894,8 @@ void GpuScheduler::step(uint64_t now) {
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
     if (rows_[t].gstate != gputime::kGrantIdle) step_row(t, now);
   const bool measured = measuring(now);
+  // Side by side begins or ends first: the priorities below see its holders.
+  if (!measured) step_side_by_side(now);
   // The least virtual time among the others that ask or hold: what a
   // tenant's lead and a slice's end are measured against.
   auto least_other = [&](uint32_t self) {
@@ -954,9 +956,10 @@ void GpuScheduler::step(uint64_t now) {
           start_revoke(t, now);
       if (holders(gputime::kGranted) == 0) grant(static_cast<uint32_t>(other), now);
     }
-  } else if (!measured && holders(gputime::kGranted) == 0 && holders(gputime::kGrantRevoking) == 1) {
+  } else if (!measured && holders(gputime::kGranted) == 0 && holders(gputime::kGrantRevoking) >= 1) {
     // The holder is leaving already (its slice ended, its limit was
-    // reached): a latency tenant does not wait for its drain either.
+    // reached; or the holders side by side are): a latency tenant does not
+    // wait for its drain either.
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
       if (rows_[t].gstate != gputime::kGrantRevoking) continue;
       const int other = best_candidate(now, static_cast<int>(t));
@@ -966,7 +969,6 @@ void GpuScheduler::step(uint64_t now) {
       break;
     }
   }
-  if (!measured) step_side_by_side(now);
   // A slice's end: a lone holder gives way to a tenant with a smaller
   // virtual time that waits.
   const uint32_t granted = holders(gputime::kGranted);
@@ -1055,12 +1057,15 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
   };
   if (side_) {
     const uint64_t phase = std::max(kMinSidePhaseNs, kSidePhasePeriods * period);
-    if (side_by_side_fits(now, false) && now - phase_since_ < phase) return;
-    // Back to turns: the holder with the least virtual time keeps the GPU,
-    // the others leave it (drain handshake).
+    const bool fits = side_by_side_fits(now, false);
+    if (fits && now - phase_since_ < phase) return;
+    // Back to turns. At the phase's end the holder with the least virtual
+    // time keeps the GPU and the others leave it (drain handshake); for a
+    // tenant that does not fit, all leave, so that a latency tenant is
+    // granted at once (step()) and any other in virtual-time order.
     start_turns();
     int keep = -1;
-    for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
+    for (uint32_t t = 0; t < gputime::kMaxTenants && fits; ++t)
       if (rows_[t].gstate == gputime::kGranted &&
           (keep < 0 || effective_vtime(rows_[t]) < effective_vtime(rows_[static_cast<uint32_t>(keep)])))
         keep = static_cast<int>(t);
