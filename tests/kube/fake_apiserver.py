@@ -67,6 +67,18 @@ Control, at run time (loopback, no authentication):
                       (409 if it exists); answers {"uid": the new uid}. A
                       deleted and re-created Node, as `kubectl delete node`
                       and a kubelet registering again make
+  POST /fake/schedule {"pod": POD, "node": NODE, "deviceClasses": [...],
+                      "claimTemplates": [...]}: the pod bound to NODE with
+                      its claims (fake_scheduler.py): one made from each
+                      template its resourceClaims name, as the resourceclaim
+                      controller makes it, and the one the kube-scheduler
+                      makes for extended resources a DeviceClass stands for,
+                      each allocated on NODE's stored slices (given what the
+                      --fixtures claims hold) and written to --fixtures
+                      (served from then on); answered {"claims", "pod"} (the
+                      pod with nodeName, status.resourceClaimStatuses and
+                      status.extendedResourceClaimStatus); 422 for a pod the
+                      API server refuses, 409 when something does not fit
   POST /fake/gc       {"delay": SECONDS}: as --gc-delay, from now on
   POST /fake/feature-gates {"DRADeviceTaints": false}: as --feature-gates,
                       for the writes from now on
@@ -109,6 +121,8 @@ import sys
 import threading
 import urllib.parse
 import uuid as uuidlib
+
+import fake_scheduler  # beside this file: the kube-scheduler's claim for extended resources
 
 API_PREFIX = "/apis/resource.k8s.io/v1"
 
@@ -872,6 +886,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 else:
                     st.nodes[name] = str(uuidlib.uuid4())
                     self.send_json(201, {"ok": True, "uid": st.nodes[name]})
+            elif method == "POST" and path == "/fake/schedule":
+                self.schedule_pod(body or {})
             elif method == "POST" and path == "/fake/gc":
                 delay = (body or {}).get("delay")
                 if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
@@ -881,6 +897,50 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, {"ok": True, "delay": st.gc_delay})
             else:
                 self.send_status(404, "NotFound", "no such control path")
+
+    def schedule_pod(self, body):
+        """The kube-scheduler's claim for a pod's extended resources
+        (fake_scheduler.py), stored as a fixture claim the API serves."""
+        st = self.state
+        fixtures = st.args.fixtures
+        pod, node, classes = body.get("pod"), body.get("node"), body.get("deviceClasses")
+        if not fixtures or not isinstance(pod, dict) or not isinstance(node, str) or not isinstance(classes, list):
+            self.send_status(400, "BadRequest", "needs --fixtures and {pod, node, deviceClasses}")
+            return
+        pod = json.loads(json.dumps(pod))
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuidlib.uuid4()))
+        claims = []
+        for root, _, files in os.walk(fixtures):
+            for f in files:
+                try:
+                    with open(os.path.join(root, f)) as fh:
+                        claims.append(json.load(fh))
+                except (OSError, ValueError):
+                    pass
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        templates = body.get("claimTemplates") or []
+        try:
+            made, status = fake_scheduler.schedule(pod, classes, list(st.slices.values()), node, claims, now,
+                                                   templates)
+        except fake_scheduler.Invalid as e:
+            self.send_status(422, "Invalid", 'Pod "%s" is invalid: %s' % (meta.get("name"), e))
+            return
+        except (fake_scheduler.Unschedulable, ValueError) as e:
+            self.send_status(409, "Unschedulable", str(e))
+            return
+        for claim in made:
+            claim["metadata"]["resourceVersion"] = st.next_version()
+            directory = os.path.join(fixtures, claim["metadata"]["namespace"])
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, claim["metadata"]["name"] + ".json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(claim, f)
+            os.replace(path + ".tmp", path)
+        pod.setdefault("spec", {})["nodeName"] = node
+        pod.setdefault("status", {}).update(status)
+        self.send_json(200, {"claims": made, "pod": pod})
 
     def route(self, method, path, body):
         url = urllib.parse.urlsplit(path)

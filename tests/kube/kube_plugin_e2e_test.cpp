@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include "control/client.h"
 #include "controller_test_util.h"
@@ -67,6 +69,42 @@ json result(const std::string& device, json consumed = nullptr, const std::strin
   return r;
 }
 
+// A YAML node as the API server reads it into JSON: plain scalars that are
+// integers or booleans become numbers and booleans, the rest strings.
+json yaml_to_json(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: {
+      json out = json::object();
+      for (const auto& kv : node) out[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+      return out;
+    }
+    case YAML::NodeType::Sequence: {
+      json out = json::array();
+      for (const auto& item : node) out.push_back(yaml_to_json(item));
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string text = node.Scalar();
+      if (node.Tag() == "?") {
+        if (text == "true" || text == "false") return text == "true";
+        if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos && text.size() < 18)
+          return std::stoll(text);
+      }
+      return text;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+// The documents of a manifest under deploy/.
+std::vector<json> manifest(const std::string& relative) {
+  std::vector<json> out;
+  for (const YAML::Node& doc : YAML::LoadAllFromFile(std::string(DEPLOY_DIR) + "/" + relative))
+    if (doc.IsMap()) out.push_back(yaml_to_json(doc));
+  return out;
+}
+
 class KubePluginE2E : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -104,7 +142,7 @@ class KubePluginE2E : public ::testing::Test {
 
   pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
     std::vector<std::string> all = {std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
-                                    "SIMCUDA_DEVICES=" + kDevices, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_,
+                                    "SIMCUDA_DEVICES=" + devices_, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_,
                                     std::string(kube_plugin::kCrashEnv)};
     all.insert(all.end(), env.begin(), env.end());
     return spawn_logged(args, log, all);
@@ -254,6 +292,23 @@ class KubePluginE2E : public ::testing::Test {
     return cdi_dir_ + "/gpu.fracgpu.io-claim_" + uid + ".json";
   }
   std::string record_path(const std::string& uid) const { return run_dir_ + "/kube/claims/" + uid + ".json"; }
+
+  // The stand-in scheduler binds `pod` to this node (POST /fake/schedule):
+  // its claims, made from `templates` and for its extended resources with
+  // the DeviceClasses of deploy/, allocated and served from then on.
+  kube::HttpResult schedule(const json& pod, const std::vector<json>& templates = {}) {
+    return api_control_->post("/fake/schedule", {{"pod", pod},
+                                                 {"node", kNode},
+                                                 {"deviceClasses", manifest("deviceclass.yaml")},
+                                                 {"claimTemplates", templates}});
+  }
+  static kube_plugin::ClaimRef ref_of(const json& claim) {
+    return {claim["metadata"]["namespace"], claim["metadata"]["name"], claim["metadata"]["uid"]};
+  }
+  void forget_claim(const json& claim) {
+    fs::remove(claims_dir_ + "/" + claim["metadata"]["namespace"].get<std::string>() + "/" +
+               claim["metadata"]["name"].get<std::string>() + ".json");
+  }
 
   // The devices of the node's slice in the stand-in API server (null if none).
   json slice_devices() const {
@@ -435,6 +490,7 @@ class KubePluginE2E : public ::testing::Test {
   std::string registry_dir_ = tmp_ / "plugins_registry";
   std::string cdi_dir_ = tmp_ / "cdi";
   std::string library_container_path_ = kContainerLibrary;
+  std::string devices_ = kDevices;  // the simulated GPUs (a subclass's constructor may change them)
   std::unique_ptr<FakeApiServer> api_;
   std::unique_ptr<kube::ApiClient> api_control_;
   std::unique_ptr<dra::DRAPlugin::Stub> dra_;
@@ -1256,6 +1312,213 @@ TEST_F(KubePluginE2E, TheKubeletsHealthStreamFollowsTheFence) {
   }
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_LT(std::chrono::steady_clock::now() - stopping, 10s);
+}
+
+// Requirement (issue 33, 2): a pod that asks in the old style,
+// resources.limits {gpu.fracgpu.io/gpu: 1} (deploy/examples/
+// extended-resource-pod.yaml), gets the claim the kube-scheduler makes for
+// it with the DeviceClass of deploy/ (the stand-in models it field by field:
+// tests/kube/fake_scheduler.py), and the plugin prepares that claim as any
+// other: one whole GPU, one no other claim holds any of.
+TEST_F(KubePluginE2E, AnOldStylePodGetsTheSchedulersClaimAndAWholeGpu) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  // Part of GPU 0 is held: the whole GPU must be another.
+  const auto other = write_claim(40, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}})});
+  ASSERT_EQ(prepare({other}).claims().at(other.uid).error(), "");
+
+  json pod = manifest("examples/extended-resource-pod.yaml").at(0);
+  pod["metadata"]["namespace"] = "team-a";
+  pod["metadata"]["uid"] = uid_of(41);
+  const kube::HttpResult r = schedule(pod);
+  ASSERT_TRUE(r.ok()) << r.status << " " << r.body;
+  const json answer = json::parse(r.body);
+  ASSERT_EQ(answer["claims"].size(), 1u) << r.body;
+  const json claim = answer["claims"][0];
+
+  // The claim as the scheduler writes it.
+  const json& meta = claim["metadata"];
+  const std::string prefix = "extended-resource-pod-extended-resources-";
+  EXPECT_EQ(meta["generateName"], prefix);
+  EXPECT_EQ(meta["name"].get<std::string>().substr(0, prefix.size()), prefix);
+  EXPECT_EQ(meta["name"].get<std::string>().size(), prefix.size() + 5);
+  EXPECT_EQ(meta["namespace"], "team-a");
+  EXPECT_EQ(meta["annotations"], json({{"resource.kubernetes.io/extended-resource-claim", "true"}}));
+  EXPECT_EQ(meta["ownerReferences"], json::parse(R"([{"apiVersion": "v1", "kind": "Pod",
+      "name": "extended-resource-pod", "uid": ")" + uid_of(41) + R"(", "controller": true}])"));
+  EXPECT_EQ(meta["finalizers"], json({"resource.kubernetes.io/delete-protection"}));
+  EXPECT_EQ(claim["spec"], json::parse(R"({"devices": {"requests": [{"name": "container-0-request-0",
+      "exactly": {"deviceClassName": "gpu.fracgpu.io", "allocationMode": "ExactCount", "count": 1}}]}})"));
+  const json& results = claim["status"]["allocation"]["devices"]["results"];
+  ASSERT_EQ(results.size(), 1u) << claim.dump();
+  EXPECT_EQ(results[0]["request"], "container-0-request-0");
+  EXPECT_NE(results[0]["device"], "gpu-0");
+  EXPECT_EQ(results[0]["consumedCapacity"]["share"], "1");
+  const json config = claim["status"]["allocation"]["devices"]["config"];
+  ASSERT_EQ(config.size(), 1u);
+  EXPECT_EQ(config[0]["source"], "FromClass");
+  EXPECT_EQ(config[0]["requests"], json({"container-0-request-0"}));
+  EXPECT_EQ(claim["status"]["reservedFor"],
+            json::parse(R"([{"resource": "pods", "name": "extended-resource-pod", "uid": ")" + uid_of(41) + "\"}]"));
+  EXPECT_EQ(answer["pod"]["status"]["extendedResourceClaimStatus"],
+            json::parse(R"({"requestMappings": [{"containerName": "train", "resourceName": "gpu.fracgpu.io/gpu",
+                "requestName": "container-0-request-0"}], "resourceClaimName": ")" +
+                        meta["name"].get<std::string>() + "\"}"));
+
+  // Prepared by name and uid as the kubelet asks, from the claim the API serves.
+  const auto ref = ref_of(claim);
+  const auto response = prepare({ref});
+  const auto& prepared = response.claims().at(ref.uid);
+  ASSERT_EQ(prepared.error(), "");
+  ASSERT_EQ(prepared.devices_size(), 1);
+  ASSERT_EQ(prepared.devices(0).request_names_size(), 1);
+  EXPECT_EQ(prepared.devices(0).request_names(0), "container-0-request-0");  // what requestMappings names
+  EXPECT_EQ(prepared.devices(0).cdi_device_ids(0), "gpu.fracgpu.io/claim=" + ref.uid);
+  const control::Reply got = call({{"op", "get"}, {"name", "dra-" + ref.uid}});
+  ASSERT_TRUE(got.ok) << got.error;
+  const json& gpus = got.body["tenant"]["gpus"];
+  ASSERT_EQ(gpus.size(), 1u);
+  EXPECT_NE(gpus[0]["uuid"], kUuids[0]);
+  EXPECT_EQ(gpus[0]["share"], 1.0);
+  EXPECT_EQ(gpus[0]["memory"], 16 * kGiB);
+  const std::string out = run_in_container(ref.uid, {"init", "devices", "primary", "0", "info"});
+  EXPECT_NE(out.find("devices=1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("total=" + std::to_string(16 * kGiB) + "\n"), std::string::npos) << out;
+
+  // Two more whole GPUs: only one is free of claims. Nothing is written.
+  json greedy = pod;
+  greedy["metadata"]["name"] = "greedy";
+  greedy["metadata"]["uid"] = uid_of(42);
+  greedy["spec"]["containers"][0]["resources"]["limits"]["gpu.fracgpu.io/gpu"] = 2;
+  const kube::HttpResult refused = schedule(greedy);
+  EXPECT_EQ(refused.status, 409) << refused.body;
+  EXPECT_NE(refused.body.find("1 of 2 device(s)"), std::string::npos) << refused.body;
+  // Half a GPU cannot be asked this way: the API server refuses the pod.
+  json half = pod;
+  half["metadata"]["name"] = "half";
+  half["spec"]["containers"][0]["resources"]["limits"]["gpu.fracgpu.io/gpu"] = "500m";
+  const kube::HttpResult invalid = schedule(half);
+  EXPECT_EQ(invalid.status, 422) << invalid.body;
+  EXPECT_NE(invalid.body.find("must be an integer"), std::string::npos) << invalid.body;
+
+  EXPECT_EQ(unprepare(ref), "");
+  EXPECT_EQ(unprepare(other), "");
+  EXPECT_TRUE(api_tenants().empty());
+}
+
+// The node of the examples: three simulated 80 GB H100s (79.6 GiB each).
+class KubePluginExamplesE2E : public KubePluginE2E {
+ protected:
+  KubePluginExamplesE2E() {
+    devices_.clear();
+    for (const auto& uuid : kUuids)
+      devices_ += (devices_.empty() ? "" : ";") + ("uuid=" + uuid + ",name=Sim H100,mem=81559MiB,ctx=64MiB,cc=9.0");
+  }
+
+  // Every copy of the pod each document of `relative` runs (a Pod once, a
+  // Deployment `replicas` times, a Job once), bound to the node with its
+  // claims, and every claim prepared. Returns the claims.
+  std::vector<json> schedule_and_prepare(const std::string& relative, int first_uid) {
+    const std::vector<json> docs = manifest(relative);
+    std::vector<json> templates, claims;
+    for (const json& d : docs)
+      if (d["kind"] == "ResourceClaimTemplate") templates.push_back(d);
+    int n = first_uid;
+    for (const json& d : docs) {
+      const std::string kind = d["kind"];
+      if (kind != "Pod" && kind != "Deployment" && kind != "Job") continue;
+      const json spec = kind == "Pod" ? d["spec"] : d["spec"]["template"]["spec"];
+      const int copies = kind == "Deployment" ? d["spec"].value("replicas", 1) : 1;
+      for (int i = 0; i < copies; ++i) {
+        const std::string name = d["metadata"]["name"].get<std::string>() + (kind == "Pod" ? "" : "-" + std::to_string(i));
+        const json pod = {{"apiVersion", "v1"},
+                          {"kind", "Pod"},
+                          {"metadata", {{"name", name}, {"namespace", "team-a"}, {"uid", uid_of(n++)}}},
+                          {"spec", spec}};
+        const kube::HttpResult r = schedule(pod, templates);
+        EXPECT_TRUE(r.ok()) << relative << ": " << name << ": " << r.status << " " << r.body;
+        if (!r.ok()) continue;
+        const json answer = json::parse(r.body);
+        for (const json& c : answer["claims"]) {
+          const auto ref = ref_of(c);
+          const std::string error = prepare({ref}).claims().at(ref.uid).error();
+          EXPECT_EQ(error, "") << relative << ": " << name << ": claim " << c.dump();
+          claims.push_back(c);
+        }
+      }
+    }
+    return claims;
+  }
+
+  void unprepare_all(const std::vector<json>& claims) {
+    for (const json& c : claims) {
+      EXPECT_EQ(unprepare(ref_of(c)), "");
+      forget_claim(c);
+    }
+    EXPECT_TRUE(api_tenants().empty());
+  }
+
+  json tenant_of(const json& claim) {
+    const control::Reply got = call({{"op", "get"}, {"name", "dra-" + claim["metadata"]["uid"].get<std::string>()}});
+    EXPECT_TRUE(got.ok) << got.error;
+    return got.body["tenant"];
+  }
+};
+
+// Requirement (issue 33, 5): every example in deploy/examples/, as a user
+// would apply it, is bound to a node with its claims (made from its
+// templates by the stand-in, or for its extended resources) and prepared;
+// the examples new with this requirement are checked for what they promise.
+TEST_F(KubePluginExamplesE2E, EveryExampleIsScheduledAndPrepared) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(std::string(DEPLOY_DIR) + "/examples"))
+    if (entry.path().extension() == ".yaml") files.push_back("examples/" + entry.path().filename().string());
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 3u);
+  int uid = 500;
+  for (const std::string& file : files) {
+    SCOPED_TRACE(file);
+    const std::vector<json> claims = schedule_and_prepare(file, uid);
+    uid += 20;
+    EXPECT_FALSE(claims.empty());
+    if (file == "examples/vllm-inference-deployment.yaml") {
+      // Four replicas, four tenants on one GPU, each a quarter with 18 GiB, latency first.
+      ASSERT_EQ(claims.size(), 4u);
+      std::set<std::string> uuids;
+      for (const json& c : claims) {
+        const json t = tenant_of(c);
+        ASSERT_EQ(t["gpus"].size(), 1u) << t.dump();
+        uuids.insert(t["gpus"][0]["uuid"].get<std::string>());
+        EXPECT_EQ(t["gpus"][0]["share"], 0.25);
+        EXPECT_EQ(t["gpus"][0]["memory"], 18 * kGiB);
+        EXPECT_EQ(t["gpus"][0]["limit"], 1.0);
+        EXPECT_EQ(t["priority"], "latency");
+      }
+      EXPECT_EQ(uuids.size(), 1u) << "the four replicas share one GPU";
+    } else if (file == "examples/training-job-two-and-a-half-gpus.yaml") {
+      ASSERT_EQ(claims.size(), 1u);
+      const json t = tenant_of(claims[0]);
+      ASSERT_EQ(t["gpus"].size(), 3u) << t.dump();
+      double shares = 0;
+      for (const json& g : t["gpus"]) {
+        shares += g["share"].get<double>();
+        if (g["share"] == 0.5) {
+          EXPECT_EQ(g["memory"], 40 * kGiB);
+        }
+      }
+      EXPECT_EQ(shares, 2.5);
+      EXPECT_EQ(t["priority"], "batch");
+    } else if (file == "examples/extended-resource-pod.yaml") {
+      ASSERT_EQ(claims.size(), 1u);
+      EXPECT_EQ(claims[0]["metadata"]["annotations"]["resource.kubernetes.io/extended-resource-claim"], "true");
+      const json t = tenant_of(claims[0]);
+      ASSERT_EQ(t["gpus"].size(), 1u) << t.dump();
+      EXPECT_EQ(t["gpus"][0]["share"], 1.0);
+    }
+    unprepare_all(claims);
+  }
 }
 
 }  // namespace
