@@ -66,6 +66,10 @@ TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 PRIVILEGED_CONTAINER = "fracgpud"
 # Exactly what the plugin may do (rbac.yaml).
 PLUGIN_RULES = {("resource.k8s.io", "resourceclaims"): {"get"},
+                # status.devices, by server-side apply; from 1.36 also the
+                # driver's own entries on claims of its node (granular authorization)
+                ("resource.k8s.io", "resourceclaims/status"): {"patch"},
+                ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:patch"},
                 ("resource.k8s.io", "resourceslices"): {"get", "list", "create", "update", "delete"},
                 ("", "nodes"): {"get"}}  # its own node's uid, for the slice's owner reference
 
@@ -230,6 +234,10 @@ def check_install(docs, report):
         for group in rule.get("apiGroups", []):
             for resource in rule.get("resources", []):
                 granted.setdefault((group, resource), set()).update(rule.get("verbs", []))
+    for rule in role.get("rules", []):
+        if "resourceclaims/driver" in rule.get("resources", []) and rule.get("resourceNames") != [DRIVER]:
+            report.fail(role_where, f"resourceclaims/driver is granted for {rule.get('resourceNames')}, "
+                                    f"not for the driver's name alone ([{DRIVER}])")
     if granted != PLUGIN_RULES:
         report.fail(role_where, f"ClusterRole grants {sorted((k, sorted(v)) for k, v in granted.items())}, "
                                 f"not exactly what the plugin needs: {sorted((k, sorted(v)) for k, v in PLUGIN_RULES.items())}")
@@ -836,6 +844,9 @@ def mutations(docs, resource_slice):
     yield ("watch added to the plugin's role",
            edit("deploy/rbac", "ClusterRole", lambda d: d["rules"][1]["verbs"].append("watch")),
            None, "not exactly what the plugin needs")
+    yield ("the driver's status permission for every driver",
+           edit("deploy/rbac", "ClusterRole", lambda d: d["rules"][2].pop("resourceNames")),
+           None, "not for the driver's name alone")
     yield ("the init container copying onto the interposer in place",
            edit("deploy/daemonset", "DaemonSet",
                 lambda d: container(d, "install-library").update(

@@ -33,6 +33,7 @@
 #include "dra_health_v1alpha1.grpc.pb.h"
 #include "dra_v1.grpc.pb.h"
 #include "kube/kube_test_util.h"
+#include "kube_plugin/claim_status.h"
 #include "kube_plugin/driver.h"
 #include "pluginregistration_v1.grpc.pb.h"
 
@@ -1404,6 +1405,202 @@ TEST_F(KubePluginE2E, AnOldStylePodGetsTheSchedulersClaimAndAWholeGpu) {
   EXPECT_EQ(unprepare(ref), "");
   EXPECT_EQ(unprepare(other), "");
   EXPECT_TRUE(api_tenants().empty());
+}
+
+// The plugin's permissions as deploy/rbac.yaml's ClusterRole grants them,
+// without the rules `drop` names (a resource), its token bound to `node`.
+json plugin_rules(const std::string& drop = "") {
+  for (const json& d : manifest("rbac.yaml"))
+    if (d["kind"] == "ClusterRole") {
+      json rules = json::array();
+      for (const json& r : d["rules"])
+        if (drop.empty() || std::find(r["resources"].begin(), r["resources"].end(), drop) == r["resources"].end())
+          rules.push_back(r);
+      return rules;
+    }
+  return nullptr;
+}
+
+// A pod with one claim: 4 GiB and half of a GPU, latency first, up to 0.75.
+json status_pod(int uid) {
+  return {{"apiVersion", "v1"},
+          {"kind", "Pod"},
+          {"metadata", {{"name", "status-pod"}, {"namespace", "team-a"}, {"uid", uid_of(uid)}}},
+          {"spec",
+           {{"resourceClaims", {{{"name", "gpu"}, {"resourceClaimTemplateName", "status-half"}}}},
+            {"containers", {{{"name", "c"}, {"image", "x"}, {"resources", {{"claims", {{{"name", "gpu"}}}}}}}}}}}};
+}
+json status_template() {
+  return json::parse(R"({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+    "metadata": {"name": "status-half"},
+    "spec": {"spec": {"devices": {
+      "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.fracgpu.io",
+                    "capacity": {"requests": {"memory": "4Gi", "share": "500m"}}}}],
+      "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.fracgpu.io", "parameters": {
+                    "apiVersion": "gpu.fracgpu.io/v1alpha1", "kind": "GpuConfig",
+                    "limit": "0.75", "priority": "latency"}}}]}}}})");
+}
+
+class KubePluginStatusE2E : public KubePluginE2E {
+ protected:
+  // The plugin started with `rules` (its token bound to this node), the
+  // status pod bound with its claim, the claim prepared: *claim.
+  void prepare_status_claim(const json& rules, int uid, json* claim) {
+    ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", rules}, {"node", kNode}}).ok());
+    start_plugin();
+    ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+    const kube::HttpResult r = schedule(status_pod(uid), {status_template()});
+    ASSERT_TRUE(r.ok()) << r.status << " " << r.body;
+    *claim = json::parse(r.body)["claims"].at(0);
+    const auto ref = ref_of(*claim);
+    ASSERT_EQ(prepare({ref}).claims().at(ref.uid).error(), "");
+  }
+};
+
+// Requirement (issue 33, 3): what a claim got, on the claim. The plugin,
+// with exactly deploy/rbac.yaml's permissions (the stand-in authorizes as
+// RBAC and the 1.36 granular check do), writes status.devices by
+// server-side apply: the allocated device's key, Ready and GPUHealthy, and
+// the tenant's memory, share, limit, priority and the GPU's health; the
+// entry follows the GPU when fracgpud fences it and when the fence clears.
+TEST_F(KubePluginStatusE2E, TheClaimShowsWhatItGotAndFollowsTheGpusHealth) {
+  json claim;
+  ASSERT_NO_FATAL_FAILURE(prepare_status_claim(plugin_rules(), 60, &claim));
+  const auto ref = ref_of(claim);
+  const json allocated = claim["status"]["allocation"]["devices"]["results"].at(0);
+  const std::string path = claims_dir_ + "/team-a/" + ref.name + ".json";
+  const auto entry = [&]() -> json {
+    const json stored = json::parse(read_file(path), nullptr, false);
+    const json devices = stored.is_object() && stored["status"].contains("devices") ? stored["status"]["devices"]
+                                                                                     : json::array();
+    return devices.size() == 1 ? devices[0] : json();
+  };
+  ASSERT_TRUE(eventually([&] { return !entry().is_null(); }, 10s)) << read_file(plugin_log_);
+  json d = entry();
+  EXPECT_EQ(d["driver"], "gpu.fracgpu.io");
+  EXPECT_EQ(d["pool"], kNode);
+  EXPECT_EQ(d["device"], allocated["device"]);
+  EXPECT_EQ(d["shareID"], allocated["shareID"]);
+  ASSERT_EQ(d["conditions"].size(), 2u) << d.dump();
+  EXPECT_EQ(d["conditions"][0]["type"], "Ready");
+  EXPECT_EQ(d["conditions"][0]["status"], "True");
+  EXPECT_EQ(d["conditions"][1]["type"], "GPUHealthy");
+  EXPECT_EQ(d["conditions"][1]["status"], "True");
+  const int index = std::stoi(allocated["device"].get<std::string>().substr(4));
+  EXPECT_EQ(d["data"]["tenant"], "dra-" + ref.uid);
+  EXPECT_EQ(d["data"]["gpu"], kUuids[index]);
+  EXPECT_EQ(d["data"]["memory"], std::to_string(4 * kGiB));
+  EXPECT_EQ(d["data"]["share"], 0.5);
+  EXPECT_EQ(d["data"]["limit"], 0.75);
+  EXPECT_EQ(d["data"]["priority"], "latency");
+  EXPECT_EQ(d["data"]["health"], "Healthy");
+  // The allocation is the scheduler's and stays as it was.
+  EXPECT_EQ(json::parse(read_file(path))["status"]["allocation"], claim["status"]["allocation"]);
+
+  write_file(faults_path_, std::to_string(index) + " lost\n");
+  ASSERT_TRUE(eventually([&] { return entry()["conditions"][1]["status"] == "False"; }, 15s)) << entry().dump();
+  d = entry();
+  EXPECT_EQ(d["conditions"][1]["reason"], "GpuLost");
+  EXPECT_EQ(d["conditions"][0]["status"], "True") << "the tenant is still there";
+  EXPECT_EQ(d["data"]["health"], "Unhealthy");
+  EXPECT_EQ(d["data"]["fenceReason"], "gpu-lost");
+  write_file(faults_path_, "");
+  ASSERT_TRUE(eventually([&] { return entry()["conditions"][1]["status"] == "True"; }, 15s)) << entry().dump();
+  EXPECT_EQ(entry()["data"]["health"], "Healthy");
+  EXPECT_FALSE(entry()["data"].contains("fenceReason"));
+
+  // Every write was a server-side apply of the status subresource, allowed.
+  size_t applies = 0;
+  for (const json& q : json::parse(api_control_->get("/fake/requests").body))
+    if (q["method"] == "PATCH") {
+      ++applies;
+      EXPECT_NE(q["path"].get<std::string>().find("/resourceclaims/" + ref.name + "/status?fieldManager="),
+                std::string::npos);
+      EXPECT_EQ(q["status"], 200) << q.dump();
+    }
+  EXPECT_GE(applies, 3u);
+  EXPECT_EQ(unprepare(ref), "");
+}
+
+// The stand-in checks a claim's status as the 1.36 API server does, and so
+// would refuse what the plugin must never write; without the driver's
+// granular permission (an rbac.yaml from before 1.36) the plugin's writes are
+// refused, said in its log, and the pod's claim is prepared all the same.
+TEST_F(KubePluginStatusE2E, TheClaimStatusIsCheckedAndAuthorizedAsTheApiServerDoes) {
+  json claim;
+  ASSERT_NO_FATAL_FAILURE(prepare_status_claim(plugin_rules("resourceclaims/driver"), 61, &claim));
+  const auto ref = ref_of(claim);
+  ASSERT_TRUE(eventually(
+      [&] { return read_file(plugin_log_).find("associated-node:patch") != std::string::npos; }, 10s))
+      << read_file(plugin_log_);
+  const std::string path = claims_dir_ + "/team-a/" + ref.name + ".json";
+  EXPECT_FALSE(json::parse(read_file(path))["status"].contains("devices"));
+
+  // As the plugin would write it, by hand, with the plugin's credentials.
+  const json allocated = claim["status"]["allocation"]["devices"]["results"].at(0);
+  const auto body = [&](json entry) {
+    return json{{"apiVersion", "resource.k8s.io/v1"},
+                {"kind", "ResourceClaim"},
+                {"metadata", {{"name", ref.name}, {"namespace", ref.ns}, {"uid", ref.uid}}},
+                {"status", {{"devices", json::array({std::move(entry)})}}}};
+  };
+  json good = {{"driver", "gpu.fracgpu.io"},
+               {"pool", kNode},
+               {"device", allocated["device"]},
+               {"shareID", allocated["shareID"]},
+               {"conditions",
+                {{{"type", "Ready"}, {"status", "True"}, {"reason", "TenantReady"},
+                  {"lastTransitionTime", "2026-01-01T00:00:00Z"}, {"message", ""}}}},
+               {"data", {{"tenant", "dra-" + ref.uid}}}};
+  const std::string status_path = kube_plugin::claim_status_path(ref);
+  auto client = api_client();
+  kube::HttpResult w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 403) << w.body;
+  EXPECT_NE(w.body.find("resourceclaims/driver"), std::string::npos) << w.body;
+  // With the permission, but for claims of another node only.
+  ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", plugin_rules()}, {"node", "node-2"}}).ok());
+  w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 403) << w.body;
+  EXPECT_NE(w.body.find("arbitrary-node:patch"), std::string::npos) << w.body;
+  ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", plugin_rules()}, {"node", kNode}}).ok());
+
+  json other_device = good;
+  other_device["device"] = "gpu-9";
+  w = client->apply(status_path, body(other_device));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("must be an allocated device in the claim"), std::string::npos) << w.body;
+  json listed_data = good;
+  listed_data["data"] = json::array({1, 2});
+  w = client->apply(status_path, body(listed_data));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("must be a valid JSON object"), std::string::npos) << w.body;
+  json bad_condition = good;
+  bad_condition["conditions"][0]["reason"] = "not a reason";
+  w = client->apply(status_path, body(bad_condition));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("reason"), std::string::npos) << w.body;
+  json unknown_field = good;
+  unknown_field["health"] = "ok";
+  w = client->apply(status_path, body(unknown_field));
+  EXPECT_EQ(w.status, 422) << w.body;  // the 1.36 schema has no such field
+  json another_claim = body(good);
+  another_claim["metadata"]["uid"] = uid_of(99);
+  w = client->apply(status_path, another_claim);
+  EXPECT_EQ(w.status, 409) << w.body;
+  w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 200) << w.body;
+  EXPECT_EQ(json::parse(read_file(path))["status"]["devices"][0]["data"]["tenant"], "dra-" + ref.uid);
+
+  // Permitted now: the plugin's next write (a pause after the refusal) replaces the hand-written entry.
+  ASSERT_TRUE(eventually(
+      [&] {
+        const json stored = json::parse(read_file(path));
+        return stored["status"]["devices"].size() == 1 &&
+               stored["status"]["devices"][0]["data"].value("priority", "") == "latency";
+      },
+      30s))
+      << read_file(path);
+  EXPECT_EQ(unprepare(ref), "");
 }
 
 // The node of the examples: three simulated 80 GB H100s (79.6 GiB each).
