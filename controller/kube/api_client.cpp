@@ -237,7 +237,8 @@ struct ApiClient::Impl {
   }
 
   Attempt perform(CURL* handle, const char* method, const std::string& url, const std::string* body,
-                  const std::string& bearer, milliseconds timeout, milliseconds connect_timeout) {
+                  const char* content_type, const std::string& bearer, milliseconds timeout,
+                  milliseconds connect_timeout) {
     Attempt attempt;
     char error_buffer[CURL_ERROR_SIZE] = {0};
     curl_easy_setopt(handle, CURLOPT_URL, url.c_str());
@@ -293,7 +294,8 @@ struct ApiClient::Impl {
     curl_slist* headers = nullptr;
     headers = curl_slist_append(headers, "Accept: application/json");
     headers = curl_slist_append(headers, "Expect:");
-    if (body) headers = curl_slist_append(headers, "Content-Type: application/json");
+    const std::string content_type_header = std::string("Content-Type: ") + content_type;
+    if (body) headers = curl_slist_append(headers, content_type_header.c_str());
     std::string authorization;
     if (!bearer.empty()) {
       authorization = "Authorization: Bearer " + bearer;
@@ -351,8 +353,12 @@ HttpResult ApiClient::get(const std::string& path) { return call("GET", path, nu
 HttpResult ApiClient::post(const std::string& path, const nlohmann::json& body) { return call("POST", path, &body); }
 HttpResult ApiClient::put(const std::string& path, const nlohmann::json& body) { return call("PUT", path, &body); }
 HttpResult ApiClient::del(const std::string& path) { return call("DELETE", path, nullptr); }
+HttpResult ApiClient::apply(const std::string& path, const nlohmann::json& body) {
+  return call("PATCH", path, &body, "application/apply-patch+yaml");
+}
 
-HttpResult ApiClient::call(const char* method, const std::string& path, const nlohmann::json* body) {
+HttpResult ApiClient::call(const char* method, const std::string& path, const nlohmann::json* body,
+                           const char* content_type) {
   RetryPolicy policy;
   std::shared_ptr<spdlog::logger> log;
   {
@@ -392,7 +398,7 @@ HttpResult ApiClient::call(const char* method, const std::string& path, const nl
         log->error("kubernetes API {}: {}", what, result.error);
         return result;
       }
-      Attempt attempt = impl_->perform(handle, method, url, body ? &payload : nullptr, *token,
+      Attempt attempt = impl_->perform(handle, method, url, body ? &payload : nullptr, content_type, *token,
                                        std::min(policy.attempt_timeout, remaining), policy.connect_timeout);
       impl_->give_back(handle);
 

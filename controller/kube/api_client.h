@@ -73,6 +73,9 @@ class ApiClient {
   HttpResult post(const std::string& path, const nlohmann::json& body);
   HttpResult put(const std::string& path, const nlohmann::json& body);
   HttpResult del(const std::string& path);
+  // Server-side apply: PATCH with Content-Type application/apply-patch+yaml
+  // (JSON is YAML); `path` carries ?fieldManager=...[&force=true].
+  HttpResult apply(const std::string& path, const nlohmann::json& body);
 
   // Failures are logged here (default: spdlog's default logger).
   void set_logger(std::shared_ptr<spdlog::logger> log);
@@ -85,7 +88,8 @@ class ApiClient {
  private:
   explicit ApiClient(std::unique_ptr<Impl> impl);
   static std::unique_ptr<ApiClient> with_credentials(std::optional<Credentials> creds);
-  HttpResult call(const char* method, const std::string& path, const nlohmann::json* body);
+  HttpResult call(const char* method, const std::string& path, const nlohmann::json* body,
+                  const char* content_type = "application/json");
   std::unique_ptr<Impl> impl_;
 };
 

@@ -8,13 +8,22 @@ namespace fracgpu::kube_plugin {
 
 using nlohmann::json;
 
-void DeviceHealthBoard::set_locked(int64_t index, DeviceHealthState state, int64_t now_unix, bool* changed) {
+void DeviceHealthBoard::set_locked(int64_t index, DeviceHealthState state, int64_t now_unix, bool* changed,
+                                   const std::string& reason) {
   auto [it, added] = by_index_.try_emplace(index);
   DeviceHealthEntry& entry = it->second;
-  if (!added && entry.state == state) return;
+  if (!added && entry.state == state) {
+    // Another fault class while still fenced: a change, the state's time kept.
+    if (entry.reason != reason) {
+      entry.reason = reason;
+      *changed = true;
+    }
+    return;
+  }
   entry.device = kube::device_name(index);
   entry.state = state;
   entry.since_unix = now_unix;
+  entry.reason = reason;
   *changed = true;
 }
 
@@ -28,7 +37,13 @@ void DeviceHealthBoard::update_from_node(const json& node, int64_t now_unix) {
     const int64_t index = gpu["index"].get<int64_t>();
     if (index < 0 || !listed.insert(index).second) continue;
     const bool fenced = gpu.contains("fenced") && gpu["fenced"].is_boolean() && gpu["fenced"].get<bool>();
-    set_locked(index, fenced ? DeviceHealthState::kUnhealthy : DeviceHealthState::kHealthy, now_unix, &changed);
+    const std::string reason =
+        fenced ? kube::fence_taint_value(gpu.contains("fence_reason") && gpu["fence_reason"].is_string()
+                                             ? gpu["fence_reason"].get<std::string>()
+                                             : std::string())
+               : std::string();
+    set_locked(index, fenced ? DeviceHealthState::kUnhealthy : DeviceHealthState::kHealthy, now_unix, &changed,
+               reason);
   }
   for (auto it = by_index_.begin(); it != by_index_.end();) {
     if (listed.count(it->first)) {

@@ -25,6 +25,9 @@ struct DeviceHealthEntry {
   // When the plugin first saw this state (Unix seconds): the kubelet's
   // last_updated_time, which must not move while nothing changes.
   int64_t since_unix = 0;
+  // While Unhealthy: the fence's class, as the slice's taint value
+  // ("gpu-lost", "ecc-errors", ...; kube::fence_taint_value); else "".
+  std::string reason;
 };
 
 struct DeviceHealthSnapshot {
@@ -50,7 +53,8 @@ class DeviceHealthBoard {
 
  private:
   DeviceHealthSnapshot snapshot_locked() const;
-  void set_locked(int64_t index, DeviceHealthState state, int64_t now_unix, bool* changed);
+  void set_locked(int64_t index, DeviceHealthState state, int64_t now_unix, bool* changed,
+                  const std::string& reason = "");
 
   mutable std::mutex mutex_;
   mutable std::condition_variable changed_;

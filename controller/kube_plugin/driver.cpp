@@ -8,14 +8,25 @@
 #include "control/protocol.h"
 #include "kube/resource_slice.h"
 #include "kube_plugin/atomic_file.h"
+#include "kube_plugin/claim_status.h"
 #include "state/run_dir.h"
 
 namespace fracgpu::kube_plugin {
 
 using nlohmann::json;
 
-Driver::Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdlog::logger> log)
-    : options_(std::move(options)), api_(api), log_(std::move(log)), store_(options_.run_dir) {}
+Driver::Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdlog::logger> log,
+               ClaimStatusReporter* status)
+    : options_(std::move(options)), api_(api), log_(std::move(log)), status_(status), store_(options_.run_dir) {}
+
+void Driver::report_recorded() {
+  if (!status_) return;
+  std::lock_guard lock(mutex_);
+  for (const std::string& uid : store_.list()) {
+    std::string error;
+    if (auto record = store_.get(uid, &error)) status_->prepared(record->plan);
+  }
+}
 
 uint64_t Driver::changes() const {
   std::lock_guard lock(mutex_);
@@ -116,6 +127,8 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
   crash_point("after-cdi");
   ++changes_;
 
+  if (status_) status_->prepared(plan);
+
   PrepareResult result;
   for (const PreparedDevice& device : plan.devices) {
     result.devices.push_back(device);
@@ -154,6 +167,7 @@ std::string Driver::unprepare(const ClaimRef& claim) {
     log_->error("{}: {}", who, error);
     return who + ": " + error;
   }
+  if (status_) status_->unprepared(claim.uid);
   ++changes_;
   return "";
 }

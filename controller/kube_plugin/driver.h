@@ -53,9 +53,18 @@ struct PrepareResult {
   std::string error;
 };
 
+class ClaimStatusReporter;
+
 class Driver {
  public:
-  Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdlog::logger> log);
+  // `status` (optional): told of every claim prepared and unprepared, to
+  // write what each got into the claim (claim_status.h).
+  Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdlog::logger> log,
+         ClaimStatusReporter* status = nullptr);
+
+  // Tells the status reporter of every claim with a record (at start: the
+  // claims prepared before the plugin restarted).
+  void report_recorded();
 
   PrepareResult prepare(const ClaimRef& claim);
   // "" on success (an unknown claim included).
@@ -73,6 +82,7 @@ class Driver {
   DriverOptions options_;
   kube::ApiClient* api_;
   std::shared_ptr<spdlog::logger> log_;
+  ClaimStatusReporter* status_;
   ClaimStore store_;
   mutable std::mutex mutex_;
   uint64_t changes_ = 0;

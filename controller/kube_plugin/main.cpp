@@ -17,6 +17,7 @@
 
 #include "kube/api_client.h"
 #include "kube/resource_slice.h"
+#include "kube_plugin/claim_status.h"
 #include "kube_plugin/driver.h"
 #include "kube_plugin/grpc_servers.h"
 #include "kube_plugin/slice_loop.h"
@@ -108,8 +109,11 @@ int main(int argc, char** argv) {
     return ok ? 0 : 1;
   }
 
-  kube_plugin::Driver driver(driver_options, api.get(), log);
   kube_plugin::DeviceHealthBoard health;
+  kube_plugin::ClaimStatusReporter claim_status(api.get(), &health, log);
+  kube_plugin::Driver driver(driver_options, api.get(), log, &claim_status);
+  driver.report_recorded();
+  claim_status.start();
   kube_plugin::PluginServers servers(driver, health, driver_options.node_name, plugin_dir, registry_dir, log);
   if (!servers.start(&error)) {
     log->error("{}", error);
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
   log->info("signal {}: stopping (prepared claims stay, in their records)", signal_number);
   slices.stop();
   servers.stop();
+  claim_status.stop();
   log->info("stopped");
   return 0;
 }

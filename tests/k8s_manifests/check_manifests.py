@@ -47,6 +47,8 @@ import yaml
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import check_recipes  # noqa: E402  (tests/check_recipes.py: the interposer's install by rename)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "kube"))
+import fake_scheduler  # noqa: E402  (tests/kube/fake_scheduler.py: the scheduler's claim for extended resources)
 
 SKIP = 77
 KUBERNETES_VERSION = "1.36.0"
@@ -64,6 +66,10 @@ TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 PRIVILEGED_CONTAINER = "fracgpud"
 # Exactly what the plugin may do (rbac.yaml).
 PLUGIN_RULES = {("resource.k8s.io", "resourceclaims"): {"get"},
+                # status.devices, by server-side apply; from 1.36 also the
+                # driver's own entries on claims of its node (granular authorization)
+                ("resource.k8s.io", "resourceclaims/status"): {"patch"},
+                ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:patch"},
                 ("resource.k8s.io", "resourceslices"): {"get", "list", "create", "update", "delete"},
                 ("", "nodes"): {"get"}}  # its own node's uid, for the slice's owner reference
 
@@ -228,6 +234,10 @@ def check_install(docs, report):
         for group in rule.get("apiGroups", []):
             for resource in rule.get("resources", []):
                 granted.setdefault((group, resource), set()).update(rule.get("verbs", []))
+    for rule in role.get("rules", []):
+        if "resourceclaims/driver" in rule.get("resources", []) and rule.get("resourceNames") != [DRIVER]:
+            report.fail(role_where, f"resourceclaims/driver is granted for {rule.get('resourceNames')}, "
+                                    f"not for the driver's name alone ([{DRIVER}])")
     if granted != PLUGIN_RULES:
         report.fail(role_where, f"ClusterRole grants {sorted((k, sorted(v)) for k, v in granted.items())}, "
                                 f"not exactly what the plugin needs: {sorted((k, sorted(v)) for k, v in PLUGIN_RULES.items())}")
@@ -506,9 +516,23 @@ def check_examples(docs, report):
                 attribute = constraint.get(key)
                 if attribute and not attribute.startswith(DRIVER + "/"):
                     report.fail(f"{c_where}: constraints[{i}]", f"{key} {attribute} is not one of {DRIVER}'s attributes")
+    classes = [d for w, d in install_docs(docs) if d.get("kind") == "DeviceClass"]
+    mapped = fake_scheduler.class_mapping(classes)
     for where, d in examples:
         for pod in pod_specs(d):
             p_where = f"{where}: {name_of(d)}"
+            # Old-style requests: each extended resource must be one a
+            # DeviceClass of the install stands for, a whole number.
+            for i, c in enumerate(check_recipes.walk_containers(pod)):
+                try:
+                    asked = fake_scheduler.container_requests(c, f"container {c['name']}")
+                except fake_scheduler.Invalid as e:
+                    report.fail(p_where, str(e))
+                    continue
+                for resource in asked:
+                    if resource not in mapped:
+                        report.fail(p_where, f"container {c['name']} asks for {resource}, which no DeviceClass of "
+                                             f"deploy/ stands for (they stand for {sorted(mapped)})")
             declared = {}
             for rc in pod.get("resourceClaims", []):
                 declared[rc["name"]] = rc
@@ -753,6 +777,20 @@ def check_request_policy(docs, resource_slice, report):
                 if attribute and attribute.split("/", 1)[-1] not in attributes:
                     report.fail(f"{c_where}: constraints[{i}]", f"{key} {attribute}: the plugin publishes no such "
                                                                  f"attribute (it has {sorted(attributes)})")
+    # Pods asking in the old style: the claim the scheduler makes for each,
+    # booked on the node as the scheduler books it (fake_scheduler.py).
+    classes = [d for w, d in install_docs(docs) if d.get("kind") == "DeviceClass"]
+    for p_where, d in examples:
+        for pod in pod_specs(d):
+            meta = {"name": d["metadata"]["name"], "uid": "0", "namespace": "default"}
+            try:
+                claim, _ = fake_scheduler.extended_claim({"metadata": meta, "spec": pod}, classes)
+                if claim is not None:
+                    fake_scheduler.allocate(claim, classes, [resource_slice], resource_slice["spec"].get("nodeName"), {})
+            except fake_scheduler.Invalid:
+                continue  # reported by check_examples
+            except (fake_scheduler.Unschedulable, ValueError) as e:
+                report.fail(f"{p_where}: {name_of(d)}", f"its extended resources' claim does not fit the node: {e}")
 
 
 def build_slice(builder, node):
@@ -806,6 +844,9 @@ def mutations(docs, resource_slice):
     yield ("watch added to the plugin's role",
            edit("deploy/rbac", "ClusterRole", lambda d: d["rules"][1]["verbs"].append("watch")),
            None, "not exactly what the plugin needs")
+    yield ("the driver's status permission for every driver",
+           edit("deploy/rbac", "ClusterRole", lambda d: d["rules"][2].pop("resourceNames")),
+           None, "not for the driver's name alone")
     yield ("the init container copying onto the interposer in place",
            edit("deploy/daemonset", "DaemonSet",
                 lambda d: container(d, "install-library").update(
@@ -834,7 +875,21 @@ def mutations(docs, resource_slice):
            edit("deploy/examples/limit", "ResourceClaimTemplate",
                 lambda d: d["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"].update(priority="urgent")),
            None, "priority 'urgent' is not")
+    def extended_limits(change):
+        """The old-style example pod with its container's limits changed."""
+        return edit("deploy/examples/extended", "Pod",
+                    lambda d: change(d["spec"]["containers"][0]["resources"]["limits"]))
+
+    yield ("an extended resource no DeviceClass stands for",
+           extended_limits(lambda l: l.update({"gpu.fracgpu.io/gpus": l.pop("gpu.fracgpu.io/gpu")})),
+           None, "which no DeviceClass of deploy/ stands for")
+    yield ("half of an extended resource",
+           extended_limits(lambda l: l.update({"gpu.fracgpu.io/gpu": "500m"})),
+           None, "must be an integer")
     if resource_slice is not None:
+        yield ("more whole GPUs in the old style than the node has",
+               extended_limits(lambda l: l.update({"gpu.fracgpu.io/gpu": 5})),
+               resource_slice, "its extended resources' claim does not fit the node")
         yield ("share published with a 1m step (1.36 books 500m as 1)", docs, set_share_step(resource_slice),
                "share 500m would be booked as 1")
         yield ("memory asked off the 256Mi grid",

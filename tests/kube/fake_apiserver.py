@@ -67,6 +67,27 @@ Control, at run time (loopback, no authentication):
                       (409 if it exists); answers {"uid": the new uid}. A
                       deleted and re-created Node, as `kubectl delete node`
                       and a kubelet registering again make
+  POST /fake/rbac     {"rules": [ClusterRole rules], "node": NODE}: from now on
+                      the API requests (not these control paths) are
+                      authorized by those rules, as RBAC does (verb, group,
+                      resource/subresource, resourceNames), the caller's
+                      service-account token bound to NODE; a status.devices
+                      write also needs the 1.36 granular permission on
+                      resourceclaims/driver (associated-node:<verb> for claims
+                      allocated on NODE, else arbitrary-node:<verb>). Refused:
+                      403. {"rules": null}: everything allowed (the default)
+  POST /fake/schedule {"pod": POD, "node": NODE, "deviceClasses": [...],
+                      "claimTemplates": [...]}: the pod bound to NODE with
+                      its claims (fake_scheduler.py): one made from each
+                      template its resourceClaims name, as the resourceclaim
+                      controller makes it, and the one the kube-scheduler
+                      makes for extended resources a DeviceClass stands for,
+                      each allocated on NODE's stored slices (given what the
+                      --fixtures claims hold) and written to --fixtures
+                      (served from then on); answered {"claims", "pod"} (the
+                      pod with nodeName, status.resourceClaimStatuses and
+                      status.extendedResourceClaimStatus); 422 for a pod the
+                      API server refuses, 409 when something does not fit
   POST /fake/gc       {"delay": SECONDS}: as --gc-delay, from now on
   POST /fake/feature-gates {"DRADeviceTaints": false}: as --feature-gates,
                       for the writes from now on
@@ -90,6 +111,14 @@ writes are in the --log file with "by": "garbage-collector".
 Also: fake_apiserver.py --check-slice FILE... validates ResourceSlice JSON
 files and prints the errors (exit 1 if any).
 
+ResourceClaim status (PATCH /apis/resource.k8s.io/v1/namespaces/NS/
+resourceclaims/NAME/status, server-side apply only): the field manager's
+status.devices entries replace those it applied before, others' stay; the
+claim is checked as the 1.36 API server checks device statuses (each an
+allocated device of the claim, conditions, data a JSON object up to 10 Ki)
+and against the 1.36 schema, then written back to its --fixtures file. A
+metadata.uid that is not the claim's: 409.
+
 It is stricter than the API server in one way: unknown fields in a
 ResourceSlice are refused (the real server drops them with a warning), so a
 misspelt field fails a test instead of vanishing.
@@ -109,6 +138,8 @@ import sys
 import threading
 import urllib.parse
 import uuid as uuidlib
+
+import fake_scheduler  # beside this file: the kube-scheduler's claim for extended resources
 
 API_PREFIX = "/apis/resource.k8s.io/v1"
 
@@ -570,6 +601,80 @@ def validate_resource_slice(obj):
     return errors
 
 
+# resource/v1 AllocatedDeviceStatus as the API server validates it
+# (pkg/apis/resource/validation: validateDeviceStatus, and metav1's
+# ValidateConditions): each entry an allocated device of the claim, at most
+# one entry per device, at most 8 conditions with unique types, data a JSON
+# object of at most 10 Ki.
+_CONDITION_REASON_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+_UID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+MAX_DEVICE_STATUS_CONDITIONS = 8
+MAX_DEVICE_STATUS_DATA = 10 * 1024
+
+
+def validate_device_statuses(devices, allocation):
+    errors = []
+    allocated = set()
+    for r in ((allocation or {}).get("devices") or {}).get("results") or []:
+        allocated.add((r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID")))
+    seen = set()
+    for i, d in enumerate(devices):
+        where = "status.devices[%d]" % i
+        for field in ("driver", "pool", "device"):
+            if not isinstance(d.get(field), str) or not d.get(field):
+                errors.append("%s.%s: Required value" % (where, field))
+        if isinstance(d.get("driver"), str) and d.get("driver") and not _dns_subdomain(d["driver"]):
+            errors.append("%s.driver: Invalid value: %r: a lowercase RFC 1123 subdomain" % (where, d["driver"]))
+        if isinstance(d.get("device"), str) and d.get("device") and not _DNS_LABEL_RE.match(d["device"]):
+            errors.append("%s.device: Invalid value: %r: a DNS label" % (where, d["device"]))
+        if d.get("shareID") is not None and not _UID_RE.match(str(d["shareID"])):
+            errors.append("%s.shareID: Invalid value: %r: a lowercase UUID" % (where, d["shareID"]))
+        k = (d.get("driver"), d.get("pool"), d.get("device"), d.get("shareID"))
+        if k not in allocated:
+            errors.append("%s: Invalid value: %s: must be an allocated device in the claim" %
+                          (where, "/".join(str(x) for x in k if x is not None)))
+        if k in seen:
+            errors.append("%s: Duplicate value" % where)
+        seen.add(k)
+        conditions = d.get("conditions") or []
+        if len(conditions) > MAX_DEVICE_STATUS_CONDITIONS:
+            errors.append("%s.conditions: Too many: %d: must have at most %d items" %
+                          (where, len(conditions), MAX_DEVICE_STATUS_CONDITIONS))
+        types = set()
+        for j, c in enumerate(conditions):
+            cw = "%s.conditions[%d]" % (where, j)
+            if not isinstance(c, dict):
+                errors.append(cw + ": must be an object")
+                continue
+            if not isinstance(c.get("type"), str) or _label_name(c["type"]):
+                errors.append(cw + ".type: Invalid value: %r: a qualified name" % (c.get("type"),))
+            if c.get("type") in types:
+                errors.append(cw + ".type: Duplicate value: %r" % (c.get("type"),))
+            types.add(c.get("type"))
+            if c.get("status") not in ("True", "False", "Unknown"):
+                errors.append(cw + ".status: Unsupported value: %r: supported values: \"False\", \"True\", "
+                                   "\"Unknown\"" % (c.get("status"),))
+            reason = c.get("reason")
+            if not isinstance(reason, str) or not reason:
+                errors.append(cw + ".reason: Required value")
+            elif len(reason) > 1024 or not _CONDITION_REASON_RE.match(reason):
+                errors.append(cw + ".reason: Invalid value: %r: a condition reason (CamelCase)" % reason)
+            if len(c.get("message") or "") > 32768:
+                errors.append(cw + ".message: Too long")
+            if not isinstance(c.get("lastTransitionTime"), str) or not _RFC3339_RE.match(c["lastTransitionTime"]):
+                errors.append(cw + ".lastTransitionTime: Required value: an RFC 3339 time")
+            if "observedGeneration" in c and (not isinstance(c["observedGeneration"], int)
+                                              or c["observedGeneration"] < 0):
+                errors.append(cw + ".observedGeneration: must be >= 0")
+        if "data" in d:
+            raw = json.dumps(d["data"], separators=(",", ":"))
+            if len(raw) > MAX_DEVICE_STATUS_DATA:
+                errors.append("%s.data: Too long: may not be more than %d bytes" % (where, MAX_DEVICE_STATUS_DATA))
+            elif not isinstance(d["data"], dict):
+                errors.append("%s.data: Invalid value: \"<value omitted>\": must be a valid JSON object" % where)
+    return errors
+
+
 def drop_disabled_fields(obj, gates):
     """What the API server does before validating a write: fields of disabled features go."""
     if gates.get("DRADeviceTaints", True):
@@ -628,6 +733,11 @@ class State:
         # name -> uid, None while deleted. Any other name is a Node with node_uid(name).
         self.nodes = {}
         self.gc_delay = args.gc_delay
+        # POST /fake/rbac: None (everything allowed) or {"rules", "node"}.
+        self.rbac = None
+        # Server-side apply: field manager of each status.devices entry, by
+        # claim uid, then by entry key.
+        self.device_owners = {}
         self.feature_gates = {}  # name -> bool; absent: on
         for spec in args.feature_gates or []:
             for item in spec.split(","):
@@ -663,6 +773,76 @@ class State:
         line = json.dumps(entry, sort_keys=True)
         with open(self.args.log, "a") as f:
             f.write(line + "\n")
+
+    # -- Authorization (RBAC as the ClusterRole's rules say, when set)
+    def allowed(self, group, resource, verb, name):
+        for rule in self.rbac["rules"]:
+            if group not in rule.get("apiGroups", []) and "*" not in rule.get("apiGroups", []):
+                continue
+            if resource not in rule.get("resources", []) and "*" not in rule.get("resources", []):
+                continue
+            if verb not in rule.get("verbs", []) and "*" not in rule.get("verbs", []):
+                continue
+            names = rule.get("resourceNames")
+            # resourceNames cannot restrict list, watch, create or deletecollection (RBAC).
+            if names and (name is None or name not in names):
+                continue
+            return True
+        return False
+
+    def rbac_denies(self, method, path):
+        """The reason the caller may not make this request, or None. For a
+        status.devices write also the 1.36 granular check (kube-apiserver,
+        pkg/registry/resource: AuthorizedForDeviceStatus): verb
+        associated-node:<verb> on resourceclaims/driver named after the
+        driver, when the claim is allocated on the node the caller's
+        service-account token names, else arbitrary-node:<verb>."""
+        with self.lock:
+            if self.rbac is None:
+                return None
+            url = urllib.parse.urlsplit(path)
+            parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
+            verb_of = {"GET": "get", "POST": "create", "PUT": "update", "DELETE": "delete", "PATCH": "patch"}
+            verb = verb_of.get(method, method.lower())
+            if parts[:3] == ["api", "v1", "nodes"]:
+                group, resource, name = "", "nodes", parts[3] if len(parts) > 3 else None
+            elif parts[:3] == ["apis", "resource.k8s.io", "v1"]:
+                rest = parts[3:]
+                if rest and rest[0] == "namespaces" and len(rest) >= 3:
+                    rest = rest[2:]
+                group, resource = "resource.k8s.io", rest[0] if rest else ""
+                name = rest[1] if len(rest) > 1 else None
+                if len(rest) > 2:
+                    resource += "/" + rest[2]
+                if name is None and verb == "get":
+                    verb = "list"
+            else:
+                return None
+            user = "system:serviceaccount:fracgpu:fracgpu-kubelet-plugin"
+            if not self.allowed(group, resource, verb, name):
+                return '%s "%s" is forbidden: User "%s" cannot %s resource "%s" in API group "%s"' % (
+                    resource, name or "", user, verb, resource, group)
+            return None
+
+    def device_status_denied(self, verb, claim, drivers):
+        """The granular check for the drivers whose entries change, or None."""
+        if self.rbac is None:
+            return None
+        terms = ((((claim.get("status") or {}).get("allocation") or {}).get("nodeSelector") or {})
+                 .get("nodeSelectorTerms") or [])
+        allocated_node = None
+        if len(terms) == 1 and not terms[0].get("matchExpressions") and len(terms[0].get("matchFields") or []) == 1:
+            f = terms[0]["matchFields"][0]
+            if f.get("key") == "metadata.name" and f.get("operator") == "In" and len(f.get("values") or []) == 1:
+                allocated_node = f["values"][0]
+        associated = allocated_node is not None and allocated_node == self.rbac.get("node")
+        for driver in sorted(drivers):
+            verbs = (["associated-node:" + verb] if associated else []) + ["arbitrary-node:" + verb]
+            if not any(self.allowed("resource.k8s.io", "resourceclaims/driver", v, driver) for v in verbs):
+                return ('resourceclaims.resource.k8s.io "%s" is forbidden: changing status.devices requires '
+                        'resource="resourceclaims/driver", verb="%s" permission for driver %s' %
+                        (claim["metadata"]["name"], verbs[0], driver))
+        return None
 
     # -- Nodes
     def node_uid_now(self, name):
@@ -796,6 +976,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_DELETE(self):
         self.handle_any("DELETE")
 
+    def do_PATCH(self):
+        self.handle_any("PATCH")
+
     def handle_any(self, method):
         path = self.path
         body, body_error = self.read_body()
@@ -822,6 +1005,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if body_error:
             self.send_status(400, "BadRequest", "the body is not JSON: " + body_error)
+            return
+        denied = self.state.rbac_denies(method, path)
+        if denied:
+            self.send_status(403, "Forbidden", denied)
             return
         self.route(method, path, body)
 
@@ -872,6 +1059,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 else:
                     st.nodes[name] = str(uuidlib.uuid4())
                     self.send_json(201, {"ok": True, "uid": st.nodes[name]})
+            elif method == "POST" and path == "/fake/rbac":
+                body = body or {}
+                rules = body.get("rules")
+                if rules is not None and not isinstance(rules, list):
+                    self.send_status(400, "BadRequest", "rules: a list of ClusterRole rules, or null")
+                    return
+                st.rbac = None if rules is None else {"rules": rules, "node": body.get("node")}
+                self.send_json(200, {"ok": True})
+            elif method == "POST" and path == "/fake/schedule":
+                self.schedule_pod(body or {})
             elif method == "POST" and path == "/fake/gc":
                 delay = (body or {}).get("delay")
                 if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
@@ -881,6 +1078,50 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, {"ok": True, "delay": st.gc_delay})
             else:
                 self.send_status(404, "NotFound", "no such control path")
+
+    def schedule_pod(self, body):
+        """The kube-scheduler's claim for a pod's extended resources
+        (fake_scheduler.py), stored as a fixture claim the API serves."""
+        st = self.state
+        fixtures = st.args.fixtures
+        pod, node, classes = body.get("pod"), body.get("node"), body.get("deviceClasses")
+        if not fixtures or not isinstance(pod, dict) or not isinstance(node, str) or not isinstance(classes, list):
+            self.send_status(400, "BadRequest", "needs --fixtures and {pod, node, deviceClasses}")
+            return
+        pod = json.loads(json.dumps(pod))
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuidlib.uuid4()))
+        claims = []
+        for root, _, files in os.walk(fixtures):
+            for f in files:
+                try:
+                    with open(os.path.join(root, f)) as fh:
+                        claims.append(json.load(fh))
+                except (OSError, ValueError):
+                    pass
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        templates = body.get("claimTemplates") or []
+        try:
+            made, status = fake_scheduler.schedule(pod, classes, list(st.slices.values()), node, claims, now,
+                                                   templates)
+        except fake_scheduler.Invalid as e:
+            self.send_status(422, "Invalid", 'Pod "%s" is invalid: %s' % (meta.get("name"), e))
+            return
+        except (fake_scheduler.Unschedulable, ValueError) as e:
+            self.send_status(409, "Unschedulable", str(e))
+            return
+        for claim in made:
+            claim["metadata"]["resourceVersion"] = st.next_version()
+            directory = os.path.join(fixtures, claim["metadata"]["namespace"])
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, claim["metadata"]["name"] + ".json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(claim, f)
+            os.replace(path + ".tmp", path)
+        pod.setdefault("spec", {})["nodeName"] = node
+        pod.setdefault("status", {}).update(status)
+        self.send_json(200, {"claims": made, "pod": pod})
 
     def route(self, method, path, body):
         url = urllib.parse.urlsplit(path)
@@ -896,6 +1137,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         rest = parts[len(prefix):]
         if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" and method == "GET":
             self.get_claim(rest[1], rest[3])
+        elif (len(rest) == 5 and rest[0] == "namespaces" and rest[2] == "resourceclaims" and rest[4] == "status"
+              and method == "PATCH"):
+            self.apply_claim_status(rest[1], rest[3], query, body)
         elif rest == ["resourceslices"] and method == "GET":
             self.list_slices(query)
         elif rest == ["resourceslices"] and method == "POST":
@@ -930,6 +1174,128 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except (OSError, ValueError):
                 pass
         self.send_status(404, "NotFound", 'resourceclaims.resource.k8s.io "%s" not found' % name)
+
+    def apply_claim_status(self, namespace, name, query, body):
+        """Server-side apply of a claim's status (PATCH .../status with
+        Content-Type application/apply-patch+yaml): the field manager's
+        status.devices entries (a list map keyed by driver, device, pool,
+        shareID) replace those it applied before; others' entries stay. The
+        claim is then checked as the 1.36 API server checks it and stored in
+        its fixture file."""
+        st = self.state
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        if content_type != "application/apply-patch+yaml":
+            self.send_status(415, "UnsupportedMediaType",
+                             "the body of the request was in an unknown format - accepted media types include: "
+                             "application/json-patch+json, application/merge-patch+json, "
+                             "application/apply-patch+yaml (this stand-in takes only the last)")
+            return
+        manager = (query.get("fieldManager") or [""])[0]
+        if not manager:
+            self.send_status(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: "
+                                             "is required for apply patch")
+            return
+        force = (query.get("force") or ["false"])[0] == "true"
+        fixtures = st.args.fixtures
+        safe = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+        path = os.path.join(fixtures or "", namespace, name + ".json")
+        with st.lock:
+            try:
+                if not fixtures or not safe.match(namespace) or not safe.match(name):
+                    raise OSError()
+                read_stat = os.stat(path)
+                with open(path) as f:
+                    claim = json.load(f)
+            except (OSError, ValueError):
+                self.send_status(404, "NotFound", 'resourceclaims.resource.k8s.io "%s" not found' % name)
+                return
+            errors = []
+            if not isinstance(body, dict):
+                errors.append("(object): must be an object")
+                body = {}
+            _unknown(body, {"apiVersion", "kind", "metadata", "status"}, "", errors)
+            if body.get("apiVersion") != "resource.k8s.io/v1" or body.get("kind") != "ResourceClaim":
+                errors.append("apiVersion/kind: must be resource.k8s.io/v1 ResourceClaim")
+            meta = body.get("metadata") or {}
+            _unknown(meta, {"name", "namespace", "uid"}, "metadata", errors)
+            if meta.get("name") not in (None, name) or meta.get("namespace") not in (None, namespace):
+                errors.append("metadata.name/namespace: must be the claim's")
+            status = body.get("status") or {}
+            _unknown(status, {"devices"}, "status", errors)
+            if errors:
+                self.send_status(422, "Invalid", 'ResourceClaim.resource.k8s.io "%s" is invalid: %s' %
+                                 (name, "; ".join(errors)))
+                return
+            uid = claim["metadata"].get("uid")
+            if meta.get("uid") and meta["uid"] != uid:
+                self.send_status(409, "Conflict", "Operation cannot be fulfilled on resourceclaims.resource.k8s.io "
+                                                  '"%s": Precondition failed: UID in precondition: %s, UID in object '
+                                                  "meta: %s" % (name, meta["uid"], uid))
+                return
+
+            def key(d):
+                return (d.get("driver"), d.get("device"), d.get("pool"), d.get("shareID"))
+
+            owners = st.device_owners.setdefault(uid, {})
+            old_devices = (claim.get("status") or {}).get("devices") or []
+            applied = status.get("devices") or []
+            applied_keys = {key(d) for d in applied if isinstance(d, dict)}
+            conflicts = [k for k in applied_keys if owners.get(k) not in (None, manager)]
+            if conflicts and not force:
+                self.send_status(409, "Conflict", "Apply failed with %d conflict(s): status.devices owned by %s" %
+                                 (len(conflicts), sorted({owners[k] for k in conflicts})))
+                return
+            kept = [d for d in old_devices
+                    if owners.get(key(d)) != manager and key(d) not in applied_keys]
+            devices = kept + [d for d in applied if isinstance(d, dict)]
+            new_status = dict(claim.get("status") or {})
+            if devices:
+                new_status["devices"] = devices
+            else:
+                new_status.pop("devices", None)
+            errors = validate_device_statuses(devices, new_status.get("allocation"))
+            check = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                     "metadata": {"name": name, "namespace": namespace, "uid": uid},
+                     "spec": claim.get("spec") or {"devices": {}}, "status": new_status}
+            errors += schema_errors(check)
+            if errors:
+                self.send_json(422, status_body(422, "Invalid", 'ResourceClaim.resource.k8s.io "%s" is invalid: %s' %
+                                                (name, "; ".join(errors)),
+                                                {"name": name, "kind": "ResourceClaim",
+                                                 "causes": [{"message": e} for e in errors]}))
+                return
+            # The drivers whose entries are added, changed or removed (getModifiedDrivers).
+            old_by_key = {key(d): d for d in old_devices}
+            new_by_key = {key(d): d for d in devices}
+            changed = ({k[0] for k, d in new_by_key.items() if old_by_key.get(k) != d}
+                       | {k[0] for k in old_by_key if k not in new_by_key})
+            denied = st.device_status_denied("patch", claim, changed)
+            if denied:
+                self.send_status(403, "Forbidden", denied)
+                return
+            for k in list(owners):
+                if owners[k] == manager and k not in applied_keys:
+                    del owners[k]
+            for k in applied_keys:
+                owners[k] = manager
+            # The claim as read is the one written over: one deleted or
+            # rewritten by the test meanwhile is not brought back.
+            try:
+                now_stat = os.stat(path)
+            except OSError:
+                self.send_status(404, "NotFound", 'resourceclaims.resource.k8s.io "%s" not found' % name)
+                return
+            if (now_stat.st_ino, now_stat.st_mtime_ns) != (read_stat.st_ino, read_stat.st_mtime_ns):
+                self.send_status(409, "Conflict", 'Operation cannot be fulfilled on resourceclaims.resource.k8s.io '
+                                                  '"%s": the object has been modified; please apply your changes '
+                                                  'to the latest version and try again' % name)
+                return
+            claim["status"] = new_status
+            claim["metadata"]["resourceVersion"] = st.next_version()
+            with open(path + ".tmp", "w") as f:
+                json.dump(claim, f)
+            os.replace(path + ".tmp", path)
+            self.send_json(200, claim)
 
     # -- ResourceSlices
     @staticmethod

@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,12 +26,14 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
 
 #include "control/client.h"
 #include "controller_test_util.h"
 #include "dra_health_v1alpha1.grpc.pb.h"
 #include "dra_v1.grpc.pb.h"
 #include "kube/kube_test_util.h"
+#include "kube_plugin/claim_status.h"
 #include "kube_plugin/driver.h"
 #include "pluginregistration_v1.grpc.pb.h"
 
@@ -65,6 +68,42 @@ json result(const std::string& device, json consumed = nullptr, const std::strin
   json r = {{"request", request}, {"driver", "gpu.fracgpu.io"}, {"pool", kNode}, {"device", device}};
   if (!consumed.is_null()) r["consumedCapacity"] = std::move(consumed);
   return r;
+}
+
+// A YAML node as the API server reads it into JSON: plain scalars that are
+// integers or booleans become numbers and booleans, the rest strings.
+json yaml_to_json(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: {
+      json out = json::object();
+      for (const auto& kv : node) out[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+      return out;
+    }
+    case YAML::NodeType::Sequence: {
+      json out = json::array();
+      for (const auto& item : node) out.push_back(yaml_to_json(item));
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string text = node.Scalar();
+      if (node.Tag() == "?") {
+        if (text == "true" || text == "false") return text == "true";
+        if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos && text.size() < 18)
+          return std::stoll(text);
+      }
+      return text;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+// The documents of a manifest under deploy/.
+std::vector<json> manifest(const std::string& relative) {
+  std::vector<json> out;
+  for (const YAML::Node& doc : YAML::LoadAllFromFile(std::string(DEPLOY_DIR) + "/" + relative))
+    if (doc.IsMap()) out.push_back(yaml_to_json(doc));
+  return out;
 }
 
 class KubePluginE2E : public ::testing::Test {
@@ -104,7 +143,7 @@ class KubePluginE2E : public ::testing::Test {
 
   pid_t spawn(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& env = {}) {
     std::vector<std::string> all = {std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR + ":" + SIMCUDA_DIR,
-                                    "SIMCUDA_DEVICES=" + kDevices, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_,
+                                    "SIMCUDA_DEVICES=" + devices_, "SIMCUDA_STATE", "SIMNVML_FAULTS=" + faults_path_,
                                     std::string(kube_plugin::kCrashEnv)};
     all.insert(all.end(), env.begin(), env.end());
     return spawn_logged(args, log, all);
@@ -254,6 +293,23 @@ class KubePluginE2E : public ::testing::Test {
     return cdi_dir_ + "/gpu.fracgpu.io-claim_" + uid + ".json";
   }
   std::string record_path(const std::string& uid) const { return run_dir_ + "/kube/claims/" + uid + ".json"; }
+
+  // The stand-in scheduler binds `pod` to this node (POST /fake/schedule):
+  // its claims, made from `templates` and for its extended resources with
+  // the DeviceClasses of deploy/, allocated and served from then on.
+  kube::HttpResult schedule(const json& pod, const std::vector<json>& templates = {}) {
+    return api_control_->post("/fake/schedule", {{"pod", pod},
+                                                 {"node", kNode},
+                                                 {"deviceClasses", manifest("deviceclass.yaml")},
+                                                 {"claimTemplates", templates}});
+  }
+  static kube_plugin::ClaimRef ref_of(const json& claim) {
+    return {claim["metadata"]["namespace"], claim["metadata"]["name"], claim["metadata"]["uid"]};
+  }
+  void forget_claim(const json& claim) {
+    fs::remove(claims_dir_ + "/" + claim["metadata"]["namespace"].get<std::string>() + "/" +
+               claim["metadata"]["name"].get<std::string>() + ".json");
+  }
 
   // The devices of the node's slice in the stand-in API server (null if none).
   json slice_devices() const {
@@ -435,6 +491,7 @@ class KubePluginE2E : public ::testing::Test {
   std::string registry_dir_ = tmp_ / "plugins_registry";
   std::string cdi_dir_ = tmp_ / "cdi";
   std::string library_container_path_ = kContainerLibrary;
+  std::string devices_ = kDevices;  // the simulated GPUs (a subclass's constructor may change them)
   std::unique_ptr<FakeApiServer> api_;
   std::unique_ptr<kube::ApiClient> api_control_;
   std::unique_ptr<dra::DRAPlugin::Stub> dra_;
@@ -1256,6 +1313,409 @@ TEST_F(KubePluginE2E, TheKubeletsHealthStreamFollowsTheFence) {
   }
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_LT(std::chrono::steady_clock::now() - stopping, 10s);
+}
+
+// Requirement (issue 33, 2): a pod that asks in the old style,
+// resources.limits {gpu.fracgpu.io/gpu: 1} (deploy/examples/
+// extended-resource-pod.yaml), gets the claim the kube-scheduler makes for
+// it with the DeviceClass of deploy/ (the stand-in models it field by field:
+// tests/kube/fake_scheduler.py), and the plugin prepares that claim as any
+// other: one whole GPU, one no other claim holds any of.
+TEST_F(KubePluginE2E, AnOldStylePodGetsTheSchedulersClaimAndAWholeGpu) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  // Part of GPU 0 is held: the whole GPU must be another.
+  const auto other = write_claim(40, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}})});
+  ASSERT_EQ(prepare({other}).claims().at(other.uid).error(), "");
+
+  json pod = manifest("examples/extended-resource-pod.yaml").at(0);
+  pod["metadata"]["namespace"] = "team-a";
+  pod["metadata"]["uid"] = uid_of(41);
+  const kube::HttpResult r = schedule(pod);
+  ASSERT_TRUE(r.ok()) << r.status << " " << r.body;
+  const json answer = json::parse(r.body);
+  ASSERT_EQ(answer["claims"].size(), 1u) << r.body;
+  const json claim = answer["claims"][0];
+
+  // The claim as the scheduler writes it.
+  const json& meta = claim["metadata"];
+  const std::string prefix = "extended-resource-pod-extended-resources-";
+  EXPECT_EQ(meta["generateName"], prefix);
+  EXPECT_EQ(meta["name"].get<std::string>().substr(0, prefix.size()), prefix);
+  EXPECT_EQ(meta["name"].get<std::string>().size(), prefix.size() + 5);
+  EXPECT_EQ(meta["namespace"], "team-a");
+  EXPECT_EQ(meta["annotations"], json({{"resource.kubernetes.io/extended-resource-claim", "true"}}));
+  EXPECT_EQ(meta["ownerReferences"], json::parse(R"([{"apiVersion": "v1", "kind": "Pod",
+      "name": "extended-resource-pod", "uid": ")" + uid_of(41) + R"(", "controller": true}])"));
+  EXPECT_EQ(meta["finalizers"], json({"resource.kubernetes.io/delete-protection"}));
+  EXPECT_EQ(claim["spec"], json::parse(R"({"devices": {"requests": [{"name": "container-0-request-0",
+      "exactly": {"deviceClassName": "gpu.fracgpu.io", "allocationMode": "ExactCount", "count": 1}}]}})"));
+  const json& results = claim["status"]["allocation"]["devices"]["results"];
+  ASSERT_EQ(results.size(), 1u) << claim.dump();
+  EXPECT_EQ(results[0]["request"], "container-0-request-0");
+  EXPECT_NE(results[0]["device"], "gpu-0");
+  EXPECT_EQ(results[0]["consumedCapacity"]["share"], "1");
+  const json config = claim["status"]["allocation"]["devices"]["config"];
+  ASSERT_EQ(config.size(), 1u);
+  EXPECT_EQ(config[0]["source"], "FromClass");
+  EXPECT_EQ(config[0]["requests"], json({"container-0-request-0"}));
+  EXPECT_EQ(claim["status"]["reservedFor"],
+            json::parse(R"([{"resource": "pods", "name": "extended-resource-pod", "uid": ")" + uid_of(41) + "\"}]"));
+  EXPECT_EQ(answer["pod"]["status"]["extendedResourceClaimStatus"],
+            json::parse(R"({"requestMappings": [{"containerName": "train", "resourceName": "gpu.fracgpu.io/gpu",
+                "requestName": "container-0-request-0"}], "resourceClaimName": ")" +
+                        meta["name"].get<std::string>() + "\"}"));
+
+  // Prepared by name and uid as the kubelet asks, from the claim the API serves.
+  const auto ref = ref_of(claim);
+  const auto response = prepare({ref});
+  const auto& prepared = response.claims().at(ref.uid);
+  ASSERT_EQ(prepared.error(), "");
+  ASSERT_EQ(prepared.devices_size(), 1);
+  ASSERT_EQ(prepared.devices(0).request_names_size(), 1);
+  EXPECT_EQ(prepared.devices(0).request_names(0), "container-0-request-0");  // what requestMappings names
+  EXPECT_EQ(prepared.devices(0).cdi_device_ids(0), "gpu.fracgpu.io/claim=" + ref.uid);
+  const control::Reply got = call({{"op", "get"}, {"name", "dra-" + ref.uid}});
+  ASSERT_TRUE(got.ok) << got.error;
+  const json& gpus = got.body["tenant"]["gpus"];
+  ASSERT_EQ(gpus.size(), 1u);
+  EXPECT_NE(gpus[0]["uuid"], kUuids[0]);
+  EXPECT_EQ(gpus[0]["share"], 1.0);
+  EXPECT_EQ(gpus[0]["memory"], 16 * kGiB);
+  const std::string out = run_in_container(ref.uid, {"init", "devices", "primary", "0", "info"});
+  EXPECT_NE(out.find("devices=1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("total=" + std::to_string(16 * kGiB) + "\n"), std::string::npos) << out;
+
+  // Two more whole GPUs: only one is free of claims. Nothing is written.
+  json greedy = pod;
+  greedy["metadata"]["name"] = "greedy";
+  greedy["metadata"]["uid"] = uid_of(42);
+  greedy["spec"]["containers"][0]["resources"]["limits"]["gpu.fracgpu.io/gpu"] = 2;
+  const kube::HttpResult refused = schedule(greedy);
+  EXPECT_EQ(refused.status, 409) << refused.body;
+  EXPECT_NE(refused.body.find("1 of 2 device(s)"), std::string::npos) << refused.body;
+  // Half a GPU cannot be asked this way: the API server refuses the pod.
+  json half = pod;
+  half["metadata"]["name"] = "half";
+  half["spec"]["containers"][0]["resources"]["limits"]["gpu.fracgpu.io/gpu"] = "500m";
+  const kube::HttpResult invalid = schedule(half);
+  EXPECT_EQ(invalid.status, 422) << invalid.body;
+  EXPECT_NE(invalid.body.find("must be an integer"), std::string::npos) << invalid.body;
+
+  EXPECT_EQ(unprepare(ref), "");
+  EXPECT_EQ(unprepare(other), "");
+  EXPECT_TRUE(api_tenants().empty());
+}
+
+// The plugin's permissions as deploy/rbac.yaml's ClusterRole grants them,
+// without the rules `drop` names (a resource), its token bound to `node`.
+json plugin_rules(const std::string& drop = "") {
+  for (const json& d : manifest("rbac.yaml"))
+    if (d["kind"] == "ClusterRole") {
+      json rules = json::array();
+      for (const json& r : d["rules"])
+        if (drop.empty() || std::find(r["resources"].begin(), r["resources"].end(), drop) == r["resources"].end())
+          rules.push_back(r);
+      return rules;
+    }
+  return nullptr;
+}
+
+// A pod with one claim: 4 GiB and half of a GPU, latency first, up to 0.75.
+json status_pod(int uid) {
+  return {{"apiVersion", "v1"},
+          {"kind", "Pod"},
+          {"metadata", {{"name", "status-pod"}, {"namespace", "team-a"}, {"uid", uid_of(uid)}}},
+          {"spec",
+           {{"resourceClaims", {{{"name", "gpu"}, {"resourceClaimTemplateName", "status-half"}}}},
+            {"containers", {{{"name", "c"}, {"image", "x"}, {"resources", {{"claims", {{{"name", "gpu"}}}}}}}}}}}};
+}
+json status_template() {
+  return json::parse(R"({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+    "metadata": {"name": "status-half"},
+    "spec": {"spec": {"devices": {
+      "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.fracgpu.io",
+                    "capacity": {"requests": {"memory": "4Gi", "share": "500m"}}}}],
+      "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.fracgpu.io", "parameters": {
+                    "apiVersion": "gpu.fracgpu.io/v1alpha1", "kind": "GpuConfig",
+                    "limit": "0.75", "priority": "latency"}}}]}}}})");
+}
+
+class KubePluginStatusE2E : public KubePluginE2E {
+ protected:
+  // The plugin started with `rules` (its token bound to this node), the
+  // status pod bound with its claim, the claim prepared: *claim.
+  void prepare_status_claim(const json& rules, int uid, json* claim) {
+    ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", rules}, {"node", kNode}}).ok());
+    start_plugin();
+    ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+    const kube::HttpResult r = schedule(status_pod(uid), {status_template()});
+    ASSERT_TRUE(r.ok()) << r.status << " " << r.body;
+    *claim = json::parse(r.body)["claims"].at(0);
+    const auto ref = ref_of(*claim);
+    ASSERT_EQ(prepare({ref}).claims().at(ref.uid).error(), "");
+  }
+};
+
+// Requirement (issue 33, 3): what a claim got, on the claim. The plugin,
+// with exactly deploy/rbac.yaml's permissions (the stand-in authorizes as
+// RBAC and the 1.36 granular check do), writes status.devices by
+// server-side apply: the allocated device's key, Ready and GPUHealthy, and
+// the tenant's memory, share, limit, priority and the GPU's health; the
+// entry follows the GPU when fracgpud fences it and when the fence clears.
+TEST_F(KubePluginStatusE2E, TheClaimShowsWhatItGotAndFollowsTheGpusHealth) {
+  json claim;
+  ASSERT_NO_FATAL_FAILURE(prepare_status_claim(plugin_rules(), 60, &claim));
+  const auto ref = ref_of(claim);
+  const json allocated = claim["status"]["allocation"]["devices"]["results"].at(0);
+  const std::string path = claims_dir_ + "/team-a/" + ref.name + ".json";
+  const auto entry = [&]() -> json {
+    const json stored = json::parse(read_file(path), nullptr, false);
+    const json devices = stored.is_object() && stored["status"].contains("devices") ? stored["status"]["devices"]
+                                                                                     : json::array();
+    return devices.size() == 1 ? devices[0] : json();
+  };
+  ASSERT_TRUE(eventually([&] { return !entry().is_null(); }, 10s)) << read_file(plugin_log_);
+  json d = entry();
+  EXPECT_EQ(d["driver"], "gpu.fracgpu.io");
+  EXPECT_EQ(d["pool"], kNode);
+  EXPECT_EQ(d["device"], allocated["device"]);
+  EXPECT_EQ(d["shareID"], allocated["shareID"]);
+  ASSERT_EQ(d["conditions"].size(), 2u) << d.dump();
+  EXPECT_EQ(d["conditions"][0]["type"], "Ready");
+  EXPECT_EQ(d["conditions"][0]["status"], "True");
+  EXPECT_EQ(d["conditions"][1]["type"], "GPUHealthy");
+  EXPECT_EQ(d["conditions"][1]["status"], "True");
+  const int index = std::stoi(allocated["device"].get<std::string>().substr(4));
+  EXPECT_EQ(d["data"]["tenant"], "dra-" + ref.uid);
+  EXPECT_EQ(d["data"]["gpu"], kUuids[index]);
+  EXPECT_EQ(d["data"]["memory"], std::to_string(4 * kGiB));
+  EXPECT_EQ(d["data"]["share"], 0.5);
+  EXPECT_EQ(d["data"]["limit"], 0.75);
+  EXPECT_EQ(d["data"]["priority"], "latency");
+  EXPECT_EQ(d["data"]["health"], "Healthy");
+  // The allocation is the scheduler's and stays as it was.
+  EXPECT_EQ(json::parse(read_file(path))["status"]["allocation"], claim["status"]["allocation"]);
+
+  write_file(faults_path_, std::to_string(index) + " lost\n");
+  ASSERT_TRUE(eventually([&] { return entry()["conditions"][1]["status"] == "False"; }, 15s)) << entry().dump();
+  d = entry();
+  EXPECT_EQ(d["conditions"][1]["reason"], "GpuLost");
+  EXPECT_EQ(d["conditions"][0]["status"], "True") << "the tenant is still there";
+  EXPECT_EQ(d["data"]["health"], "Unhealthy");
+  EXPECT_EQ(d["data"]["fenceReason"], "gpu-lost");
+  write_file(faults_path_, "");
+  ASSERT_TRUE(eventually([&] { return entry()["conditions"][1]["status"] == "True"; }, 15s)) << entry().dump();
+  EXPECT_EQ(entry()["data"]["health"], "Healthy");
+  EXPECT_FALSE(entry()["data"].contains("fenceReason"));
+
+  // Every write was a server-side apply of the status subresource, allowed.
+  size_t applies = 0;
+  for (const json& q : json::parse(api_control_->get("/fake/requests").body))
+    if (q["method"] == "PATCH") {
+      ++applies;
+      EXPECT_NE(q["path"].get<std::string>().find("/resourceclaims/" + ref.name + "/status?fieldManager="),
+                std::string::npos);
+      EXPECT_EQ(q["status"], 200) << q.dump();
+    }
+  EXPECT_GE(applies, 3u);
+  EXPECT_EQ(unprepare(ref), "");
+}
+
+// The stand-in checks a claim's status as the 1.36 API server does, and so
+// would refuse what the plugin must never write; without the driver's
+// granular permission (an rbac.yaml from before 1.36) the plugin's writes are
+// refused, said in its log, and the pod's claim is prepared all the same.
+TEST_F(KubePluginStatusE2E, TheClaimStatusIsCheckedAndAuthorizedAsTheApiServerDoes) {
+  json claim;
+  ASSERT_NO_FATAL_FAILURE(prepare_status_claim(plugin_rules("resourceclaims/driver"), 61, &claim));
+  const auto ref = ref_of(claim);
+  ASSERT_TRUE(eventually(
+      [&] { return read_file(plugin_log_).find("associated-node:patch") != std::string::npos; }, 10s))
+      << read_file(plugin_log_);
+  const std::string path = claims_dir_ + "/team-a/" + ref.name + ".json";
+  EXPECT_FALSE(json::parse(read_file(path))["status"].contains("devices"));
+
+  // As the plugin would write it, by hand, with the plugin's credentials.
+  const json allocated = claim["status"]["allocation"]["devices"]["results"].at(0);
+  const auto body = [&](json entry) {
+    return json{{"apiVersion", "resource.k8s.io/v1"},
+                {"kind", "ResourceClaim"},
+                {"metadata", {{"name", ref.name}, {"namespace", ref.ns}, {"uid", ref.uid}}},
+                {"status", {{"devices", json::array({std::move(entry)})}}}};
+  };
+  json good = {{"driver", "gpu.fracgpu.io"},
+               {"pool", kNode},
+               {"device", allocated["device"]},
+               {"shareID", allocated["shareID"]},
+               {"conditions",
+                {{{"type", "Ready"}, {"status", "True"}, {"reason", "TenantReady"},
+                  {"lastTransitionTime", "2026-01-01T00:00:00Z"}, {"message", ""}}}},
+               {"data", {{"tenant", "dra-" + ref.uid}}}};
+  const std::string status_path = kube_plugin::claim_status_path(ref);
+  auto client = api_client();
+  kube::HttpResult w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 403) << w.body;
+  EXPECT_NE(w.body.find("resourceclaims/driver"), std::string::npos) << w.body;
+  // With the permission, but for claims of another node only.
+  ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", plugin_rules()}, {"node", "node-2"}}).ok());
+  w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 403) << w.body;
+  EXPECT_NE(w.body.find("arbitrary-node:patch"), std::string::npos) << w.body;
+  ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", plugin_rules()}, {"node", kNode}}).ok());
+
+  json other_device = good;
+  other_device["device"] = "gpu-9";
+  w = client->apply(status_path, body(other_device));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("must be an allocated device in the claim"), std::string::npos) << w.body;
+  json listed_data = good;
+  listed_data["data"] = json::array({1, 2});
+  w = client->apply(status_path, body(listed_data));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("must be a valid JSON object"), std::string::npos) << w.body;
+  json bad_condition = good;
+  bad_condition["conditions"][0]["reason"] = "not a reason";
+  w = client->apply(status_path, body(bad_condition));
+  EXPECT_EQ(w.status, 422);
+  EXPECT_NE(w.body.find("reason"), std::string::npos) << w.body;
+  json unknown_field = good;
+  unknown_field["health"] = "ok";
+  w = client->apply(status_path, body(unknown_field));
+  EXPECT_EQ(w.status, 422) << w.body;  // the 1.36 schema has no such field
+  json another_claim = body(good);
+  another_claim["metadata"]["uid"] = uid_of(99);
+  w = client->apply(status_path, another_claim);
+  EXPECT_EQ(w.status, 409) << w.body;
+  w = client->apply(status_path, body(good));
+  EXPECT_EQ(w.status, 200) << w.body;
+  EXPECT_EQ(json::parse(read_file(path))["status"]["devices"][0]["data"]["tenant"], "dra-" + ref.uid);
+
+  // Permitted now: the plugin's next write (a pause after the refusal) replaces the hand-written entry.
+  ASSERT_TRUE(eventually(
+      [&] {
+        const json stored = json::parse(read_file(path));
+        return stored["status"]["devices"].size() == 1 &&
+               stored["status"]["devices"][0]["data"].value("priority", "") == "latency";
+      },
+      30s))
+      << read_file(path);
+  EXPECT_EQ(unprepare(ref), "");
+}
+
+// The node of the examples: three simulated 80 GB H100s (79.6 GiB each).
+class KubePluginExamplesE2E : public KubePluginE2E {
+ protected:
+  KubePluginExamplesE2E() {
+    devices_.clear();
+    for (const auto& uuid : kUuids)
+      devices_ += (devices_.empty() ? "" : ";") + ("uuid=" + uuid + ",name=Sim H100,mem=81559MiB,ctx=64MiB,cc=9.0");
+  }
+
+  // Every copy of the pod each document of `relative` runs (a Pod once, a
+  // Deployment `replicas` times, a Job once), bound to the node with its
+  // claims, and every claim prepared. Returns the claims.
+  std::vector<json> schedule_and_prepare(const std::string& relative, int first_uid) {
+    const std::vector<json> docs = manifest(relative);
+    std::vector<json> templates, claims;
+    for (const json& d : docs)
+      if (d["kind"] == "ResourceClaimTemplate") templates.push_back(d);
+    int n = first_uid;
+    for (const json& d : docs) {
+      const std::string kind = d["kind"];
+      if (kind != "Pod" && kind != "Deployment" && kind != "Job") continue;
+      const json spec = kind == "Pod" ? d["spec"] : d["spec"]["template"]["spec"];
+      const int copies = kind == "Deployment" ? d["spec"].value("replicas", 1) : 1;
+      for (int i = 0; i < copies; ++i) {
+        const std::string name = d["metadata"]["name"].get<std::string>() + (kind == "Pod" ? "" : "-" + std::to_string(i));
+        const json pod = {{"apiVersion", "v1"},
+                          {"kind", "Pod"},
+                          {"metadata", {{"name", name}, {"namespace", "team-a"}, {"uid", uid_of(n++)}}},
+                          {"spec", spec}};
+        const kube::HttpResult r = schedule(pod, templates);
+        EXPECT_TRUE(r.ok()) << relative << ": " << name << ": " << r.status << " " << r.body;
+        if (!r.ok()) continue;
+        const json answer = json::parse(r.body);
+        for (const json& c : answer["claims"]) {
+          const auto ref = ref_of(c);
+          const std::string error = prepare({ref}).claims().at(ref.uid).error();
+          EXPECT_EQ(error, "") << relative << ": " << name << ": claim " << c.dump();
+          claims.push_back(c);
+        }
+      }
+    }
+    return claims;
+  }
+
+  void unprepare_all(const std::vector<json>& claims) {
+    for (const json& c : claims) {
+      EXPECT_EQ(unprepare(ref_of(c)), "");
+      forget_claim(c);
+    }
+    EXPECT_TRUE(api_tenants().empty());
+  }
+
+  json tenant_of(const json& claim) {
+    const control::Reply got = call({{"op", "get"}, {"name", "dra-" + claim["metadata"]["uid"].get<std::string>()}});
+    EXPECT_TRUE(got.ok) << got.error;
+    return got.body["tenant"];
+  }
+};
+
+// Requirement (issue 33, 5): every example in deploy/examples/, as a user
+// would apply it, is bound to a node with its claims (made from its
+// templates by the stand-in, or for its extended resources) and prepared;
+// the examples new with this requirement are checked for what they promise.
+TEST_F(KubePluginExamplesE2E, EveryExampleIsScheduledAndPrepared) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(std::string(DEPLOY_DIR) + "/examples"))
+    if (entry.path().extension() == ".yaml") files.push_back("examples/" + entry.path().filename().string());
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 3u);
+  int uid = 500;
+  for (const std::string& file : files) {
+    SCOPED_TRACE(file);
+    const std::vector<json> claims = schedule_and_prepare(file, uid);
+    uid += 20;
+    EXPECT_FALSE(claims.empty());
+    if (file == "examples/vllm-inference-deployment.yaml") {
+      // Four replicas, four tenants on one GPU, each a quarter with 18 GiB, latency first.
+      ASSERT_EQ(claims.size(), 4u);
+      std::set<std::string> uuids;
+      for (const json& c : claims) {
+        const json t = tenant_of(c);
+        ASSERT_EQ(t["gpus"].size(), 1u) << t.dump();
+        uuids.insert(t["gpus"][0]["uuid"].get<std::string>());
+        EXPECT_EQ(t["gpus"][0]["share"], 0.25);
+        EXPECT_EQ(t["gpus"][0]["memory"], 18 * kGiB);
+        EXPECT_EQ(t["gpus"][0]["limit"], 1.0);
+        EXPECT_EQ(t["priority"], "latency");
+      }
+      EXPECT_EQ(uuids.size(), 1u) << "the four replicas share one GPU";
+    } else if (file == "examples/training-job-two-and-a-half-gpus.yaml") {
+      ASSERT_EQ(claims.size(), 1u);
+      const json t = tenant_of(claims[0]);
+      ASSERT_EQ(t["gpus"].size(), 3u) << t.dump();
+      double shares = 0;
+      for (const json& g : t["gpus"]) {
+        shares += g["share"].get<double>();
+        if (g["share"] == 0.5) {
+          EXPECT_EQ(g["memory"], 40 * kGiB);
+        }
+      }
+      EXPECT_EQ(shares, 2.5);
+      EXPECT_EQ(t["priority"], "batch");
+    } else if (file == "examples/extended-resource-pod.yaml") {
+      ASSERT_EQ(claims.size(), 1u);
+      EXPECT_EQ(claims[0]["metadata"]["annotations"]["resource.kubernetes.io/extended-resource-claim"], "true");
+      const json t = tenant_of(claims[0]);
+      ASSERT_EQ(t["gpus"].size(), 1u) << t.dump();
+      EXPECT_EQ(t["gpus"][0]["share"], 1.0);
+    }
+    unprepare_all(claims);
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "kube/kube_test_util.h"
 #include "kube_plugin/cdi_spec.h"
 #include "kube_plugin/claim_plan.h"
+#include "kube_plugin/claim_status.h"
 #include "kube_plugin/claim_store.h"
 #include "kube_plugin/device_health.h"
 
@@ -456,6 +457,84 @@ TEST(DeviceHealthBoard, FollowsTheFencesAndMovesOnlyOnChanges) {
 
   board.close();
   EXPECT_TRUE(board.wait_newer_than(s.version, std::chrono::seconds(10)).closed);  // at once
+}
+
+// A fence's class in the board, and what the claim's status shows of it.
+TEST(DeviceHealthBoard, AFenceCarriesItsClass) {
+  DeviceHealthBoard board;
+  json node = {{"gpus", {{{"index", 0}, {"fenced", true}, {"fence_reason", "GPU lost: cannot find it"}}}}};
+  board.update_from_node(node, 100);
+  EXPECT_EQ(board.snapshot().devices[0].reason, "gpu-lost");
+  const uint64_t v = board.snapshot().version;
+  node["gpus"][0]["fence_reason"] = "ECC errors: 3 uncorrectable";
+  board.update_from_node(node, 101);
+  EXPECT_GT(board.snapshot().version, v);
+  EXPECT_EQ(board.snapshot().devices[0].reason, "ecc-errors");
+  EXPECT_EQ(board.snapshot().devices[0].since_unix, 100) << "still fenced since 100";
+  EXPECT_EQ(fence_condition_reason("gpu-lost"), "GpuLost");
+  EXPECT_EQ(fence_condition_reason("sensors-unreadable"), "SensorsUnreadable");
+  EXPECT_EQ(fence_condition_reason("xid"), "Xid");
+  EXPECT_EQ(fence_condition_reason(""), "Unhealthy");
+}
+
+// Requirement (issue 33, 3): the status entry of each allocated device: its
+// key as the allocation's result, Ready and GPUHealthy conditions, and the
+// tenant's quota, share, limit and priority with the GPU's health as data.
+TEST(ClaimStatus, EachDeviceShowsTheTenantsPartAndTheGpusHealth) {
+  json a = result("gpu-1", {{"memory", "4Gi"}, {"share", "250m"}});
+  a["shareID"] = "00000000-aaaa-4bbb-8ccc-000000000001";
+  json config = gpu_config("FromClaim", "0.5");
+  config["opaque"]["parameters"]["priority"] = "latency";
+  const ClaimPlan plan = plan_ok(claim({a, result("gpu-2", nullptr, "whole")}, {config}));
+  std::map<std::string, DeviceHealthEntry> health;
+  health["gpu-1"] = {"gpu-1", DeviceHealthState::kHealthy, 1700000000, ""};
+  health["gpu-2"] = {"gpu-2", DeviceHealthState::kUnhealthy, 1700000100, "gpu-lost"};
+  const json body = claim_status_apply(plan, health, 1700000050);
+  EXPECT_EQ(body["apiVersion"], "resource.k8s.io/v1");
+  EXPECT_EQ(body["kind"], "ResourceClaim");
+  EXPECT_EQ(body["metadata"], json({{"name", "train-gpu"}, {"namespace", "team-a"}, {"uid", kUid}}));
+  ASSERT_EQ(body["status"].size(), 1u) << "only status.devices: nothing else of the claim is the plugin's";
+  const json& devices = body["status"]["devices"];
+  ASSERT_EQ(devices.size(), 2u);
+
+  const json& first = devices[0];
+  EXPECT_EQ(first["driver"], "gpu.fracgpu.io");
+  EXPECT_EQ(first["pool"], kNode);
+  EXPECT_EQ(first["device"], "gpu-1");
+  EXPECT_EQ(first["shareID"], "00000000-aaaa-4bbb-8ccc-000000000001");
+  ASSERT_EQ(first["conditions"].size(), 2u);
+  EXPECT_EQ(first["conditions"][0]["type"], "Ready");
+  EXPECT_EQ(first["conditions"][0]["status"], "True");
+  EXPECT_EQ(first["conditions"][0]["lastTransitionTime"], "2023-11-14T22:14:10Z");
+  EXPECT_EQ(first["conditions"][1]["type"], "GPUHealthy");
+  EXPECT_EQ(first["conditions"][1]["status"], "True");
+  EXPECT_EQ(first["conditions"][1]["lastTransitionTime"], "2023-11-14T22:13:20Z");
+  EXPECT_EQ(first["data"]["tenant"], "dra-" + kUid);
+  EXPECT_EQ(first["data"]["memory"], std::to_string(4ull << 30));
+  EXPECT_EQ(first["data"]["share"], 0.25);
+  EXPECT_EQ(first["data"]["limit"], 0.5);
+  EXPECT_EQ(first["data"]["priority"], "latency");
+  EXPECT_EQ(first["data"]["health"], "Healthy");
+  EXPECT_FALSE(first["data"].contains("fenceReason"));
+
+  const json& second = devices[1];
+  EXPECT_FALSE(second.contains("shareID"));
+  EXPECT_EQ(second["conditions"][1]["status"], "False");
+  EXPECT_EQ(second["conditions"][1]["reason"], "GpuLost");
+  EXPECT_EQ(second["data"]["share"], 1.0);
+  EXPECT_EQ(second["data"]["memory"], std::to_string(kGpuMemory));
+  EXPECT_TRUE(second["data"]["limit"].is_null()) << "a whole GPU has no limit";
+  EXPECT_EQ(second["data"]["health"], "Unhealthy");
+  EXPECT_EQ(second["data"]["fenceReason"], "gpu-lost");
+
+  // Nothing known of the GPUs yet: Unknown, since the claim's preparation.
+  const json unknown = claim_status_apply(plan, {}, 1700000050);
+  EXPECT_EQ(unknown["status"]["devices"][0]["conditions"][1]["status"], "Unknown");
+  EXPECT_EQ(unknown["status"]["devices"][0]["conditions"][1]["reason"], "DaemonUnreachable");
+  EXPECT_EQ(unknown["status"]["devices"][0]["data"]["health"], "Unknown");
+  EXPECT_EQ(claim_status_path(kRef),
+            "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/train-gpu/status"
+            "?fieldManager=gpu.fracgpu.io&force=true");
 }
 
 }  // namespace
