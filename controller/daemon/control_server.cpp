@@ -382,17 +382,15 @@ bool ControlServer::handle_requests(uint64_t now_ns, uint64_t stop_ns, const Han
   for (size_t i = 0; i < connections_.size(); ++i)
     if (connections_[i].servable && !access_.privileged(connections_[i].peer.uid))
       by_user[connections_[i].peer.uid].push_back(i);
-  std::vector<std::pair<const uid_t, std::vector<size_t>>*> order;
-  for (auto& entry : by_user) order.push_back(&entry);
-  if (last_user_served_) {
-    const auto first = std::find_if(order.begin(), order.end(), [&](const auto* e) { return e->first > *last_user_served_; });
-    std::rotate(order.begin(), first, order.end());
-  }
+  std::vector<uid_t> order;
+  for (const auto& [uid, theirs] : by_user) order.push_back(uid);
+  if (last_user_served_)
+    std::rotate(order.begin(), std::upper_bound(order.begin(), order.end(), *last_user_served_), order.end());
   for (bool progress = true; progress;) {
     progress = false;
-    for (auto* entry : order) {
-      const std::vector<size_t>& theirs = entry->second;
-      UserTurn& user = users_[entry->first];
+    for (const uid_t uid : order) {
+      const std::vector<size_t>& theirs = by_user[uid];
+      UserTurn& user = users_[uid];
       for (size_t tried = 0; tried < theirs.size(); ++tried) {
         const size_t pick = (user.next_connection + tried) % theirs.size();
         Connection& c = connections_[theirs[pick]];
@@ -401,7 +399,7 @@ bool ControlServer::handle_requests(uint64_t now_ns, uint64_t stop_ns, const Han
         handled |= take_request(c, now_ns, handler);
         taken = true;
         user.next_connection = pick + 1;
-        last_user_served_ = entry->first;
+        last_user_served_ = uid;
         progress = true;
         break;
       }

@@ -155,7 +155,7 @@ class ControlServer {
   struct UserTurn {
     size_t next_connection = 0;  // among its connections, in their order
     uint64_t refused_until_ns = 0;
-    uint64_t backoff_ns = 0;     // the last retry-after it was given
+    uint64_t backoff_ns = 0;  // the last retry-after it was given
   };
   // Accepts until the backlog is empty, kAcceptsPerPass were, or `stop_ns`.
   void accept_new(uint64_t now_ns, uint64_t stop_ns);
