@@ -1,12 +1,17 @@
 // The control API's parts that need no daemon: a request's SPEC checked
 // (field + reason), resolved against a config and booked beside its tenants;
 // the file API tenants persist in; a config read beside API tenants; who may
-// use the socket. End to end (the daemon, the socket, the CLI):
+// use the socket; how the client library takes `busy`. End to end (the daemon, the socket, the CLI):
 // controller_control_test.cpp.
 #include <grp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -14,6 +19,7 @@
 
 #include "config/api_tenant.h"
 #include "config/config.h"
+#include "control/client.h"
 #include "control/protocol.h"
 #include "daemon/control_server.h"
 
@@ -407,6 +413,87 @@ TEST(ControlAccessRules, ControlGroupMustExist) {
   ASSERT_TRUE(good.ok());
   EXPECT_EQ(good.config->daemon.control_group, root->gr_name);
   EXPECT_EQ(good.config->daemon.control_gid, 0u);
+}
+
+// A stand-in daemon on a Unix socket in a temporary directory: its first
+// connection is refused `busy` with `retry_after_ms`, every later one is
+// answered ok. Records when each connection came.
+class BusyOnceServer {
+ public:
+  explicit BusyOnceServer(unsigned retry_after_ms) : retry_after_ms_(retry_after_ms) {
+    char dir[] = "/tmp/control-client-XXXXXX";
+    dir_ = mkdtemp(dir);
+    path_ = dir_ + "/control.sock";
+    fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un addr {};
+    addr.sun_family = AF_UNIX;
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path_.c_str());
+    EXPECT_EQ(bind(fd_, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(listen(fd_, 8), 0);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~BusyOnceServer() {
+    shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    close(fd_);
+    unlink(path_.c_str());
+    rmdir(dir_.c_str());
+  }
+  const std::string& path() const { return path_; }
+  std::vector<std::chrono::steady_clock::time_point> connected() {
+    std::lock_guard lock(mutex_);
+    return connected_;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      size_t seen;
+      {
+        std::lock_guard lock(mutex_);
+        connected_.push_back(std::chrono::steady_clock::now());
+        seen = connected_.size();
+      }
+      std::string reply = R"({"ok":true})" "\n";
+      if (seen == 1)
+        reply = json{{"ok", false}, {"code", "busy"}, {"error", "full"}, {"retry_after_ms", retry_after_ms_}}.dump() +
+                "\n";
+      else  // the request first: a reply to a client that sent none yet proves nothing
+        for (char ch = 0; ch != '\n' && read(c, &ch, 1) == 1;) {
+        }
+      EXPECT_EQ(send(c, reply.data(), reply.size(), MSG_NOSIGNAL), static_cast<ssize_t>(reply.size()));
+      close(c);
+    }
+  }
+  unsigned retry_after_ms_;
+  std::string dir_, path_;
+  int fd_ = -1;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::vector<std::chrono::steady_clock::time_point> connected_;
+};
+
+TEST(ControlClient, ABusyDaemonIsAskedAgainNoSoonerThanItSaid) {
+  BusyOnceServer server(300);
+  const auto asked = std::chrono::steady_clock::now();
+  const fracgpu::control::Reply r = fracgpu::control::call(server.path(), {{"op", "list"}}, std::chrono::seconds(3));
+  EXPECT_TRUE(r.ok) << r.code << ": " << r.error;
+  const auto connected = server.connected();
+  ASSERT_EQ(connected.size(), 2u);
+  EXPECT_GE(connected[1] - connected[0], std::chrono::milliseconds(300));
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::seconds(2));
+}
+
+TEST(ControlClient, ARetryAfterPastTheTimeoutEndsTheCallAtOnce) {
+  BusyOnceServer server(5000);
+  const auto asked = std::chrono::steady_clock::now();
+  const fracgpu::control::Reply r = fracgpu::control::call(server.path(), {{"op", "list"}}, std::chrono::seconds(2));
+  EXPECT_EQ(r.code, "busy");
+  EXPECT_EQ(r.body.value("retry_after_ms", 0u), 5000u);
+  EXPECT_EQ(server.connected().size(), 1u);
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::milliseconds(1000));
 }
 
 }  // namespace

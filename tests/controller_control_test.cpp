@@ -2,24 +2,29 @@
 // (and stand-in NVML), spoken to over its socket with the client library and
 // raw bytes, by root and by unprivileged peers; tenant processes through the
 // interposer; and `fracgpu tenant`.
+#include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <new>
 #include <optional>
 #include <sstream>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -48,6 +53,24 @@ const std::string kUuid1 = "GPU-c0a7801a-0000-4000-8000-000000000002";
 const std::string kDevices = "uuid=" + kUuid0 + ",name=Sim A,mem=16GiB,ctx=64MiB,cc=8.6;uuid=" + kUuid1 +
                              ",name=Sim B,mem=16GiB,ctx=64MiB,cc=9.0";
 const std::string kAlice = "[[tenant]]\nname = \"alice\"\ngpus = 0.5\ndevices = [0]\n";
+
+// Root's view while a load runs: every `period`, a `node` request (and every
+// tenth time a create and a delete), timed from the call to the reply; and
+// the heartbeat's age, sampled every 10 ms.
+struct RootView {
+  std::vector<double> latencies_ms;  // of every request
+  int failures = 0;
+  std::string first_failure;
+  uint64_t stalest_heartbeat_ns = 0;
+
+  double p99_ms() const {
+    if (latencies_ms.empty()) return 0;
+    std::vector<double> sorted = latencies_ms;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(std::ceil(0.99 * sorted.size())) - 1)];
+  }
+  double max_ms() const { return latencies_ms.empty() ? 0 : *std::max_element(latencies_ms.begin(), latencies_ms.end()); }
+};
 
 class ControlTest : public ::testing::Test {
  protected:
@@ -151,6 +174,45 @@ class ControlTest : public ::testing::Test {
     const uint64_t bytes = ledger::tenant_used(*l.usage, entry);
     ledger::close_ledger(&l);
     return bytes;
+  }
+
+  // Root's requests (see RootView) and the heartbeat's age for `how_long`.
+  RootView watch_as_root(std::chrono::milliseconds how_long) const {
+    using Clock = std::chrono::steady_clock;
+    RootView view;
+    std::atomic<bool> done{false};
+    std::thread sampler([&] {
+      while (!done) {
+        const uint64_t beat = heartbeat_ns("alice"), now = ledger::monotonic_ns();
+        if (beat != 0 && now > beat) view.stalest_heartbeat_ns = std::max(view.stalest_heartbeat_ns, now - beat);
+        std::this_thread::sleep_for(10ms);
+      }
+    });
+    const auto timed = [&](const json& request) {
+      const auto asked = Clock::now();
+      const control::Reply r = call(request, 5s);
+      view.latencies_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - asked).count());
+      if (!r.ok && view.failures++ == 0) view.first_failure = request.dump() + ": " + r.code + ": " + r.error;
+    };
+    const auto end = Clock::now() + how_long;
+    for (int i = 0; Clock::now() < end; ++i) {
+      timed({{"op", "node"}});
+      if (i % 10 == 9) {
+        const std::string name = "root-" + std::to_string(i);
+        timed({{"op", "create"}, {"tenant", {{"name", name}, {"gpus", {gpu(kUuid1, 0.01)}}}}});
+        timed({{"op", "delete"}, {"name", name}});
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    done = true;
+    sampler.join();
+    return view;
+  }
+
+  static void report(const std::string& load, const RootView& view) {
+    std::cout << load << ": root's requests p99 " << view.p99_ms() << " ms, at most " << view.max_ms() << " ms ("
+              << view.latencies_ms.size() << " requests, " << view.failures << " failed); heartbeat at most "
+              << view.stalest_heartbeat_ns / 1'000'000 << " ms old\n";
   }
 
   bool log_contains(const std::string& text) const { return read_file(log_path_).find(text) != std::string::npos; }
@@ -1065,6 +1127,278 @@ TEST_F(ControlTest, SlowClientsAreDroppedAndCannotKeepRootOut) {
   }
   std::cout << "root beside another user's 80 trickling connections: answered within " << longest.count() << " ms\n";
   EXPECT_LT(longest, 1s);
+}
+
+// What a load child (spawn_list_load) did, counted in memory it shares with
+// the test.
+struct LoadCounters {
+  std::atomic<uint64_t> connects{0};  // connect() attempts
+  std::atomic<uint64_t> answered{0};  // replies with "ok": true
+  std::atomic<uint64_t> busy{0};      // refused connections (`busy`)
+  std::atomic<uint64_t> hinted{0};    // of those, the ones that said when to come back
+  std::atomic<uint64_t> failed{0};    // any other reply
+};
+
+// `count` counters in anonymous shared memory, zeroed, for load children.
+LoadCounters* shared_counters(size_t count) {
+  void* mem = mmap(nullptr, sizeof(LoadCounters) * count, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return nullptr;
+  auto* counters = static_cast<LoadCounters*>(mem);
+  for (size_t i = 0; i < count; ++i) new (&counters[i]) LoadCounters();
+  return counters;
+}
+
+// Forks a hostile but allowed client running as `uid`/`gid`: `connections`
+// connections, each keeping `pipelined` valid `list` requests in flight.
+// A connection refused (`busy`) or closed is made again at once, whatever
+// the daemon said about when to come back: with more connections than the
+// daemon lets a user have, that is a connect storm. Runs until killed.
+pid_t spawn_list_load(const std::string& path, uid_t uid, gid_t gid, size_t connections, int pipelined,
+                      LoadCounters* counters) {
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  if (setgroups(0, nullptr) != 0 || setgid(gid) != 0 || setuid(uid) != 0) _exit(1);
+  struct sockaddr_un addr {};
+  addr.sun_family = AF_UNIX;
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  std::string batch;
+  for (int k = 0; k < pipelined; ++k) batch += "{\"op\":\"list\"}\n";
+  struct Slot {
+    int fd = -1;
+    int awaited = 0;
+    std::string in;
+  };
+  std::vector<Slot> slots(connections);
+  const auto drop = [](Slot& s) {
+    close(s.fd);
+    s.fd = -1;
+    s.in.clear();
+  };
+  std::vector<struct pollfd> polled;
+  std::vector<Slot*> polled_slots;
+  for (;;) {
+    polled.clear();
+    polled_slots.clear();
+    for (Slot& s : slots) {
+      if (s.fd < 0) {
+        ++counters->connects;
+        // Connected as the client library does: a full backlog is waited
+        // for (at most 200 ms), so the kernel queues it the moment the
+        // daemon accepts another.
+        s.fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        const struct timeval timeout {0, 200'000};
+        setsockopt(s.fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+        if (connect(s.fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0 ||
+            fcntl(s.fd, F_SETFL, O_NONBLOCK) != 0) {
+          drop(s);
+          continue;
+        }
+        s.awaited = 0;
+      }
+      if (s.awaited == 0) {
+        if (send(s.fd, batch.data(), batch.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(batch.size())) {
+          drop(s);
+          continue;
+        }
+        s.awaited = pipelined;
+      }
+      polled.push_back({s.fd, POLLIN, 0});
+      polled_slots.push_back(&s);
+    }
+    if (polled.empty() || poll(polled.data(), polled.size(), 10) <= 0) continue;
+    for (size_t i = 0; i < polled.size(); ++i) {
+      if (polled[i].revents == 0) continue;
+      Slot& s = *polled_slots[i];
+      char buf[65536];
+      const ssize_t n = recv(s.fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n <= 0) {
+        if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) drop(s);
+        continue;
+      }
+      s.in.append(buf, static_cast<size_t>(n));
+      for (size_t nl; s.fd >= 0 && (nl = s.in.find('\n')) != std::string::npos;) {
+        const std::string_view line(s.in.data(), nl);
+        if (line.find("\"code\":\"busy\"") != std::string_view::npos) {
+          ++counters->busy;
+          if (line.find("\"retry_after_ms\"") != std::string_view::npos) ++counters->hinted;
+          drop(s);
+          break;
+        }
+        ++(line.substr(0, 10) == "{\"ok\":true" ? counters->answered : counters->failed);
+        --s.awaited;
+        s.in.erase(0, nl + 1);
+      }
+    }
+  }
+}
+
+// The daemon with nobody's group as control_group, and kLoadTenants API
+// tenants beside alice (a list answers with all of them), for loads by
+// members of the group.
+class ControlLoadTest : public ControlTest {
+ protected:
+  static constexpr int kLoadTenants = 40;
+
+  void SetUp() override {
+    ControlTest::SetUp();
+    std::string why;
+    other_ = nobody_user(&why);
+    if (!other_) GTEST_SKIP() << why;
+    write_config("control_group = \"" + other_->group + "\"\n");
+    start_daemon();
+    for (int i = 0; i < kLoadTenants; ++i)
+      ASSERT_TRUE(create("t" + std::to_string(i), {gpu(i % 2 == 0 ? kUuid0 : kUuid1, 0.01)}).ok);
+  }
+
+  // The k-th member of the group, by its primary group as a pod's user would be.
+  static uid_t member(int k) { return static_cast<uid_t>(61000 + k); }
+  gid_t group() const { return other_->gid; }
+
+  std::optional<OtherUser> other_;
+};
+
+TEST_F(ControlLoadTest, GroupUsersPipeliningRequestsCannotDelayRootOrStallTheLoop) {
+  LoadCounters* counters = shared_counters(4);
+  ASSERT_NE(counters, nullptr);
+
+  const RootView idle = watch_as_root(2s);
+  // One user: 16 connections (all it may have), each with 16 lists in flight.
+  children_.push_back(spawn_list_load(socket_path(), member(0), group(), 16, 16, &counters[0]));
+  const RootView one = watch_as_root(6s);
+  // Four: more connections than other users may hold together; the last one's
+  // refused connections are made again at once.
+  for (int k = 1; k < 4; ++k)
+    children_.push_back(spawn_list_load(socket_path(), member(k), group(), 16, 16, &counters[k]));
+  const RootView four = watch_as_root(6s);
+  for (int k = 0; k < 4; ++k) {
+    std::cout << "user " << k << ": " << counters[k].answered << " lists answered, " << counters[k].connects
+              << " connects, " << counters[k].busy << " refused busy, " << counters[k].failed << " other replies\n";
+  }
+  report("no load", idle);
+  report("1 user x 16 connections x 16 lists", one);
+  report("4 users x 16 connections x 16 lists", four);
+  for (const RootView* view : {&one, &four}) {
+    EXPECT_EQ(view->failures, 0) << view->first_failure;
+    EXPECT_GE(view->latencies_ms.size(), 40u);
+    EXPECT_LT(view->p99_ms(), 200.0);
+    EXPECT_LT(view->stalest_heartbeat_ns, 250'000'000u);
+  }
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_GT(counters[k].answered.load(), 100u) << "user " << k << "'s load did not run";
+    EXPECT_EQ(counters[k].failed.load(), 0u);
+  }
+}
+
+TEST_F(ControlLoadTest, RequestsAreSharedAmongUsersNotAmongConnections) {
+  LoadCounters* counters = shared_counters(4);
+  ASSERT_NE(counters, nullptr);
+  // Three users with 16 connections each, one with 2; all with 16 lists in
+  // flight on each. Served by connection, the small user would get 2/50 of
+  // the daemon's time; served by user, a quarter.
+  for (int k = 0; k < 4; ++k)
+    children_.push_back(spawn_list_load(socket_path(), member(k), group(), k == 3 ? 2 : 16,
+                                        16, &counters[k]));
+  std::this_thread::sleep_for(1s);
+  uint64_t before[4];
+  for (int k = 0; k < 4; ++k) before[k] = counters[k].answered;
+  std::this_thread::sleep_for(5s);
+  uint64_t served[4];
+  for (int k = 0; k < 4; ++k) served[k] = counters[k].answered - before[k];
+  const double big = static_cast<double>(served[0] + served[1] + served[2]) / 3;
+  std::cout << "lists answered in 5 s: users of 16 connections " << served[0] << ", " << served[1] << ", "
+            << served[2] << "; the user of 2 connections " << served[3] << "\n";
+  EXPECT_GT(big, 100.0) << "the load did not run";
+  EXPECT_GT(static_cast<double>(served[3]), big / 3);
+}
+
+TEST_F(ControlLoadTest, AConnectStormOfGroupUsersCannotStallTheLoopOrKeepRootOut) {
+  // Five users, each trying to hold 32 connections (4 processes of 8) with 4
+  // lists in flight on each: at most 56 are let in, and every refused one
+  // is made again at once, whatever the daemon says.
+  constexpr int kUsers = 5;
+  LoadCounters* counters = shared_counters(kUsers);
+  ASSERT_NE(counters, nullptr);
+  for (int k = 0; k < kUsers; ++k)
+    for (int process = 0; process < 4; ++process)
+      children_.push_back(spawn_list_load(socket_path(), member(k), group(), 8, 4, &counters[k]));
+  std::this_thread::sleep_for(500ms);
+  // What the users did while root watched.
+  const auto sum = [&](std::atomic<uint64_t> LoadCounters::*counter) {
+    uint64_t total = 0;
+    for (int k = 0; k < kUsers; ++k) total += (counters[k].*counter).load();
+    return total;
+  };
+  const uint64_t connects_before = sum(&LoadCounters::connects), busy_before = sum(&LoadCounters::busy),
+                 hinted_before = sum(&LoadCounters::hinted), answered_before = sum(&LoadCounters::answered);
+  const auto started = std::chrono::steady_clock::now();
+  const RootView storm = watch_as_root(8s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const uint64_t connects = sum(&LoadCounters::connects) - connects_before, busy = sum(&LoadCounters::busy) - busy_before,
+                 hinted = sum(&LoadCounters::hinted) - hinted_before,
+                 answered = sum(&LoadCounters::answered) - answered_before;
+  std::cout << "storm: " << connects << " connects in " << seconds << " s; " << busy << " refused busy (" << hinted
+            << " with retry_after_ms), " << answered << " lists answered\n";
+  report("5 users reconnecting at once on busy", storm);
+  EXPECT_GT(connects, 5000u) << "no storm";
+  EXPECT_EQ(storm.failures, 0) << storm.first_failure;
+  EXPECT_GE(storm.latencies_ms.size(), 50u);
+  EXPECT_LT(storm.p99_ms(), 200.0);
+  EXPECT_LT(storm.stalest_heartbeat_ns, 250'000'000u);
+  EXPECT_EQ(hinted, busy) << "a refusal without a retry_after_ms";
+  EXPECT_EQ(kill(daemon_, 0), 0);
+}
+
+TEST_F(ControlLoadTest, ARefusedUserIsToldWhenToComeBackAndHeldToIt) {
+  // As a member of the group: all 16 connections a user may have, each
+  // just served (so none is stalled and can be replaced), then a 17th,
+  // again each time the daemon said it may come back.
+  const std::string text = output_of_child([&] {
+    if (setgroups(0, nullptr) != 0 || setgid(group()) != 0 || setuid(member(0)) != 0) return std::string();
+    std::vector<std::unique_ptr<RawClient>> held;
+    for (int i = 0; i < 16; ++i) held.push_back(std::make_unique<RawClient>(socket_path()));
+    const auto refresh = [&] {
+      for (const auto& c : held) {
+        c->send_text("{\"op\":\"list\"}\n");
+        c->read_line();
+      }
+    };
+    json out = {{"hints", json::array()}};
+    for (int round = 0; round < 5; ++round) {
+      refresh();
+      RawClient extra(socket_path());
+      const json reply = json::parse(extra.read_line(), nullptr, false);
+      out["hints"].push_back(reply.is_object() ? reply.value("retry_after_ms", 0) : -1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(out["hints"].back().get<int>() + 10));
+    }
+    refresh();
+    {  // Refused (800 ms); a place is free at once, but it is not to come back yet.
+      RawClient extra(socket_path());
+      out["refused"] = extra.read_line();
+    }
+    held.pop_back();
+    {
+      RawClient early(socket_path());
+      out["early"] = early.read_line();
+    }
+    const json early = json::parse(out["early"].get<std::string>(), nullptr, false);
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds((early.is_object() ? early.value("retry_after_ms", 0) : 0) + 10));
+    RawClient later(socket_path());
+    later.send_text("{\"op\":\"list\"}\n");
+    out["later"] = later.read_line();
+    return out.dump();
+  });
+  const json out = json::parse(text, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << text;
+  // Each refusal soon after the last back-off ended doubles it.
+  EXPECT_EQ(out["hints"], json({50, 100, 200, 400, 800})) << text;
+  EXPECT_EQ(code_of(out["refused"]), "busy") << text;
+  const json early = json::parse(out["early"].get<std::string>(), nullptr, false);
+  EXPECT_EQ(code_of(out["early"]), "busy") << text;
+  EXPECT_NE(out["early"].get<std::string>().find("came back too soon"), std::string::npos) << text;
+  EXPECT_GT(early.value("retry_after_ms", 0), 0) << text;
+  EXPECT_LE(early.value("retry_after_ms", 0), 1600) << text;
+  EXPECT_EQ(json::parse(out["later"].get<std::string>(), nullptr, false).value("ok", false), true) << text;
 }
 
 TEST_F(ControlTest, AReloadThatTakesAUsersAccessAwayRefusesItsOpenConnection) {

@@ -188,13 +188,18 @@ Reply call(const std::string& socket_path, const nlohmann::json& request, std::c
   payload += '\n';
   if (payload.size() > kMaxRequestBytes) return unreachable(socket_path, "request longer than 64 KiB");
   // Busy: refused before the request was read, so asked again, a little
-  // later each time, while the timeout allows.
-  auto pause = std::chrono::milliseconds(10);
+  // later each time, and never before the daemon said to (it refuses a user
+  // that comes back sooner at once), while the timeout allows.
+  auto backoff = std::chrono::milliseconds(10);
   for (;;) {
     Reply reply = call_once(socket_path, payload, deadline);
-    if (reply.code != code::kBusy || Clock::now() + pause >= deadline) return reply;
+    if (reply.code != code::kBusy) return reply;
+    auto pause = backoff;
+    if (const auto hint = reply.body.find("retry_after_ms"); hint != reply.body.end() && hint->is_number_unsigned())
+      pause = std::max(pause, std::chrono::milliseconds(std::min<uint64_t>(hint->get<uint64_t>(), 60'000)));
+    if (Clock::now() + pause >= deadline) return reply;
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(200));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
 }
 

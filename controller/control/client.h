@@ -23,9 +23,11 @@ std::string socket_path_in(const std::string& run_dir);
 
 // Connects to `socket_path`, sends `request` (a JSON object) and waits for
 // the reply, all within `timeout`. Never throws. A daemon with no
-// connection free for this user answers `busy` before reading the request:
-// then it is asked again, after 10 ms, 20 ms, ... (at most 200 ms apart),
-// until `timeout`; only the last answer is returned. A failure to connect, send
+// connection free for this user answers `busy` before reading the request,
+// with "retry_after_ms": then it is asked again after that long (and at
+// least 10 ms, 20 ms, ... up to 200 ms, growing with each refusal), until
+// `timeout`; a busy reply whose retry-after ends past `timeout` is returned
+// at once. Only the last answer is returned. A failure to connect, send
 // or read a whole JSON object in time (or a reply that is not one) gives
 // ok=false with code "unreachable" and the reason in `error`.
 Reply call(const std::string& socket_path, const nlohmann::json& request, std::chrono::milliseconds timeout);

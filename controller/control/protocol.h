@@ -49,7 +49,8 @@ inline constexpr const char* kUnavailable = "unavailable"; // create on a GPU fe
 inline constexpr const char* kDenied = "denied";           // peer not allowed on the socket
 // Every connection its user may have is taken: sent as the connection is
 // closed, before any request of it was read, so asking again is safe
-// (call() does, until its timeout).
+// (call() does, until its timeout). "retry_after_ms" says when: a user
+// that connects again sooner is refused again at once.
 inline constexpr const char* kBusy = "busy";
 inline constexpr const char* kInternal = "internal";       // anything else (the daemon logs it)
 // Never sent by the daemon: the client's own verdict when it could not

@@ -33,6 +33,17 @@ std::string error_reply(const char* code, const std::string& message) {
   return nlohmann::json{{"ok", false}, {"code", code}, {"error", message}}.dump() + "\n";
 }
 
+// `busy`, with when to ask again: a client that waits that long is let in
+// (or told again); one that comes back sooner is refused at once.
+std::string busy_reply(const std::string& message, uint64_t retry_after_ns) {
+  return nlohmann::json{{"ok", false},
+                        {"code", proto::code::kBusy},
+                        {"error", message},
+                        {"retry_after_ms", (retry_after_ns + 999'999) / 1'000'000}}
+             .dump() +
+         "\n";
+}
+
 std::string denied_message(const ControlPeer& peer) {
   return fmt::format("uid {} (gid {}) may not use fracgpud's control API: it is for root, the daemon's user and "
                      "[daemon] control_group",
@@ -152,7 +163,7 @@ uint64_t ControlServer::next_deadline() const {
   uint64_t next = accept_paused_until_ns_ != 0 ? accept_paused_until_ns_ : UINT64_MAX;
   for (const Connection& c : connections_) {
     // Requests already buffered (beyond one pass's share) are served at once.
-    if (c.out.empty() && !c.closing && c.has_request()) return 0;
+    if (c.out.empty() && c.has_request()) return 0;
     next = std::min(next, c.deadline_ns);
   }
   return next;
@@ -175,9 +186,9 @@ bool ControlServer::evict_stalled(uint64_t now_ns, const std::function<bool(cons
   }
   if (victim == nullptr || (!gone && victim->deadline_ns + kStalledNs > now_ns + kRequestTimeoutNs)) return false;
   // It never completed a request since its last reply: nothing it asked was done, so it may simply ask again.
-  send_and_close(victim->fd, error_reply(proto::code::kBusy, "connection closed to make room for another: every "
-                                                             "connection was taken and this one sent no whole "
-                                                             "request in time"));
+  send_and_close(victim->fd, busy_reply("connection closed to make room for another: every connection was taken "
+                                        "and this one sent no whole request in time",
+                                        0));
   connections_.erase(connections_.begin() + (victim - connections_.data()));
   return true;
 }
@@ -210,10 +221,28 @@ bool ControlServer::admit(const ControlPeer& peer, uint64_t now_ns, std::string*
   return true;
 }
 
-void ControlServer::accept_new(uint64_t now_ns) {
+void ControlServer::refuse_busy(int fd, const ControlPeer& peer, const std::string& why, uint64_t now_ns) {
+  if (access_.privileged(peer.uid)) {
+    // Only root's and the daemon's user's own connections fill the room
+    // kept for them: no back-off, they are trusted to pace themselves.
+    send_and_close(fd, busy_reply(why, kMinRetryAfterNs));
+    return;
+  }
+  UserTurn& user = users_[peer.uid];
+  // A refusal soon after the last back-off ended doubles it: a user that
+  // keeps the daemon full is told to come back less and less often.
+  const bool again = user.refused_until_ns != 0 && now_ns < user.refused_until_ns + kBackoffMemoryNs;
+  user.backoff_ns = again ? std::min(user.backoff_ns * 2, kMaxRetryAfterNs) : kMinRetryAfterNs;
+  user.refused_until_ns = now_ns + user.backoff_ns;
+  send_and_close(fd, busy_reply(why, user.backoff_ns));
+}
+
+void ControlServer::accept_new(uint64_t now_ns, uint64_t stop_ns) {
   if (accept_paused_until_ns_ > now_ns) return;
   accept_paused_until_ns_ = 0;
-  for (;;) {
+  for (size_t accepted = 0; accepted < kAcceptsPerPass; ++accepted) {
+    // The clock is read every few accepts: one costs a few microseconds.
+    if (accepted % 8 == 7 && monotonic_now_ns() >= stop_ns) return;
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       // Out of descriptors (or memory): the pending connection stays in the
@@ -234,8 +263,15 @@ void ControlServer::accept_new(uint64_t now_ns) {
       send_and_close(fd, error_reply(proto::code::kDenied, denied_message(peer)));
       continue;
     }
+    // Told to come back later and back already: refused without looking
+    // for room (which may read every connection).
+    if (const auto user = users_.find(peer.uid); user != users_.end() && now_ns < user->second.refused_until_ns) {
+      send_and_close(fd, busy_reply(fmt::format("uid {} was refused for want of room and came back too soon", peer.uid),
+                                    user->second.refused_until_ns - now_ns));
+      continue;
+    }
     if (std::string why; !admit(peer, now_ns, &why)) {
-      send_and_close(fd, error_reply(proto::code::kBusy, why));
+      refuse_busy(fd, peer, why, now_ns);
       continue;
     }
     Connection c;
@@ -275,66 +311,127 @@ bool ControlServer::read_available(Connection& c) {
   return true;
 }
 
-bool ControlServer::take_requests(Connection& c, uint64_t now_ns, const Handler& handler) {
-  // Replies of earlier passes first (they are committed); a client that
-  // reads none gets no more served.
-  if (!flush(c, now_ns) || !c.out.empty() || c.closing) return false;
-  // End of file or an error: answer what came whole, then close.
+bool ControlServer::next_request(Connection& c) {
+  if (c.has_request()) return true;
+  if (c.closing || c.drained) return false;
+  // End of file or an error: what came whole is answered, then it closes.
   if (!read_available(c)) c.closing = true;
-  bool handled = false;
-  for (int served = 0; served < kRequestsPerPass && c.has_request(); ++served) {
-    const size_t newline = c.in.find('\n');
-    const std::string line = c.in.substr(0, newline);
-    c.in.erase(0, newline + 1);
-    c.deadline_ns = now_ns + kRequestTimeoutNs;
-    if (c.denied) {
-      c.out += error_reply(proto::code::kDenied, denied_message(c.peer) + " (access withdrawn by a reload)");
-      c.in.clear();
-      c.closing = true;
-      break;
-    }
-    std::string reply;
-    try {
-      reply = handler(line, c.peer);
-    } catch (const std::exception& e) {
-      reply = error_reply(proto::code::kInternal, e.what());
-      reply.pop_back();
-    }
-    c.out += reply;
-    c.out += '\n';
-    handled = true;
-  }
-  if (!c.has_request() && c.in.size() >= proto::kMaxRequestBytes) {
+  if (c.has_request()) return true;
+  c.drained = true;
+  if (c.in.size() >= proto::kMaxRequestBytes) {
     c.out += error_reply(proto::code::kInvalid, fmt::format("request longer than {} bytes without a newline: "
                                                             "connection closed",
                                                             proto::kMaxRequestBytes));
     c.in.clear();
     c.closing = true;
   }
+  return false;
+}
+
+bool ControlServer::take_request(Connection& c, uint64_t now_ns, const Handler& handler) {
+  const size_t newline = c.in.find('\n');
+  const std::string line = c.in.substr(0, newline);
+  c.in.erase(0, newline + 1);
+  c.deadline_ns = now_ns + kRequestTimeoutNs;
+  ++c.served_in_pass;
+  if (c.denied) {
+    c.out += error_reply(proto::code::kDenied, denied_message(c.peer) + " (access withdrawn by a reload)");
+    c.in.clear();
+    c.closing = true;
+    return false;
+  }
+  std::string reply;
+  try {
+    reply = handler(line, c.peer);
+  } catch (const std::exception& e) {
+    reply = error_reply(proto::code::kInternal, e.what());
+    reply.pop_back();
+  }
+  c.out += reply;
+  c.out += '\n';
+  return true;
+}
+
+bool ControlServer::handle_requests(uint64_t now_ns, uint64_t stop_ns, const Handler& handler) {
+  // Who may be served this pass: replies of earlier passes first (they are
+  // committed); a client that reads none gets no more served.
+  for (Connection& c : connections_) {
+    // One closing (end of file) still has the requests it sent whole answered.
+    c.servable = flush(c, now_ns) && c.out.empty() && (!c.closing || c.has_request());
+    c.drained = false;
+    c.served_in_pass = 0;
+  }
+  bool handled = false, taken = false;
+  // At least one request a pass, whatever the clock says.
+  const auto time_left = [&] { return !taken || monotonic_now_ns() < stop_ns; };
+  const auto ready = [&](Connection& c) {
+    return c.servable && c.served_in_pass < kRequestsPerPass && next_request(c);
+  };
+  // Root's and the daemon's user's first: the kubelet plugin waits for no
+  // other user.
+  for (Connection& c : connections_) {
+    if (!access_.privileged(c.peer.uid)) continue;
+    while (ready(c) && time_left()) {
+      handled |= take_request(c, now_ns, handler);
+      taken = true;
+    }
+  }
+  // Then the other users in turn, starting after the one served last, one
+  // request each a round, from each user's connections in turn.
+  std::map<uid_t, std::vector<size_t>> by_user;
+  for (size_t i = 0; i < connections_.size(); ++i)
+    if (connections_[i].servable && !access_.privileged(connections_[i].peer.uid))
+      by_user[connections_[i].peer.uid].push_back(i);
+  std::vector<uid_t> order;
+  for (const auto& [uid, theirs] : by_user) order.push_back(uid);
+  if (last_user_served_)
+    std::rotate(order.begin(), std::upper_bound(order.begin(), order.end(), *last_user_served_), order.end());
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (const uid_t uid : order) {
+      const std::vector<size_t>& theirs = by_user[uid];
+      UserTurn& user = users_[uid];
+      for (size_t tried = 0; tried < theirs.size(); ++tried) {
+        const size_t pick = (user.next_connection + tried) % theirs.size();
+        Connection& c = connections_[theirs[pick]];
+        if (!ready(c)) continue;
+        if (!time_left()) return handled;
+        handled |= take_request(c, now_ns, handler);
+        taken = true;
+        user.next_connection = pick + 1;
+        last_user_served_ = uid;
+        progress = true;
+        break;
+      }
+    }
+  }
   return handled;
 }
 
 bool ControlServer::finish(Connection& c, uint64_t now_ns) {
   if (!flush(c, now_ns)) return false;
-  if (c.closing) return !c.out.empty() && now_ns < c.deadline_ns;
-  // A request it sent whole waits for a later pass, not for the deadline.
-  return now_ns < c.deadline_ns || c.has_request();
+  if (c.closing) return (!c.out.empty() || c.has_request()) && now_ns < c.deadline_ns;
+  if (now_ns < c.deadline_ns || c.has_request()) return true;
+  // Past its deadline, but its whole request may be waiting unread (the
+  // pass ran out of time before reaching it): that waits for a later pass.
+  return c.out.empty() && read_available(c) && c.has_request();
 }
 
 void ControlServer::serve(uint64_t now_ns, uint64_t stop_ns, const Handler& handler, const Commit& commit) {
   if (listen_fd_ < 0) return;
-  accept_new(now_ns);
   stop_ns = std::min(stop_ns, now_ns + kPassBudgetNs);
-  // Handle requests, from where the last pass stopped, until the time is up.
-  const size_t count = connections_.size();
-  bool handled = false;
-  size_t reached = 0;
-  for (; reached < count; ++reached) {
-    if (handled && monotonic_now_ns() >= stop_ns) break;
-    handled |= take_requests(connections_[(next_served_ + reached) % count], now_ns, handler);
+  // Accepting may take half the pass: requests get the rest, whatever
+  // connects.
+  accept_new(now_ns, std::min(stop_ns, now_ns + kPassBudgetNs / 2));
+  if (users_.size() > 4 * kMaxConnections) {
+    // Users seen once and gone: forgotten once their back-off is long over.
+    std::erase_if(users_, [&](const auto& entry) {
+      return now_ns >= entry.second.refused_until_ns + kBackoffMemoryNs &&
+             std::none_of(connections_.begin(), connections_.end(),
+                          [&](const Connection& c) { return c.peer.uid == entry.first; });
+    });
   }
-  next_served_ = count == 0 ? 0 : (next_served_ + reached) % count;
-  if (handled) commit();
+  if (handle_requests(now_ns, stop_ns, handler)) commit();
   // Only now are their replies sent.
   const uint64_t after = monotonic_now_ns();
   for (size_t i = 0; i < connections_.size();) {
@@ -344,7 +441,6 @@ void ControlServer::serve(uint64_t now_ns, uint64_t stop_ns, const Handler& hand
     }
     ::close(connections_[i].fd);
     connections_.erase(connections_.begin() + static_cast<ptrdiff_t>(i));
-    if (next_served_ > i) --next_served_;
   }
 }
 

@@ -9,13 +9,21 @@
 // time, in the same thread as reloads and ticks: two creates racing for the
 // last capacity are decided in order.
 //
-// No client can hold the loop: a pass handles requests for a bounded time
-// (kPassBudgetNs, and never past the next tick), resuming next pass with
-// the connections it did not reach; a connection has control::kRequestTimeout
-// from its connect or its last reply to complete a request (trickled bytes
-// do not extend it), or it is dropped; and the 64 connections are shared so
-// that root and the daemon's user (the kubelet plugin) get one whatever
-// other users hold, and whatever stalled connections anyone holds.
+// No client can hold the loop: a pass accepts at most kAcceptsPerPass
+// connections and for at most half of its budget, then handles requests
+// until kPassBudgetNs (and never past the next tick) has passed, checking
+// the time before each request, and resumes next pass with what it did not
+// reach. Root's and the daemon's user's (the kubelet plugin's) requests are
+// taken first; the others' in turn by user (SO_PEERCRED's uid), one request
+// of each user a round, so a user's share does not grow with its
+// connections. A connection has control::kRequestTimeout from its connect
+// or its last reply to send a whole request (trickled bytes do not extend
+// it), or it is dropped; one whose whole request is waiting is never
+// dropped for want of a turn. The 64 connections are shared so that root
+// and the daemon's user get one whatever other users hold, and whatever
+// stalled connections anyone holds. A refused user is told when to come
+// back (retry_after_ms) and, until then, is refused at once whatever it
+// sends: reconnecting sooner buys nothing and costs the loop an accept.
 #pragma once
 
 #include <sys/stat.h>
@@ -23,6 +31,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -79,6 +88,17 @@ class ControlServer {
   // Most time a pass spends handling requests (at least one is handled):
   // then the daemon ticks if due, and the rest wait for the next pass.
   static constexpr uint64_t kPassBudgetNs = 10'000'000;
+  // Most connections a pass accepts (the listen backlog's size: a pass
+  // empties it), and for at most half of kPassBudgetNs: a connect storm
+  // waits in the kernel's backlog instead of holding the loop.
+  static constexpr size_t kAcceptsPerPass = 64;
+  // A user refused for want of room is told to come back after this (as
+  // "retry_after_ms" in its `busy` reply), twice as long again at each
+  // refusal that comes within kBackoffMemoryNs of the previous one's end,
+  // up to kMaxRetryAfterNs. Until then, its connections are refused at once.
+  static constexpr uint64_t kMinRetryAfterNs = 50'000'000;
+  static constexpr uint64_t kMaxRetryAfterNs = 1'600'000'000;
+  static constexpr uint64_t kBackoffMemoryNs = 5'000'000'000;
 
   ControlServer() = default;
   ~ControlServer();
@@ -105,7 +125,8 @@ class ControlServer {
   // Accepts, reads, answers and writes whatever is ready now, and drops
   // connections past their deadline. Handles requests until kPassBudgetNs
   // has passed or `stop_ns` (CLOCK_MONOTONIC, the next tick) has come,
-  // whichever is first, but at least one. Never blocks.
+  // whichever is first, but at least one: root's and the daemon's user's
+  // first, then the other users' in turn. Never blocks.
   void serve(uint64_t now_ns, uint64_t stop_ns, const Handler& handler, const Commit& commit);
 
   size_t connections() const { return connections_.size(); }
@@ -121,21 +142,44 @@ class ControlServer {
     uint64_t deadline_ns = 0;
     bool closing = false;  // close once `out` is written
     bool denied = false;   // a reload took its peer's access away
+    // This pass: whether it may be served (its earlier replies are all
+    // sent), how many of its requests were, and whether it has no whole
+    // request left to read (then it is not asked again until next pass).
+    bool servable = false;
+    bool drained = false;
+    int served_in_pass = 0;
     bool has_request() const { return in.find('\n') != std::string::npos; }
   };
-  void accept_new(uint64_t now_ns);
+  // A user other than root and the daemon's: where its next request is
+  // taken from, and its back-off after a refusal.
+  struct UserTurn {
+    size_t next_connection = 0;  // among its connections, in their order
+    uint64_t refused_until_ns = 0;
+    uint64_t backoff_ns = 0;  // the last retry-after it was given
+  };
+  // Accepts until the backlog is empty, kAcceptsPerPass were, or `stop_ns`.
+  void accept_new(uint64_t now_ns, uint64_t stop_ns);
   // Room for a new connection of `peer`, making it by replacing a stalled
   // connection where the limits allow; false (with *why) if there is none.
   bool admit(const ControlPeer& peer, uint64_t now_ns, std::string* why);
+  // Tells a refused peer (`busy`) when to come back, and closes its
+  // connection; a user other than root and the daemon's is held to that.
+  void refuse_busy(int fd, const ControlPeer& peer, const std::string& why, uint64_t now_ns);
   // Closes the connection that has waited longest for a whole request among
   // those `eligible` says, if it has waited kStalledNs. True if one was.
   bool evict_stalled(uint64_t now_ns, const std::function<bool(const Connection&)>& eligible);
   // Reads what is there, never more than one request's bound. False when
   // the peer is done (end of file or an error).
   bool read_available(Connection& c);
-  // Handles up to kRequestsPerPass whole requests; their replies go to
-  // `out`, unsent. True if any was handled.
-  bool take_requests(Connection& c, uint64_t now_ns, const Handler& handler);
+  // Handles requests for the pass: privileged connections' first, then the
+  // other users' in turn. True if any was handled.
+  bool handle_requests(uint64_t now_ns, uint64_t stop_ns, const Handler& handler);
+  // Whether `c` has a whole request to serve now, reading it if it came;
+  // a request over the size bound is answered `invalid` and closes it.
+  bool next_request(Connection& c);
+  // Takes and answers one whole request; its reply goes to `out`, unsent.
+  // True if the handler ran.
+  bool take_request(Connection& c, uint64_t now_ns, const Handler& handler);
   // Writes what it can of `out`; false when the connection is to be dropped now.
   bool finish(Connection& c, uint64_t now_ns);
   bool flush(Connection& c, uint64_t now_ns);
@@ -148,7 +192,9 @@ class ControlServer {
   ControlAccess access_;
   std::vector<Connection> connections_;
   uint64_t accept_paused_until_ns_ = 0;  // accept() failed for want of resources: not before then
-  size_t next_served_ = 0;  // where the next pass starts, after the last connection a pass reached
+  std::map<uid_t, UserTurn> users_;
+  // The user whose request was taken last: the next pass starts after it.
+  std::optional<uid_t> last_user_served_;
 };
 
 }  // namespace fracgpu::controller
