@@ -1424,3 +1424,23 @@ TEST_F(SideBySideTest, NotWithAProcessOfTwoContexts) {
   run(600);
   EXPECT_TRUE(holds(0) && holds(1)) << "one context again: side by side";
 }
+
+// What the GPU did while one tenant had it alone says nothing of turns
+// between two: a light tenant alone for a while, then a saturating one
+// beside it, are measured from when both ask.
+TEST_F(SideBySideTest, TimeAloneDoesNotCountAsRoomInTurns) {
+  start(0.3);
+  request(1, b_).want_since_ns.store(0);
+  request(1, b_).poll_ns.store(0);
+  const int b = b_;
+  b_ = -1;  // b's process stays quiet
+  run(1000);
+  EXPECT_FALSE(holds(1));
+  util_ = 0.98;
+  b_ = b;
+  want(1, b_);
+  for (int i = 0; i < 10; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+}

@@ -1078,7 +1078,15 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
     start_turns();
     return;
   }
-  if (!side_by_side_fits(now, true) || !turns_leave_room(now)) return;
+  if (!side_by_side_fits(now, true)) {
+    // One tenant, or none, asks: what the GPU does now says nothing about
+    // turns between several. A moment alone (a hand-over, a pause between
+    // two steps) keeps what was measured; a longer one starts afresh.
+    if (now - contended_ns_ > kAloneResetNs) start_turns();
+    return;
+  }
+  contended_ns_ = now;
+  if (!turns_leave_room(now)) return;
   side_ = true;
   phase_since_ = now;
 }

@@ -110,6 +110,9 @@ class GpuScheduler {
   // whether they still leave room.
   static constexpr uint64_t kSidePhasePeriods = 20;
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
+  // Turns are measured while at least two tenants ask; alone longer than
+  // this, the measure starts afresh.
+  static constexpr uint64_t kAloneResetNs = 100'000'000;
 
   // `seg`: the arbiter, mapped read-write, for the GPU with this UUID.
   GpuScheduler(gputime::GpuTimeSegment& seg, const uint8_t uuid[16], std::string label);
@@ -363,6 +366,7 @@ class GpuScheduler {
   uint64_t phase_since_ = 0, turns_from_ = 0, turns_busy_ = 0;
   uint64_t turns_first_at_ = 0, turns_last_at_ = 0;
   uint32_t turns_samples_ = 0;
+  uint64_t contended_ns_ = 0;  // the last pass that saw two tenants or more ask or hold
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
