@@ -119,6 +119,18 @@ allocated device of the claim, conditions, data a JSON object up to 10 Ki)
 and against the 1.36 schema, then written back to its --fixtures file. A
 metadata.uid that is not the claim's: 409.
 
+The other kinds deploy/ and deploy/examples/ hold (KINDS below: Namespace,
+ConfigMap, ServiceAccount, Pod, DaemonSet, Deployment, Job, RBAC roles and
+bindings, ValidatingAdmissionPolicy and its binding, DeviceClass,
+ResourceClaimTemplate) are served at their API paths: create (POST), apply
+(PATCH, application/apply-patch+yaml, fieldManager required), get, delete,
+and discovery (GET /api/v1, /apis/GROUP/VERSION). Every write, these and
+the ResourceSlice and claim status writes above, takes ?dryRun=All: checked,
+defaulted and admitted as the real write, answered as it would be stored,
+stored nowhere (not in the --log file either); another dryRun value is
+refused with 422 as upstream refuses it. What is modelled of each kind: the
+comment above KINDS.
+
 It is stricter than the API server in one way: unknown fields in a
 ResourceSlice are refused (the real server drops them with a warning), so a
 misspelt field fails a test instead of vanishing.
@@ -130,6 +142,7 @@ import decimal
 import http.server
 import json
 import os
+import random
 import re
 import socket
 import ssl
@@ -720,12 +733,604 @@ def status_body(code, reason, message, details=None):
     return body
 
 
+# ------------------------------------------- other kinds: create and apply
+#
+# The kinds deploy/ and deploy/examples/ hold, created (POST) or applied
+# (PATCH, server-side apply), for real or as a server-side dry run
+# (?dryRun=All). A dry run goes through exactly the steps of a write -
+# options, decoding (fieldValidation), defaulting, the namespace on the URL,
+# validation, admission, the existence check - and stops before storage, as
+# the API server's does:
+#   staging/src/k8s.io/apiserver/pkg/endpoints/handlers/create.go,
+#     createHandler: CreateOptions decoded (an error: 400) and validated
+#     (ValidateCreateOptions, ValidateDryRun in apimachinery's
+#     pkg/apis/meta/v1/validation: any value but "All" is refused as 422
+#     Invalid, CreateOptions.meta.k8s.io "" is invalid: dryRun: Unsupported
+#     value), WipeObjectMetaSystemFields, the namespace checked;
+#   staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go,
+#     Store.create: FillObjectMetaSystemFields (uid, creationTimestamp: set
+#     on a dry run too), generateName, rest.BeforeCreate (PrepareForCreate,
+#     Validate, ObjectMeta validation), admission;
+#   staging/src/k8s.io/apiserver/pkg/registry/generic/registry/dryrun.go,
+#     DryRunnableStorage.Create: with dryRun, an object that exists is
+#     AlreadyExists (409), else the object is answered as it would be stored
+#     but never written - no resourceVersion is given (storage sets it);
+#     DryRunnableStorage.GuaranteedUpdate (what apply runs): the update is
+#     computed on the stored object and answered, not written, keeping the
+#     stored resourceVersion.
+# An apply of an object that does not exist creates it (201), as upstream's
+# patch handler allows for apply.
+#
+# What is modelled of each kind (the rest is stored as written):
+#   all: metadata (name per kind, labels, annotations, owner references,
+#     finalizers), the object's kind/apiVersion matching the URL, the 1.36
+#     schema (kubernetes-validate; fieldValidation Strict: an unknown field
+#     is 400 "strict decoding error", Warn (the default) and Ignore drop it,
+#     Warn with a Warning header), generation 1 where the kind's strategy
+#     sets it, status cleared on create;
+#   Namespace: spec.finalizers [kubernetes], status.phase Active, the label
+#     kubernetes.io/metadata.name;
+#   namespaced kinds: the NamespaceLifecycle admission check (a namespace
+#     that does not exist: 404), default, kube-system, kube-public and
+#     kube-node-lease existing from the start;
+#   Pod and pod templates: container names, images, restartPolicy per owner
+#     kind, resourceClaims and the claims containers name, extended
+#     resources (whole numbers, request = limit; a Pod's requests defaulted
+#     from its limits), quantities in canonical form; a Pod's status
+#     (phase Pending, qosClass);
+#   Deployment, DaemonSet: selector required, matching the template's labels,
+#     immutable; Job: restartPolicy OnFailure or Never;
+#   DeviceClass, ResourceClaimTemplate: resource.k8s.io/v1 validation of
+#     selectors, requests (exactly / firstAvailable), constraints, config and
+#     extendedResourceName, and v1 defaulting (allocationMode ExactCount,
+#     count 1, toleration operator Equal, quantities canonical);
+#     ResourceClaimTemplate spec immutable.
+# Not modelled: managedFields, field-manager conflicts (an apply over an
+# existing object merges maps, replacing lists), and the many defaults of
+# workload kinds beyond the above (SetDefaults_PodSpec, Job's selector...).
+
+# (group, version, resource) -> (kind, namespaced, how its name is checked)
+KINDS = {
+    ("", "v1", "namespaces"): ("Namespace", False, "label"),
+    ("", "v1", "configmaps"): ("ConfigMap", True, "subdomain"),
+    ("", "v1", "serviceaccounts"): ("ServiceAccount", True, "subdomain"),
+    ("", "v1", "pods"): ("Pod", True, "subdomain"),
+    ("apps", "v1", "daemonsets"): ("DaemonSet", True, "subdomain"),
+    ("apps", "v1", "deployments"): ("Deployment", True, "subdomain"),
+    ("batch", "v1", "jobs"): ("Job", True, "subdomain"),
+    ("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", False, "segment"),
+    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", False, "segment"),
+    ("rbac.authorization.k8s.io", "v1", "roles"): ("Role", True, "segment"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", True, "segment"),
+    ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies"):
+        ("ValidatingAdmissionPolicy", False, "subdomain"),
+    ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings"):
+        ("ValidatingAdmissionPolicyBinding", False, "subdomain"),
+    ("resource.k8s.io", "v1", "deviceclasses"): ("DeviceClass", False, "subdomain"),
+    ("resource.k8s.io", "v1", "resourceclaimtemplates"): ("ResourceClaimTemplate", True, "subdomain"),
+}
+KINDS_RULE = {kind: rule for (kind, _, rule) in KINDS.values()}
+KINDS_GROUP = {kind: group for (group, _, _), (kind, _, _) in KINDS.items()}
+# Kinds whose PrepareForCreate sets metadata.generation = 1 (and whose
+# PrepareForUpdate raises it when the spec changes).
+GENERATION_KINDS = {"Pod", "DaemonSet", "Deployment", "Job", "ValidatingAdmissionPolicy",
+                    "ValidatingAdmissionPolicyBinding", "DeviceClass"}
+INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+MAX_ANNOTATIONS_SIZE = 256 * 1024
+MAX_OPAQUE_PARAMETERS = 10 * 1024
+MAX_REQUESTS = 32
+MAX_SUBREQUESTS = 8
+MAX_SELECTORS = 32
+MAX_CONFIGS = 32
+MAX_CEL_LENGTH = 10 * 1024
+
+
+class ApiError(Exception):
+    """An answer other than success: HTTP code and Status body."""
+
+    def __init__(self, code, body, headers=None):
+        super().__init__(body.get("message"))
+        self.code, self.body, self.headers = code, body, headers or {}
+
+
+def invalid_error(group, kind, name, errors):
+    """errors.NewInvalid: 422 with the field errors (one, or [a, b] as Go's aggregate prints them)."""
+    qualified = kind + ("." + group if group else "")
+    text = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+    causes = []
+    for e in errors:
+        where, _, what = e.partition(": ")
+        causes.append({"reason": "FieldValueInvalid", "message": what, "field": where})
+    details = {"name": name, "kind": kind, "causes": causes}
+    if group:
+        details["group"] = group
+    return ApiError(422, status_body(422, "Invalid", '%s "%s" is invalid: %s' % (qualified, name, text), details))
+
+
+def go_quote(value):
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def go_map(m):
+    """A map[string]string as Go's %#v prints it."""
+    return "map[string]string{%s}" % ", ".join("%s:%s" % (json.dumps(k), json.dumps(v))
+                                              for k, v in sorted((m or {}).items()))
+
+
+def options_error(kind, query, patch=False):
+    """The CreateOptions / PatchOptions check (ValidateCreateOptions,
+    ValidatePatchOptions): (dry run?, ApiError or None)."""
+    dry = query.get("dryRun", [])
+    errors = []
+    if patch and not (query.get("fieldManager") or [""])[0]:
+        errors.append("fieldManager: Required value: is required for apply patch")
+    manager = (query.get("fieldManager") or [""])[0]
+    if len(manager) > 128:
+        errors.append("fieldManager: Too long: may not be more than 128 bytes")
+    if any(v != "All" for v in dry):
+        errors.append('dryRun: Unsupported value: []string{%s}: supported values: "All"'
+                      % ", ".join(json.dumps(v) for v in dry))
+    validation = (query.get("fieldValidation") or [""])[0]
+    if validation not in ("", "Ignore", "Warn", "Strict"):
+        # The handler's fieldValidation(): an unknown directive is a bad request.
+        return bool(dry), ApiError(400, status_body(400, "BadRequest",
+                                                    "fieldValidation must be one of Ignore, Warn or Strict, "
+                                                    "got " + validation))
+    if errors:
+        return bool(dry), invalid_error("meta.k8s.io", kind, "", errors)
+    return bool(dry), None
+
+
+def _canonical_quantities(mapping):
+    for key, value in list((mapping or {}).items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        mapping[key] = canonical_quantity(value)
+
+
+def _name_problem(name, rule):
+    if rule == "label":
+        if not (isinstance(name, str) and len(name) <= 63 and _DNS_LABEL_RE.match(name)):
+            return ("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and "
+                    "must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used "
+                    "for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
+    elif rule == "subdomain":
+        if not _dns_subdomain(name):
+            return ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or "
+                    "'.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used "
+                    "for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
+    elif name in (".", "..") or "/" in name or "%" in name:
+        return "may not be '.' or '..', and may not contain '/' or '%'"
+    return None
+
+
+def validate_object_meta(meta, rule, errors):
+    """ValidateObjectMeta (apimachinery's api/validation, ValidateObjectMetaAccessor)."""
+    name = meta.get("name")
+    if not name:
+        errors.append("metadata.name: Required value: name or generateName is required")
+    else:
+        problem = _name_problem(name, rule)
+        if problem:
+            errors.append("metadata.name: Invalid value: %s: %s" % (json.dumps(name), problem))
+    for key, value in (meta.get("labels") or {}).items():
+        problem = _label_name(key)
+        if problem:
+            errors.append("metadata.labels: Invalid value: %s: %s" % (json.dumps(key), problem))
+        if not (isinstance(value, str) and len(value) <= MAX_LABEL_VALUE_LENGTH and _LABEL_VALUE_RE.match(value)):
+            errors.append("metadata.labels: Invalid value: %s: a valid label must be an empty string or consist of "
+                          "alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric "
+                          "character" % json.dumps(value))
+    annotations = meta.get("annotations") or {}
+    for key in annotations:
+        problem = _label_name(key.lower())
+        if problem:
+            errors.append("metadata.annotations: Invalid value: %s: %s" % (json.dumps(key), problem))
+    size = sum(len(k) + len(v or "") for k, v in annotations.items())
+    if size > MAX_ANNOTATIONS_SIZE:
+        errors.append("metadata.annotations: Too long: may not be more than %d bytes" % MAX_ANNOTATIONS_SIZE)
+    for i, finalizer in enumerate(meta.get("finalizers") or []):
+        problem = _label_name(finalizer)
+        if problem:
+            errors.append("metadata.finalizers[%d]: Invalid value: %s: %s" % (i, json.dumps(finalizer), problem))
+    validate_owner_references(meta, errors)
+
+
+# ---- pods and pod templates (core/v1 validation, the parts the manifests use)
+
+def validate_pod_spec(spec, path, errors, restart_policies=("Always", "OnFailure", "Never")):
+    spec = spec or {}
+    policy = spec.get("restartPolicy", "Always")
+    if policy not in restart_policies:
+        errors.append("%s.restartPolicy: Unsupported value: %s: supported values: %s"
+                      % (path, json.dumps(policy), ", ".join(json.dumps(p) for p in restart_policies)))
+    claim_names = set()
+    for i, claim in enumerate(spec.get("resourceClaims") or []):
+        where = "%s.resourceClaims[%d]" % (path, i)
+        name = claim.get("name")
+        if not (isinstance(name, str) and _DNS_LABEL_RE.match(name) and len(name) <= 63):
+            errors.append("%s.name: Invalid value: %s: a lowercase RFC 1123 label" % (where, json.dumps(name)))
+        elif name in claim_names:
+            errors.append("%s.name: Duplicate value: %s" % (where, json.dumps(name)))
+        claim_names.add(name)
+        sources = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if claim.get(k)]
+        if len(sources) != 1:
+            errors.append("%s: Invalid value: %s: must specify one of: `resourceClaimName`, "
+                          "`resourceClaimTemplateName`" % (where, json.dumps(claim, sort_keys=True)))
+    containers = spec.get("containers") or []
+    if not containers:
+        errors.append(path + ".containers: Required value")
+    seen = set()
+    for group in ("initContainers", "containers"):
+        for i, c in enumerate(spec.get(group) or []):
+            where = "%s.%s[%d]" % (path, group, i)
+            name = c.get("name")
+            if not (isinstance(name, str) and _DNS_LABEL_RE.match(name) and len(name) <= 63):
+                errors.append("%s.name: Invalid value: %s: a lowercase RFC 1123 label" % (where, json.dumps(name)))
+            elif name in seen:
+                errors.append("%s.name: Duplicate value: %s" % (where, json.dumps(name)))
+            seen.add(name)
+            if not c.get("image"):
+                errors.append(where + ".image: Required value")
+            resources = c.get("resources") or {}
+            for j, claim in enumerate(resources.get("claims") or []):
+                if claim.get("name") not in claim_names:
+                    detail = ("must be one of the names in pod.spec.resourceClaims: " + ", ".join(sorted(claim_names))
+                              if claim_names else "must be one of the names in pod.spec.resourceClaims which is empty")
+                    errors.append("%s.resources.claims[%d]: Not found: %s: %s"
+                                  % (where, j, json.dumps(claim.get("name")), detail))
+            for kind in ("limits", "requests"):
+                for key, value in (resources.get(kind) or {}).items():
+                    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+                    if parse_quantity(text) is None:
+                        errors.append("%s.resources.%s[%s]: Invalid value: %s: quantities must match the regular "
+                                      "expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+                                      % (where, kind, key, json.dumps(value)))
+            try:
+                fake_scheduler.container_requests(c, where)
+            except fake_scheduler.Invalid as e:
+                errors.append(str(e))
+
+
+def default_pod_spec(spec, pod):
+    """Quantities canonical; for a Pod (not a template) requests defaulted from limits (SetDefaults_Pod)."""
+    for group in ("initContainers", "containers"):
+        for c in (spec or {}).get(group) or []:
+            resources = c.get("resources")
+            if not isinstance(resources, dict):
+                continue
+            if pod and resources.get("limits"):
+                requests = resources.setdefault("requests", {})
+                for key, value in resources["limits"].items():
+                    requests.setdefault(key, value)
+            for kind in ("limits", "requests"):
+                if isinstance(resources.get(kind), dict):
+                    _canonical_quantities(resources[kind])
+
+
+def pod_qos_class(spec):
+    """qos.GetPodQOS for the containers' requests and limits (as defaulted)."""
+    requests, limits, guaranteed = {}, {}, True
+    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        resources = c.get("resources") or {}
+        for kind, into in (("requests", requests), ("limits", limits)):
+            for key in ("cpu", "memory"):
+                value = (resources.get(kind) or {}).get(key)
+                if value is not None and (parse_quantity(str(value)) or (0,))[0] != 0:
+                    into[key] = True
+        c_limits = resources.get("limits") or {}
+        if not all(k in c_limits for k in ("cpu", "memory")):
+            guaranteed = False
+        for key in ("cpu", "memory"):
+            if (resources.get("requests") or {}).get(key) != c_limits.get(key):
+                guaranteed = False
+    if not requests and not limits:
+        return "BestEffort"
+    return "Guaranteed" if guaranteed else "Burstable"
+
+
+def _selector_matches(selector, labels):
+    labels = labels or {}
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def validate_workload(kind, spec, errors):
+    template = spec.get("template") or {}
+    tpath = "spec.template"
+    if kind in ("Deployment", "DaemonSet"):
+        selector = spec.get("selector")
+        if not selector or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+            errors.append("spec.selector: Invalid value: %s: empty selector is invalid for deployment"
+                          % json.dumps(selector or {}) if kind == "Deployment" else "spec.selector: Required value")
+        elif not _selector_matches(selector, (template.get("metadata") or {}).get("labels")):
+            errors.append("spec.template.metadata.labels: Invalid value: %s: `selector` does not match template "
+                          "`labels`" % go_map((template.get("metadata") or {}).get("labels")))
+        validate_pod_spec(template.get("spec"), tpath + ".spec", errors, ("Always",))
+    elif kind == "Job":
+        validate_pod_spec(template.get("spec"), tpath + ".spec", errors, ("OnFailure", "Never"))
+
+
+# ---- resource.k8s.io/v1 DeviceClass and ResourceClaimTemplate
+
+def _validate_opaque(opaque, path, errors):
+    if not isinstance(opaque, dict):
+        errors.append(path + ": Required value")
+        return
+    if not _dns_subdomain(opaque.get("driver"), 63):
+        errors.append("%s.driver: Invalid value: %s: a lowercase RFC 1123 subdomain of at most 63 characters"
+                      % (path, json.dumps(opaque.get("driver"))))
+    parameters = opaque.get("parameters")
+    if parameters is None:
+        errors.append(path + ".parameters: Required value")
+    elif not isinstance(parameters, dict):
+        errors.append(path + '.parameters: Invalid value: "<value omitted>": parameters must be a valid JSON object')
+    elif len(json.dumps(parameters, separators=(",", ":"))) > MAX_OPAQUE_PARAMETERS:
+        errors.append("%s.parameters: Too long: may not be more than %d bytes" % (path, MAX_OPAQUE_PARAMETERS))
+
+
+def _validate_selectors(selectors, path, errors):
+    if len(selectors or []) > MAX_SELECTORS:
+        errors.append("%s: Too many: %d: must have at most %d items" % (path, len(selectors), MAX_SELECTORS))
+    for i, s in enumerate(selectors or []):
+        expression = ((s or {}).get("cel") or {}).get("expression")
+        if not (s or {}).get("cel"):
+            errors.append("%s[%d].cel: Required value" % (path, i))
+        elif not isinstance(expression, str) or not expression.strip():
+            errors.append("%s[%d].cel.expression: Required value" % (path, i))
+        elif len(expression) > MAX_CEL_LENGTH:
+            errors.append("%s[%d].cel.expression: Too long: may not be more than %d bytes" % (path, i, MAX_CEL_LENGTH))
+
+
+def _validate_exact(req, path, errors, class_required=True):
+    name = req.get("deviceClassName")
+    if not name:
+        if class_required:
+            errors.append(path + ".deviceClassName: Required value")
+    elif not _dns_subdomain(name):
+        errors.append("%s.deviceClassName: Invalid value: %s: a lowercase RFC 1123 subdomain" % (path, json.dumps(name)))
+    _validate_selectors(req.get("selectors"), path + ".selectors", errors)
+    mode = req.get("allocationMode", "ExactCount")
+    count = req.get("count", 0)
+    if mode == "ExactCount":
+        if not isinstance(count, int) or count <= 0:
+            errors.append("%s.count: Invalid value: %s: must be greater than zero" % (path, count))
+    elif mode == "All":
+        if count:
+            errors.append("%s.count: Invalid value: %s: must not be specified when allocationMode is 'All'"
+                          % (path, count))
+    else:
+        errors.append('%s.allocationMode: Unsupported value: %s: supported values: "All", "ExactCount"'
+                      % (path, json.dumps(mode)))
+    for key, value in ((req.get("capacity") or {}).get("requests") or {}).items():
+        problem = _qualified_name(key)
+        if problem:
+            errors.append("%s.capacity.requests[%s]: Invalid value: %s" % (path, key, problem))
+        if parse_quantity(str(value)) is None:
+            errors.append("%s.capacity.requests[%s]: Invalid value: %s: not a quantity" % (path, key, json.dumps(value)))
+
+
+def _fully_qualified(name):
+    split = _prefix_and_name(name) if isinstance(name, str) else None
+    return split is not None and split[0] is not None and _qualified_name(name) is None
+
+
+def validate_claim_spec(spec, path, errors):
+    devices = (spec or {}).get("devices") or {}
+    dpath = path + ".devices"
+    requests = devices.get("requests") or []
+    if len(requests) > MAX_REQUESTS:
+        errors.append("%s.requests: Too many: %d: must have at most %d items" % (dpath, len(requests), MAX_REQUESTS))
+    names = set()
+    for i, req in enumerate(requests):
+        where = "%s.requests[%d]" % (dpath, i)
+        name = req.get("name")
+        if not (isinstance(name, str) and _DNS_LABEL_RE.match(name) and len(name) <= 63):
+            errors.append("%s.name: Invalid value: %s: a lowercase RFC 1123 label" % (where, json.dumps(name)))
+        elif name in names:
+            errors.append("%s.name: Duplicate value: %s" % (where, json.dumps(name)))
+        names.add(name)
+        exact, first = req.get("exactly"), req.get("firstAvailable")
+        if (exact is None) == (not first):
+            errors.append(where + ": Invalid value: exactly one of `exactly` or `firstAvailable` is required")
+        elif exact is not None:
+            _validate_exact(exact, where + ".exactly", errors)
+        else:
+            if len(first) > MAX_SUBREQUESTS:
+                errors.append("%s.firstAvailable: Too many: %d: must have at most %d items"
+                              % (where, len(first), MAX_SUBREQUESTS))
+            subnames = set()
+            for j, sub in enumerate(first):
+                swhere = "%s.firstAvailable[%d]" % (where, j)
+                if sub.get("name") in subnames or not _DNS_LABEL_RE.match(str(sub.get("name"))):
+                    errors.append("%s.name: Invalid value: %s: a unique lowercase RFC 1123 label"
+                                  % (swhere, json.dumps(sub.get("name"))))
+                subnames.add(sub.get("name"))
+                names.add("%s/%s" % (name, sub.get("name")))
+                _validate_exact(sub, swhere, errors)
+    for i, constraint in enumerate(devices.get("constraints") or []):
+        where = "%s.constraints[%d]" % (dpath, i)
+        for j, r in enumerate(constraint.get("requests") or []):
+            if r not in names:
+                errors.append("%s.requests[%d]: Invalid value: %s: must be the name of a request in the claim or "
+                              "the name of a request and a subrequest separated by '/'" % (where, j, json.dumps(r)))
+        attrs = [k for k in ("matchAttribute", "distinctAttribute") if constraint.get(k) is not None]
+        if len(attrs) != 1:
+            errors.append(where + ": Required value: exactly one constraint must be specified")
+        for k in attrs:
+            if not _fully_qualified(constraint[k]):
+                errors.append("%s.%s: Invalid value: %s: must include a domain" % (where, k, json.dumps(constraint[k])))
+    for i, config in enumerate(devices.get("config") or []):
+        where = "%s.config[%d]" % (dpath, i)
+        for j, r in enumerate(config.get("requests") or []):
+            if r not in names and r.split("/")[0] not in names:
+                errors.append("%s.requests[%d]: Invalid value: %s: must be the name of a request in the claim or "
+                              "the name of a request and a subrequest separated by '/'" % (where, j, json.dumps(r)))
+        _validate_opaque(config.get("opaque"), where + ".opaque", errors)
+
+
+def default_claim_spec(spec):
+    """resource/v1 defaulting (SetDefaults_ExactDeviceRequest, _DeviceSubRequest,
+    the toleration operator) and quantities in canonical form."""
+    def one(req):
+        req.setdefault("allocationMode", "ExactCount")
+        if req["allocationMode"] == "ExactCount" and not req.get("count"):
+            req["count"] = 1
+        for t in req.get("tolerations") or []:
+            if not t.get("operator"):
+                t["operator"] = "Equal"
+        if isinstance((req.get("capacity") or {}).get("requests"), dict):
+            _canonical_quantities(req["capacity"]["requests"])
+    for req in ((spec or {}).get("devices") or {}).get("requests") or []:
+        if isinstance(req.get("exactly"), dict):
+            one(req["exactly"])
+        for sub in req.get("firstAvailable") or []:
+            if isinstance(sub, dict):
+                one(sub)
+
+
+def _extended_resource_problem(name):
+    """IsExtendedResourceName, as validateDeviceClass checks extendedResourceName."""
+    if "/" not in name or name.startswith("requests."):
+        return "must be a fully-qualified extended resource name"
+    domain = name.split("/", 1)[0]
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return "must be a fully-qualified extended resource name outside the kubernetes.io domain"
+    if _label_name("requests." + name):
+        return "must be a valid qualified name once prefixed with 'requests.'"
+    return None
+
+
+def validate_kind(kind, obj, errors):
+    spec = obj.get("spec") or {}
+    if kind == "Pod":
+        validate_pod_spec(spec, "spec", errors)
+    elif kind in ("Deployment", "DaemonSet", "Job"):
+        validate_workload(kind, spec, errors)
+    elif kind == "DeviceClass":
+        _validate_selectors(spec.get("selectors"), "spec.selectors", errors)
+        configs = spec.get("config") or []
+        if len(configs) > MAX_CONFIGS:
+            errors.append("spec.config: Too many: %d: must have at most %d items" % (len(configs), MAX_CONFIGS))
+        for i, config in enumerate(configs):
+            _validate_opaque(config.get("opaque"), "spec.config[%d].opaque" % i, errors)
+        ext = spec.get("extendedResourceName")
+        if ext is not None:
+            problem = _extended_resource_problem(ext)
+            if problem:
+                errors.append("spec.extendedResourceName: Invalid value: %s: %s" % (json.dumps(ext), problem))
+    elif kind == "ResourceClaimTemplate":
+        validate_claim_spec(spec.get("spec"), "spec.spec", errors)
+    elif kind == "ConfigMap":
+        for key in list((obj.get("data") or {})) + list((obj.get("binaryData") or {})):
+            if not re.match(r"^[-._a-zA-Z0-9]+$", key) or len(key) > 253:
+                errors.append("data[%s]: Invalid value: %s: a valid config key must consist of alphanumeric "
+                              "characters, '-', '_' or '.'" % (key, json.dumps(key)))
+
+
+def default_kind(kind, obj):
+    spec = obj.get("spec")
+    if kind == "Namespace":
+        obj.setdefault("metadata", {}).setdefault("labels", {})["kubernetes.io/metadata.name"] = obj["metadata"]["name"]
+        obj["spec"] = dict(spec or {})
+        obj["spec"].setdefault("finalizers", ["kubernetes"])
+        obj["status"] = {"phase": "Active"}
+    elif kind == "Pod":
+        default_pod_spec(spec, True)
+        obj["status"] = {"phase": "Pending", "qosClass": pod_qos_class(spec or {})}
+    elif kind in ("Deployment", "DaemonSet", "Job"):
+        default_pod_spec(((spec or {}).get("template") or {}).get("spec"), False)
+        obj.pop("status", None)
+    elif kind == "ResourceClaimTemplate":
+        default_claim_spec((spec or {}).get("spec"))
+    elif kind in ("DeviceClass", "ValidatingAdmissionPolicy"):
+        obj.pop("status", None)
+
+
+def schema_checked(obj, directive):
+    """The 1.36 schema as the decoder and validation apply it: (object, warnings).
+    Unknown fields: Strict refuses them (400, strict decoding error), Warn
+    and Ignore drop them (Warn says so). Other schema errors: 422."""
+    try:
+        import kubernetes_validate.utils as kv
+    except ImportError:
+        schema_errors(obj)  # says once that the checks are off
+        return obj, []
+    warnings = []
+    for _ in range(100):
+        try:
+            kv.validate(obj, SCHEMA_VERSION, strict=True)
+            return obj, warnings
+        except kv.ValidationError as e:
+            path = [str(p) for p in e.path]
+            if e.validator == "additionalProperties":
+                extra = re.findall(r"'([^']*)'", e.message.split("(", 1)[-1])
+                fields = [".".join(path + [x]) for x in extra]
+                if directive == "Strict":
+                    raise ApiError(400, status_body(400, "BadRequest", "strict decoding error: " + ", ".join(
+                        'unknown field "%s"' % f for f in fields)))
+                parent = obj
+                for p in e.path:
+                    parent = parent[p]
+                for x in extra:
+                    parent.pop(x, None)
+                if directive != "Ignore":
+                    warnings += ['unknown field "%s"' % f for f in fields]
+                continue
+            raise ApiError(422, status_body(422, "Invalid", "%s: %s (schema of Kubernetes %s)" % (
+                ".".join(path) or "(object)", e.message, SCHEMA_VERSION)))
+        except kv.SchemaNotFoundError as e:
+            raise ApiError(400, status_body(400, "BadRequest", "no schema: %s" % e))
+    return obj, warnings
+
+
+def merge_applied(live, applied):
+    """The object after an apply over `live`: maps merged, everything else
+    (lists included) as applied."""
+    if not isinstance(live, dict) or not isinstance(applied, dict):
+        return copy_json(applied)
+    out = copy_json(live)
+    for key, value in applied.items():
+        out[key] = merge_applied(live.get(key), value) if isinstance(value, dict) else copy_json(value)
+    return out
+
+
+def copy_json(value):
+    return json.loads(json.dumps(value))
+
+
+def now_rfc3339():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+
 class State:
     def __init__(self, args):
         self.lock = threading.RLock()  # held while answering; send_json records under it too
         self.args = args
         self.slices = {}
         self.resource_version = 1000
+        # The objects of KINDS: (group, resource, namespace or "", name) -> object.
+        self.objects = {}
+        for name in INITIAL_NAMESPACES:
+            self.objects[("", "namespaces", "", name)] = {
+                "apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "uid": str(uuidlib.uuid4()), "resourceVersion": self.next_version(),
+                             "creationTimestamp": now_rfc3339(),
+                             "labels": {"kubernetes.io/metadata.name": name}},
+                "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
         self.failures = []  # dicts: method, regex, status, count, retry_after, message
         self.requests = []
         self.tokens = list(args.token or [])
@@ -923,6 +1528,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             return json.loads(raw), None
         except ValueError as e:
+            content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+            if content_type == "application/apply-patch+yaml":  # YAML, where PyYAML is at hand
+                try:
+                    import yaml
+                    return yaml.safe_load(raw), None
+                except ImportError:
+                    pass
+                except yaml.YAMLError as ye:
+                    return None, str(ye)
             return None, str(e)
 
     def authorized(self):
@@ -1126,6 +1740,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def route(self, method, path, body):
         url = urllib.parse.urlsplit(path)
         parts = [p for p in url.path.split("/") if p]
+        if self.route_kinds(method, parts, urllib.parse.parse_qs(url.query), body):
+            return
         if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4 and method == "GET":
             self.get_node(urllib.parse.unquote(parts[3]))
             return
@@ -1143,13 +1759,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif rest == ["resourceslices"] and method == "GET":
             self.list_slices(query)
         elif rest == ["resourceslices"] and method == "POST":
-            self.create_slice(body)
+            self.create_slice(body, query)
         elif len(rest) == 2 and rest[0] == "resourceslices" and method == "GET":
             self.get_slice(rest[1])
         elif len(rest) == 2 and rest[0] == "resourceslices" and method == "PUT":
-            self.update_slice(rest[1], body)
+            self.update_slice(rest[1], body, query)
         elif len(rest) == 2 and rest[0] == "resourceslices" and method == "DELETE":
-            self.delete_slice(rest[1])
+            self.delete_slice(rest[1], query)
         else:
             self.send_status(404, "NotFound", "the server could not find the requested resource")
 
@@ -1194,6 +1810,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not manager:
             self.send_status(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: "
                                              "is required for apply patch")
+            return
+        dry, answered = self.dry_run_of("PatchOptions", query)
+        if answered:
             return
         force = (query.get("force") or ["false"])[0] == "true"
         fixtures = st.args.fixtures
@@ -1273,6 +1892,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if denied:
                 self.send_status(403, "Forbidden", denied)
                 return
+            if dry:  # the claim as it would be stored; not written, field owners unchanged
+                claim["status"] = new_status
+                self.send_json(200, claim)
+                return
             for k in list(owners):
                 if owners[k] == manager and k not in applied_keys:
                     del owners[k]
@@ -1296,6 +1919,207 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 json.dump(claim, f)
             os.replace(path + ".tmp", path)
             self.send_json(200, claim)
+
+    # -- The other kinds (KINDS): create, apply, get, delete; dry run or not
+    def route_kinds(self, method, parts, query, body):
+        """Answers a request for one of KINDS, or discovery of their group
+        versions; False when the path is none of them."""
+        if parts[:1] == ["api"] and len(parts) >= 2:
+            group, version, rest = "", parts[1], parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) >= 3:
+            group, version, rest = parts[1], parts[2], parts[3:]
+        else:
+            return False
+        if not rest and method == "GET":
+            served = [(g, v, r) for (g, v, r) in KINDS if (g, v) == (group, version)]
+            if not served:
+                return False
+            resources = [{"name": r, "namespaced": KINDS[(g, v, r)][1], "kind": KINDS[(g, v, r)][0],
+                          "verbs": ["create", "delete", "get", "patch"]} for g, v, r in served]
+            if (group, version) == ("resource.k8s.io", "v1"):
+                resources += [{"name": "resourceslices", "namespaced": False, "kind": "ResourceSlice",
+                               "verbs": ["create", "delete", "get", "list", "update"]},
+                              {"name": "resourceclaims", "namespaced": True, "kind": "ResourceClaim",
+                               "verbs": ["get"]}]
+            self.send_json(200, {"kind": "APIResourceList", "apiVersion": "v1",
+                                 "groupVersion": "%s/%s" % (group, version) if group else version,
+                                 "resources": resources})
+            return True
+        namespace = ""
+        if len(rest) >= 3 and rest[0] == "namespaces":
+            namespace, rest = rest[1], rest[2:]
+        gvr = (group, version, rest[0] if rest else "")
+        if gvr not in KINDS or len(rest) > 2 or (namespace and not KINDS[gvr][1]):
+            return False
+        name = urllib.parse.unquote(rest[1]) if len(rest) == 2 else None
+        if KINDS[gvr][1] and not namespace:
+            return False  # a namespaced kind across namespaces: not served here
+        try:
+            if method == "POST" and name is None:
+                code, obj, headers = self.write_object(gvr, namespace, None, query, body, apply=False)
+            elif method == "PATCH" and name is not None:
+                code, obj, headers = self.write_object(gvr, namespace, name, query, body, apply=True)
+            elif method == "GET" and name is not None:
+                code, obj, headers = 200, self.read_object(gvr, namespace, name), None
+            elif method == "DELETE" and name is not None:
+                code, obj, headers = self.delete_object(gvr, namespace, name, query)
+            else:
+                raise ApiError(405, status_body(405, "MethodNotAllowed",
+                                                "the server does not allow this method on the requested resource"))
+        except ApiError as e:
+            self.send_json(e.code, e.body, e.headers)
+            return True
+        self.send_json(code, obj, headers)
+        return True
+
+    @staticmethod
+    def qualified_resource(gvr):
+        return gvr[2] + ("." + gvr[0] if gvr[0] else "")
+
+    def not_found(self, gvr, name):
+        return ApiError(404, status_body(404, "NotFound", '%s "%s" not found' % (self.qualified_resource(gvr), name),
+                                         {"name": name, "group": gvr[0], "kind": gvr[2]}))
+
+    def read_object(self, gvr, namespace, name):
+        with self.state.lock:
+            obj = self.state.objects.get((gvr[0], gvr[2], namespace, name))
+            if obj is None:
+                raise self.not_found(gvr, name)
+            return copy_json(obj)
+
+    def delete_object(self, gvr, namespace, name, query):
+        dry, error = options_error("DeleteOptions", query)
+        if error:
+            raise error
+        with self.state.lock:
+            key = (gvr[0], gvr[2], namespace, name)
+            obj = self.state.objects.get(key)
+            if obj is None:
+                raise self.not_found(gvr, name)
+            if not dry:
+                del self.state.objects[key]
+            return 200, copy_json(obj), None
+
+    def write_object(self, gvr, namespace, url_name, query, body, apply):
+        """A create (POST) or a server-side apply (PATCH), persisted unless
+        dryRun=All; (code, object as stored, headers) or ApiError."""
+        group, version, resource = gvr
+        kind, namespaced, rule = KINDS[gvr]
+        st = self.state
+        dry, error = options_error("PatchOptions" if apply else "CreateOptions", query, patch=apply)
+        if error:
+            raise error
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        if apply and content_type != "application/apply-patch+yaml":
+            raise ApiError(415, status_body(415, "UnsupportedMediaType",
+                                            "the body of the request was in an unknown format - accepted media "
+                                            "types include: application/apply-patch+yaml (this stand-in takes "
+                                            "only server-side apply patches)"))
+        if not isinstance(body, dict):
+            raise ApiError(400, status_body(400, "BadRequest", "the body is not an object"))
+        api_version = "%s/%s" % (group, version) if group else version
+        if body.get("apiVersion") != api_version:
+            raise ApiError(400, status_body(400, "BadRequest",
+                                            "the API version in the data (%s) does not match the expected API "
+                                            "version (%s)" % (body.get("apiVersion"), api_version)))
+        if body.get("kind") != kind:
+            raise ApiError(400, status_body(400, "BadRequest", "the kind in the data (%s) is not %s, the kind of %s"
+                                            % (body.get("kind"), kind, resource)))
+        directive = "Strict" if apply else ((query.get("fieldValidation") or ["Warn"])[0] or "Warn")
+        try:
+            obj, warnings = schema_checked(copy_json(body), directive)
+        except ApiError as e:
+            if apply and e.code == 400:  # server-side apply refuses fields not in the schema
+                e.body["message"] = e.body["message"].replace("strict decoding error: ", "failed to create typed "
+                                                              "patch object: ")
+            raise
+        headers = {"Warning": ", ".join('299 - "%s"' % w.replace('"', '\\"') for w in warnings)} if warnings else None
+        meta = obj.setdefault("metadata", {})
+        if apply and meta.get("name") != url_name:
+            raise ApiError(400, status_body(400, "BadRequest", "the name of the object (%s) does not match the name "
+                                            "on the URL (%s)" % (meta.get("name"), url_name)))
+        # WipeObjectMetaSystemFields, then the namespace of the request.
+        for field in ("creationTimestamp", "uid", "deletionTimestamp", "deletionGracePeriodSeconds", "selfLink"):
+            meta.pop(field, None)
+        if namespaced:
+            if meta.get("namespace") not in (None, "", namespace):
+                raise ApiError(400, status_body(400, "BadRequest", "the namespace of the provided object does not "
+                                                "match the namespace sent on the request"))
+            meta["namespace"] = namespace
+        else:
+            meta.pop("namespace", None)
+        with st.lock:
+            # NamespaceLifecycle admission, before the object is validated.
+            if namespaced and ("", "namespaces", "", namespace) not in st.objects:
+                raise ApiError(404, status_body(404, "NotFound", 'namespaces "%s" not found' % namespace,
+                                                {"name": namespace, "kind": "namespaces"}))
+            key = (group, resource, namespace, meta.get("name") or "")
+            live = st.objects.get(key) if apply else None
+            if live is None:
+                code, stored = 201, self.prepare_create(kind, obj, dry)
+                key = (group, resource, namespace, stored["metadata"]["name"])
+                if key in st.objects:
+                    # DryRunnableStorage.Create / etcd: the key exists.
+                    raise ApiError(409, status_body(409, "AlreadyExists", '%s "%s" already exists' % (
+                        self.qualified_resource(gvr), key[3]), {"name": key[3], "group": group, "kind": resource}))
+            else:
+                code, stored = 200, self.prepare_apply(kind, gvr, live, obj)
+            if not dry:
+                stored["metadata"]["resourceVersion"] = st.next_version()
+                st.objects[key] = stored
+            return code, copy_json(stored), headers
+
+    def prepare_create(self, kind, obj, dry):
+        meta = obj["metadata"]
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + "".join(
+                random.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
+        meta["uid"] = str(uuidlib.uuid4())
+        meta["creationTimestamp"] = now_rfc3339()
+        if kind in GENERATION_KINDS:
+            meta["generation"] = 1
+        else:
+            meta.pop("generation", None)
+        default_kind(kind, obj)
+        errors = []
+        validate_object_meta(meta, KINDS_RULE[kind], errors)
+        validate_kind(kind, obj, errors)
+        group = KINDS_GROUP[kind]
+        if errors:
+            raise invalid_error(group, kind, meta.get("name") or "", errors)
+        if meta.get("resourceVersion") and not dry:
+            # etcd3 store Create: refused, as an internal error.
+            raise ApiError(500, status_body(500, "InternalError", "Internal error occurred: resourceVersion should "
+                                            "not be set on objects to be created"))
+        return obj
+
+    def prepare_apply(self, kind, gvr, live, applied):
+        meta = applied["metadata"]
+        if meta.get("resourceVersion") and meta["resourceVersion"] != live["metadata"].get("resourceVersion"):
+            raise ApiError(409, status_body(409, "Conflict", 'Operation cannot be fulfilled on %s "%s": the object '
+                                            "has been modified; please apply your changes to the latest version and "
+                                            "try again" % (self.qualified_resource(gvr), meta["name"])))
+        merged = merge_applied(live, applied)
+        for field in ("uid", "creationTimestamp", "resourceVersion", "generation"):
+            if field in live["metadata"]:
+                merged["metadata"][field] = live["metadata"][field]
+        default_kind(kind, merged)
+        if "status" in live:
+            merged["status"] = copy_json(live["status"])
+        if kind in GENERATION_KINDS and merged.get("spec") != live.get("spec"):
+            merged["metadata"]["generation"] = live["metadata"].get("generation", 0) + 1
+        errors = []
+        validate_object_meta(merged["metadata"], KINDS_RULE[kind], errors)
+        validate_kind(kind, merged, errors)
+        if kind == "ResourceClaimTemplate" and merged.get("spec") != live.get("spec"):
+            errors.append("spec: Invalid value: field is immutable")
+        if kind in ("Deployment", "DaemonSet") and \
+                (merged.get("spec") or {}).get("selector") != (live.get("spec") or {}).get("selector"):
+            errors.append("spec.selector: Invalid value: %s: field is immutable"
+                          % json.dumps((merged.get("spec") or {}).get("selector"), sort_keys=True))
+        if errors:
+            raise invalid_error(KINDS_GROUP[kind], kind, merged["metadata"]["name"], errors)
+        return merged
 
     # -- ResourceSlices
     @staticmethod
@@ -1335,15 +2159,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_json(200, obj)
 
-    def invalid(self, name, errors, verb, body):
+    def invalid(self, name, errors, verb, body, log=True):
         message = 'ResourceSlice.resource.k8s.io "%s" is invalid: %s' % (name, "; ".join(errors))
         self.send_json(422, status_body(422, "Invalid", message,
                                         {"name": name, "kind": "ResourceSlice",
                                          "causes": [{"message": e} for e in errors]}))
-        self.state.log_write(verb, name, 422, body, None)
+        if log:
+            self.state.log_write(verb, name, 422, body, None)
 
-    def create_slice(self, body):
+    def dry_run_of(self, options_kind, query):
+        """(dry run?, answered): a dryRun value other than All is refused (options_error)."""
+        dry, error = options_error(options_kind, query)
+        if error:
+            self.send_json(error.code, error.body)
+            return dry, True
+        return dry, False
+
+    def create_slice(self, body, query=None):
         name = ((body or {}).get("metadata") or {}).get("name")
+        dry, answered = self.dry_run_of("CreateOptions", query or {})
+        if answered:
+            return
         with self.state.lock:
             stored = json.loads(json.dumps(body))
             drop_disabled_fields(stored, self.state.feature_gates)
@@ -1351,11 +2187,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if (body or {}).get("metadata", {}).get("resourceVersion"):
                 errors.append("metadata.resourceVersion: must be empty on create")
             if errors:
-                self.invalid(name, errors, "create", body)
+                self.invalid(name, errors, "create", body, log=not dry)
                 return
             if name in self.state.slices:
                 self.send_status(409, "AlreadyExists", 'resourceslices.resource.k8s.io "%s" already exists' % name)
-                self.state.log_write("create", name, 409, body, None)
+                if not dry:
+                    self.state.log_write("create", name, 409, body, None)
                 return
             obj = stored
             default_taint_times(obj)
@@ -1363,21 +2200,28 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 canonicalize_slice(obj)
             meta = obj["metadata"]
             meta["uid"] = str(uuidlib.uuid4())
-            meta["resourceVersion"] = self.state.next_version()
             meta["generation"] = 1
             meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if dry:  # answered as it would be stored; not stored, not in the write log
+                self.send_json(201, obj)
+                return
+            meta["resourceVersion"] = self.state.next_version()
             self.state.slices[name] = obj
             self.state.log_write("create", name, 201, body, obj)
             if meta.get("ownerReferences"):
                 self.state.schedule_gc(name, meta["uid"])
             self.send_json(201, obj)
 
-    def update_slice(self, name, body):
+    def update_slice(self, name, body, query=None):
+        dry, answered = self.dry_run_of("UpdateOptions", query or {})
+        if answered:
+            return
         with self.state.lock:
             current = self.state.slices.get(name)
             if current is None:
                 self.send_status(404, "NotFound", 'resourceslices.resource.k8s.io "%s" not found' % name)
-                self.state.log_write("update", name, 404, body, None)
+                if not dry:
+                    self.state.log_write("update", name, 404, body, None)
                 return
             meta = (body or {}).get("metadata") or {}
             if meta.get("name") != name:
@@ -1392,13 +2236,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if ((body.get("spec") or {}).get("pool") or {}).get("name") != current["spec"]["pool"]["name"]:
                 errors.append("spec.pool.name: field is immutable")
             if errors:
-                self.invalid(name, errors, "update", body)
+                self.invalid(name, errors, "update", body, log=not dry)
                 return
             if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
                 message = ('Operation cannot be fulfilled on resourceslices.resource.k8s.io "%s": the object has '
                            "been modified; please apply your changes to the latest version and try again" % name)
                 self.send_status(409, "Conflict", message)
-                self.state.log_write("update", name, 409, body, None)
+                if not dry:
+                    self.state.log_write("update", name, 409, body, None)
                 return
             obj = stored
             default_taint_times(obj)
@@ -1406,9 +2251,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 canonicalize_slice(obj)
             for key in ("uid", "creationTimestamp"):
                 obj["metadata"][key] = current["metadata"][key]
-            obj["metadata"]["resourceVersion"] = self.state.next_version()
             spec_changed = obj["spec"] != current["spec"]
             obj["metadata"]["generation"] = current["metadata"]["generation"] + (1 if spec_changed else 0)
+            if dry:  # the stored resourceVersion kept (DryRunnableStorage.GuaranteedUpdate)
+                self.send_json(200, obj)
+                return
+            obj["metadata"]["resourceVersion"] = self.state.next_version()
             self.state.slices[name] = obj
             self.state.log_write("update", name, 200, body, obj)
             owners = obj["metadata"].get("ownerReferences")
@@ -1416,14 +2264,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.state.schedule_gc(name, obj["metadata"]["uid"])
             self.send_json(200, obj)
 
-    def delete_slice(self, name):
+    def delete_slice(self, name, query=None):
+        dry, answered = self.dry_run_of("DeleteOptions", query or {})
+        if answered:
+            return
         with self.state.lock:
-            obj = self.state.slices.pop(name, None)
+            obj = self.state.slices.get(name) if dry else self.state.slices.pop(name, None)
             if obj is None:
                 self.send_status(404, "NotFound", 'resourceslices.resource.k8s.io "%s" not found' % name)
-                self.state.log_write("delete", name, 404, None, None)
+                if not dry:
+                    self.state.log_write("delete", name, 404, None, None)
                 return
-            self.state.log_write("delete", name, 200, None, obj)
+            if not dry:
+                self.state.log_write("delete", name, 200, None, obj)
         self.send_json(200, obj)
 
 
