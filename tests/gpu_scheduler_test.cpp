@@ -994,12 +994,49 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   EXPECT_EQ(row(0).used_ns.load(), 12 * kMs) << "100 ms of a's holding paid by the credit";
   pass(60 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), 24 * kMs) << "the credit (150 ms: 2 + 100 + 48 of holding) used up, a pays again";
-  // A sample of b at an instant nobody held the GPU (before a's grant): b
-  // is charged, nobody is credited.
+  // A sample of b at an instant nobody held the GPU (before a's grant):
+  // work then took time from nobody (and a driver that names the process
+  // that ran last in the period names a tenant after its grant too), so
+  // nobody is charged or credited.
   meter_.samples.push_back({pb, 50 * kMs, before_grant});
   pass(2 * kMs);
-  EXPECT_EQ(row(1).out_of_grant_ns.load(), 200 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);
+}
+
+// A tenant capped below the GPU, alone, is named by the driver's samples
+// after its grant ended at its limit (a driver naming the process that ran
+// last in each period does that): nobody else held the GPU since, so it is
+// not charged again for work its grant paid for. Once another tenant holds
+// the GPU, a sample naming it is work outside its grant, and charged.
+TEST_F(SchedulerTest, HeldModesAuditChargesNothingNamedAfterItsGrantWhileNobodyElseHolds) {
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.period = 300 * kMs;
+  meter_.last = now_;
+  configure(100'000, 500'000);
+  uint32_t pa = 0, pb = 0;
+  const int a = spawn_attributed(0, &pa);
+  const int b = spawn_attributed(1, &pb);
+  now_ += GpuScheduler::kAuditGraceNs;
+  pass(1 * kMs);
+  hold_until_the_limit_revokes(a);
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  ASSERT_EQ(state_of(0), gputime::kGrantIdle);
+  pass(50 * kMs);
+  const uint64_t used = row(0).used_ns.load();
+  meter_.samples.push_back({pa, 60 * kMs, now_});
+  pass(3 * kMs);
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), 0u) << "named after its grant, nobody else holding";
+  EXPECT_EQ(row(0).used_ns.load(), used);
+  want(1, b);
+  pass(1 * kMs);
+  ASSERT_TRUE(holds(1));
+  ASSERT_TRUE(enter(1, b));
+  pass(5 * kMs);
+  meter_.samples.push_back({pa, 60 * kMs, now_});
+  pass(3 * kMs);
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), 60 * kMs) << "named while b holds: work outside its grant";
 }
 
 // ---- Priorities (docs/sm-time.md, "Latency tenants") ----

@@ -554,6 +554,19 @@ bool GpuScheduler::held_at(const Row& r, uint64_t t, bool* known) const {
   return false;
 }
 
+bool GpuScheduler::others_held_since_grant(uint32_t t, uint64_t at) const {
+  // The end of t's last grant before `at` (0: none it remembers).
+  uint64_t since = 0;
+  for (const Row::Hold& h : rows_[t].holds)
+    if (h.from != 0 && h.to != 0 && h.to <= at) since = std::max(since, h.to);
+  for (uint32_t o = 0; o < gputime::kMaxTenants; ++o) {
+    if (o == t || !rows_[o].active) continue;
+    for (const Row::Hold& h : rows_[o].holds)
+      if (h.from != 0 && h.from <= at && (h.to == 0 || h.to > since)) return true;
+  }
+  return false;
+}
+
 // Held mode's audit. A sample of the driver names the process that was on
 // the GPU at its instant. A tenant's process named while its tenant held no
 // grant ran outside the gate (a process without the interposer, or work a
@@ -575,6 +588,13 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
   if ((active_count_ <= 1 && r.limit >= kPpm) || at < audit_from_ns_) return;
   bool known = true;
   if (held_at(r, at, &known) || !known || at > now) return;
+  // Named after its grant ended, with nobody else granted the GPU since:
+  // a driver that names the process that ran last in the period (not the
+  // one resident at the instant) names a tenant whose work ended with its
+  // grant, and work outside a grant while no other tenant holds one takes
+  // no time from anybody. Only a sample taken while another holds is
+  // evidence against it.
+  if (!others_held_since_grant(t, at)) return;
   r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);
   r.out_of_grant = gputime::saturating_add(r.out_of_grant, busy);
   r.out_of_grant_samples += 1;

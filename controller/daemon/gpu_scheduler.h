@@ -294,6 +294,9 @@ class GpuScheduler {
   // Whether the row held a grant at `t`; *known false when `t` is older
   // than the grants it remembers.
   bool held_at(const Row& r, uint64_t t, bool* known) const;
+  // Whether a tenant other than `t` held a grant between the end of t's
+  // last grant before `at` and `at`.
+  bool others_held_since_grant(uint32_t t, uint64_t at) const;
   // Files GPU time the meter found process(es) of row `t` using at `at`.
   void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now);
   bool room(uint64_t now) const;
