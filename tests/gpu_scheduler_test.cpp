@@ -1481,3 +1481,25 @@ TEST_F(SideBySideTest, TimeAloneDoesNotCountAsRoomInTurns) {
     EXPECT_FALSE(holds(0) && holds(1)) << i;
   }
 }
+
+// A meter that reads every process's time every few milliseconds (an exact
+// one, not a sampling driver) gives several readings per instant: together
+// they are the GPU's busy time, and two tenants filling their turns are
+// seen to fill them.
+TEST_F(SideBySideTest, AnExactMeterIsReadAsTheGpusBusyTime) {
+  start(0.0);
+  meter_.period = 2 * kMs;
+  meter_.duty[pa_] = 0.5;
+  meter_.duty[pb_] = 0.5;
+  for (int i = 0; i < 10; ++i) {
+    run(100);
+    EXPECT_FALSE(holds(0) && holds(1)) << i;
+  }
+  meter_.duty[pa_] = meter_.duty[pb_] = 0.3;
+  int ms = 0;
+  while (!(holds(0) && holds(1)) && ms < 3000) {
+    run(10);
+    ms += 10;
+  }
+  EXPECT_TRUE(holds(0) && holds(1)) << "0.6 busy: room, once the turns' mean over their whole span is below 0.9";
+}

@@ -429,7 +429,8 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
     r.last_active = std::max(r.last_active, v.active);
     // A process that ever asked for this GPU or entered a grant on it, and
     // its contexts there (claims: a process that hides is found outside the
-    // gate; one that claims more only keeps its own tenant in turns).
+    // gate; one that claims more sends every tenant back to turns, which
+    // costs nobody a promise).
     if (v.poll != 0 || v.entered != 0)
       r.gpu_contexts += static_cast<uint32_t>(std::clamp<uint64_t>(v.contexts, 1, ledger::kMaxSlots));
     // A latency tenant with a live process keeps the others paced, asking
@@ -1055,12 +1056,16 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
 bool GpuScheduler::turns_leave_room(uint64_t now) const {
   const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
   if (period == 0 || turns_samples_ < 2 || now < turns_from_ + 2 * period) return false;
-  // A sample is the busy share of the period before its instant: n samples
-  // cover n periods. Samples that named nobody (the GPU idle at their
-  // instant) do not come: the periods from the first sample's to the last's
-  // are then more, and count.
-  const uint64_t span = std::max<uint64_t>(turns_last_at_ - turns_first_at_ + period,
-                                           static_cast<uint64_t>(turns_samples_) * period);
+  // A driver's sample is the busy share of the period before its instant:
+  // n samples cover n periods. Samples that named nobody (the GPU idle at
+  // their instant) do not come: the periods from the first sample's to the
+  // last's are then more, and count. A meter that reads far more often than
+  // any driver samples (an exact one) gives each process's time since its
+  // last reading: together they cover the time from the first to the last.
+  const uint64_t covered = turns_last_at_ - turns_first_at_ + period;
+  const uint64_t span = period < kAuditInstantPeriodNs
+                            ? covered
+                            : std::max<uint64_t>(covered, static_cast<uint64_t>(turns_samples_) * period);
   return static_cast<unsigned __int128>(turns_busy_) * kPpm < static_cast<unsigned __int128>(span) * kSideRoomPpm;
 }
 
