@@ -731,10 +731,14 @@ void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended)
   if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(r.share, now));
 }
 
+bool GpuScheduler::contends(const Row& r) {
+  return r.active && ((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle);
+}
+
 bool GpuScheduler::contended(uint32_t self) const {
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     const Row& r = rows_[t];
-    if (t != self && r.active && ((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle)) return true;
+    if (t != self && contends(r)) return true;
   }
   return false;
 }
@@ -1035,7 +1039,7 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
   if (!side_allowed_ || !driver_slices_ || !auditing(now)) return false;
   uint32_t members = 0, share = 0;
   for (const Row& r : rows_) {
-    if (!r.active || !((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle)) continue;
+    if (!contends(r)) continue;
     // One context each (a tenant with two gets two turns of the driver's),
     // none outside the gate, ordinary priority (latency and batch tenants
     // are served by turns), and equal shares (the driver's turns are equal).
@@ -1047,7 +1051,7 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
   // Each pays its part of the time they hold together (charge()): the
   // limits must allow it (two tenants of 0.25 capped there take turns).
   for (const Row& r : rows_)
-    if (r.active && ((r.wants && !r.blocked) || r.gstate != gputime::kGrantIdle) &&
+    if (contends(r) &&
         static_cast<uint64_t>(r.limit) * members + r.limit / 200 * members < r.share)
       return false;
   return !starting || members >= 2;
@@ -1213,7 +1217,7 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   // (A blocked tenant is not among them: it cannot be granted, and its
   // virtual time standing still must not hold the others' back.)
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
-    if (rows_[t].active && ((rows_[t].wants && !rows_[t].blocked) || rows_[t].gstate != gputime::kGrantIdle))
+    if (contends(rows_[t]))
       lowest = std::min(lowest, rows_[t].vtime);
   if (lowest != UINT64_MAX && lowest > min_vtime_) min_vtime_ = lowest;
   read_meter(now);

@@ -18,7 +18,9 @@
 //    its drain; limits and leads are no finer than the meter's sampling
 //    period (burst(), lead());
 //  - held (no meter): one holder at a time, charged the time it holds the
-//    GPU, the next granted once the holder drained. It runs on a
+//    GPU, the next granted once the holder drained; where a meter audits
+//    it, tenants whose turns leave room may hold it side by side
+//    (step_side_by_side()). It runs on a
 // thread of its own, asleep on the arbiter's doorbell futex between passes
 // (1 ms while someone holds or waits, kIdlePassNs otherwise); tenant
 // processes ring the doorbell, which can only make it run a pass sooner,
@@ -106,8 +108,8 @@ class GpuScheduler {
   // whole sampling periods (the driver's own figure) leave room ...
   static constexpr uint32_t kSideRoomPpm = 900'000;
   // ... and hold it side by side for this many sampling periods (at least
-  // kMinSidePhaseNs); then they take turns again for two periods, to see
-  // whether they still leave room.
+  // kMinSidePhaseNs); then they take turns again for three (the first
+  // mixes in what went before), to see whether they still leave room.
   static constexpr uint64_t kSidePhasePeriods = 20;
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
   // Turns are measured while at least two tenants ask; alone longer than
@@ -312,6 +314,8 @@ class GpuScheduler {
   // Charges `ns` of GPU time to the row; `contended`: another tenant wanted
   // or held the GPU meanwhile (see contended()).
   void charge_row(Row& r, uint64_t ns, uint64_t now, bool contended);
+  // The row asks for the GPU (and is not blocked) or holds it.
+  static bool contends(const Row& r);
   // True if a tenant other than `self` asks for the GPU (and may be
   // granted) or holds it, as this pass saw them.
   bool contended(uint32_t self) const;
