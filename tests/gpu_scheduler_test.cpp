@@ -1094,6 +1094,40 @@ TEST_F(SchedulerTest, ALatencyTenantWithinItsShareTakesTheGpuAtOnce) {
   EXPECT_EQ(arbiter_.seg->daemon.pace_inflight_ns.load(), 0u);
 }
 
+// The same hand-over on a driver that time-slices contexts: while the
+// revoked holder drains, the driver runs its work and the latency tenant's
+// by turns, so the two split the time in equal parts (the driver's turns
+// are per context, whatever the shares). Charged to the drainer alone, the
+// overlap was the latency tenant's for free: a latency tenant that asked
+// every few hundred microseconds took more than its share, the more so the
+// slower the drains.
+TEST_F(SchedulerTest, OnATimeSlicingGpuAHolderDrainingBesideALatencyTenantPaysHalf) {
+  configure(500'000, 500'000, gputime::kPriorityNormal, gputime::kPriorityLatency);
+  sched_->set_side_by_side(false, /*driver_time_slices=*/true);
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  pass(4 * kMs);
+  want(1, b);
+  pass(1 * kMs);
+  ASSERT_EQ(state_of(0), gputime::kGrantRevoking);
+  ASSERT_TRUE(holds(1));
+  ASSERT_TRUE(enter(1, b));
+  const uint64_t a_before = row(0).used_ns.load(), b_before = row(1).used_ns.load();
+  pass(2 * kMs);
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).used_ns.load() - a_before, 2 * kMs) << "half of the 4 ms of overlap";
+  EXPECT_EQ(row(1).used_ns.load() - b_before, 2 * kMs) << "the latency tenant's turns while a drains";
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  ASSERT_EQ(state_of(0), gputime::kGrantIdle);
+  const uint64_t a_drained = row(0).used_ns.load(), b_drained = row(1).used_ns.load();
+  pass(3 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), a_drained) << "drained: nothing more";
+  EXPECT_EQ(row(1).used_ns.load() - b_drained, 3 * kMs) << "alone on the GPU: all of it";
+}
+
 // A latency tenant's queue protection starts when it is configured, not at
 // its first process: a cluster starts its container seconds after the claim
 // is prepared, and the others' queues must be gone by its first request.
@@ -1416,7 +1450,9 @@ TEST_F(SideBySideTest, ATenantThatDoesNotFitEndsItAtOnce) {
     pass(1 * kMs);
     EXPECT_TRUE(state_of(0) == gputime::kGrantRevoking && state_of(1) == gputime::kGrantRevoking)
         << "both holders leave";
-    if (priority == gputime::kPriorityLatency) EXPECT_TRUE(holds(2)) << "the latency tenant at once";
+    if (priority == gputime::kPriorityLatency) {
+      EXPECT_TRUE(holds(2)) << "the latency tenant at once";
+    }
     c_ = c;
     run(300);
     EXPECT_FALSE(holds(0) && holds(1));

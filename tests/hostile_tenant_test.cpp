@@ -379,13 +379,19 @@ TEST_F(HostileTenantTest, ALatencyTenantBurstingWithoutPauseGetsNoMoreThanItsSha
   write_config("0.5", "priority = \"latency\"\n");
   start_daemon();
   const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
-  const std::string steady = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=10";
-  const std::string bursts = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=10 burst=4,600,100";
-  const auto [honest, busy] = honest_beside("( " + preload + " " + steady + " ) & " + preload + " " + bursts + "; wait", 9);
+  // Each of the latency tenant's asks may take the GPU at once while it is
+  // within its share, so the two tenants' lead swings by a few hundred ms:
+  // over 6.5 s the honest tenant's share of the time used spread from 0.48
+  // to 0.58. The window is 13.5 s, and the shares are of the time used
+  // (each hand-over idles the GPU a moment, paid by both).
+  const std::string steady = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=17";
+  const std::string bursts = std::string(LOAD_PATH) + " devices=0 kernels_us=100 seconds=17 burst=4,600,100";
+  const auto [honest, busy] = honest_beside("( " + preload + " " + steady + " ) & " + preload + " " + bursts + "; wait", 16);
   printf("a latency tenant bursting without pause: honest %.3f, the hostile %.3f, GPU busy %.3f\n", honest,
          busy - honest, busy);
-  EXPECT_GE(honest, 0.46);
-  EXPECT_LE(busy - honest, 0.54);
+  ASSERT_GT(busy, 0.9);
+  EXPECT_GE(honest / busy, 0.47);
+  EXPECT_LE((busy - honest) / busy, 0.53);
 }
 
 // The hostile tenant runs a process without the interposer beside one with
@@ -403,14 +409,16 @@ TEST_F(HostileTenantTest, AProcessWithoutTheInterposerIsChargedToItsTenant) {
   sample_ms_ = "167";
   start_daemon();
   const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
-  const std::string load = std::string(LOAD_PATH) + " devices=0 kernels_us=1000 seconds=10";
-  const auto [honest, busy] = honest_beside("( " + preload + " " + load + " ) & " + load + "; wait", 9);
+  // 13.5 s: the audit's charge is an estimate from one sample per 167 ms
+  // (GpuTimeTest's twin says why the window is that long).
+  const std::string load = std::string(LOAD_PATH) + " devices=0 kernels_us=1000 seconds=17";
+  const auto [honest, busy] = honest_beside("( " + preload + " " + load + " ) & " + load + "; wait", 16);
   printf("a process without the interposer: honest %.3f, the hostile tenant %.3f, GPU busy %.3f\n", honest,
          busy - honest, busy);
   EXPECT_TRUE(daemon_log_has("outside fracgpu's gate (no interposer): charged to tenant \"mallory\"")) << daemon_log();
   // The target is the honest share (0.5) or, where lower, what it would get
-  // without fracgpu (about a third); the charge is an estimate, good to about
-  // 7 points over this run (seen: 0.41-0.45). Without the audit the hostile
+  // without fracgpu (about a third); the charge is an estimate (seen over
+  // 6.5 s: 0.41-0.50). Without the audit the hostile
   // tenant's gated process takes half the grants: the honest one gets about
   // a quarter.
   EXPECT_GE(honest, 0.36);

@@ -670,9 +670,17 @@ void GpuScheduler::charge(uint64_t now) {
   // (a reading covers the time since the previous one, so the two line up).
   if (alone >= 0 && someone_waits) rows_[alone].alone_ns += dt;
   // Held mode has a holder granted beside one revoking only when a latency
-  // tenant took the GPU (step()): until the revoked holder has drained, the
-  // GPU runs its work, and it pays; the latency tenant pays from then on.
+  // tenant took the GPU (step()). Until the revoked holder has drained, the
+  // GPU runs its work: on a driver without compute preemption all of it
+  // first, so it pays alone and the latency tenant pays from then on. A
+  // driver that time-slices contexts runs both by turns meanwhile, so they
+  // split the time in equal parts (the driver's turns are per context, not
+  // per share). Charged to the drainer alone there, the overlap was the
+  // latency tenant's for free, and the more often it took the GPU and the
+  // slower the drains (a loaded host), the more it got beyond its share.
   const bool draining = !measured && !side_ && holders(gputime::kGrantRevoking) > 0;
+  const uint64_t overlap_payers =
+      draining && driver_slices_ ? holders(gputime::kGrantRevoking) + holders(gputime::kGranted) : 0;
   // Side by side, the holders share each interval in proportion to their
   // shares (equal parts: side_by_side_fits()), which is how the driver's
   // time slices divide it between them when each has work.
@@ -685,6 +693,7 @@ void GpuScheduler::charge(uint64_t now) {
       r.pending_use = 0;
       r.alone_ns = 0;
       uint64_t ns = r.gstate == gputime::kGrantRevoking || (r.gstate == gputime::kGranted && !draining) ? dt : 0;
+      if (overlap_payers > 0 && r.gstate != gputime::kGrantIdle) ns = dt / overlap_payers;
       if (side_shares > 0 && r.gstate == gputime::kGranted)
         ns = static_cast<uint64_t>(static_cast<unsigned __int128>(dt) * r.share / side_shares);
       const uint64_t credit = std::min(ns, r.credit);
