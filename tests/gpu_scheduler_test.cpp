@@ -1383,6 +1383,42 @@ TEST_F(SideBySideTest, TenantsThatLeaveRoomInTurnsHoldTheGpuSideBySide) {
   EXPECT_FALSE(holds(0) && holds(1)) << "turns, for the periods they are measured over";
 }
 
+// Tenants that stay light measure their turns less often: each phase that
+// follows a measure finding room again is twice as long as the one before,
+// up to four times the first (16 s here); the measuring turns last two
+// whole periods after a mixed one. A measure that finds the GPU full (the
+// tenants changed) sends them back to short phases.
+TEST_F(SideBySideTest, TenantsThatStayLightHoldTheGpuSideBySideForLongerPhases) {
+  start(0.6);
+  auto together = [&] { return holds(0) && holds(1); };
+  auto ms_while = [&](bool side, int most) {
+    int ms = 0;
+    while (together() == side && ms < most) {
+      run(1);
+      ++ms;
+    }
+    return ms;
+  };
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  const uint64_t first = GpuScheduler::kMinSidePhaseNs / kMs;
+  for (const uint64_t expected : {first, 2 * first, 4 * first, 4 * first}) {
+    EXPECT_NEAR(ms_while(true, 30'000), expected, 150);
+    const int turns = ms_while(false, 2000);
+    EXPECT_GE(turns, 200) << "two whole periods of turns at least";
+    EXPECT_LE(turns, 400) << "and not more than three and a mixed one";
+  }
+  // Full turns: no room, the next phase is the first's length again.
+  util_ = 0.97;
+  ms_while(true, 30'000);
+  run(1000);
+  EXPECT_FALSE(together());
+  util_ = 0.6;
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  EXPECT_NEAR(ms_while(true, 30'000), first, 150);
+}
+
 // Tenants that fill their turns gain nothing side by side (the driver's
 // switches would cost them): they keep taking turns.
 TEST_F(SideBySideTest, TenantsThatFillTheirTurnsKeepTakingTurns) {

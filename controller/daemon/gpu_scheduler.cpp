@@ -1066,9 +1066,9 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
   return !starting || members >= 2;
 }
 
-bool GpuScheduler::turns_leave_room(uint64_t now) const {
+uint64_t GpuScheduler::turns_covered(uint64_t now) const {
   const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
-  if (period == 0 || turns_samples_ < 2 || now < turns_from_ + 2 * period) return false;
+  if (period == 0 || turns_samples_ < 2 || now < turns_from_) return 0;
   // A driver's sample is the busy share of the period before its instant:
   // n samples cover n periods. Samples that named nobody (the GPU idle at
   // their instant) do not come: the periods from the first sample's to the
@@ -1076,10 +1076,16 @@ bool GpuScheduler::turns_leave_room(uint64_t now) const {
   // any driver samples (an exact one) gives each process's time since its
   // last reading: together they cover the time from the first to the last.
   const uint64_t covered = turns_last_at_ - turns_first_at_ + period;
-  const uint64_t span = period < kAuditInstantPeriodNs
-                            ? covered
-                            : std::max<uint64_t>(covered, static_cast<uint64_t>(turns_samples_) * period);
-  return static_cast<unsigned __int128>(turns_busy_) * kPpm < static_cast<unsigned __int128>(span) * kSideRoomPpm;
+  // Two whole periods at least, so that one sample's luck does not decide.
+  if (covered < 2 * period) return 0;
+  return period < kAuditInstantPeriodNs ? covered
+                                        : std::max<uint64_t>(covered, static_cast<uint64_t>(turns_samples_) * period);
+}
+
+bool GpuScheduler::turns_leave_room(uint64_t now) const {
+  const uint64_t span = turns_covered(now);
+  return span > 0 &&
+         static_cast<unsigned __int128>(turns_busy_) * kPpm < static_cast<unsigned __int128>(span) * kSideRoomPpm;
 }
 
 void GpuScheduler::step_side_by_side(uint64_t now) {
@@ -1094,14 +1100,18 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
     turns_first_at_ = turns_last_at_ = 0;
   };
   if (side_) {
-    const uint64_t phase = std::max(kMinSidePhaseNs, kSidePhasePeriods * period);
+    const uint64_t first = std::max(kMinSidePhaseNs, kSidePhasePeriods * period);
+    const uint64_t phase =
+        std::min(first << std::min<uint32_t>(side_rounds_ > 0 ? side_rounds_ - 1 : 0, 2), std::max(first, kMaxSidePhaseNs));
     const bool fits = side_by_side_fits(now, false);
+    if (!fits) side_rounds_ = 0;
     if (fits && now - phase_since_ < phase) return;
     // Back to turns. At the phase's end the holder with the least virtual
     // time keeps the GPU and the others leave it (drain handshake); for a
     // tenant that does not fit, all leave, so that a latency tenant is
     // granted at once (step()) and any other in virtual-time order.
     start_turns();
+    contended_ns_ = now;  // they were together until now: a moment alone in the hand-over is no change
     int keep = -1;
     for (uint32_t t = 0; t < gputime::kMaxTenants && fits; ++t)
       if (rows_[t].gstate == gputime::kGranted &&
@@ -1114,19 +1124,28 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
   if (phase_since_ == 0 || !side_by_side_fits(now, false)) {
     // A tenant that must not share: turns, measured afresh once it is gone.
     start_turns();
+    side_rounds_ = 0;
     return;
   }
   if (!side_by_side_fits(now, true)) {
     // One tenant, or none, asks: what the GPU does now says nothing about
     // turns between several. A moment alone (a hand-over, a pause between
     // two steps) keeps what was measured; a longer one starts afresh.
-    if (now - contended_ns_ > kAloneResetNs) start_turns();
+    if (now - contended_ns_ > kAloneResetNs) {
+      start_turns();
+      side_rounds_ = 0;
+    }
     return;
   }
   contended_ns_ = now;
-  if (!turns_leave_room(now)) return;
+  if (!turns_leave_room(now)) {
+    // Measured, and no room: the tenants have changed; phases start short.
+    if (turns_covered(now) > 0) side_rounds_ = 0;
+    return;
+  }
   side_ = true;
   phase_since_ = now;
+  side_rounds_ = std::min<uint32_t>(side_rounds_ + 1, 3);
 }
 
 // The GPU has room for another tenant: measured busy (every process on it)

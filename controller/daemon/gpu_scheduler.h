@@ -108,10 +108,16 @@ class GpuScheduler {
   // whole sampling periods (the driver's own figure) leave room ...
   static constexpr uint32_t kSideRoomPpm = 900'000;
   // ... and hold it side by side for this many sampling periods (at least
-  // kMinSidePhaseNs); then they take turns again for three (the first
-  // mixes in what went before), to see whether they still leave room.
+  // kMinSidePhaseNs); then they take turns again for two whole periods
+  // (after one that mixes in what went before), to see whether they still
+  // leave room. Each phase that follows a measure finding room again, with
+  // no tenant changing, is twice as long as the one before, up to four
+  // times the first or kMaxSidePhaseNs, whichever is less (never less than
+  // the first): the measuring turns cost a launch-bound pair a quarter of
+  // its GPU time, and tenants that stay light need them less often.
   static constexpr uint64_t kSidePhasePeriods = 20;
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
+  static constexpr uint64_t kMaxSidePhaseNs = 16'000'000'000;
   // Turns are measured while at least two tenants ask; alone longer than
   // this, the measure starts afresh.
   static constexpr uint64_t kAloneResetNs = 100'000'000;
@@ -305,8 +311,10 @@ class GpuScheduler {
   // Side by side: may the tenants that ask or hold now share the GPU
   // through the driver's time slices (`starting`: at least two of them)?
   bool side_by_side_fits(uint64_t now, bool starting) const;
-  // Turns (held mode, one holder) left room over the periods measured since
-  // they began.
+  // The time the meter's samples cover since turns (held mode, one holder)
+  // began: two whole periods at least, or 0 (not measured yet).
+  uint64_t turns_covered(uint64_t now) const;
+  // Turns left room over the periods measured since they began.
   bool turns_leave_room(uint64_t now) const;
   void step_side_by_side(uint64_t now);
   void read_meter(uint64_t now);
@@ -374,6 +382,9 @@ class GpuScheduler {
   uint64_t turns_first_at_ = 0, turns_last_at_ = 0;
   uint32_t turns_samples_ = 0;
   uint64_t contended_ns_ = 0;  // the last pass that saw two tenants or more ask or hold
+  // Side-by-side phases begun since the tenants last changed (one that did
+  // not fit asked, one was alone too long) or a measure found no room.
+  uint32_t side_rounds_ = 0;
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
