@@ -39,6 +39,7 @@ std::atomic<uint64_t> g_launch_gate{1};  // 1: not set up yet; real epochs start
 thread_local uint64_t t_launch_pass = 0;
 thread_local int t_paced_gpu = -1;  // the GPU entry of this thread's paced launch (wait_for_gpu -> launch_paced)
 thread_local CUcontext t_paced_ctx = nullptr;
+thread_local const void* t_paced_kernel = nullptr;
 std::atomic<int> g_threads_in_sync{0};
 std::atomic<bool> g_latency_held{false};
 
@@ -713,7 +714,7 @@ __attribute__((destructor)) void release_on_exit() {
 
 }  // namespace
 
-CUresult wait_for_gpu(CUstream stream, bool* paced) {
+CUresult wait_for_gpu(CUstream stream, bool* paced, const void* kernel) {
   if (!load_real_driver() || tenant_mode() != TenantMode::kManaged) {
     g_launch_gate.store(0, std::memory_order_release);  // nothing is metered in this process
     t_launch_pass = 0;
@@ -769,14 +770,20 @@ CUresult wait_for_gpu(CUstream stream, bool* paced) {
     // wait for room: then wait for the GPU again.
     const uint64_t budget = paced != nullptr && g.metered.load(std::memory_order_acquire) ? pace_budget(g) : 0;
     if (budget == 0 || stream_is_capturing(stream)) break;
-    g.pacer.wait_for_room(budget);
+    // The budget is the tenant's, over all its processes: their launches
+    // reserve on one word of its usage file.
+    ledger::UsageSegment* usage = tenant_of(gpu).ledger.usage;
+    const LaunchPacer::TenantQueue queue{usage != nullptr ? &usage->pace_end_us[entry_of(gpu)] : nullptr,
+                                         usage != nullptr ? &usage->pace_strict_until_ms : nullptr};
+    const bool reserved = g.pacer.wait_for_room(budget, ctx, stream, kernel, queue, g.open);
     pacing = true;
-    if (g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
+    if (reserved || g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
   }
   if (pacing) {
     *paced = true;
     t_paced_gpu = gpu;
     t_paced_ctx = ctx;
+    t_paced_kernel = kernel;
   }
   g.activity.fetch_add(1, std::memory_order_relaxed);
   // Pass until the pacer's next tick. The word is read *before* `open`: the
@@ -799,7 +806,7 @@ void kick_pacer() {
 void paced_launch_done(CUstream stream) {
   const int gpu = std::exchange(t_paced_gpu, -1);
   if (gpu < 0 || gpu >= kMaxTenantGpus) return;
-  g_gpus[gpu].pacer.launched(std::exchange(t_paced_ctx, nullptr), stream);
+  g_gpus[gpu].pacer.launched(std::exchange(t_paced_ctx, nullptr), stream, std::exchange(t_paced_kernel, nullptr));
 }
 
 CUresult wait_for_gpu_of_stream(CUstream stream) {

@@ -45,7 +45,7 @@ inline bool launch_may_pass() {
 // With `paced`: while a latency tenant is active on the GPU and ours is not
 // one, it also waits until little of our work is queued there, and sets
 // *paced: the caller then reports the launch (paced_launch_done) once made.
-CUresult wait_for_gpu(CUstream stream, bool* paced = nullptr);
+CUresult wait_for_gpu(CUstream stream, bool* paced = nullptr, const void* kernel = nullptr);
 // After a launch that wait_for_gpu paced succeeded: tracks it (an event
 // behind it on `stream`).
 void paced_launch_done(CUstream stream);

@@ -18,12 +18,13 @@ namespace fracgpu::interpose {
 // gate never loads the driver on the fast path: a pass implies it is loaded),
 // or the gate's refusal.
 // A paced launch (launch_gate.h: a latency tenant shares the GPU) is
-// tracked once made.
-#define FRACGPU_LAUNCH(id, stream, ...)                                        \
+// tracked once made; `kernel` (its function or graph exec) names what it
+// runs, for the pacer's estimate of its GPU time.
+#define FRACGPU_LAUNCH(id, stream, kernel, ...)                                \
   do {                                                                         \
     if (!launch_may_pass()) [[unlikely]] {                                     \
       bool paced = false;                                                      \
-      const CUresult refused = wait_for_gpu(stream, &paced);                   \
+      const CUresult refused = wait_for_gpu(stream, &paced, kernel);           \
       if (refused != CUDA_SUCCESS) return refused;                             \
       if (paced) {                                                             \
         auto fn = real<id>();                                                  \
@@ -40,20 +41,20 @@ template <HookId id>
 CUresult launch_kernel(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                        unsigned int block_x, unsigned int block_y, unsigned int block_z, unsigned int shared_bytes,
                        CUstream stream, void** params, void** extra) {
-  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params,
+  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params,
                  extra);
 }
 
 template <HookId id>
 CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
-  FRACGPU_LAUNCH(id, config != nullptr ? config->hStream : nullptr, config, f, params, extra);
+  FRACGPU_LAUNCH(id, config != nullptr ? config->hStream : nullptr, f, config, f, params, extra);
 }
 
 template <HookId id>
 CUresult launch_cooperative(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                             unsigned int block_x, unsigned int block_y, unsigned int block_z,
                             unsigned int shared_bytes, CUstream stream, void** params) {
-  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params);
+  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params);
 }
 
 // One kernel per device, each on a stream of that device's context: wait for
@@ -76,22 +77,22 @@ CUresult graph_launch(CUgraphExec graph, CUstream stream) {
   if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]] {
     bool paced = false;
     if (!launch_may_pass())
-      if (const CUresult refused = wait_for_gpu(stream, &paced); refused != CUDA_SUCCESS) return refused;
+      if (const CUresult refused = wait_for_gpu(stream, &paced, graph); refused != CUDA_SUCCESS) return refused;
     const CUresult result = run_with_graph_memory(graph, stream, real<id>());
     if (paced && result == CUDA_SUCCESS) paced_launch_done(stream);
     return result;
   }
-  FRACGPU_LAUNCH(id, stream, graph, stream);
+  FRACGPU_LAUNCH(id, stream, graph, graph, stream);
 }
 
 template <HookId id, class... Grid>
 CUresult legacy_launch(CUfunction f, Grid... grid) {
-  FRACGPU_LAUNCH(id, nullptr, f, grid...);
+  FRACGPU_LAUNCH(id, nullptr, f, f, grid...);
 }
 
 template <HookId id>
 CUresult legacy_launch_async(CUfunction f, int grid_x, int grid_y, CUstream stream) {
-  FRACGPU_LAUNCH(id, stream, f, grid_x, grid_y, stream);
+  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, stream);
 }
 
 #undef FRACGPU_LAUNCH

@@ -234,7 +234,20 @@ struct UsageSegment {
   SegmentHeader header;
   std::atomic<uint32_t> slot_high_water;  // slots [0, high water) may hold charges
   uint32_t reserved0;
-  uint64_t reserved[11];
+  // Pacing beside a latency tenant (docs/sm-time.md, "Latency tenants"),
+  // shared by all of the tenant's processes and read by none but them (the
+  // daemon never looks): per GPU entry, when the tenant's GPU work queued
+  // so far is expected to end, in microseconds of CLOCK_MONOTONIC modulo
+  // 2^32 (a budget for the whole tenant, not per process); and until when
+  // (milliseconds, modulo 2^32) its processes pace one launch at a time,
+  // since one of its kernels ran far past its estimate. Written by any of
+  // its processes, so each reads them as claims: a value out of range is
+  // ignored. Were reserved (always 0, which reads as nothing queued), so the
+  // layout version did not change.
+  std::atomic<uint32_t> pace_end_us[kMaxGpus];
+  std::atomic<uint32_t> pace_strict_until_ms;
+  uint32_t reserved1;
+  uint64_t reserved[2];
   ProcessSlot slots[kMaxSlots];
   // Bytes charged by slot s on GPU entry g. A row per GPU, so summing one
   // GPU's usage reads consecutive words of only the slots ever used.
@@ -243,6 +256,7 @@ struct UsageSegment {
   GpuTimeRequest gputime[kMaxGpus][kMaxSlots];
 };
 static_assert(offsetof(UsageSegment, slot_high_water) == 32);
+static_assert(offsetof(UsageSegment, pace_end_us) == 40);
 static_assert(offsetof(UsageSegment, slots) == 128);
 static_assert(offsetof(UsageSegment, charges) == 128 + 64 * kMaxSlots);
 static_assert(offsetof(UsageSegment, gputime) == 128 + 64 * kMaxSlots + 8 * kMaxGpus * kMaxSlots);
