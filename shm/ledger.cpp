@@ -702,17 +702,70 @@ bool read_self_identity(ProcessIdentity* out) {
   return read_stat_identity("/proc/self/stat", out);
 }
 
+namespace {
+
+// Every slot's record-lock holder, whatever the slot's words and the
+// high-water mark say (they are the tenant's to write): its PID as the
+// caller's namespace numbers it, -1 if it cannot see it, 0 if nobody holds
+// the lock. One F_GETLK over a run of slots finds a lock in it, if any; the
+// runs either side of the slots that lock covers are looked at in turn. So
+// it costs two calls per lock held plus one, and never more than two per
+// slot however the tenant places locks in its own file.
+void find_lock_holders(int fd, int32_t* holders) {
+  std::fill(holders, holders + kMaxSlots, 0);
+  struct Run {
+    uint32_t from, to;  // slots [from, to)
+  };
+  Run todo[kMaxSlots + 1];
+  size_t pending = 0;
+  todo[pending++] = {0, kMaxSlots};
+  const off_t stride = static_cast<off_t>(sizeof(ProcessSlot));
+  // The first slot in [run.from, run.to) whose lock byte is at `at` or after.
+  auto first_at = [&](const Run& run, off_t at) {
+    const off_t base = slot_lock_offset(run.from);
+    if (at <= base) return run.from;
+    const off_t after = (at - base + stride - 1) / stride;
+    return static_cast<uint32_t>(std::min<off_t>(run.from + after, run.to));
+  };
+  while (pending > 0) {
+    const Run run = todo[--pending];
+    struct flock fl {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = slot_lock_offset(run.from);
+    fl.l_len = slot_lock_offset(run.to - 1) + 1 - fl.l_start;
+    if (fcntl(fd, F_GETLK, &fl) != 0 || fl.l_type == F_UNLCK) continue;
+    const uint32_t first = first_at(run, fl.l_start);
+    const uint32_t end = fl.l_len == 0 ? run.to : first_at(run, fl.l_start + fl.l_len);
+    for (uint32_t s = first; s < end; ++s) holders[s] = fl.l_pid > 0 ? fl.l_pid : -1;
+    // Both runs are shorter than this one: the lock lies within it, so it
+    // covers a slot's byte, or lies between two (first > run.from).
+    // Runs left are disjoint and not empty: never more than the slots.
+    for (const Run rest : {Run{run.from, first}, Run{end, run.to}})
+      if (rest.from < rest.to && pending < sizeof todo / sizeof todo[0]) todo[pending++] = rest;
+  }
+}
+
+}  // namespace
+
 void record_host_pids(TenantLedger& ledger, int32_t* verified) {
   UsageSegment& usage = *ledger.usage;
+  int32_t holders[kMaxSlots];
+  find_lock_holders(ledger.usage_fd, holders);
+  // Whose processes these are: every holder of a slot's lock has the
+  // tenant's usage file open for writing, so it is the tenant's, whatever
+  // the slot's state, PID or start time say (a process that garbles them
+  // must not pass for nobody's, whose GPU time the audit cannot charge).
+  if (verified != nullptr)
+    for (uint32_t s = 0; s < kMaxSlots; ++s) verified[s] = std::max(holders[s], 0);
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
-  if (verified != nullptr) std::fill(verified, verified + kMaxSlots, 0);
   for (uint32_t s = 0; s < high; ++s) {
     ProcessSlot& slot = usage.slots[s];
     int32_t host_pid = 0;
     if (slot.state.load(std::memory_order_acquire) == kSlotLive) {
       // The lock holder, as our namespace numbers it, is the owner only if it
       // started when the owner did: the slot may have changed hands since.
-      const int32_t holder = slot_owner_pid(ledger, s);
+      const int32_t holder = holders[s];
       ProcessIdentity seen{};
       char path[40];
       snprintf(path, sizeof path, "/proc/%d/stat", holder);
@@ -720,7 +773,6 @@ void record_host_pids(TenantLedger& ledger, int32_t* verified) {
           seen.start_time == slot.start_time.load(std::memory_order_relaxed))
         host_pid = holder;
     }
-    if (verified != nullptr) verified[s] = host_pid;
     if (slot.host_pid.load(std::memory_order_relaxed) != host_pid)
       slot.host_pid.store(host_pid, std::memory_order_relaxed);
   }

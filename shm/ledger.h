@@ -354,10 +354,13 @@ int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 
 // Daemon: writes each live slot's host_pid (its owner's PID in the caller's
 // namespace, checked against the slot's start time) and zeroes the others'.
-// One F_GETLK and one /proc read per live slot. The slot's copy is for the
-// tenant's own NVML view; a tenant can overwrite it, so anything that acts on
-// other parties (the audits) uses `verified` instead: if given (kMaxSlots
-// entries), each slot's PID as found here, 0 where none.
+// Two F_GETLK per slot lock held (plus one), one /proc read per live slot.
+// The slot's copy is for the tenant's own NVML view; a tenant can overwrite
+// it, so anything that acts on other parties (the audits) uses `verified`
+// instead: if given (kMaxSlots entries), the PID of each slot's record-lock
+// holder, 0 where none, found by the locks alone (every slot, whatever its
+// state, start time or the high-water mark say: a process holding a lock on
+// the tenant's usage file is the tenant's).
 void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr);
 
 }  // namespace fracgpu::ledger

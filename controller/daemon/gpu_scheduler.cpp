@@ -225,9 +225,11 @@ void GpuScheduler::release_usage(Row& r) {
   r.dev = 0;
   r.ino = 0;
   r.high = 0;
+  r.high_mark = 0;
   r.readable = false;
   r.probed_ns.fill(0);
   r.alive.reset();
+  r.entered_seen.reset();
 }
 
 // A row whose tenant is gone, back to unused: the scheduler's state and the
@@ -387,7 +389,7 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   // A tenant may truncate its usage file: every touch of the mapping is
   // guarded, and a failed one makes the tenant one that does not want.
   const bool ok = shm::sigbus_guarded([&] {
-    high = std::min(u.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+    high = std::max(r.high_mark, std::min(u.slot_high_water.load(std::memory_order_acquire), kMaxSlots));
     for (uint32_t s = 0; s < high; ++s) {
       const ledger::GpuTimeRequest& q = u.gputime[entry][s];
       SlotView& v = r.slots[s];
@@ -419,8 +421,10 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   r.unreadable_reported = false;
   r.readable = true;
   r.high = high;
+  r.high_mark = high;
   for (uint32_t s = 0; s < high; ++s) {
     SlotView& v = r.slots[s];
+    if (r.gstate != gputime::kGrantIdle && r.gseq != 0 && v.entered == r.gseq) r.entered_seen.set(s);
     if (!v.live) continue;
     // Claims: no time after ours counts.
     v.want = std::min(v.want, now);
@@ -446,11 +450,22 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   }
 }
 
+// A live process is done with the grant only when its words say so
+// consistently: once seen to have entered this grant, when it reports this
+// grant drained; otherwise when it drained what it entered last, and that
+// is this grant or an earlier one (a process that has not entered this
+// grant). Anything else (entered and not drained, a grant number from the
+// future, a drain of a grant other than the one entered, an entry rewritten
+// after it was seen) is waited for until the deadline: garbage in those
+// words makes its own tenant hold the GPU longer and pay for it, where
+// taking them for "not entered" would let its work run on into the next
+// tenant's grant.
 std::bitset<kMaxSlots> GpuScheduler::pending_drains(Row& r, uint64_t now) {
   std::bitset<kMaxSlots> pending;
+  if (r.gseq == 0) return pending;
   for (uint32_t s = 0; s < r.high; ++s) {
     const SlotView& v = r.slots[s];
-    if (r.gseq == 0 || v.entered != r.gseq || v.drained == r.gseq) continue;
+    if (r.entered_seen[s] ? v.drained == r.gseq : v.drained == v.entered && v.entered <= r.gseq) continue;
     if (slot_alive(r, s, now)) pending.set(s);
   }
   return pending;
@@ -834,6 +849,7 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
   r.gstate = gputime::kGranted;
   r.grant_ns = now;
   r.revoke_ns = 0;
+  r.entered_seen.reset();
   r.holds[r.hold_next % r.holds.size()] = {now == 0 ? 1 : now, 0};
   r.hold_next += 1;
   ++handovers_;
@@ -1329,7 +1345,7 @@ bool GpuScheduler::fold_requests(const Row& r, uint64_t* fold) const {
   const uint32_t entry = static_cast<uint32_t>(r.entry);
   uint64_t h = 0;
   const bool ok = shm::sigbus_guarded([&] {
-    const uint32_t high = std::min(u.slot_high_water.load(std::memory_order_acquire), kMaxSlots);
+    const uint32_t high = std::max(r.high_mark, std::min(u.slot_high_water.load(std::memory_order_acquire), kMaxSlots));
     for (uint32_t s = 0; s < high; ++s) {
       const ledger::GpuTimeRequest& q = u.gputime[entry][s];
       h = fold_request(h, s, q.want_since_ns.load(std::memory_order_seq_cst), q.entered_grant.load(std::memory_order_seq_cst),

@@ -247,10 +247,16 @@ class GpuScheduler {
     bool blocked = false;         // missed a drain deadline; waits for progress
     uint64_t blocked_seq = 0;
     std::bitset<ledger::kMaxSlots> missed;  // slots that had not drained blocked_seq
+    // Slots seen to have entered its current grant: only a drain of that
+    // grant ends their part in it (pending_drains).
+    std::bitset<ledger::kMaxSlots> entered_seen;
     // The last observation.
     bool readable = false;
     bool unreadable_reported = false;
     uint32_t high = 0;
+    // The highest slot high-water mark seen in this file: the tenant writes
+    // the mark, and lowering it must not hide a slot already seen in use.
+    uint32_t high_mark = 0;
     std::array<SlotView, ledger::kMaxSlots> slots{};
     // What its processes had asked for and reported (wants, entries,
     // drains), folded into one word: a change found after a pass is a
