@@ -1004,6 +1004,45 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);
 }
 
+// A process outside the gate that has exited (a chain of short-lived
+// processes without the interposer): the daemon keeps its PID attributed
+// with the span of its life, and only the samples within it are charged to
+// its tenant; one after it is of another process behind the reused PID.
+TEST_F(SchedulerTest, APidIsChargedOnlyForTheSamplesWithinItsProcesssLife) {
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.period = 167 * kMs;
+  meter_.last = now_;
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  spawn(1);
+  now_ += GpuScheduler::kAuditGraceNs;
+  want(0, a);
+  pass(2 * kMs);
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  pass(10 * kMs);
+  constexpr uint32_t kGone = 4'000'001;  // b's process without the interposer, exited
+  const uint64_t born = now_ - 100 * kMs, gone = now_ - 2 * kMs;
+  meter_.samples.push_back({kGone, 150 * kMs, now_ - 4 * kMs});  // in its life
+  meter_.samples.push_back({kGone, 100 * kMs, now_ - 1 * kMs});   // after it: another process
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 0u) << "not attributed yet";
+  const std::map<std::string, std::vector<uint32_t>> by_tenant = {{tenants_[0].name, attributed_[0]},
+                                                                  {tenants_[1].name, {kGone}}};
+  sched_->attribute(by_tenant, {{kGone, {born, gone}}});
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_samples.load(), 1u);
+  const std::vector<uint32_t> left = sched_->unattributed_pids();
+  EXPECT_NE(std::find(left.begin(), left.end(), kGone), left.end()) << "the later sample waits for its own process";
+  // Read once the PID is attributed: the same rule, both ways.
+  meter_.samples.push_back({kGone, 120 * kMs, now_ - 1 * kMs});
+  meter_.samples.push_back({kGone, 130 * kMs, born - 1 * kMs});
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_samples.load(), 1u);
+}
+
 // A tenant capped below the GPU, alone, is named by the driver's samples
 // after its grant ended at its limit (a driver naming the process that ran
 // last in each period does that): nobody else held the GPU since, so it is

@@ -317,7 +317,13 @@ std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>&
 
 std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32_t, std::string>& charged,
                                                const std::string& run_dir, const std::string& gpu_uuid) {
-  std::set<std::string> tenants = process_tenants(pid, charged, run_dir);
+  const ProcReader proc(run_dir);
+  return attribute_process_on_gpu(pid, TenantContainers(charged, proc), run_dir, gpu_uuid);
+}
+
+std::set<std::string> attribute_process_on_gpu(int32_t pid, const TenantContainers& containers,
+                                               const std::string& run_dir, const std::string& gpu_uuid) {
+  std::set<std::string> tenants = containers.tenants_of(pid);
   return tenants.size() > 1 ? tenants_holding_gpu(tenants, run_dir, gpu_uuid) : tenants;
 }
 

@@ -169,6 +169,10 @@ std::string attribute_process(int32_t pid, const std::map<int32_t, std::string>&
 // claims share that GPU (the GPU time it uses there is theirs together).
 std::set<std::string> attribute_process_on_gpu(int32_t pid, const std::map<int32_t, std::string>& charged,
                                                const std::string& run_dir, const std::string& gpu_uuid);
+// The same, with where the tenants' processes run read once for many
+// processes (`containers`, built from the daemon's verified processes).
+std::set<std::string> attribute_process_on_gpu(int32_t pid, const TenantContainers& containers,
+                                               const std::string& run_dir, const std::string& gpu_uuid);
 // The same evidence, every tenant it names (TenantContainers::tenants_of
 // over /proc). Empty when nothing ties it to a tenant.
 std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::string>& charged,

@@ -36,6 +36,20 @@ using ledger::kMaxGpus;
 using ledger::kMaxSlots;
 using ledger::monotonic_ns;
 
+// Where a process's start time (/proc/<pid>/stat field 22: clock ticks
+// after boot, counting suspended time) lies on CLOCK_MONOTONIC (which stops
+// while suspended), the clock of the meters' sample instants.
+uint64_t start_on_monotonic_ns(uint64_t start_ticks) {
+  static const long hz = sysconf(_SC_CLK_TCK);
+  const uint64_t since_boot = start_ticks * (1'000'000'000ull / static_cast<uint64_t>(hz > 0 ? hz : 100));
+  struct timespec boot {};
+  clock_gettime(CLOCK_BOOTTIME, &boot);
+  const uint64_t boot_ns = static_cast<uint64_t>(boot.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(boot.tv_nsec);
+  const uint64_t now = monotonic_ns();
+  const uint64_t suspended = boot_ns > now ? boot_ns - now : 0;
+  return since_boot > suspended ? since_boot - suspended : 0;
+}
+
 // Stores and reports whether the value changed, so untouched arbiters keep
 // their generation (the pacer re-reads shares when it moves).
 template <typename T>
@@ -845,68 +859,155 @@ void Daemon::attach_meters() {
   }
 }
 
+void Daemon::watch_gpu_processes(uint64_t now) {
+  // Every process with a context on a GPU fracgpu schedules is in NVML's
+  // list for as long as it has one, whatever its timing; the driver's
+  // samples name only the process on the GPU at an instant, and are read
+  // after it. A process outside the gate is attributed here, while it lives
+  // (its container, by the kernel's account), and its record outlives it
+  // (tick_gpu_time), so that the samples naming it are charged to its tenant
+  // even when it is gone by the time they are read.
+  if (nvml_ == nullptr || arbiters_.empty()) return;
+  const std::map<int32_t, std::string> owners = tenant_processes();
+  const auto self = static_cast<uint32_t>(getpid());
+  // Where the tenants' verified processes run: read once a pass, and only
+  // when a process needs attributing (most passes find none new).
+  const ProcReader proc(config_->daemon.run_dir);
+  std::optional<TenantContainers> containers;
+  int attributed = 0;
+  bool all_read = true;
+  for (auto& [uuid, arbiter] : arbiters_) {
+    nvmlDevice_t handle = nullptr;
+    std::vector<Nvml::Process> processes;
+    if (nvml_->api().get_handle_by_uuid(uuid.c_str(), &handle) != NVML_SUCCESS ||
+        nvml_->compute_processes(handle, &processes) != NVML_SUCCESS) {
+      all_read = false;  // health reports it; nothing is found gone this pass
+      continue;
+    }
+    for (const Nvml::Process& p : processes) {
+      if (p.pid <= 1 || p.pid == self || owners.contains(static_cast<int32_t>(p.pid))) continue;
+      const auto known = outside_gate_.find(p.pid);
+      if (known != outside_gate_.end() && known->second.listed_ns == now) continue;  // on another GPU too
+      const uint64_t start_time = process_start_time(static_cast<int32_t>(p.pid));
+      if (start_time == 0) continue;  // gone already, or not visible here (the bypass audit says so)
+      if (known != outside_gate_.end() && known->second.start_time == start_time) {
+        known->second.listed_ns = now;
+        known->second.gone_ns = 0;  // back on a GPU
+        continue;
+      }
+      // New, or a new process behind a reused PID: attributed now. Bounded:
+      // a tenant that starts processes faster waits for later passes.
+      if (attributed >= kWatchAttributionsPerPass) continue;
+      if (known == outside_gate_.end() && outside_gate_.size() >= kOutsideGateMax) continue;
+      ++attributed;
+      if (!containers) containers.emplace(owners, proc);
+      OutsideGate o;
+      o.start_time = start_time;
+      o.from_ns = start_on_monotonic_ns(start_time);
+      o.from_ns = o.from_ns > kLifetimeMarginNs ? o.from_ns - kLifetimeMarginNs : 0;
+      o.checked_ns = o.listed_ns = now;
+      o.tenants = attribute_process_on_gpu(static_cast<int32_t>(p.pid), *containers, config_->daemon.run_dir, uuid);
+      outside_gate_[p.pid] = std::move(o);
+    }
+  }
+  // Off every GPU since the last pass (exited, or its context destroyed):
+  // no later sample is of it.
+  if (all_read)
+    for (auto& [pid, o] : outside_gate_)
+      if (o.listed_ns != 0 && o.listed_ns != now && o.gone_ns == 0) o.gone_ns = now;
+}
+
 void Daemon::tick_gpu_time(uint64_t now) {
   // Whose processes are whose, as this daemon verified them (host_pids,
   // never the tenant-writable copy): the meter's figures are charged by it.
   // Built once per tick, for every GPU's scheduler.
   std::map<std::string, std::vector<uint32_t>> pids_by_tenant;
   std::set<std::string> outside_tenants;  // with a process outside the gate
+  std::map<uint32_t, GpuScheduler::PidLifetime> lifetimes;  // of those processes
   if (!arbiters_.empty()) {
     for (const auto& [name, open] : ledgers_) {
       std::vector<uint32_t>& pids = pids_by_tenant[name];
       for (const int32_t pid : open.host_pids)
         if (pid > 0) pids.push_back(static_cast<uint32_t>(pid));
     }
-    // Processes the meters saw on a GPU that no ledger slot names: a
-    // process without the interposer. Whose it is, the kernel says (the
-    // tenant directory mounted in its container: attribute_process, as the
-    // audits use), never what it claims; its GPU time is its tenant's.
+    // Processes the meters saw on a GPU that no ledger slot names, and
+    // that the watch of NVML's process lists (watch_gpu_processes) did not
+    // find: a process without the interposer. Whose it is, the kernel says
+    // (the tenant directory mounted in its container: attribute_process, as
+    // the audits use), never what it claims; its GPU time is its tenant's.
     // PID -> a GPU it was seen on: in a container with several claims, the
     // process is the tenant's whose policy holds that GPU.
     std::map<uint32_t, std::string> unknown;
     for (auto& [uuid, arbiter] : arbiters_)
       for (const uint32_t pid : arbiter.scheduler->unattributed_pids()) unknown.emplace(pid, uuid);
-    // Each entry is checked again once a second: gone (or its PID reused),
-    // or unattributed then, it is forgotten.
+    std::set<uint32_t> verified;  // processes with a ledger slot: gated, whatever a record says
+    for (const auto& [name, pids] : pids_by_tenant) verified.insert(pids.begin(), pids.end());
+    // Each live entry is checked again once a second: unattributed then, it
+    // is forgotten (and asked again when seen again); gone (or its PID
+    // reused), it is kept kOutsideGoneKeepNs for the samples still to come.
     for (auto it = outside_gate_.begin(); it != outside_gate_.end();) {
       OutsideGate& o = it->second;
+      if (verified.contains(it->first)) {
+        it = outside_gate_.erase(it);
+        continue;
+      }
+      if (o.gone_ns != 0) {
+        it = now - o.gone_ns > kOutsideGoneKeepNs || o.tenants.empty() ? outside_gate_.erase(it) : std::next(it);
+        continue;
+      }
       if (now - o.checked_ns < 1'000'000'000ull) {
         ++it;
         continue;
       }
       o.checked_ns = now;
-      const bool gone = process_start_time(static_cast<int32_t>(it->first)) != o.start_time;
-      it = o.tenants.empty() || gone ? outside_gate_.erase(it) : std::next(it);
+      if (process_start_time(static_cast<int32_t>(it->first)) != o.start_time) o.gone_ns = now;
+      it = o.tenants.empty() ? outside_gate_.erase(it) : std::next(it);
     }
-    const std::map<int32_t, std::string> owners = unknown.empty() ? std::map<int32_t, std::string>{} : tenant_processes();
+    std::map<int32_t, std::string> owners;
     for (const auto& [pid, seen_on] : unknown) {
-      if (outside_gate_.contains(pid) || outside_gate_.size() >= 4096 || owners.contains(static_cast<int32_t>(pid)))
-        continue;
+      if (verified.contains(pid)) continue;
       const uint64_t start_time = process_start_time(static_cast<int32_t>(pid));
       if (start_time == 0) continue;
-      OutsideGate& o = outside_gate_[pid];
+      const auto known = outside_gate_.find(pid);
+      if (known != outside_gate_.end() && known->second.start_time == start_time) continue;
+      if (known == outside_gate_.end() && outside_gate_.size() >= kOutsideGateMax) continue;
+      if (owners.empty()) owners = tenant_processes();
+      OutsideGate o;
       o.start_time = start_time;
+      o.from_ns = start_on_monotonic_ns(start_time);
+      o.from_ns = o.from_ns > kLifetimeMarginNs ? o.from_ns - kLifetimeMarginNs : 0;
       o.checked_ns = now;
       o.tenants = attribute_process_on_gpu(static_cast<int32_t>(pid), owners, config_->daemon.run_dir, seen_on);
-      if (o.tenants.size() == 1)
-        log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
-                   "\"{}\", whose container it is in", pid, *o.tenants.begin());
-      else if (!o.tenants.empty())
-        log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenants "
-                   "\"{}\" in equal parts, the claims of its container on that GPU",
-                   pid, fmt::join(o.tenants, "\", \""));
+      outside_gate_[pid] = std::move(o);
     }
     // A process several tenants are named for is in each one's list: the
-    // scheduler splits its GPU time between them.
-    for (const auto& [pid, o] : outside_gate_)
+    // scheduler splits its GPU time between them. Each one's samples count
+    // within its lifetime only: a later process behind the same PID is not it.
+    for (auto& [pid, o] : outside_gate_) {
+      if (o.tenants.empty()) continue;
+      if (!o.logged && o.gone_ns == 0) {
+        // Said once, of a process found alive at a tick (one that was gone
+        // by then may have been a gated process between its start and its
+        // slot's attach: it is charged alike, but not called a bypass).
+        o.logged = true;
+        if (o.tenants.size() == 1)
+          log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
+                     "\"{}\", whose container it is in", pid, *o.tenants.begin());
+        else
+          log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenants "
+                     "\"{}\" in equal parts, the claims of its container on that GPU",
+                     pid, fmt::join(o.tenants, "\", \""));
+      }
+      lifetimes[pid] = {o.from_ns, o.gone_ns == 0 ? 0 : o.gone_ns + kLifetimeMarginNs};
       for (const std::string& t : o.tenants)
         if (ledgers_.contains(t)) {
           pids_by_tenant[t].push_back(pid);
           outside_tenants.insert(t);
         }
+    }
   }
   for (auto& [uuid, arbiter] : arbiters_) {
-    arbiter.scheduler->attribute(pids_by_tenant);
+    arbiter.scheduler->attribute(pids_by_tenant, lifetimes);
     arbiter.scheduler->set_outside_tenants(outside_tenants);
     arbiter.scheduler->sample_achieved(now);
     for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
@@ -1407,8 +1508,17 @@ int Daemon::run() {
       if (next_tick <= now) next_tick = now + interval;  // fell behind (suspend, slow disk): do not burst
       continue;
     }
-    // Woken by a signal, a control client, a client's deadline or the next tick.
-    const uint64_t wake = std::min(next_tick, control_.next_deadline());
+    // The watch of the GPUs' process lists, between ticks: a process may
+    // live shorter than a tick.
+    const bool watching = nvml_ != nullptr && !arbiters_.empty();
+    if (watching && now >= next_watch_ns_) {
+      watch_gpu_processes(now);
+      next_watch_ns_ = now + kWatchIntervalNs;
+      continue;
+    }
+    const uint64_t next_due = watching ? std::min(next_tick, next_watch_ns_) : next_tick;
+    // Woken by a signal, a control client, a client's deadline, the next tick or watch.
+    const uint64_t wake = std::min(next_due, control_.next_deadline());
     const int timeout_ms = wake <= now ? 0 : static_cast<int>((wake - now + 999'999) / 1'000'000);
     fds.assign(1, {sfd, POLLIN, 0});
     control_.add_poll_fds(&fds);
@@ -1429,8 +1539,8 @@ int Daemon::run() {
       close_all();
       return kExitOk;
     }
-    // Never past the next tick: the audits and reaping keep their period.
-    control_.serve(monotonic_ns(), next_tick, handler, commit);
+    // Never past the next tick or watch: the audits and reaping keep their period.
+    control_.serve(monotonic_ns(), next_due, handler, commit);
   }
 }
 

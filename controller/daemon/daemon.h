@@ -227,15 +227,40 @@ class Daemon {
   void check_gpus(uint64_t now);
   // Host PID -> tenant of every verified tenant process (OpenLedger::host_pids).
   std::map<int32_t, std::string> tenant_processes() const;
-  // Processes the GPU-time meters saw that no ledger slot names, and whose
-  // container they are in (empty: none known; asked again after a second).
+  // Processes on a GPU that no ledger slot names (a process without the
+  // interposer), as NVML's process list showed them (watch_gpu_processes)
+  // or the GPU-time meters named them, and whose container they are in
+  // (empty: none known; asked again after a second). Kept for a while after
+  // the process left the GPU: the driver's samples that name it come later,
+  // and are still its tenant's.
   struct OutsideGate {
-    uint64_t start_time = 0, checked_ns = 0;
+    uint64_t start_time = 0;  // /proc/<pid>/stat field 22: with the PID, names one process
+    uint64_t from_ns = 0;     // its start on CLOCK_MONOTONIC, less a margin: earlier samples are not its
+    uint64_t checked_ns = 0;  // when it was last found alive (or attributed)
+    uint64_t listed_ns = 0;   // the last watch pass that found it on a GPU; 0: none did
+    uint64_t gone_ns = 0;     // when it was found off the GPUs or dead; 0: not yet
+    bool logged = false;
     // Whose GPU time it is: the tenant of its container, or the container's
     // claims that share the GPU it was seen on (all of them; empty: nobody's).
     std::set<std::string> tenants;
   };
   std::map<uint32_t, OutsideGate> outside_gate_;
+  // How often NVML's list of the processes with a context on each GPU is
+  // read, so that a process without the interposer is attributed while it
+  // lives, however short its life (a process that dies before anyone asks
+  // whose it is would otherwise use the GPU for free).
+  static constexpr uint64_t kWatchIntervalNs = 50'000'000;
+  // How long a process's record outlives its stay on the GPU: the samples
+  // naming it come up to a sampling period later (at most 1 s), and wait
+  // for the next tick (reap_interval_ms, at most 1 s).
+  static constexpr uint64_t kOutsideGoneKeepNs = 3'000'000'000;
+  static constexpr size_t kOutsideGateMax = 4096;
+  static constexpr int kWatchAttributionsPerPass = 16;  // /proc reads a pass may cost
+  uint64_t next_watch_ns_ = 0;
+  void watch_gpu_processes(uint64_t now);
+  // A sample's instant is put on CLOCK_MONOTONIC from NVML's CPU clock stamp:
+  // the margin the lifetime of an outside process allows it.
+  static constexpr uint64_t kLifetimeMarginNs = 20'000'000;
   // Every grant's memory quota, by tenant and GPU, each raised to what the
   // tenant may still hold there after a shrink (shrunk_).
   std::vector<TenantQuota> memory_quotas() const;

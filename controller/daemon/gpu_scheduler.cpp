@@ -178,9 +178,17 @@ std::vector<uint32_t> GpuScheduler::unattributed_pids() {
   return pids;
 }
 
-void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant) {
+bool GpuScheduler::names_then(uint32_t pid, uint64_t at) const {
+  const auto it = pid_lifetimes_.find(pid);
+  if (it == pid_lifetimes_.end()) return true;
+  return at >= it->second.from_ns && (it->second.until_ns == 0 || at < it->second.until_ns);
+}
+
+void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant,
+                             const std::map<uint32_t, PidLifetime>& lifetimes) {
   std::lock_guard lock(mutex_);
   pid_rows_.clear();
+  pid_lifetimes_.clear();
   for (const auto& [tenant, pids] : pids_by_tenant) {
     const int index = gputime::find_tenant(seg_, tenant.c_str());
     if (index < 0 || !rows_[index].active) continue;  // no share of this GPU
@@ -191,17 +199,39 @@ void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>&
     }
   }
   pid_rows_.erase(0);
-  // Usage measured before the daemon knew whose the process is.
+  for (const auto& [pid, life] : lifetimes)
+    if (pid_rows_.contains(pid)) pid_lifetimes_[pid] = life;
+  // Usage measured before the daemon knew whose the process is: the samples
+  // of the named process's lifetime. Others stay unattributed (a process
+  // behind the reused PID, found or not by the daemon's next tick).
   for (const auto& [pid, rows] : pid_rows_) {
     auto it = unattributed_.find(pid);
     if (it == unattributed_.end()) continue;
-    if (measured_charging_) {
-      const uint64_t part = it->second.busy_ns / rows.size();
-      for (const uint32_t t : rows) rows_[t].pending_use = gputime::saturating_add(rows_[t].pending_use, part);
-    } else {
-      for (const auto& [at, busy] : it->second.uses) file_split_use(rows, busy, at, last_pass_ns_);
+    Unattributed& un = it->second;
+    // (instant, busy) of the samples of another process, kept.
+    std::vector<std::pair<uint64_t, uint64_t>> others;
+    uint64_t others_busy = 0;
+    for (const auto& [at, busy] : un.uses) {
+      if (names_then(pid, at)) {
+        if (!measured_charging_) file_split_use(rows, busy, at, last_pass_ns_);
+      } else {
+        others.emplace_back(at, busy);
+        others_busy = gputime::saturating_add(others_busy, busy);
+      }
     }
-    unattributed_.erase(it);
+    if (measured_charging_) {
+      // busy_ns holds the uses past the first few too: those are taken to be
+      // the named process's (their instants are not kept).
+      const uint64_t mine = un.busy_ns - std::min(un.busy_ns, others_busy);
+      const uint64_t part = mine / rows.size();
+      for (const uint32_t t : rows) rows_[t].pending_use = gputime::saturating_add(rows_[t].pending_use, part);
+    }
+    if (others.empty()) {
+      unattributed_.erase(it);
+    } else {
+      un.uses = std::move(others);
+      un.busy_ns = others_busy;
+    }
   }
 }
 
@@ -625,7 +655,9 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
 // time under its tenant (pending_use, charged by charge()). A PID the
 // daemon has not attributed yet (a process that started since its last
 // tick) keeps its usage for kUnattributedKeepNs, so a process cannot run
-// uncharged by being new; usage of a PID that is nobody's (a process
+// uncharged by being new; a sample of a known PID outside the lifetime of
+// the process attribute() named is kept so too (another process behind the
+// PID); usage of a PID that is nobody's (a process
 // outside fracgpu: the bypass audit's business) counts only towards how
 // busy the GPU is.
 void GpuScheduler::read_meter(uint64_t now) {
@@ -650,7 +682,7 @@ void GpuScheduler::read_meter(uint64_t now) {
       turns_first_at_ = turns_first_at_ == 0 ? at : std::min(turns_first_at_, at);
       turns_last_at_ = std::max(turns_last_at_, at);
     }
-    if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end()) {
+    if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end() && names_then(u.pid, at)) {
       file_split_use(it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];

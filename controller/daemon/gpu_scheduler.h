@@ -162,8 +162,17 @@ class GpuScheduler {
   std::vector<uint32_t> unattributed_pids();
   // The host PIDs of every tenant's processes, by tenant name, as the daemon
   // verified them (never what a tenant wrote): whose measured GPU time is
-  // whose. Replaces the earlier lists whole.
-  void attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant);
+  // whose. Replaces the earlier lists whole. `lifetimes`: for a PID that may
+  // name another process at another time (a process outside the gate, kept
+  // after it exited so that the samples naming it are still charged), the
+  // span of sample instants that are its process's; a sample outside it is
+  // nobody's known (a later process behind the reused PID, or an earlier one).
+  struct PidLifetime {
+    uint64_t from_ns = 0;   // CLOCK_MONOTONIC; the process's start, less a margin
+    uint64_t until_ns = 0;  // when it was found gone, plus a margin; 0: alive
+  };
+  void attribute(const std::map<std::string, std::vector<uint32_t>>& pids_by_tenant,
+                 const std::map<uint32_t, PidLifetime>& lifetimes = {});
   // The thread; stop() ends it and tells tenants the scheduler is gone
   // (heartbeat 0: their processes run unshared at once, not a second later).
   void start();
@@ -366,6 +375,9 @@ class GpuScheduler {
   // PID -> the rows whose GPU time its use is: one, or the claims of one
   // container that share this GPU (its use is split between them).
   std::unordered_map<uint32_t, std::vector<uint32_t>> pid_rows_;
+  std::unordered_map<uint32_t, PidLifetime> pid_lifetimes_;  // attribute()'s lifetimes
+  // Whether a sample of `pid` at `at` is of the process attribute() named.
+  bool names_then(uint32_t pid, uint64_t at) const;
   // Files `busy` used at `at` by a PID of these rows, in equal parts.
   void file_split_use(const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now);
   struct Unattributed {

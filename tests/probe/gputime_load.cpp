@@ -38,6 +38,12 @@
 //                       nothing and wait for the queue to empty, so no sample finds this
 //                       process on the GPU
 //     guard_ms=8        (with dodge_ms) how long before each instant to stop
+//     exit_at_ms=P      one link of a chain of short-lived processes: once set up, launch
+//                       until exit_after_ms past the first multiple of P ms of CLOCK_MONOTONIC
+//                       more than 1 ms away (the stand-in NVML's next sampling instant), then
+//                       exit (`seconds` is ignored): the sample names a process that is gone
+//                       by the time anyone asks whose it is
+//     exit_after_ms=2   (with exit_at_ms) how long after that instant to exit
 //     ahead_us=0        launch one kernel at a time: synchronize after each
 //     burst=N,P,J       an inference service (device 0, path=kernel): bursts of N kernels
 //                       (kernels_us), the k-th arriving at k*P us + uniform(-J, +J) us
@@ -84,6 +90,8 @@ struct Options {
   unsigned last_us = 0;
   unsigned dodge_ms = 0;
   unsigned guard_ms = 8;
+  unsigned exit_at_ms = 0;
+  unsigned exit_after_ms = 2;
   std::vector<unsigned> burst;  // N, P us, J us
 };
 
@@ -328,7 +336,11 @@ struct Launcher {
 
   bool run_for(double seconds) {
     if (!begin()) return false;
-    const uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    if (o.exit_at_ms != 0) {
+      const uint64_t period = o.exit_at_ms * 1'000'000ull, soonest = now_ns() + 1'000'000ull;
+      until = (soonest / period + 1) * period + o.exit_after_ms * 1'000'000ull;
+    }
     for (uint64_t before = now_ns(); before < until;) {
       if (!step()) return false;
       const uint64_t after = now_ns();
@@ -537,6 +549,8 @@ int main(int argc, char** argv) {
     else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
     else if (key == "dodge_ms") o.dodge_ms = static_cast<unsigned>(atoi(value));
     else if (key == "guard_ms") o.guard_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "exit_at_ms") o.exit_at_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "exit_after_ms") o.exit_after_ms = static_cast<unsigned>(atoi(value));
     else if (key == "burst") o.burst = parse_list(value);
     else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
