@@ -88,6 +88,10 @@ Control, at run time (loopback, no authentication):
                       pod with nodeName, status.resourceClaimStatuses and
                       status.extendedResourceClaimStatus); 422 for a pod the
                       API server refuses, 409 when something does not fit
+  POST /fake/forget-claim {"namespace": NS, "name": NAME}: deletes that
+                      --fixtures claim, under the lock its status writes
+                      take (a test deleting the file itself could race a
+                      status write and see the claim come back)
   POST /fake/gc       {"delay": SECONDS}: as --gc-delay, from now on
   POST /fake/feature-gates {"DRADeviceTaints": false}: as --feature-gates,
                       for the writes from now on
@@ -1683,6 +1687,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, {"ok": True})
             elif method == "POST" and path == "/fake/schedule":
                 self.schedule_pod(body or {})
+            elif method == "POST" and path == "/fake/forget-claim":
+                self.forget_claim(body or {})
             elif method == "POST" and path == "/fake/gc":
                 delay = (body or {}).get("delay")
                 if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
@@ -1692,6 +1698,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, {"ok": True, "delay": st.gc_delay})
             else:
                 self.send_status(404, "NotFound", "no such control path")
+
+    def forget_claim(self, body):
+        """Deletes a --fixtures claim as the status writes see it: under
+        their lock."""
+        st = self.state
+        safe = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+        namespace, name = body.get("namespace"), body.get("name")
+        if not st.args.fixtures or not isinstance(namespace, str) or not isinstance(name, str) \
+                or not safe.match(namespace) or not safe.match(name):
+            self.send_status(400, "BadRequest", "needs --fixtures and {namespace, name}")
+            return
+        with st.lock:
+            try:
+                os.remove(os.path.join(st.args.fixtures, namespace, name + ".json"))
+            except FileNotFoundError:
+                pass
+        self.send_json(200, {"ok": True})
 
     def schedule_pod(self, body):
         """The kube-scheduler's claim for a pod's extended resources
@@ -1709,6 +1732,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         claims = []
         for root, _, files in os.walk(fixtures):
             for f in files:
+                if not f.endswith(".json"):
+                    continue  # a status write's file on its way in
                 try:
                     with open(os.path.join(root, f)) as fh:
                         claims.append(json.load(fh))
