@@ -716,9 +716,9 @@ void find_lock_holders(int fd, int32_t* holders) {
   struct Run {
     uint32_t from, to;  // slots [from, to)
   };
-  Run todo[kMaxSlots + 1];
+  Run runs_left[kMaxSlots + 1];
   size_t pending = 0;
-  todo[pending++] = {0, kMaxSlots};
+  runs_left[pending++] = {0, kMaxSlots};
   const off_t stride = static_cast<off_t>(sizeof(ProcessSlot));
   // The first slot in [run.from, run.to) whose lock byte is at `at` or after.
   auto first_at = [&](const Run& run, off_t at) {
@@ -728,7 +728,7 @@ void find_lock_holders(int fd, int32_t* holders) {
     return static_cast<uint32_t>(std::min<off_t>(run.from + after, run.to));
   };
   while (pending > 0) {
-    const Run run = todo[--pending];
+    const Run run = runs_left[--pending];
     struct flock fl {};
     fl.l_type = F_WRLCK;
     fl.l_whence = SEEK_SET;
@@ -742,7 +742,7 @@ void find_lock_holders(int fd, int32_t* holders) {
     // covers a slot's byte, or lies between two (first > run.from).
     // Runs left are disjoint and not empty: never more than the slots.
     for (const Run rest : {Run{run.from, first}, Run{end, run.to}})
-      if (rest.from < rest.to && pending < sizeof todo / sizeof todo[0]) todo[pending++] = rest;
+      if (rest.from < rest.to && pending < sizeof runs_left / sizeof runs_left[0]) runs_left[pending++] = rest;
   }
 }
 
