@@ -702,6 +702,14 @@ bool read_self_identity(ProcessIdentity* out) {
   return read_stat_identity("/proc/self/stat", out);
 }
 
+bool read_process_identity(int32_t pid, ProcessIdentity* out) {
+  *out = ProcessIdentity{};
+  out->pid = pid;
+  char path[40];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  return pid > 0 && read_stat_identity(path, out);
+}
+
 namespace {
 
 // Every slot's record-lock holder, whatever the slot's words and the
@@ -767,9 +775,7 @@ void record_host_pids(TenantLedger& ledger, int32_t* verified) {
       // started when the owner did: the slot may have changed hands since.
       const int32_t holder = holders[s];
       ProcessIdentity seen{};
-      char path[40];
-      snprintf(path, sizeof path, "/proc/%d/stat", holder);
-      if (holder > 0 && read_stat_identity(path, &seen) &&
+      if (read_process_identity(holder, &seen) &&
           seen.start_time == slot.start_time.load(std::memory_order_relaxed))
         host_pid = holder;
     }

@@ -317,6 +317,9 @@ struct ProcessIdentity {
 
 // Reads this process's identity from /proc/self. Returns false on failure.
 bool read_self_identity(ProcessIdentity* out);
+// The same for any process this one can see (the daemon's audits): false if
+// it is gone or unreadable.
+bool read_process_identity(int32_t pid, ProcessIdentity* out);
 
 // Claims a free slot for the calling process: takes the slot's record lock
 // (kept until the process exits or calls release_slot), clears whatever a dead

@@ -35,14 +35,8 @@ std::string read_proc(int32_t pid, const char* what) { return read_proc_text(fmt
 }  // namespace
 
 uint64_t process_start_time(int32_t pid) {
-  const std::string stat = read_proc(pid, "stat");
-  const size_t paren = stat.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::istringstream fields(stat.substr(paren + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && fields >> field; ++i)
-    if (i == 22) return std::strtoull(field.c_str(), nullptr, 10);
-  return 0;
+  ledger::ProcessIdentity identity{};
+  return ledger::read_process_identity(pid, &identity) ? identity.start_time : 0;
 }
 
 std::optional<AuditAction> parse_audit_action(std::string_view text) {
