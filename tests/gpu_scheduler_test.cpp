@@ -995,13 +995,14 @@ TEST_F(SchedulerTest, HeldModesAuditChargesWorkOutsideAGrantAndCreditsTheHolder)
   pass(60 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), 24 * kMs) << "the credit (150 ms: 2 + 100 + 48 of holding) used up, a pays again";
   // A sample of b at an instant nobody held the GPU (before a's grant):
-  // work then took time from nobody (and a driver that names the process
-  // that ran last in the period names a tenant after its grant too), so
-  // nobody is charged or credited.
+  // work then took no other tenant's turn, so nobody is credited; but no
+  // grant at all covered its period, so what the GPU was busy beyond a
+  // tenth of the period (the allowance for the period's ends) ran outside
+  // every grant, and b, named, pays it.
   meter_.samples.push_back({pb, 50 * kMs, before_grant});
   pass(2 * kMs);
-  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
-  EXPECT_EQ(row(0).used_ns.load(), 26 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs + 50 * kMs - 167 * kMs / 10);
+  EXPECT_EQ(row(0).used_ns.load(), 26 * kMs) << "nobody held the GPU then: nobody is credited";
 }
 
 // A process outside the gate that has exited (a chain of short-lived
@@ -1046,8 +1047,11 @@ TEST_F(SchedulerTest, APidIsChargedOnlyForTheSamplesWithinItsProcesssLife) {
 // A tenant capped below the GPU, alone, is named by the driver's samples
 // after its grant ended at its limit (a driver naming the process that ran
 // last in each period does that): nobody else held the GPU since, so it is
-// not charged again for work its grant paid for. Once another tenant holds
-// the GPU, a sample naming it is work outside its grant, and charged.
+// not charged again for work its grant paid for, as long as the GPU was
+// busy in the period no longer than the grants there lasted. Busier, the
+// difference ran outside every grant and is charged to it. Once another
+// tenant holds the GPU, a sample naming it is work outside its grant, and
+// charged whole.
 TEST_F(SchedulerTest, HeldModesAuditChargesNothingNamedAfterItsGrantWhileNobodyElseHolds) {
   sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
   meter_.period = 300 * kMs;
@@ -1058,16 +1062,30 @@ TEST_F(SchedulerTest, HeldModesAuditChargesNothingNamedAfterItsGrantWhileNobodyE
   const int b = spawn_attributed(1, &pb);
   now_ += GpuScheduler::kAuditGraceNs;
   pass(1 * kMs);
+  pass(300 * kMs);  // the scheduler's record of grants reaches back over a whole period
   hold_until_the_limit_revokes(a);
   gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
   pass(1 * kMs);
   ASSERT_EQ(state_of(0), gputime::kGrantIdle);
   pass(50 * kMs);
   const uint64_t used = row(0).used_ns.load();
-  meter_.samples.push_back({pa, 60 * kMs, now_});
+  const uint64_t held_in_period = row(0).held_ns.load();  // all of a's grant lies in the sample's period
+  ASSERT_LE(held_in_period, 250 * kMs);
+  meter_.samples.push_back({pa, held_in_period, now_});
   pass(3 * kMs);
-  EXPECT_EQ(row(0).out_of_grant_ns.load(), 0u) << "named after its grant, nobody else holding";
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), 0u) << "named after its grant, nobody else holding, no busier than it held";
   EXPECT_EQ(row(0).used_ns.load(), used);
+  // The same, with the GPU busy in the period for longer than any grant
+  // covered (a's work ran on after its grant ended: a drain it reported and
+  // did not do): what no grant accounts for, beyond a tenth of the period,
+  // is a's, whichever process the driver names.
+  meter_.samples.push_back({pa, held_in_period + 100 * kMs, now_ + 1 * kMs});
+  pass(3 * kMs);
+  EXPECT_NEAR(static_cast<double>(row(0).out_of_grant_ns.load()), static_cast<double>(100 * kMs - 30 * kMs),
+              static_cast<double>(4 * kMs))
+      << "the busy time beyond its grant, less the allowance";
+  EXPECT_EQ(row(0).used_ns.load(), used + row(0).out_of_grant_ns.load());
+  const uint64_t beyond = row(0).out_of_grant_ns.load();
   want(1, b);
   pass(1 * kMs);
   ASSERT_TRUE(holds(1));
@@ -1075,7 +1093,7 @@ TEST_F(SchedulerTest, HeldModesAuditChargesNothingNamedAfterItsGrantWhileNobodyE
   pass(5 * kMs);
   meter_.samples.push_back({pa, 60 * kMs, now_});
   pass(3 * kMs);
-  EXPECT_EQ(row(0).out_of_grant_ns.load(), 60 * kMs) << "named while b holds: work outside its grant";
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), beyond + 60 * kMs) << "named while b holds: work outside its grant";
 }
 
 // ---- Priorities (docs/sm-time.md, "Latency tenants") ----

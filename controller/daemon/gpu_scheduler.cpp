@@ -613,6 +613,53 @@ bool GpuScheduler::others_held_since_grant(uint32_t t, uint64_t at) const {
   return false;
 }
 
+void GpuScheduler::record_granted(uint64_t now, uint64_t dt) {
+  granted_total_ += dt;
+  const GrantedMark mark{now, granted_total_};
+  if (granted_next_ == 0 || now >= granted_marked_at_ + kGrantedMarkNs) {
+    granted_marks_[granted_next_ % granted_marks_.size()] = mark;
+    granted_next_ += 1;
+    granted_marked_at_ = now;
+  } else {
+    granted_marks_[(granted_next_ - 1) % granted_marks_.size()] = mark;  // the newest, brought up to now
+  }
+}
+
+bool GpuScheduler::granted_time_until(uint64_t t, uint64_t* out) const {
+  const uint32_t n = std::min<uint32_t>(granted_next_, granted_marks_.size());
+  if (n == 0) return false;
+  const auto mark = [&](uint32_t i) -> const GrantedMark& {  // i-th oldest
+    return granted_marks_[(granted_next_ - n + i) % granted_marks_.size()];
+  };
+  if (t < mark(0).at) return false;
+  if (t >= mark(n - 1).at) {
+    *out = mark(n - 1).granted;
+    return true;
+  }
+  uint32_t lo = 0, hi = n - 1;  // mark(lo).at <= t < mark(hi).at
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    (mark(mid).at <= t ? lo : hi) = mid;
+  }
+  const GrantedMark &a = mark(lo), &b = mark(hi);
+  const uint64_t span = b.at - a.at, part = t - a.at;
+  *out = a.granted + static_cast<uint64_t>(static_cast<unsigned __int128>(b.granted - a.granted) * part / span);
+  return true;
+}
+
+uint64_t GpuScheduler::busy_beyond_grants(uint64_t busy, uint64_t at) const {
+  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  if (period == 0 || at <= period + kAuditMarginNs) return 0;
+  uint64_t from = 0, to = 0;
+  // A record that does not reach back over the period tells nothing.
+  if (!granted_time_until(at - period - kAuditMarginNs, &from) || !granted_time_until(at + kAuditMarginNs, &to))
+    return 0;
+  // The driver's figure is a percentage of a period whose ends this clock
+  // knows only roughly: a tenth of the period is left to that.
+  const uint64_t allowed = (to - from) + period / 10;
+  return busy > allowed ? busy - allowed : 0;
+}
+
 // Held mode's audit. A sample of the driver names the process that was on
 // the GPU at its instant. A tenant's process named while its tenant held no
 // grant ran outside the gate (a process without the interposer, or work a
@@ -637,10 +684,22 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
   // Named after its grant ended, with nobody else granted the GPU since:
   // a driver that names the process that ran last in the period (not the
   // one resident at the instant) names a tenant whose work ended with its
-  // grant, and work outside a grant while no other tenant holds one takes
-  // no time from anybody. Only a sample taken while another holds is
-  // evidence against it.
-  if (!others_held_since_grant(t, at)) return;
+  // grant, so the name alone is no evidence. But the sample's busy share
+  // covers its whole period, and the tenant's work can have kept the GPU
+  // busy in it no longer than the tenant held grants there: what the GPU
+  // was busy beyond that ran outside every grant, whichever process the
+  // driver names. It took no other tenant's turn, so nobody is credited;
+  // it is charged, so that work left running past a grant (a drain
+  // reported and not done, long kernels queued to run on between grants)
+  // counts against the tenant's share and limit.
+  if (!others_held_since_grant(t, at)) {
+    const uint64_t beyond = busy_beyond_grants(busy, at);
+    if (beyond == 0) return;
+    r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, beyond);
+    r.out_of_grant = gputime::saturating_add(r.out_of_grant, beyond);
+    r.out_of_grant_samples += 1;
+    return;
+  }
   r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);
   r.out_of_grant = gputime::saturating_add(r.out_of_grant, busy);
   r.out_of_grant_samples += 1;
@@ -705,13 +764,15 @@ void GpuScheduler::charge(uint64_t now) {
   const uint64_t dt = now > last_pass_ns_ ? now - last_pass_ns_ : 0;
   const bool measured = measuring(now);
   int alone = -1;
-  bool someone_waits = false;
+  bool someone_waits = false, someone_held = false;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
     if (r.gstate != gputime::kGrantIdle) r.held += dt;
+    someone_held |= r.gstate != gputime::kGrantIdle;
     if (r.gstate == gputime::kGranted) alone = alone == -1 ? static_cast<int>(t) : -2;
     if (eligible(r, now)) someone_waits = true;
   }
+  record_granted(now, someone_held ? dt : 0);
   // Time held alone while another waited, since the last reading: settled
   // against the GPU time the next reading says the others used meanwhile
   // (a reading covers the time since the previous one, so the two line up).

@@ -320,6 +320,16 @@ class GpuScheduler {
   // Whether a tenant other than `t` held a grant between the end of t's
   // last grant before `at` and `at`.
   bool others_held_since_grant(uint32_t t, uint64_t at) const;
+  // How much of a sample's `busy` (at `at`, covering the sampling period
+  // before it) no tenant's grant in that period can account for; 0 when the
+  // record does not reach back over the whole period.
+  uint64_t busy_beyond_grants(uint64_t busy, uint64_t at) const;
+  // Time some tenant held a grant on this GPU, summed from the first pass
+  // up to `t` (interpolated between the passes recorded); false before the
+  // oldest record.
+  bool granted_time_until(uint64_t t, uint64_t* out) const;
+  // Adds the pass's `dt` when some tenant held a grant through it.
+  void record_granted(uint64_t now, uint64_t dt);
   // Files GPU time the meter found process(es) of row `t` using at `at`.
   void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now);
   bool room(uint64_t now) const;
@@ -406,6 +416,18 @@ class GpuScheduler {
   uint32_t busy_ppm_ = 0;
   uint64_t min_vtime_ = 0;
   uint64_t last_pass_ns_ = 0;
+  // The time some tenant held a grant, summed over the passes, recorded at
+  // most once per kGrantedMarkNs: the audit's measure of how much of a
+  // sampling period the grants covered, whatever a tenant does to its own
+  // grants (a tenant that ends them by the hundred a second cannot push its
+  // work out of this record, as it could out of a list of grants).
+  static constexpr uint64_t kGrantedMarkNs = 1'000'000;
+  struct GrantedMark {
+    uint64_t at = 0, granted = 0;
+  };
+  std::array<GrantedMark, 4096> granted_marks_{};  // 4 s at least
+  uint32_t granted_next_ = 0;
+  uint64_t granted_total_ = 0, granted_marked_at_ = 0;
   uint64_t latency_seen_ns_ = 0;  // a latency tenant last had a live process, asked or held the GPU (0: never)
   // A latency tenant was configured since the last pass (its arrival grace
   // starts at the next pass's clock), and when the last one's began (0: none).
