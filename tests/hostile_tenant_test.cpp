@@ -392,7 +392,7 @@ TEST_F(HostileTenantTest, ALatencyTenantBurstingWithoutPauseGetsNoMoreThanItsSha
   printf("a latency tenant bursting without pause: honest %.3f, the hostile %.3f, GPU busy %.3f\n", honest,
          busy - honest, busy);
   // Seen 0.515-0.550 of the time used, 0.49-0.53 with busy loops beside
-  // it; once 0.418 on a loaded host, not seen again in 17 runs. One path to
+  // it; once 0.418 on a loaded host, not seen again in 14 runs. One path to
   // such a drop is closed: a launch that lost its CPU after its marker had
   // that wait measured as GPU time (4 ms seen on a starved host), 8 ms of
   // which put the honest tenant on one launch at a time for 5 s
