@@ -31,6 +31,13 @@ constexpr uint32_t kStrictMs = 5'000;
 // 100 ms): it is started over from now.
 constexpr uint64_t kMaxReserveNs = 100'000'000;
 constexpr int64_t kMaxAheadUs = 250'000;
+// A marker measures its kernel's run only if the launch followed it at once:
+// it completes when recorded (nothing of ours is queued), so a thread that
+// lost its CPU between the two (a loaded host) would count that wait as GPU
+// time, and a wait of 8 budgets puts the whole tenant in strict mode for
+// kStrictMs. A launch later than this after its marker is measured from the
+// launch instead, an upper bound that can only lower an estimate.
+constexpr uint64_t kMarkerLateNs = 1'000'000;
 
 uint32_t ms_of(uint64_t ns) { return static_cast<uint32_t>(ns / 1'000'000); }
 uint32_t us_of(uint64_t ns) { return static_cast<uint32_t>(ns / 1'000); }
@@ -48,6 +55,7 @@ thread_local uint64_t t_start_ns = 0;
 thread_local uint64_t t_estimate_ns = 0;
 thread_local uint32_t t_reserved_end_us = 0;
 thread_local CUevent t_marker = nullptr;
+thread_local uint64_t t_marker_ns = 0;  // when t_marker was recorded
 thread_local CUcontext t_marker_ctx = nullptr;
 
 }  // namespace
@@ -259,6 +267,7 @@ bool LaunchPacer::wait_for_room(uint64_t budget_ns, CUcontext ctx, CUstream stre
       if (marker != nullptr && g_driver.cuEventRecord(marker, stream) == CUDA_SUCCESS) {
         t_marker = marker;
         t_marker_ctx = ctx;
+        t_marker_ns = gputime::monotonic_ns();
       } else {
         recycle_locked(marker, ctx);
       }
@@ -268,7 +277,9 @@ bool LaunchPacer::wait_for_room(uint64_t budget_ns, CUcontext ctx, CUstream stre
 }
 
 void LaunchPacer::launched(CUcontext ctx, CUstream stream, const void* kernel) {
-  const CUevent marker = std::exchange(t_marker, nullptr);
+  CUevent marker = std::exchange(t_marker, nullptr);
+  const uint64_t marker_ns = std::exchange(t_marker_ns, 0);
+  const bool marker_late = marker != nullptr && gputime::monotonic_ns() - marker_ns > kMarkerLateNs;
   const uint64_t reserved_start = std::exchange(t_start_ns, 0), estimate = std::exchange(t_estimate_ns, 0);
   const uint32_t reserved_end = std::exchange(t_reserved_end_us, 0);
   // Without cuEventQuery nothing tracked could ever be retired (its events
@@ -293,6 +304,10 @@ void LaunchPacer::launched(CUcontext ctx, CUstream stream, const void* kernel) {
   // When it will start: when the tenant's queue ahead of its reservation is
   // expected to end, and not before the launch before it (of ours).
   const uint64_t now = gputime::monotonic_ns();
+  if (marker_late) {
+    recycle_locked(marker, ctx);
+    marker = nullptr;
+  }
   uint64_t start = std::max(now, reserved_start);
   if (count_ > 0) {
     const Tracked& before = ring_[(head_ + count_ - 1) % kRing];
@@ -349,7 +364,7 @@ void LaunchPacer::reset_after_fork() {
   for (Kind& k : kinds_) k = Kind{};
   strict_word_ = end_word_ = nullptr;
   t_marker = nullptr;
-  t_start_ns = t_estimate_ns = 0;
+  t_start_ns = t_estimate_ns = t_marker_ns = 0;
   t_reserved_end_us = 0;
   pthread_mutex_init(&lock_, nullptr);
 }

@@ -391,12 +391,15 @@ TEST_F(HostileTenantTest, ALatencyTenantBurstingWithoutPauseGetsNoMoreThanItsSha
   const auto [honest, busy] = honest_beside("( " + preload + " " + steady + " ) & " + preload + " " + bursts + "; wait", 16);
   printf("a latency tenant bursting without pause: honest %.3f, the hostile %.3f, GPU busy %.3f\n", honest,
          busy - honest, busy);
-  // Seen 0.515-0.550 of the time used, but once 0.418 on a loaded host since
-  // pacing became tenant-wide (an open problem, not the target: the target
-  // is 0.48); the bound catches a latency tenant that takes the GPU outright.
+  // Seen 0.515-0.550 of the time used, 0.49-0.53 with busy loops beside
+  // it; once 0.418 on a loaded host, not seen again in 14 runs. One path to
+  // such a drop is closed: a launch that lost its CPU after its marker had
+  // that wait measured as GPU time (4 ms seen on a starved host), 8 ms of
+  // which put the honest tenant on one launch at a time for 5 s
+  // (interpose/launch_pacing.cpp, kMarkerLateNs). The target is 0.48.
   ASSERT_GT(busy, 0.9);
-  EXPECT_GE(honest / busy, 0.40);
-  EXPECT_LE((busy - honest) / busy, 0.60);
+  EXPECT_GE(honest / busy, 0.47);
+  EXPECT_LE((busy - honest) / busy, 0.53);
 }
 
 // The hostile tenant runs a process without the interposer beside one with
