@@ -42,6 +42,7 @@ thread_local CUcontext t_paced_ctx = nullptr;
 thread_local const void* t_paced_kernel = nullptr;
 std::atomic<int> g_threads_in_sync{0};
 std::atomic<bool> g_latency_held{false};
+std::atomic<bool> g_unsynced{false};
 
 namespace {
 
@@ -68,6 +69,13 @@ constexpr uint64_t kMaxHoldNs = 1'000'000;
 constexpr uint64_t kReaskNs = 1'000'000;
 constexpr uint64_t kQuietNs = 5'000'000;
 constexpr uint64_t kLatencyTickNs = 40'000;
+// A process that launched since its last synchronization returned may have
+// work queued, and is most likely between two launches of one request (a
+// thread that lost its CPU for a moment, a launch slowed by the driver): it
+// keeps the grant at least this long after its last launch. Given back
+// there, the request's next launch waited for the drain and a new grant,
+// 5-8 ms on a loaded host, where the whole request takes 2 ms.
+constexpr uint64_t kUnsyncedHoldNs = kMaxHoldNs;
 // What a pace budget from the arbiter may be (a damaged one is clamped).
 constexpr uint64_t kMinPaceNs = 10'000, kMaxPaceNs = 100'000'000;
 constexpr int kMaxContexts = 8;                      // contexts per GPU the pacer drains
@@ -602,9 +610,12 @@ bool pace_gpu(int gpu, uint64_t now) {
       } else {
         if (g.idle_since == 0) g.idle_since = now;
         pthread_mutex_lock(&g.transition);
-        const bool release = now - g.idle_since >= g.hold_ns && g.entered.load(std::memory_order_relaxed) == entered;
+        const uint64_t hold =
+            g_unsynced.load(std::memory_order_relaxed) ? std::max(g.hold_ns, kUnsyncedHoldNs) : g.hold_ns;
+        const bool release = now - g.idle_since >= hold && g.entered.load(std::memory_order_relaxed) == entered;
         if (release) {
           leave_locked(g, true);
+          g_unsynced.store(false, std::memory_order_relaxed);  // drained: nothing of ours is queued
           g.released_ns = gputime::monotonic_ns();
           g.idle_since = 0;
         }
@@ -786,6 +797,7 @@ CUresult wait_for_gpu(CUstream stream, bool* paced, const void* kernel) {
     t_paced_kernel = kernel;
   }
   g.activity.fetch_add(1, std::memory_order_relaxed);
+  if (latency_tenant(g)) g_unsynced.store(true, std::memory_order_relaxed);
   // Pass until the pacer's next tick. The word is read *before* `open`: the
   // pacer closes `open`, then changes the word, so either this read of the
   // word precedes the change (the pass is stale at once) or the read of

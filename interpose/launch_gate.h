@@ -30,6 +30,11 @@ extern std::atomic<int> g_threads_in_sync;
 // back as soon as the process stays idle (docs/sm-time.md, "Latency tenants").
 extern std::atomic<bool> g_latency_held;
 void kick_pacer();
+// A latency tenant's process launched since one of its synchronizations
+// last returned (set on the launch gate's slow path, cleared at a
+// synchronization's return): it may have work queued, and keeps its grant
+// a little longer (kUnsyncedHoldNs). Process-wide, as g_threads_in_sync.
+extern std::atomic<bool> g_unsynced;
 
 inline bool launch_may_pass() {
   return g_launch_gate.load(std::memory_order_acquire) == t_launch_pass;

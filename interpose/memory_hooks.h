@@ -388,6 +388,8 @@ CUresult synchronize(Args... args) {
   g_threads_in_sync.fetch_add(1, std::memory_order_relaxed);
   CUresult result = FRACGPU_PASS(id, args...);
   g_threads_in_sync.fetch_sub(1, std::memory_order_relaxed);
+  if (result == CUDA_SUCCESS && g_unsynced.load(std::memory_order_relaxed)) [[unlikely]]
+    g_unsynced.store(false, std::memory_order_relaxed);
   if (g_latency_held.load(std::memory_order_relaxed)) [[unlikely]]
     kick_pacer();
   // Pools release memory above their threshold when synchronized: give the

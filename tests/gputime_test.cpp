@@ -2475,12 +2475,14 @@ TEST_P(LatencyTenantOnEachModel, ACheapPrefixDoesNotTrainThePacerIntoQueuingLong
 // each process was paced to one queued launch of its own, so the inference
 // waited behind one 2 ms kernel per process (p99 17.8 ms with 4 processes,
 // 33-54 ms with 8, on the queue model). Now the budget is the tenant's, over
-// all its processes: one kernel ahead, as from one process, in most runs
-// (p99 4.5-6.0 ms), but once in three full-suite runs on a loaded 2-core
-// host 7.0 ms, a second kernel's worth. So the bound is two kernels: still
-// far below the one-per-process figures above. The training still gets
-// what the inference leaves.
-TEST_F(LatencyTenantTest, TrainingSplitOverProcessesQueuesNoMoreThanOneProcess) {
+// all its processes: one kernel ahead, as from one process. And a request
+// keeps its grant between its own launches (kUnsyncedHoldNs): given back
+// there whenever the launching thread lost its CPU for a moment (often, with
+// 4-8 training processes on 2 cores), its next launch waited 5-8 ms for the
+// drain and a new grant (p99 8.5-10 ms on time slices, up to 7 ms on the
+// queue model). Now 4.1-4.6 ms on both. The bound is the issue's, one
+// training kernel, with 2 ms to spare for a loaded 2-core host.
+TEST_P(LatencyTenantOnEachModel, TrainingSplitOverProcessesQueuesNoMoreThanOneProcess) {
   write_config({{"inf", "0.25", "[0]", "", "latency"}, {"train", "0.75", "[0]", "1.0"}});
   start_daemon();
   const BurstFigures alone_figures = alone(true);
@@ -2491,8 +2493,8 @@ TEST_F(LatencyTenantTest, TrainingSplitOverProcessesQueuesNoMoreThanOneProcess) 
     const PairFigures p = pair(kTrainingQueued, true, processes);
     print(("beside training in " + std::to_string(processes) + " processes").c_str(), p);
     ASSERT_GT(p.inference.bursts, 300);
-    EXPECT_LE(p.inference.p99_us, 1.10 * alone_figures.p99_us + 2 * 2'000 + 2'000)
-        << "more than two training kernels were queued ahead of the inference";
+    EXPECT_LE(p.inference.p99_us, 1.10 * alone_figures.p99_us + 2'000 + 2'000)
+        << "more than one training kernel was queued ahead of the inference";
     EXPECT_GE(p.training_of_leftover, 0.90);
   }
 }
