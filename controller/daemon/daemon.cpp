@@ -671,9 +671,11 @@ void Daemon::apply(const NodeConfig& config) {
     if (open.configured) log_->info("tenant \"{}\" is no longer configured: revoking its GPUs, keeping {}", name, open.dir);
     open.configured = false;
   }
+  // The record first: whoever sees a new grant in a ledger (`fracgpu status`,
+  // a test) then finds the reason for it, never the last placement's.
+  record_placement(config);
   commit_policies(config);
   apply_gpu_time(config);
-  record_placement(config);
   apply_unavailable();
 }
 
