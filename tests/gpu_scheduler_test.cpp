@@ -267,6 +267,27 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_TRUE(holds(0));
     ASSERT_TRUE(enter(0, a));
   }
+  // Held mode audited by a meter sampling every 167 ms, past the audit's
+  // grace: a and b uncapped, each with one attributed process (slots *a and
+  // *b, b's PID *pb), and b with kOutside too, a process outside the gate
+  // alive for a second already; then a holds the GPU (its process entered).
+  static constexpr uint32_t kOutside = 4'000'002;
+  void pair_beside_a_process_outside_the_gate(int* a, int* b, uint32_t* pb) {
+    configure(gputime::kPpm, gputime::kPpm);
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    meter_.period = 167 * kMs;
+    meter_.last = now_;
+    uint32_t pa = 0;
+    *a = spawn_attributed(0, &pa);
+    *b = spawn_attributed(1, pb);
+    now_ += GpuScheduler::kAuditGraceNs;
+    sched_->attribute({{tenants_[0].name, attributed_[0]}, {tenants_[1].name, {*pb, kOutside}}},
+                      {{kOutside, {now_ - 1000 * kMs, 0}}});
+    want(0, *a);
+    pass(2 * kMs);
+    ASSERT_TRUE(holds(0));
+    ASSERT_TRUE(enter(0, *a));
+  }
   // A process of tenant t, attributed to it: its slot; *pid its PID.
   int spawn_attributed(int t, uint32_t* pid) {
     const int slot = spawn(t);
@@ -1042,6 +1063,90 @@ TEST_F(SchedulerTest, APidIsChargedOnlyForTheSamplesWithinItsProcesssLife) {
   pass(2 * kMs);
   EXPECT_EQ(row(1).out_of_grant_ns.load(), 150 * kMs);
   EXPECT_EQ(row(1).out_of_grant_samples.load(), 1u);
+}
+
+// A tenant whose process outside the gate the driver names at work gives
+// way to every tenant that asks: the holder keeps the GPU at its slice's
+// end although the yielding tenant's virtual time is less, until
+// kOutsideYieldPeriods sampling periods pass without such a sample. A
+// sample naming a gated process of it in another's grant (a drain it did
+// not do) is charged the same, but moves no turn.
+TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWayToThem) {
+  int a = 0, b = 0;
+  uint32_t pb = 0;
+  ASSERT_NO_FATAL_FAILURE(pair_beside_a_process_outside_the_gate(&a, &b, &pb));
+  // a holds alone for a second: its virtual time runs far ahead of b's.
+  for (int i = 0; i < 100; ++i) pass(10 * kMs);
+  // b's gated process named in a's grant: charged, but b still takes its turn.
+  meter_.samples.push_back({pb, 20 * kMs, now_ - 4 * kMs});
+  want(1, b);
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 20 * kMs);
+  for (int i = 0; i < 30 && !holds(1); ++i) {
+    pass(1 * kMs);
+    follow(0, a);
+  }
+  ASSERT_TRUE(holds(1)) << "a sample of a gated process moves no turn";
+  ASSERT_TRUE(enter(1, b));
+  pass(25 * kMs);
+  follow(1, b);
+  want(0, a);
+  for (int i = 0; i < 30 && !holds(0); ++i) {
+    pass(1 * kMs);
+    follow(1, b);
+  }
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  // Now b's process outside the gate, named in a's grant, after a has
+  // held alone long enough to be behind b again.
+  for (int i = 0; i < 20; ++i) pass(10 * kMs);
+  meter_.samples.push_back({kOutside, 20 * kMs, now_ - 4 * kMs});
+  want(1, b);
+  pass(2 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_ns.load(), 40 * kMs);
+  ASSERT_LT(row(1).vtime.load(), row(0).vtime.load()) << "b would be next by virtual time";
+  const uint64_t named = now_;
+  const uint64_t yield_ns = GpuScheduler::kOutsideYieldPeriods * meter_.period;
+  while (now_ - named + 10 * kMs < yield_ns) {
+    pass(10 * kMs);
+    follow(0, a);
+    ASSERT_TRUE(holds(0)) << "a keeps the GPU " << (now_ - named) / kMs << " ms after the sample";
+  }
+  for (int i = 0; i < 40 && !holds(1); ++i) {
+    pass(1 * kMs);
+    follow(0, a);
+  }
+  EXPECT_TRUE(holds(1)) << "once the yield lapses, b takes its turn";
+}
+
+// While it yields, a tenant is granted a free GPU only once nobody else has
+// held or asked for it for kYieldGapNs (a holder between two launches lets
+// it go for a moment), and it gives the GPU up at once when another asks.
+TEST_F(SchedulerTest, AYieldingTenantWaitsOutAGapForAFreeGpuAndGivesItUpAtOnce) {
+  int a = 0, b = 0;
+  uint32_t pb = 0;
+  ASSERT_NO_FATAL_FAILURE(pair_beside_a_process_outside_the_gate(&a, &b, &pb));
+  pass(10 * kMs);
+  meter_.samples.push_back({kOutside, 20 * kMs, now_ - 4 * kMs});
+  want(1, b);
+  pass(2 * kMs);
+  ASSERT_EQ(row(1).out_of_grant_samples.load(), 1u);
+  // a's process drains and asks no more: its grant ends.
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  pass(1 * kMs);
+  ASSERT_FALSE(holds(0));
+  const uint64_t freed = now_;
+  while (now_ - freed + 2 * kMs < GpuScheduler::kYieldGapNs) {
+    pass(1 * kMs);
+    ASSERT_FALSE(holds(1)) << (now_ - freed) / kMs << " ms after a let the GPU go";
+  }
+  for (int i = 0; i < 5 && !holds(1); ++i) pass(1 * kMs);
+  ASSERT_TRUE(holds(1)) << "nobody else asks: b is granted";
+  ASSERT_TRUE(enter(1, b));
+  pass(1 * kMs);
+  want(0, a);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(1), gputime::kGrantRevoking) << "a asks: b gives the GPU up at once, before its slice ends";
 }
 
 // A tenant capped below the GPU, alone, is named by the driver's samples

@@ -45,6 +45,9 @@ constexpr uint32_t kProbesPerPass = 8;
 // What a restarted daemon keeps of an earlier run's virtual times: none
 // more than this (of real time, at its share) ahead of the least.
 constexpr uint64_t kAdoptVtimeSpreadNs = 10 * kSecond;
+// A real NVML samples every ~1/6 s to 1 s: a longer period from the meter
+// is taken for 1 s (it would leave limits unenforced for that long).
+constexpr uint64_t kMaxMeterPeriodNs = 1'000'000'000;
 
 template <typename T>
 bool store_if_changed(std::atomic<T>& field, T value) {
@@ -213,7 +216,7 @@ void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>&
     uint64_t others_busy = 0;
     for (const auto& [at, busy] : un.uses) {
       if (names_then(pid, at)) {
-        if (!measured_charging_) file_split_use(rows, busy, at, last_pass_ns_);
+        if (!measured_charging_) file_split_use(pid, rows, busy, at, last_pass_ns_);
       } else {
         others.emplace_back(at, busy);
         others_busy = gputime::saturating_add(others_busy, busy);
@@ -235,11 +238,16 @@ void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>&
   }
 }
 
-void GpuScheduler::file_split_use(const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now) {
+void GpuScheduler::file_split_use(uint32_t pid, const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at,
+                                  uint64_t now) {
+  // Only the daemon's watch of the GPUs' process lists gives lifetimes: to
+  // processes it found outside the gate.
+  const bool outside_gate = pid_lifetimes_.contains(pid);
   // Equal parts; the remainder of the division to the first, so that the
   // parts add up to what the driver saw.
   const uint64_t part = busy / rows.size();
-  for (size_t i = 0; i < rows.size(); ++i) file_use(rows[i], i == 0 ? busy - part * (rows.size() - 1) : part, at, now);
+  for (size_t i = 0; i < rows.size(); ++i)
+    file_use(rows[i], i == 0 ? busy - part * (rows.size() - 1) : part, at, now, outside_gate);
 }
 
 // ---- Configuration (main thread) ----
@@ -516,12 +524,30 @@ bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
          now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r.limit, now));
 }
 
+// The charge for a sample naming a process outside the gate comes after
+// the fact, one sample's worth at a time, and only by luck of the draw: a
+// tenant charged so stays about level with the holder whose grants its
+// process shares, and keeps winning turns for its gated processes while
+// that process takes half of every other grant (on a driver that
+// time-slices: honest 0.37 of the GPU against 0.5). What the gate cannot
+// stop it can take its tenant's turns from: while a sample found such a
+// process at work lately, its tenant's gated processes get the GPU only
+// when nobody else asks, so the process itself is what the tenant's share
+// pays for.
+bool GpuScheduler::yields(const Row& r, uint64_t now) const {
+  if (r.outside_named_ns == 0 || now < r.outside_named_ns) return false;
+  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  return now - r.outside_named_ns < std::max(kOutsideYieldPeriods * period, kOutsideYieldMinNs);
+}
+
 // Priority buys latency, not time: a tenant's priority counts only while
 // it uses no more than its share of the GPU's time, measured as a rate with
 // the limit's burst (gputime::within_limit at the share). Beyond it, it
 // counts one lower, and virtual times decide as for everyone.
+// A tenant that yields ranks below every priority.
 int GpuScheduler::effective_rank(uint32_t t, uint64_t now) const {
   const Row& r = rows_[t];
+  if (yields(r, now)) return -1;
   const int rank = gputime::priority_rank(r.priority);
   const bool within =
       r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(r.share, now));
@@ -550,6 +576,12 @@ int GpuScheduler::best_candidate(uint64_t now, int exclude) {
   return best;
 }
 
+int GpuScheduler::contender(uint64_t now, uint32_t holder) {
+  const int other = best_candidate(now, static_cast<int>(holder));
+  if (other >= 0 && yields(rows_[other], now) && !yields(rows_[holder], now)) return -1;
+  return other;
+}
+
 uint32_t GpuScheduler::holders(uint32_t state) const {
   uint32_t n = 0;
   for (const Row& r : rows_) n += r.gstate == state ? 1 : 0;
@@ -560,16 +592,20 @@ bool GpuScheduler::measuring(uint64_t now) const {
   return measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
 }
 
-// A real NVML samples every ~1/6 s to 1 s: a longer period from the meter
-// is taken for 1 s (it would leave limits unenforced for that long).
-constexpr uint64_t kMaxMeterPeriodNs = 1'000'000'000;
-
 uint64_t GpuScheduler::charged_period(uint64_t now) const {
   return measuring(now) ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
 }
 
 uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
-  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
+  // Held mode charges by the pass, except while a process outside the gate
+  // shares the holders' grants: then the audit's credits (and charges) come
+  // a sample's worth at a time, as measured mode's charges do, and a limit
+  // as tight as the passes' would revoke an honest holder between two of
+  // them (a 0.5 tenant beside such a process, capped at 0.5, lost about a
+  // sixth of its grants that way).
+  const uint64_t period =
+      outside_work_ && auditing(now) ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : charged_period(now);
+  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * period, rate_ppm));
 }
 
 uint64_t GpuScheduler::lead(uint64_t now) const { return std::max(kLeadNs, 2 * charged_period(now)); }
@@ -668,7 +704,7 @@ uint64_t GpuScheduler::busy_beyond_grants(uint64_t busy, uint64_t at) const {
 // samples), and the tenants that held the GPU at that instant, who paid
 // for that time as held, get it back from their next charges. Each side's
 // figure moves only by what the driver saw the other tenant's process do.
-void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now) {
+void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now, bool outside_gate) {
   Row& r = rows_[t];
   if (measured_charging_) {
     r.pending_use = gputime::saturating_add(r.pending_use, busy);
@@ -679,6 +715,17 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
   // under a limit (as they decide it themselves), and not in the moments
   // after a restart or a change, before they have noticed and asked.
   if ((active_count_ <= 1 && r.limit >= kPpm) || at < audit_from_ns_) return;
+  // A process outside the gate found at work, whoever held the GPU then:
+  // its tenant yields (yields()).
+  if (outside_gate && busy > 0) {
+    if (!yields(r, now) && (r.outside_logged_ns == 0 || now - r.outside_logged_ns > 60 * kSecond)) {
+      r.outside_logged_ns = now;
+      note(true, fmt::format("{}: tenant \"{}\" runs work on the GPU outside the gate: it gives way to every tenant "
+                             "that asks until {} sampling periods pass without a sample finding that",
+                             label_, r.name, kOutsideYieldPeriods));
+    }
+    r.outside_named_ns = now;
+  }
   bool known = true;
   if (held_at(r, at, &known) || !known || at > now) return;
   // Named after its grant ended, with nobody else granted the GPU since:
@@ -742,7 +789,7 @@ void GpuScheduler::read_meter(uint64_t now) {
       turns_last_at_ = std::max(turns_last_at_, at);
     }
     if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end() && names_then(u.pid, at)) {
-      file_split_use(it->second, busy, at, now);
+      file_split_use(u.pid, it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];
       if (un.since == 0) un.since = now;
@@ -1017,7 +1064,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
       end_grant(t, now);
       return;
     }
-    const int other = best_candidate(now, static_cast<int>(t));
+    const int other = contender(now, t);
     const uint64_t idle_for = now - std::max(h.grant_ns, h.last_active);
     if (!h.wants && idle_for >= gputime::kIdleNs && (other >= 0 || idle_for >= gputime::kLoneIdleNs))
       start_revoke(t, now);
@@ -1034,6 +1081,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
 }
 
 void GpuScheduler::step(uint64_t now) {
+  outside_work_ = std::any_of(rows_.begin(), rows_.end(), [&](const Row& r) { return r.active && yields(r, now); });
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
     if (rows_[t].gstate != gputime::kGrantIdle) step_row(t, now);
   const bool measured = measuring(now);
@@ -1119,7 +1167,7 @@ void GpuScheduler::step(uint64_t now) {
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
       Row& h = rows_[t];
       if (h.gstate != gputime::kGranted) continue;
-      const int other = best_candidate(now, static_cast<int>(t));
+      const int other = contender(now, t);
       if (other >= 0 && now - h.grant_ns >= slice_ns_ && effective_vtime(rows_[other]) < effective_vtime(h) &&
           !(measured && room(now)) && holders(gputime::kGrantRevoking) == 0)
         start_revoke(t, now);
@@ -1129,12 +1177,15 @@ void GpuScheduler::step(uint64_t now) {
   // Measured mode: the next at once, and more while the GPU has room.
   // Side by side: every tenant that asks, at once.
   const uint32_t busy = holders(gputime::kGranted) + (measured ? 0 : holders(gputime::kGrantRevoking));
+  for (const Row& r : rows_)
+    if (r.active && !yields(r, now) && (r.gstate != gputime::kGrantIdle || eligible(r, now))) unyielding_seen_ns_ = now;
   if (side_ && !measured) {
     for (int best = best_candidate(now, -1); best >= 0; best = best_candidate(now, -1))
       grant(static_cast<uint32_t>(best), now);
   } else if (busy == 0 || (measured && room(now))) {
     const int best = best_candidate(now, -1);
-    if (best >= 0) grant(static_cast<uint32_t>(best), now);
+    if (best >= 0 && !(yields(rows_[best], now) && now - unyielding_seen_ns_ < kYieldGapNs))
+      grant(static_cast<uint32_t>(best), now);
   }
 }
 

@@ -92,6 +92,17 @@ class GpuScheduler {
   // change: processes see a new daemon, or that their GPU became shared,
   // within a few pacer ticks, and until then run ungated in good faith.
   static constexpr uint64_t kAuditGraceNs = 200'000'000;
+  // A tenant whose process outside the gate a sample found at work gives
+  // way to every tenant that asks, for this many sampling periods after the
+  // last such sample (at least kOutsideYieldMinNs): docs/sm-time.md, "A
+  // process outside the gate costs its tenant its turns".
+  static constexpr uint64_t kOutsideYieldPeriods = 8;
+  static constexpr uint64_t kOutsideYieldMinNs = 500'000'000;
+  // ... and is granted a free GPU only once no other tenant has held or
+  // asked for this long: a holder between two of its launches hands the
+  // GPU back for a moment, and a grant then would make it wait for the
+  // yielding tenant's queued work.
+  static constexpr uint64_t kYieldGapNs = 20'000'000;
   // Other tenants are paced (gputime::DaemonSection::pace_inflight_ns) while
   // a latency tenant has a live process, or asked or held the GPU, this
   // recently ...
@@ -252,6 +263,9 @@ class GpuScheduler {
     // the daemon found a process of it outside the gate.
     uint32_t gpu_contexts = 0;
     bool outside = false;
+    // When a sample last found a process of it outside the gate at work
+    // (our clock; 0: never), and when a yield of it was last logged.
+    uint64_t outside_named_ns = 0, outside_logged_ns = 0;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
     bool blocked = false;         // missed a drain deadline; waits for progress
     uint64_t blocked_seq = 0;
@@ -297,6 +311,10 @@ class GpuScheduler {
   // one lower while it is beyond its share (a latency tenant counts as
   // normal, a normal one as batch).
   int effective_rank(uint32_t t, uint64_t now) const;
+  // The tenant the holder would give way to at the end of its slice or
+  // when it idles: best_candidate(), unless that one yields and the holder
+  // does not (then -1: the holder keeps the GPU as if alone).
+  int contender(uint64_t now, uint32_t holder);
   // Records a latency tenant's wait from asking to its grant.
   void note_wait(Row& r, uint64_t now);
   // Among tenants that ask and hold no grant: the one to grant next, or -1.
@@ -330,8 +348,12 @@ class GpuScheduler {
   bool granted_time_until(uint64_t t, uint64_t* out) const;
   // Adds the pass's `dt` when some tenant held a grant through it.
   void record_granted(uint64_t now, uint64_t dt);
-  // Files GPU time the meter found process(es) of row `t` using at `at`.
-  void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now);
+  // Files GPU time the meter found process(es) of row `t` using at `at`;
+  // `outside_gate`: a process the daemon found outside the gate.
+  void file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now, bool outside_gate);
+  // Whether the tenant gives way to every other that asks: a process of it
+  // outside the gate was found at work lately (kOutsideYieldPeriods).
+  bool yields(const Row& r, uint64_t now) const;
   bool room(uint64_t now) const;
   // Side by side: may the tenants that ask or hold now share the GPU
   // through the driver's time slices (`starting`: at least two of them)?
@@ -377,6 +399,8 @@ class GpuScheduler {
   uint64_t generation_ = 0;
   uint64_t seq_ = 0;  // the last grant's sequence number (all tenants draw from it)
   uint64_t last_word_ = 0, last_grant_ns_ = 0, last_revoke_ns_ = 0;  // for GrantSection (display)
+  uint64_t unyielding_seen_ns_ = 0;  // the last pass a tenant that does not yield held or asked
+  bool outside_work_ = false;         // some tenant yields (step()): the audit's credits come by the sample
   uint64_t handovers_ = 0;
   // Measured mode: the meter, PID -> row, usage of PIDs not attributed yet,
   // and the GPU's busy time over the current room window.
@@ -388,8 +412,8 @@ class GpuScheduler {
   std::unordered_map<uint32_t, PidLifetime> pid_lifetimes_;  // attribute()'s lifetimes
   // Whether a sample of `pid` at `at` is of the process attribute() named.
   bool names_then(uint32_t pid, uint64_t at) const;
-  // Files `busy` used at `at` by a PID of these rows, in equal parts.
-  void file_split_use(const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now);
+  // Files `busy` used at `at` by `pid`, of these rows, in equal parts.
+  void file_split_use(uint32_t pid, const std::vector<uint32_t>& rows, uint64_t busy, uint64_t at, uint64_t now);
   struct Unattributed {
     uint64_t busy_ns = 0, since = 0;
     std::vector<std::pair<uint64_t, uint64_t>> uses;  // (instant, busy), the first few (held mode's audit)
