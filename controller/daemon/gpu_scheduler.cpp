@@ -598,14 +598,17 @@ uint64_t GpuScheduler::charged_period(uint64_t now) const {
 
 uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
   // Held mode charges by the pass, except while a process outside the gate
-  // shares the holders' grants: then the audit's credits (and charges) come
-  // a sample's worth at a time, as measured mode's charges do, and a limit
+  // shares the holders' grants: then the audit's credits for it come a
+  // sample's worth at a time, when a sample happens to name it, and a limit
   // as tight as the passes' would revoke an honest holder between two of
   // them (a 0.5 tenant beside such a process, capped at 0.5, lost about a
-  // sixth of its grants that way).
-  const uint64_t period =
-      outside_work_ && auditing(now) ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : charged_period(now);
-  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * period, rate_ppm));
+  // sixth of its grants that way). The burst then spans the yield's own
+  // window of samples: the limit holds on average, not sample by sample.
+  if (outside_work_ && auditing(now))
+    return std::max(gputime::kLimitBurstNs,
+                    gputime::scale(kOutsideYieldPeriods * std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs),
+                                   rate_ppm));
+  return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
 }
 
 uint64_t GpuScheduler::lead(uint64_t now) const { return std::max(kLeadNs, 2 * charged_period(now)); }

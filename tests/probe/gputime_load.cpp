@@ -45,6 +45,11 @@
 //                       by the time anyone asks whose it is
 //     exit_after_ms=2   (with exit_at_ms) how long after that instant to exit
 //     ahead_us=0        launch one kernel at a time: synchronize after each
+//     flood_after_ms=T  a tenant that looks light, then floods: for T ms launch only the
+//                       first of kernels_us, with host_us and ahead_us as given; from then
+//                       on only the last, back to back (no host work), flood_ahead_us
+//                       queued ahead
+//     flood_ahead_us=100000  (with flood_after_ms) how much to queue ahead while flooding
 //     burst=N,P,J       an inference service (device 0, path=kernel): bursts of N kernels
 //                       (kernels_us), the k-th arriving at k*P us + uniform(-J, +J) us
 //                       after the start (seed 1); a burst whose arrival is past starts at
@@ -92,6 +97,8 @@ struct Options {
   unsigned guard_ms = 8;
   unsigned exit_at_ms = 0;
   unsigned exit_after_ms = 2;
+  unsigned flood_after_ms = 0;
+  unsigned flood_ahead_us = 100000;
   std::vector<unsigned> burst;  // N, P us, J us
 };
 
@@ -273,6 +280,7 @@ struct Launcher {
   CUevent older = nullptr, newer = nullptr;
   uint64_t batch_us = 0;
   size_t next = 0;
+  uint64_t flood_at_ns = 0;  // flood_after_ms: when the light phase ends
   bool have_older = false;
 
   bool begin() {
@@ -281,6 +289,7 @@ struct Launcher {
     batch_us = 0;
     next = 0;
     have_older = false;
+    flood_at_ns = o.flood_after_ms != 0 ? now_ns() + o.flood_after_ms * 1'000'000ull : 0;
     return true;
   }
 
@@ -302,21 +311,24 @@ struct Launcher {
   }
 
   bool step() {
+    const bool flooding = flood_at_ns != 0 && now_ns() >= flood_at_ns;
+    if (flood_at_ns != 0) next = flooding ? functions.size() - 1 : 0;
+    const unsigned host_us = flooding ? 0 : o.host_us, ahead_us = flooding ? o.flood_ahead_us : o.ahead_us;
     if (!dodge()) return false;
     if (!launch(next)) return false;
-    if (o.host_us != 0) {
+    if (host_us != 0) {
       // Host-side work between launches (busy, as a Python loop is).
-      const uint64_t until = now_ns() + o.host_us * 1000ull;
+      const uint64_t until = now_ns() + host_us * 1000ull;
       while (now_ns() < until) {
       }
     }
     batch_us += o.kernels_us[next];
     next = (next + 1) % functions.size();
-    if (o.ahead_us == 0) {
+    if (ahead_us == 0) {
       CHECK(cuStreamSynchronize(sync_stream()));
       return true;
     }
-    if (batch_us < o.ahead_us) return true;
+    if (batch_us < ahead_us) return true;
     // Double buffering: mark this batch, then wait for the one before it,
     // so about one batch stays queued and the GPU never runs dry.
     batch_us = 0;
@@ -552,6 +564,8 @@ int main(int argc, char** argv) {
     else if (key == "exit_at_ms") o.exit_at_ms = static_cast<unsigned>(atoi(value));
     else if (key == "exit_after_ms") o.exit_after_ms = static_cast<unsigned>(atoi(value));
     else if (key == "burst") o.burst = parse_list(value);
+    else if (key == "flood_after_ms") o.flood_after_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "flood_ahead_us") o.flood_ahead_us = static_cast<unsigned>(atoi(value));
     else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
       return 64;
