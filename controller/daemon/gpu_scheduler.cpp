@@ -536,7 +536,7 @@ bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
 // pays for.
 bool GpuScheduler::yields(const Row& r, uint64_t now) const {
   if (r.outside_named_ns == 0 || now < r.outside_named_ns) return false;
-  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  const uint64_t period = sample_period();
   return now - r.outside_named_ns < std::max(kOutsideYieldPeriods * period, kOutsideYieldMinNs);
 }
 
@@ -592,8 +592,12 @@ bool GpuScheduler::measuring(uint64_t now) const {
   return measured_charging_ && meter_ != nullptr && meter_ok_ns_ != 0 && now - meter_ok_ns_ < kMeterStaleNs;
 }
 
+uint64_t GpuScheduler::sample_period() const {
+  return meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+}
+
 uint64_t GpuScheduler::charged_period(uint64_t now) const {
-  return measuring(now) ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  return measuring(now) ? sample_period() : 0;
 }
 
 uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
@@ -606,8 +610,7 @@ uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
   // window of samples: the limit holds on average, not sample by sample.
   if (outside_work_ && auditing(now))
     return std::max(gputime::kLimitBurstNs,
-                    gputime::scale(kOutsideYieldPeriods * std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs),
-                                   rate_ppm));
+                    gputime::scale(kOutsideYieldPeriods * sample_period(), rate_ppm));
   return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
 }
 
@@ -687,7 +690,7 @@ bool GpuScheduler::granted_time_until(uint64_t t, uint64_t* out) const {
 }
 
 uint64_t GpuScheduler::busy_beyond_grants(uint64_t busy, uint64_t at) const {
-  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  const uint64_t period = sample_period();
   if (period == 0 || at <= period + kAuditMarginNs) return 0;
   uint64_t from = 0, to = 0;
   // A record that does not reach back over the period tells nothing.
@@ -1252,7 +1255,7 @@ bool GpuScheduler::turns_leave_room(uint64_t now) const {
 }
 
 void GpuScheduler::step_side_by_side(uint64_t now) {
-  const uint64_t period = meter_ != nullptr ? std::min(meter_->sample_period_ns(), kMaxMeterPeriodNs) : 0;
+  const uint64_t period = sample_period();
   auto start_turns = [&] {
     side_ = false;
     phase_since_ = now;

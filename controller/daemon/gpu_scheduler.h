@@ -328,6 +328,8 @@ class GpuScheduler {
   // the rate, two periods of lead, else kLimitBurstNs and kLeadNs.
   uint64_t burst(uint32_t rate_ppm, uint64_t now) const;
   uint64_t lead(uint64_t now) const;
+  // The meter's sampling period, taken for at most 1 s; 0 without a meter.
+  uint64_t sample_period() const;
   // The time one meter sample may charge at once: the sampling period in
   // measured mode (at most 1 s), else 0.
   uint64_t charged_period(uint64_t now) const;
