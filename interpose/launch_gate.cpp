@@ -36,7 +36,7 @@
 namespace fracgpu::interpose {
 
 std::atomic<uint64_t> g_launch_gate{1};  // 1: not set up yet; real epochs start at 2
-thread_local uint64_t t_launch_pass = 0;
+constinit thread_local uint64_t t_launch_pass = 0;
 thread_local int t_paced_gpu = -1;  // the GPU entry of this thread's paced launch (wait_for_gpu -> launch_paced)
 thread_local CUcontext t_paced_ctx = nullptr;
 thread_local const void* t_paced_kernel = nullptr;

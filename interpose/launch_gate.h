@@ -22,7 +22,7 @@ namespace fracgpu::interpose {
 // 0: no GPU of this process is metered, every launch passes. Otherwise an
 // epoch, changed whenever a thread's pass may have become stale.
 extern std::atomic<uint64_t> g_launch_gate;
-extern thread_local uint64_t t_launch_pass;
+extern constinit thread_local uint64_t t_launch_pass;
 // Threads inside a stream, event or context synchronization right now.
 extern std::atomic<int> g_threads_in_sync;
 // True while this process holds a latency tenant's grant: a synchronization

@@ -14,47 +14,83 @@
 
 namespace fracgpu::interpose {
 
-// The real function, or CUDA_ERROR_NOT_FOUND if the driver lacks it (the
-// gate never loads the driver on the fast path: a pass implies it is loaded),
-// or the gate's refusal.
+// Every launch hook is split in two. The hook itself (pass_or) checks the
+// thread's pass and that the driver has the function, then jumps to the
+// real function with its own arguments untouched. Everything else is in a
+// separate, never-inlined gated function with the same signature, so that
+// the hook is a tail jump on either path: inlined, the slow path made the
+// hook save six registers and copy its stack arguments on every launch
+// (docs/performance.md, "the launch path").
+template <HookId id, auto gated, class... Args>
+[[gnu::always_inline]] inline CUresult pass_or(Args... args) {
+  if (launch_may_pass()) [[likely]]
+    if (const auto fn = real<id>(); fn != nullptr) [[likely]]
+      return fn(args...);
+  return gated(args...);
+}
+
+// The gated path: the real function, or CUDA_ERROR_NOT_FOUND if the driver
+// lacks it (the gate never loads the driver on the fast path: a pass implies
+// it is loaded), or the gate's refusal.
 // A paced launch (launch_gate.h: a latency tenant shares the GPU) is
 // tracked once made; `kernel` (its function or graph exec) names what it
 // runs, for the pacer's estimate of its GPU time.
-#define FRACGPU_LAUNCH(id, stream, kernel, ...)                                \
+#define FRACGPU_GATED_LAUNCH(id, stream, kernel, ...)                          \
   do {                                                                         \
-    if (!launch_may_pass()) [[unlikely]] {                                     \
-      bool paced = false;                                                      \
-      const CUresult refused = wait_for_gpu(stream, &paced, kernel);           \
-      if (refused != CUDA_SUCCESS) return refused;                             \
-      if (paced) {                                                             \
-        auto fn = real<id>();                                                  \
-        const CUresult result = fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND; \
-        if (result == CUDA_SUCCESS) paced_launch_done(stream);                 \
-        return result;                                                         \
-      }                                                                        \
-    }                                                                          \
+    bool paced = false;                                                        \
+    if (!launch_may_pass())                                                    \
+      if (const CUresult refused = wait_for_gpu(stream, &paced, kernel); refused != CUDA_SUCCESS) \
+        return refused;                                                        \
     auto fn = real<id>();                                                      \
-    return fn != nullptr ? fn(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND;             \
+    if (fn == nullptr) return CUDA_ERROR_NOT_FOUND;                            \
+    const CUresult result = fn(__VA_ARGS__);                                   \
+    if (paced && result == CUDA_SUCCESS) paced_launch_done(stream);            \
+    return result;                                                             \
   } while (0)
+
+template <HookId id>
+[[gnu::noinline]] CUresult launch_kernel_gated(CUfunction f, unsigned int grid_x, unsigned int grid_y,
+                                               unsigned int grid_z, unsigned int block_x, unsigned int block_y,
+                                               unsigned int block_z, unsigned int shared_bytes, CUstream stream,
+                                               void** params, void** extra) {
+  FRACGPU_GATED_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream,
+                       params, extra);
+}
 
 template <HookId id>
 CUresult launch_kernel(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                        unsigned int block_x, unsigned int block_y, unsigned int block_z, unsigned int shared_bytes,
                        CUstream stream, void** params, void** extra) {
-  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params,
-                 extra);
+  return pass_or<id, launch_kernel_gated<id>>(f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes,
+                                              stream, params, extra);
+}
+
+template <HookId id>
+[[gnu::noinline]] CUresult launch_kernel_ex_gated(const CUlaunchConfig* config, CUfunction f, void** params,
+                                                  void** extra) {
+  FRACGPU_GATED_LAUNCH(id, config != nullptr ? config->hStream : nullptr, f, config, f, params, extra);
 }
 
 template <HookId id>
 CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
-  FRACGPU_LAUNCH(id, config != nullptr ? config->hStream : nullptr, f, config, f, params, extra);
+  return pass_or<id, launch_kernel_ex_gated<id>>(config, f, params, extra);
+}
+
+template <HookId id>
+[[gnu::noinline]] CUresult launch_cooperative_gated(CUfunction f, unsigned int grid_x, unsigned int grid_y,
+                                                    unsigned int grid_z, unsigned int block_x, unsigned int block_y,
+                                                    unsigned int block_z, unsigned int shared_bytes,
+                                                    CUstream stream, void** params) {
+  FRACGPU_GATED_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream,
+                       params);
 }
 
 template <HookId id>
 CUresult launch_cooperative(CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                             unsigned int block_x, unsigned int block_y, unsigned int block_z,
                             unsigned int shared_bytes, CUstream stream, void** params) {
-  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, params);
+  return pass_or<id, launch_cooperative_gated<id>>(f, grid_x, grid_y, grid_z, block_x, block_y, block_z,
+                                                   shared_bytes, stream, params);
 }
 
 // One kernel per device, each on a stream of that device's context: wait for
@@ -73,8 +109,8 @@ CUresult launch_cooperative_multi_device(CUDA_LAUNCH_PARAMS* launches, unsigned 
 // (graph_memory.h); every other graph launches as a kernel does. Either way
 // a launch is paced beside a latency tenant.
 template <HookId id>
-CUresult graph_launch(CUgraphExec graph, CUstream stream) {
-  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]] {
+[[gnu::noinline]] CUresult graph_launch_gated(CUgraphExec graph, CUstream stream) {
+  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) {
     bool paced = false;
     if (!launch_may_pass())
       if (const CUresult refused = wait_for_gpu(stream, &paced, graph); refused != CUDA_SUCCESS) return refused;
@@ -82,20 +118,37 @@ CUresult graph_launch(CUgraphExec graph, CUstream stream) {
     if (paced && result == CUDA_SUCCESS) paced_launch_done(stream);
     return result;
   }
-  FRACGPU_LAUNCH(id, stream, graph, graph, stream);
+  FRACGPU_GATED_LAUNCH(id, stream, graph, graph, stream);
+}
+
+template <HookId id>
+CUresult graph_launch(CUgraphExec graph, CUstream stream) {
+  if (g_graph_execs_with_memory.load(std::memory_order_relaxed) != 0) [[unlikely]]
+    return graph_launch_gated<id>(graph, stream);
+  return pass_or<id, graph_launch_gated<id>>(graph, stream);
+}
+
+template <HookId id, class... Grid>
+[[gnu::noinline]] CUresult legacy_launch_gated(CUfunction f, Grid... grid) {
+  FRACGPU_GATED_LAUNCH(id, nullptr, f, f, grid...);
 }
 
 template <HookId id, class... Grid>
 CUresult legacy_launch(CUfunction f, Grid... grid) {
-  FRACGPU_LAUNCH(id, nullptr, f, f, grid...);
+  return pass_or<id, legacy_launch_gated<id, Grid...>>(f, grid...);
+}
+
+template <HookId id>
+[[gnu::noinline]] CUresult legacy_launch_async_gated(CUfunction f, int grid_x, int grid_y, CUstream stream) {
+  FRACGPU_GATED_LAUNCH(id, stream, f, f, grid_x, grid_y, stream);
 }
 
 template <HookId id>
 CUresult legacy_launch_async(CUfunction f, int grid_x, int grid_y, CUstream stream) {
-  FRACGPU_LAUNCH(id, stream, f, f, grid_x, grid_y, stream);
+  return pass_or<id, legacy_launch_async_gated<id>>(f, grid_x, grid_y, stream);
 }
 
-#undef FRACGPU_LAUNCH
+#undef FRACGPU_GATED_LAUNCH
 
 // A thread's launch pass is for the context current when it was issued.
 template <HookId id, class Arg>
