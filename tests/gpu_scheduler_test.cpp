@@ -1501,18 +1501,51 @@ class SideBySideTest : public SchedulerTest {
       pass(1 * kMs);
       for (const auto& [t, slot] : std::vector<std::pair<int, int>>{{0, a_}, {1, b_}, {2, c_}}) {
         if (slot < 0) continue;
-        follow(t, slot);
+        bool draining = false;
+        if (t < 2 && drain_ms_[t] > 0) {
+          // A process whose queue takes drain_ms_ to run down reports the
+          // drain only then, whether or not the revocation has ended. Its
+          // launching thread asks again meanwhile.
+          const uint64_t w = word_of(t);
+          if (revoked_at_[t] == 0 && gputime::grant_state(w) == gputime::kGrantRevoking &&
+              request(t, slot).drained_grant.load() != gputime::grant_seq(w)) {
+            revoked_at_[t] = now_;
+            revoked_seq_[t] = gputime::grant_seq(w);
+          }
+          if (revoked_at_[t] != 0 && now_ - revoked_at_[t] < static_cast<uint64_t>(drain_ms_[t]) * kMs) {
+            draining = true;
+          } else if (revoked_at_[t] != 0) {
+            gputime::report_drained(*arbiter_.seg, request(t, slot), revoked_seq_[t]);
+            revoked_at_[t] = 0;
+          }
+        }
+        if (!draining) follow(t, slot);
         if (state_of(t) == gputime::kGrantIdle && request(t, slot).want_since_ns.load() == 0) want(t, slot);
       }
       if (++ticks_ % 100 == 0) {
         const uint32_t pid = holds(0) ? pa_ : pb_;
-        meter_.samples.push_back({pid, static_cast<uint64_t>(util_ * 100 * kMs), now_});
+        const double util = side_util_ >= 0 && holds(0) && holds(1) ? side_util_ : util_;
+        meter_.samples.push_back({pid, static_cast<uint64_t>(util * 100 * kMs), now_});
       }
     }
   }
   bool side_by_side(int t) const { return (row(t).flags.load() & gputime::kTenantSideBySide) != 0; }
+  bool together() { return holds(0) && holds(1); }
+  // Runs while the pair is (`side`) or is not side by side, `most` ms at
+  // most; returns how long that was.
+  int ms_while(bool side, int most) {
+    int ms = 0;
+    while (together() == side && ms < most) {
+      run(1);
+      ++ms;
+    }
+    return ms;
+  }
 
   double util_ = 0;
+  double side_util_ = -1;  // the GPU's busy share while both hold it, if not util_
+  int drain_ms_[2] = {0, 0};  // how long a and b take to drain a revoked grant
+  uint64_t revoked_at_[2] = {0, 0}, revoked_seq_[2] = {0, 0};
   int a_ = -1, b_ = -1, c_ = -1;
   uint32_t pa_ = 0, pb_ = 0;
   uint64_t ticks_ = 0;
@@ -1552,15 +1585,6 @@ TEST_F(SideBySideTest, TenantsThatLeaveRoomInTurnsHoldTheGpuSideBySide) {
 // tenants changed) sends them back to short phases.
 TEST_F(SideBySideTest, TenantsThatStayLightHoldTheGpuSideBySideForLongerPhases) {
   start(0.6);
-  auto together = [&] { return holds(0) && holds(1); };
-  auto ms_while = [&](bool side, int most) {
-    int ms = 0;
-    while (together() == side && ms < most) {
-      run(1);
-      ++ms;
-    }
-    return ms;
-  };
   ms_while(false, 2000);
   ASSERT_TRUE(together());
   const uint64_t first = GpuScheduler::kMinSidePhaseNs / kMs;
@@ -1570,12 +1594,15 @@ TEST_F(SideBySideTest, TenantsThatStayLightHoldTheGpuSideBySideForLongerPhases) 
     EXPECT_GE(turns, 200) << "two whole periods of turns at least";
     EXPECT_LE(turns, 400) << "and not more than three and a mixed one";
   }
-  // Full turns: no room, the next phase is the first's length again.
+  // Full turns, busier than side by side (the driver's switches): no room,
+  // the next phase is the first's length again.
   util_ = 0.97;
+  side_util_ = 0.94;
   ms_while(true, 30'000);
   run(1000);
   EXPECT_FALSE(together());
   util_ = 0.6;
+  side_util_ = -1;
   ms_while(false, 2000);
   ASSERT_TRUE(together());
   EXPECT_NEAR(ms_while(true, 30'000), first, 150);
@@ -1589,6 +1616,49 @@ TEST_F(SideBySideTest, TenantsThatFillTheirTurnsKeepTakingTurns) {
     run(100);
     EXPECT_FALSE(holds(0) && holds(1)) << i;
   }
+}
+
+// A light tenant beside one that floods fills the turns (the flooder's
+// side of them), but side by side the driver gives the light one's idle
+// moments to the flooder at once: the GPU is as busy or busier so. After
+// such a phase, a measure finding no room sends the pair back side by side,
+// in longer phases; once the turns are busier than side by side by more
+// than the margin (the driver's switches costing the pair), they take turns.
+TEST_F(SideBySideTest, TenantsAsBusySideBySideAsInTurnsGoBackSideBySide) {
+  start(0.6);
+  side_util_ = 0.98;
+  ms_while(false, 2000);
+  ASSERT_TRUE(together()) << "room in turns: side by side";
+  util_ = 0.93;  // the turns are full from now on
+  const uint64_t first = GpuScheduler::kMinSidePhaseNs / kMs;
+  for (const uint64_t expected : {first, 2 * first, 4 * first}) {
+    EXPECT_NEAR(ms_while(true, 30'000), expected, 150);
+    const int turns = ms_while(false, 2000);
+    EXPECT_GE(turns, 200) << "two whole periods of turns measured";
+    EXPECT_LE(turns, 400) << "then back side by side: it was busier than 0.93";
+  }
+  // Side by side now less busy than the turns: they take turns, and stay.
+  side_util_ = 0.90;
+  ms_while(true, 30'000);
+  EXPECT_EQ(ms_while(false, 3000), 3000) << "turns at 0.93 are busier than 0.90 side by side";
+}
+
+// The same pair, the flooder now taking 250 ms to drain each revoked grant
+// (its queue: past the drain deadline, so it is blocked until it reports).
+// Blocked, it is still there: the light tenant holding meanwhile is no
+// tenant alone, so the measure of turns and the side-by-side figure are
+// kept, and the pair goes back side by side.
+TEST_F(SideBySideTest, ATenantMissingItsDrainDeadlinesIsNoTenantLeftAlone) {
+  start(0.6);
+  side_util_ = 0.98;
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  util_ = 0.93;
+  drain_ms_[1] = 250;
+  ms_while(true, 30'000);
+  const uint32_t missed = row(1).missed_deadlines.load();
+  EXPECT_LT(ms_while(false, 3000), 3000) << "back side by side: it was busier than the turns";
+  EXPECT_GT(row(1).missed_deadlines.load(), missed) << "b missed its deadline in the turns";
 }
 
 // Where the driver does not time-slice (no compute preemption), holding the

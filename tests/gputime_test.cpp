@@ -2002,6 +2002,68 @@ TEST_F(GpuTimeTest, SampledLaunchBoundPairOf50usKernelsKeepsTheGpuBusySideBySide
   EXPECT_LE(error, 0.03);
 }
 
+// A tenant that looks light to be let in side by side, then floods: from
+// 2 s on, 20 ms kernels back to back with 100 ms queued, beside an honest
+// tenant running the light 50 us step loop (launch-bound: about five sixths
+// of its turns busy). In turns each holds for its half of the time, and the
+// honest tenant cannot fill its turns; it also shares them with the
+// flooder's drains, which miss their deadline. Side by side the driver's
+// equal turns give it what it gets without fracgpu, and the GPU is busier:
+// so the pair goes back side by side after each measure in turns. Before
+// that rule the honest tenant kept 0.442 and 0.476 in two runs of three.
+// Seen since: 0.490-0.509 in seven runs (two beside a busy loop). At 300 ms
+// samples the measuring turns last longer and the honest tenant kept
+// 0.42-0.45 (docs/sm-time.md, "Limits"); this asserts the default period.
+// On the time-slice model (side by side needs a driver that time-slices);
+// judged against the same pair without fracgpu in the same test.
+TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  write_config({{"honest", "0.5", "[0]", ""}, {"flood", "0.5", "[0]", ""}});
+  start_daemon();
+  auto args = [](double seconds, unsigned flood_after_ms) {
+    std::vector<std::string> light = {"devices=0", "host_us=60", "ahead_us=3200",
+                                      "seconds=" + std::to_string(seconds)};
+    std::vector<std::string> flood = light;
+    light.push_back("kernels_us=50");
+    flood.push_back("kernels_us=50,20000");
+    flood.push_back("flood_after_ms=" + std::to_string(flood_after_ms));
+    return std::pair{light, flood};
+  };
+  auto honest_of_used = [&](const Sample& x, const Sample& y) {
+    const double honest = static_cast<double>(tenant_busy(x, y, "honest", 0));
+    const double flood = static_cast<double>(tenant_busy(x, y, "flood", 0));
+    return honest + flood > 0 ? honest / (honest + flood) : 0;
+  };
+  {
+    const auto [light, flood] = args(5, 500);
+    start_load("honest", light, /*preload=*/false);
+    start_load("flood", flood, /*preload=*/false);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const Sample x = sample(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+    const Sample y = sample(1);
+    const double native = honest_of_used(x, y);
+    finish_loads();
+    loads_.clear();
+    printf("light beside a flood without fracgpu: the light one's share of the time used %.3f\n", native);
+  }
+  const auto [light, flood] = args(13, 2000);
+  start_load("honest", light);
+  start_load("flood", flood);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const Sample x = sample(1);
+  std::this_thread::sleep_for(std::chrono::seconds(10));
+  const Sample y = sample(1);
+  const double honest = honest_of_used(x, y);
+  const double busy = busy_share(x, y, "honest", 0) + busy_share(x, y, "flood", 0);
+  finish_loads();
+  printf("light beside a flood with fracgpu: the light one's share of the time used %.3f, GPU busy %.3f\n", honest,
+         busy);
+  EXPECT_GE(honest, 0.48);
+  EXPECT_LE(1 - honest, 0.52);
+}
+
 // ---- The realistic stand-in NVML: samples every 167 ms, one process each ----
 //
 // Held mode, the default, audited by the driver's samples (docs/sm-time.md):

@@ -787,13 +787,8 @@ void GpuScheduler::read_meter(uint64_t now) {
     const uint64_t busy = std::min<uint64_t>(u.busy_ns, kSecond);
     const uint64_t at = u.at_ns != 0 ? std::min(u.at_ns, now) : now;
     pass_busy_ += busy;
-    // Turns: what the GPU did over whole periods since they began (side by side).
-    if (!side_ && at >= turns_from_) {
-      turns_busy_ = gputime::saturating_add(turns_busy_, busy);
-      turns_samples_ += 1;
-      turns_first_at_ = turns_first_at_ == 0 ? at : std::min(turns_first_at_, at);
-      turns_last_at_ = std::max(turns_last_at_, at);
-    }
+    // What the GPU did over whole periods of this phase (side by side).
+    (side_ ? side_phase_ : turns_).add(at, busy);
     if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end() && names_then(u.pid, at)) {
       file_split_use(u.pid, it->second, busy, at, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
@@ -1232,46 +1227,76 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
   return !starting || members >= 2;
 }
 
-uint64_t GpuScheduler::turns_covered(uint64_t now) const {
+void GpuScheduler::PhaseBusy::add(uint64_t at, uint64_t used) {
+  if (at < from) return;  // the period mixes in what went before
+  busy = gputime::saturating_add(busy, used);
+  samples += 1;
+  first_at = first_at == 0 ? at : std::min(first_at, at);
+  last_at = std::max(last_at, at);
+}
+
+uint64_t GpuScheduler::covered(const PhaseBusy& phase, uint64_t now) const {
   const uint64_t period = meter_ != nullptr ? meter_->sample_period_ns() : 0;
-  if (period == 0 || turns_samples_ < 2 || now < turns_from_) return 0;
+  if (period == 0 || phase.samples < 2 || now < phase.from) return 0;
   // A driver's sample is the busy share of the period before its instant:
   // n samples cover n periods. Samples that named nobody (the GPU idle at
   // their instant) do not come: the periods from the first sample's to the
   // last's are then more, and count. A meter that reads far more often than
   // any driver samples (an exact one) gives each process's time since its
   // last reading: together they cover the time from the first to the last.
-  const uint64_t covered = turns_last_at_ - turns_first_at_ + period;
+  const uint64_t span = phase.last_at - phase.first_at + period;
   // Two whole periods at least, so that one sample's luck does not decide.
-  if (covered < 2 * period) return 0;
-  return period < kAuditInstantPeriodNs ? covered
-                                        : std::max<uint64_t>(covered, static_cast<uint64_t>(turns_samples_) * period);
+  if (span < 2 * period) return 0;
+  return period < kAuditInstantPeriodNs ? span
+                                        : std::max<uint64_t>(span, static_cast<uint64_t>(phase.samples) * period);
+}
+
+int64_t GpuScheduler::busy_ppm(const PhaseBusy& phase, uint64_t now) const {
+  const uint64_t span = covered(phase, now);
+  if (span == 0) return -1;
+  return static_cast<int64_t>(static_cast<unsigned __int128>(phase.busy) * kPpm / span);
 }
 
 bool GpuScheduler::turns_leave_room(uint64_t now) const {
-  const uint64_t span = turns_covered(now);
-  return span > 0 &&
-         static_cast<unsigned __int128>(turns_busy_) * kPpm < static_cast<unsigned __int128>(span) * kSideRoomPpm;
+  const int64_t busy = busy_ppm(turns_, now);
+  return busy >= 0 && busy < kSideRoomPpm;
+}
+
+// Tenants that fill their turns gain by taking them: side by side, the
+// driver's switches cost them a few points of the GPU. But a light tenant
+// beside one that floods fills the turns only on the flooder's side, and
+// side by side the driver gives the flooder the light one's idle moments at
+// once (and the light one the driver's equal split, no less than without
+// fracgpu). Either way each gets its share, so the pair takes turns only
+// where they keep the GPU busier than the last side-by-side phase did. Both
+// figures are the driver's period averages, which no tenant can time its
+// work around.
+bool GpuScheduler::turns_no_busier(uint64_t now) const {
+  const int64_t turns = busy_ppm(turns_, now);
+  return turns >= 0 && side_busy_ppm_ >= 0 && turns <= side_busy_ppm_ + kSideGainPpm;
 }
 
 void GpuScheduler::step_side_by_side(uint64_t now) {
   const uint64_t period = sample_period();
+  // The first period of a phase mixes in what went before.
   auto start_turns = [&] {
     side_ = false;
     phase_since_ = now;
-    // The first period mixes in what went before.
-    turns_from_ = now + period;
-    turns_busy_ = 0;
-    turns_samples_ = 0;
-    turns_first_at_ = turns_last_at_ = 0;
+    turns_.restart(now + period);
+  };
+  // The tenants changed: what they did before says nothing.
+  auto forget = [&] {
+    side_rounds_ = 0;
+    side_busy_ppm_ = -1;
   };
   if (side_) {
     const uint64_t first = std::max(kMinSidePhaseNs, kSidePhasePeriods * period);
     const uint64_t phase =
         std::min(first << std::min<uint32_t>(side_rounds_ > 0 ? side_rounds_ - 1 : 0, 2), std::max(first, kMaxSidePhaseNs));
     const bool fits = side_by_side_fits(now, false);
-    if (!fits) side_rounds_ = 0;
+    if (!fits) forget();
     if (fits && now - phase_since_ < phase) return;
+    if (fits) side_busy_ppm_ = busy_ppm(side_phase_, now);
     // Back to turns. At the phase's end the holder with the least virtual
     // time keeps the GPU and the others leave it (drain handshake); for a
     // tenant that does not fit, all leave, so that a latency tenant is
@@ -1290,27 +1315,34 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
   if (phase_since_ == 0 || !side_by_side_fits(now, false)) {
     // A tenant that must not share: turns, measured afresh once it is gone.
     start_turns();
-    side_rounds_ = 0;
+    forget();
     return;
   }
+  // A tenant that missed a drain deadline is still there: it asks, and its
+  // work is still running down (a flooder's 100 ms queue at each hand-over).
+  uint32_t present = 0;
+  for (const Row& r : rows_)
+    if (r.active && (r.wants || r.gstate != gputime::kGrantIdle)) ++present;
+  if (present >= 2) contended_ns_ = now;
   if (!side_by_side_fits(now, true)) {
     // One tenant, or none, asks: what the GPU does now says nothing about
     // turns between several. A moment alone (a hand-over, a pause between
     // two steps) keeps what was measured; a longer one starts afresh.
     if (now - contended_ns_ > kAloneResetNs) {
       start_turns();
-      side_rounds_ = 0;
+      forget();
     }
     return;
   }
   contended_ns_ = now;
-  if (!turns_leave_room(now)) {
+  if (!turns_leave_room(now) && !turns_no_busier(now)) {
     // Measured, and no room: the tenants have changed; phases start short.
-    if (turns_covered(now) > 0) side_rounds_ = 0;
+    if (covered(turns_, now) > 0) side_rounds_ = 0;
     return;
   }
   side_ = true;
   phase_since_ = now;
+  side_phase_.restart(now + period);
   side_rounds_ = std::min<uint32_t>(side_rounds_ + 1, 3);
 }
 

@@ -126,6 +126,12 @@ class GpuScheduler {
   // times the first or kMaxSidePhaseNs, whichever is less (never less than
   // the first): the measuring turns cost a launch-bound pair a quarter of
   // its GPU time, and tenants that stay light need them less often.
+  // A measure that finds no room still sends the tenants back side by side
+  // unless their turns keep the GPU busier than the phase before did by
+  // more than this (a light tenant beside one that floods: the driver gives
+  // the light one's idle moments to the other at once, turns cannot; two
+  // that fill their turns lose a few points to the driver's switches).
+  static constexpr int64_t kSideGainPpm = 20'000;
   static constexpr uint64_t kSidePhasePeriods = 20;
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
   static constexpr uint64_t kMaxSidePhaseNs = 16'000'000'000;
@@ -360,11 +366,25 @@ class GpuScheduler {
   // Side by side: may the tenants that ask or hold now share the GPU
   // through the driver's time slices (`starting`: at least two of them)?
   bool side_by_side_fits(uint64_t now, bool starting) const;
-  // The time the meter's samples cover since turns (held mode, one holder)
-  // began: two whole periods at least, or 0 (not measured yet).
-  uint64_t turns_covered(uint64_t now) const;
+  // The GPU time the meter found used by all processes over the whole
+  // sampling periods of a phase (side by side, or turns) from `from` on,
+  // and in how many samples.
+  struct PhaseBusy {
+    uint64_t from = 0, busy = 0, first_at = 0, last_at = 0;
+    uint32_t samples = 0;
+    void restart(uint64_t start) { *this = PhaseBusy{.from = start}; }
+    void add(uint64_t at, uint64_t used);
+  };
+  // The time the meter's samples cover since the phase began: two whole
+  // periods at least, or 0 (not measured yet).
+  uint64_t covered(const PhaseBusy& phase, uint64_t now) const;
+  // The phase's busy share of the GPU in ppm, or -1 if not measured yet.
+  int64_t busy_ppm(const PhaseBusy& phase, uint64_t now) const;
   // Turns left room over the periods measured since they began.
   bool turns_leave_room(uint64_t now) const;
+  // The turns keep the GPU no busier than the last side-by-side phase of
+  // the same tenants did (within kSideGainPpm).
+  bool turns_no_busier(uint64_t now) const;
   void step_side_by_side(uint64_t now);
   void read_meter(uint64_t now);
   void charge(uint64_t now);
@@ -428,13 +448,13 @@ class GpuScheduler {
   bool fresh_reading_ = false;  // this pass read the meter
   uint64_t room_since_ = 0, room_busy_ = 0;
   // Side by side: allowed, the driver time-slices, in force now; when the
-  // current phase (side by side, or turns) began; the GPU time the meter
-  // found used by all processes in the turns since turns_from_, and in how
-  // many samples.
+  // current phase (side by side, or turns) began; what the GPU did in it;
+  // the busy share of the last side-by-side phase (-1: none since the
+  // tenants last changed).
   bool side_allowed_ = false, driver_slices_ = false, side_ = false;
-  uint64_t phase_since_ = 0, turns_from_ = 0, turns_busy_ = 0;
-  uint64_t turns_first_at_ = 0, turns_last_at_ = 0;
-  uint32_t turns_samples_ = 0;
+  uint64_t phase_since_ = 0;
+  PhaseBusy turns_, side_phase_;
+  int64_t side_busy_ppm_ = -1;
   uint64_t contended_ns_ = 0;  // the last pass that saw two tenants or more ask or hold
   // Side-by-side phases begun since the tenants last changed (one that did
   // not fit asked, one was alone too long) or a measure found no room.
