@@ -1105,6 +1105,8 @@ TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWa
   pass(2 * kMs);
   EXPECT_EQ(row(1).out_of_grant_ns.load(), 40 * kMs);
   ASSERT_LT(row(1).vtime.load(), row(0).vtime.load()) << "b would be next by virtual time";
+  EXPECT_TRUE(row(1).flags.load() & gputime::kTenantYields) << "fracgpu status shows it";
+  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantYields);
   const uint64_t named = now_;
   const uint64_t yield_ns = GpuScheduler::kOutsideYieldPeriods * meter_.period;
   while (now_ - named + 10 * kMs < yield_ns) {
@@ -1117,6 +1119,7 @@ TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWa
     follow(0, a);
   }
   EXPECT_TRUE(holds(1)) << "once the yield lapses, b takes its turn";
+  EXPECT_FALSE(row(1).flags.load() & gputime::kTenantYields);
 }
 
 // While it yields, a tenant is granted a free GPU only once nobody else has

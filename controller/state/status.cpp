@@ -127,6 +127,7 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
   g.side_by_side = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantSideBySide) != 0;
+  g.yields = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantYields) != 0;
   const Priority priority = priority_of_stored(t.priority.load(std::memory_order_relaxed));
   g.priority = std::string(priority_name(priority));
   if (priority == Priority::kLatency) {
@@ -494,6 +495,7 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
                                 {"missed_deadlines", t.missed_deadlines},
                                 {"blocked", t.blocked},
                                 {"side_by_side", t.side_by_side},
+                                {"yields", t.yields},
                                 {"priority", t.priority}};
   // What a latency tenant is for: how long it waits for the GPU.
   if (t.priority == priority_name(Priority::kLatency)) {
@@ -608,7 +610,9 @@ std::string status_to_text(const StatusReport& report) {
     if (time)
       now = time->side_by_side ? "side by side"
             : time->holding    ? "holding"
-            : time->blocked ? "blocked" : time->waiting_processes > 0 ? "waiting" : "idle";
+            : time->blocked    ? "blocked"
+            : time->yields     ? "giving way"
+            : time->waiting_processes > 0 ? "waiting" : "idle";
     // Only a priority other than normal stands out.
     std::string tenant = r.tenant->name;
     if (time && time->priority != priority_name(Priority::kNormal)) tenant += fmt::format(" [{}]", time->priority);

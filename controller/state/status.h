@@ -52,6 +52,7 @@ struct GpuTimeStatus {
   uint32_t missed_deadlines = 0;  // revocations its processes did not drain in time, total
   bool blocked = false;           // not granted again until a process that missed the deadline drains
   bool side_by_side = false;      // holds the GPU beside others, shared by the driver's time slices
+  bool yields = false;            // a process of it runs outside the gate: it gives way to every tenant that asks
   // "latency", "normal" or "batch", as the daemon configured the row (an
   // unknown value, from a stale or damaged file, reads as normal).
   std::string priority = "normal";

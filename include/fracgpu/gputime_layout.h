@@ -161,6 +161,7 @@ enum TenantTimeFlags : uint32_t {
   kTenantWants = 1u << 0,    // a live process of the tenant asks for the GPU
   kTenantBlocked = 1u << 1,  // missed a drain deadline: not granted again until it shows progress
   kTenantSideBySide = 1u << 2,  // holds the GPU beside others, sharing it through the driver's time slices
+  kTenantYields = 1u << 3,  // a process of it outside the gate was found at work lately: it gives way to the others
 };
 
 // One tenant's standing on this GPU. A row is bound to a tenant name for
