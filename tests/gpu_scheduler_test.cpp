@@ -1122,6 +1122,55 @@ TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWa
   EXPECT_FALSE(row(1).flags.load() & gputime::kTenantYields);
 }
 
+// A tenant the audit credits (another tenant's work found in its grants)
+// has its limit enforced with a burst of kOutsideYieldPeriods sampling
+// periods, since such credits come a sample at a time; a tenant nobody
+// credited keeps the tight burst. Both capped at 0.3: alone, a holder is
+// revoked once it is a burst ahead, 0.7 of each ms held.
+TEST_F(SchedulerTest, AnAuditCreditWidensOnlyThatTenantsLimitBurst) {
+  configure(300'000, 300'000);
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.period = 100 * kMs;
+  meter_.last = now_;
+  uint32_t pa = 0, pb = 0;
+  const int a = spawn_attributed(0, &pa);
+  const int b = spawn_attributed(1, &pb);
+  now_ += GpuScheduler::kAuditGraceNs;
+  // How long tenant t holds the GPU alone before its limit revokes it.
+  auto held_until_revoked = [&](int t, int slot) {
+    int ms = 0;
+    for (; ms < 2000 && state_of(t) == gputime::kGranted; ++ms) {
+      pass(1 * kMs);
+      follow(t, slot);
+    }
+    return ms;
+  };
+  want(0, a);
+  pass(1 * kMs);
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  pass(5 * kMs);
+  // b's process named in a's grant: a is credited (1 ms, too little to
+  // matter by itself).
+  meter_.samples.push_back({pb, 1 * kMs, now_ - 1 * kMs});
+  int ms = 1;
+  for (; ms < 100 && row(1).out_of_grant_samples.load() == 0; ++ms) pass(1 * kMs);
+  ASSERT_EQ(row(1).out_of_grant_samples.load(), 1u);
+  const int credited = ms + held_until_revoked(0, a);
+  const double wide = static_cast<double>(GpuScheduler::kOutsideYieldPeriods * meter_.period) * 0.3 / kMs;
+  EXPECT_GT(credited, wide / 0.7 * 0.8) << "a's burst spans 8 periods at its limit: " << wide << " ms";
+  // b, never credited, alone next: the 50 ms burst.
+  for (int i = 0; i < 100 && !holds(1); ++i) {
+    pass(1 * kMs);
+    follow(0, a);
+    if (state_of(1) == gputime::kGrantIdle && request(1, b).want_since_ns.load() == 0) want(1, b);
+  }
+  ASSERT_TRUE(holds(1));
+  ASSERT_TRUE(enter(1, b));
+  const int plain = held_until_revoked(1, b);
+  EXPECT_LT(plain, 2 * gputime::kLimitBurstNs / kMs) << "b keeps the tight burst";
+}
+
 // While it yields, a tenant is granted a free GPU only once nobody else has
 // held or asked for it for kYieldGapNs (a holder between two launches lets
 // it go for a moment), and it gives the GPU up at once when another asks.

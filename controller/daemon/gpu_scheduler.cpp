@@ -521,7 +521,7 @@ uint64_t GpuScheduler::effective_vtime(const Row& r) const {
 // is over.
 bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
   return r.active && r.readable && r.wants && !r.blocked && r.gstate == gputime::kGrantIdle &&
-         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r.limit, now));
+         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r, r.limit, now));
 }
 
 // The charge for a sample naming a process outside the gate comes after
@@ -550,7 +550,7 @@ int GpuScheduler::effective_rank(uint32_t t, uint64_t now) const {
   if (yields(r, now)) return -1;
   const int rank = gputime::priority_rank(r.priority);
   const bool within =
-      r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(r.share, now));
+      r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(r, r.share, now));
   return within ? rank : std::max(rank - 1, 0);
 }
 
@@ -600,17 +600,24 @@ uint64_t GpuScheduler::charged_period(uint64_t now) const {
   return measuring(now) ? sample_period() : 0;
 }
 
-uint64_t GpuScheduler::burst(uint32_t rate_ppm, uint64_t now) const {
-  // Held mode charges by the pass, except while a process outside the gate
-  // shares the holders' grants: then the audit's credits for it come a
-  // sample's worth at a time, when a sample happens to name it, and a limit
-  // as tight as the passes' would revoke an honest holder between two of
-  // them (a 0.5 tenant beside such a process, capped at 0.5, lost about a
-  // sixth of its grants that way). The burst then spans the yield's own
-  // window of samples: the limit holds on average, not sample by sample.
-  if (outside_work_ && auditing(now))
-    return std::max(gputime::kLimitBurstNs,
-                    gputime::scale(kOutsideYieldPeriods * sample_period(), rate_ppm));
+uint64_t GpuScheduler::burst(const Row& r, uint32_t rate_ppm, uint64_t now) const {
+  // Held mode charges by the pass, except where the audit's credits decide a
+  // holder's standing: GPU time another tenant's work took from its grants
+  // (a process outside the gate, a drain reported and not done) comes back
+  // a sample's worth at a time, when a sample happens to name that work,
+  // and a limit as tight as the passes' revokes an honest holder between two
+  // credits (a 0.5 tenant capped at 0.5 beside a process outside the gate
+  // lost about a sixth of its grants that way). So while some tenant yields
+  // (a process outside the gate is at work: every holder may be owed such
+  // credits, from the first sample that finds it), and for a tenant credited
+  // within the last kCreditBurstPeriods sampling periods (a drain reported
+  // and not done, too), the burst spans kOutsideYieldPeriods periods: the
+  // limit holds on average over them, not sample by sample. The others keep
+  // the tight one.
+  const uint64_t period = sample_period();
+  const bool credited = r.credited_ns != 0 && now - r.credited_ns < kCreditBurstPeriods * period;
+  if ((outside_work_ || credited) && auditing(now))
+    return std::max(gputime::kLimitBurstNs, gputime::scale(kOutsideYieldPeriods * period, rate_ppm));
   return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
 }
 
@@ -760,7 +767,10 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
   for (uint32_t h = 0; h < gputime::kMaxTenants; ++h)
     holders_then[h] = h != t && rows_[h].active && held_at(rows_[h], at, &known) && known;
   for (uint32_t h = 0; h < gputime::kMaxTenants; ++h)
-    if (holders_then[h]) rows_[h].credit = std::min(rows_[h].credit + busy / holders_then.count(), kSecond);
+    if (holders_then[h]) {
+      rows_[h].credit = std::min(rows_[h].credit + busy / holders_then.count(), kSecond);
+      rows_[h].credited_ns = now;
+    }
 }
 
 // Reads the meter (every kMeterIntervalNs) and files each process's GPU
@@ -888,12 +898,12 @@ void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended)
     const uint64_t back = gputime::saturating_add(ns, kept_off);
     credit = now > back ? now - back : 0;
   }
-  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r.limit, now));
+  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r, r.limit, now));
   // GPU time used while nobody else wanted the GPU took nothing from anyone:
   // it does not count against the share's rate, which decides whether the
   // tenant's priority counts (a training tenant that had the GPU to itself
   // is not beyond its share once an inference tenant comes).
-  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(r.share, now));
+  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(r, r.share, now));
 }
 
 bool GpuScheduler::contends(const Row& r) {
@@ -925,7 +935,7 @@ void GpuScheduler::account_waits(uint64_t now) {
     // Kept off by another tenant's grant, not by its own limit: the limit's
     // allowance keeps accruing meanwhile (see gputime::advance_limit).
     if (someone_holds && r.kept_off_since == 0 &&
-        gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r.limit, now)))
+        gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r, r.limit, now)))
       r.kept_off_since = from;
   }
 }
@@ -1048,7 +1058,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
 void GpuScheduler::step_row(uint32_t t, uint64_t now) {
   Row& h = rows_[t];
   if (h.gstate == gputime::kGranted) {
-    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr, burst(h.limit, now))) {
+    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr, burst(h, h.limit, now))) {
       start_revoke(t, now);
       return;
     }

@@ -98,6 +98,13 @@ class GpuScheduler {
   // process outside the gate costs its tenant its turns".
   static constexpr uint64_t kOutsideYieldPeriods = 8;
   static constexpr uint64_t kOutsideYieldMinNs = 500'000'000;
+  // A tenant the audit credited within this many sampling periods has its
+  // limit's burst widened to kOutsideYieldPeriods periods (burst()). Longer
+  // than the burst: credits come when a sample happens to name the other's
+  // work, about every other sample beside a saturating bypass, so within 8
+  // periods they can miss (1 in 256 windows), and the holder, ahead by the
+  // wide burst, would be revoked at once.
+  static constexpr uint64_t kCreditBurstPeriods = 32;
   // ... and is granted a free GPU only once no other tenant has held or
   // asked for this long: a holder between two of its launches hands the
   // GPU back for a moment, and a grant then would make it wait for the
@@ -261,6 +268,7 @@ class GpuScheduler {
     std::array<Hold, 32> holds{};
     uint32_t hold_next = 0;
     uint64_t pending_out_of_grant = 0, credit = 0;
+    uint64_t credited_ns = 0;  // when the audit last gave it such time back (our clock; 0: never)
     uint64_t out_of_grant = 0, out_of_grant_samples = 0;
     uint64_t alone_ns = 0;       // held alone while another waited, since the last reading
     uint32_t missed_deadlines = 0;
@@ -331,8 +339,9 @@ class GpuScheduler {
   // lead measured fairness allows: no finer than the meter can see. Where
   // charges come as a sampling driver's samples (measured mode), one sample
   // charges a whole period to the process it caught: two periods' worth at
-  // the rate, two periods of lead, else kLimitBurstNs and kLeadNs.
-  uint64_t burst(uint32_t rate_ppm, uint64_t now) const;
+  // the rate, two periods of lead, else kLimitBurstNs and kLeadNs. `r`: the
+  // tenant whose limit or share it is (the audit's credits widen its burst).
+  uint64_t burst(const Row& r, uint32_t rate_ppm, uint64_t now) const;
   uint64_t lead(uint64_t now) const;
   // The meter's sampling period, taken for at most 1 s; 0 without a meter.
   uint64_t sample_period() const;
@@ -422,7 +431,6 @@ class GpuScheduler {
   uint64_t seq_ = 0;  // the last grant's sequence number (all tenants draw from it)
   uint64_t last_word_ = 0, last_grant_ns_ = 0, last_revoke_ns_ = 0;  // for GrantSection (display)
   uint64_t unyielding_seen_ns_ = 0;  // the last pass a tenant that does not yield held or asked
-  bool outside_work_ = false;         // some tenant yields (step()): the audit's credits come by the sample
   uint64_t handovers_ = 0;
   // Measured mode: the meter, PID -> row, usage of PIDs not attributed yet,
   // and the GPU's busy time over the current room window.
@@ -451,6 +459,7 @@ class GpuScheduler {
   // current phase (side by side, or turns) began; what the GPU did in it;
   // the busy share of the last side-by-side phase (-1: none since the
   // tenants last changed).
+  bool outside_work_ = false;  // some tenant yields (step()): the audit's credits come by the sample
   bool side_allowed_ = false, driver_slices_ = false, side_ = false;
   uint64_t phase_since_ = 0;
   PhaseBusy turns_, side_phase_;
