@@ -1278,7 +1278,8 @@ bool GpuScheduler::turns_leave_room(uint64_t now) const {
 // side by side the driver gives the flooder the light one's idle moments at
 // once (and the light one the driver's equal split, no less than without
 // fracgpu). Either way each gets its share, so the pair takes turns only
-// where they keep the GPU busier than the last side-by-side phase did. Both
+// where they keep the GPU busier than the last side-by-side phase did, by
+// more than kSideGainPpm (the measures' own spread). Both
 // figures are the driver's period averages, which no tenant can time its
 // work around.
 bool GpuScheduler::turns_no_busier(uint64_t now) const {
@@ -1346,7 +1347,8 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
   }
   contended_ns_ = now;
   if (!turns_leave_room(now) && !turns_no_busier(now)) {
-    // Measured, and no room: the tenants have changed; phases start short.
+    // Measured: no room, and turns keep the GPU busier than side by side
+    // did (the tenants have changed, or fill their turns); phases start short.
     if (covered(turns_, now) > 0) side_rounds_ = 0;
     return;
   }
