@@ -521,7 +521,7 @@ uint64_t GpuScheduler::effective_vtime(const Row& r) const {
 // is over.
 bool GpuScheduler::eligible(const Row& r, uint64_t now) const {
   return r.active && r.readable && r.wants && !r.blocked && r.gstate == gputime::kGrantIdle &&
-         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r, r.limit, now));
+         now >= r.bench_until && gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(&r, r.limit, now));
 }
 
 // The charge for a sample naming a process outside the gate comes after
@@ -550,7 +550,7 @@ int GpuScheduler::effective_rank(uint32_t t, uint64_t now) const {
   if (yields(r, now)) return -1;
   const int rank = gputime::priority_rank(r.priority);
   const bool within =
-      r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(r, r.share, now));
+      r.share > 0 && gputime::within_limit(r.share_tat, r.share, now, nullptr, burst(nullptr, r.share, now));
   return within ? rank : std::max(rank - 1, 0);
 }
 
@@ -600,7 +600,7 @@ uint64_t GpuScheduler::charged_period(uint64_t now) const {
   return measuring(now) ? sample_period() : 0;
 }
 
-uint64_t GpuScheduler::burst(const Row& r, uint32_t rate_ppm, uint64_t now) const {
+uint64_t GpuScheduler::burst(const Row* r, uint32_t rate_ppm, uint64_t now) const {
   // Held mode charges by the pass, except where the audit's credits decide a
   // holder's standing: GPU time another tenant's work took from its grants
   // (a process outside the gate, a drain reported and not done) comes back
@@ -615,7 +615,7 @@ uint64_t GpuScheduler::burst(const Row& r, uint32_t rate_ppm, uint64_t now) cons
   // limit holds on average over them, not sample by sample. The others keep
   // the tight one.
   const uint64_t period = sample_period();
-  const bool credited = r.credited_ns != 0 && now - r.credited_ns < kCreditBurstPeriods * period;
+  const bool credited = r != nullptr && r->credited_ns != 0 && now - r->credited_ns < kCreditBurstPeriods * period;
   if ((outside_work_ || credited) && auditing(now))
     return std::max(gputime::kLimitBurstNs, gputime::scale(kOutsideYieldPeriods * period, rate_ppm));
   return std::max(gputime::kLimitBurstNs, gputime::scale(2 * charged_period(now), rate_ppm));
@@ -898,12 +898,12 @@ void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended)
     const uint64_t back = gputime::saturating_add(ns, kept_off);
     credit = now > back ? now - back : 0;
   }
-  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(r, r.limit, now));
+  r.cap_tat = gputime::advance_limit(r.cap_tat, ns, r.limit, credit, burst(&r, r.limit, now));
   // GPU time used while nobody else wanted the GPU took nothing from anyone:
   // it does not count against the share's rate, which decides whether the
   // tenant's priority counts (a training tenant that had the GPU to itself
   // is not beyond its share once an inference tenant comes).
-  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(r, r.share, now));
+  if (contended) r.share_tat = gputime::advance_limit(r.share_tat, ns, r.share, now, burst(nullptr, r.share, now));
 }
 
 bool GpuScheduler::contends(const Row& r) {
@@ -935,7 +935,7 @@ void GpuScheduler::account_waits(uint64_t now) {
     // Kept off by another tenant's grant, not by its own limit: the limit's
     // allowance keeps accruing meanwhile (see gputime::advance_limit).
     if (someone_holds && r.kept_off_since == 0 &&
-        gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(r, r.limit, now)))
+        gputime::within_limit(r.cap_tat, r.limit, now, nullptr, burst(&r, r.limit, now)))
       r.kept_off_since = from;
   }
 }
@@ -1058,7 +1058,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
 void GpuScheduler::step_row(uint32_t t, uint64_t now) {
   Row& h = rows_[t];
   if (h.gstate == gputime::kGranted) {
-    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr, burst(h, h.limit, now))) {
+    if (!h.active || !h.readable || !gputime::within_limit(h.cap_tat, h.limit, now, nullptr, burst(&h, h.limit, now))) {
       start_revoke(t, now);
       return;
     }

@@ -340,8 +340,9 @@ class GpuScheduler {
   // charges come as a sampling driver's samples (measured mode), one sample
   // charges a whole period to the process it caught: two periods' worth at
   // the rate, two periods of lead, else kLimitBurstNs and kLeadNs. `r`: the
-  // tenant whose limit or share it is (the audit's credits widen its burst).
-  uint64_t burst(const Row& r, uint32_t rate_ppm, uint64_t now) const;
+  // tenant whose limit it is, whose audit credits widen it; null for a
+  // share's burst (the audit's credits do not change priorities).
+  uint64_t burst(const Row* r, uint32_t rate_ppm, uint64_t now) const;
   uint64_t lead(uint64_t now) const;
   // The meter's sampling period, taken for at most 1 s; 0 without a meter.
   uint64_t sample_period() const;
