@@ -427,12 +427,19 @@ TEST_F(SchedulerTest, AMissedDeadlineBlocksTheTenantUntilItShowsProgress) {
   EXPECT_EQ(state(), gputime::kGrantIdle) << "a is blocked";
   pass(30 * kMs);
   EXPECT_EQ(state(), gputime::kGrantIdle);
+  // Its late work ran all that time (on this driver without compute
+  // preemption, ahead of b's): a pays for it until it reports the drain.
+  EXPECT_EQ(row(0).used_ns.load(), 151 * kMs) << "charged for its late work";
+  EXPECT_LE(row(1).used_ns.load(), gputime::kIdleNs) << "b's grant ran a's late work: b pays a hand-over's least";
   // Progress: the late process reports its drain.
   gputime::report_drained(*arbiter_.seg, request(0, a), seq);
   want(0, a2);
   pass(1 * kMs);
-  EXPECT_TRUE(granted_to(0));
   EXPECT_FALSE(row(0).flags.load() & gputime::kTenantBlocked);
+  EXPECT_EQ(row(0).used_ns.load(), 151 * kMs) << "nothing more once it reported the drain";
+  // Granted again once its limit (0.5, 50 ms burst) allows 151 ms in 152.
+  for (int i = 0; i < 200 && !granted_to(0); ++i) pass(1 * kMs);
+  EXPECT_TRUE(granted_to(0));
 }
 
 // A grant nobody needs any more ends at once: the process that entered it
@@ -1340,6 +1347,72 @@ TEST_F(SchedulerTest, OnATimeSlicingGpuAHolderDrainingBesideALatencyTenantPaysHa
   pass(3 * kMs);
   EXPECT_EQ(row(0).used_ns.load(), a_drained) << "drained: nothing more";
   EXPECT_EQ(row(1).used_ns.load() - b_drained, 3 * kMs) << "alone on the GPU: all of it";
+}
+
+// A tenant that misses its drain deadline still has work on the GPU: on a
+// driver that time-slices, its late work runs beside the next holder's by
+// turns, so the two split that time until it reports the drain. Its hold
+// stays open meanwhile, so a sample naming it then is not charged again
+// (nor credited to the holder); past kOverdueChargeMaxNs it pays no more,
+// and samples that find its work are the audit's again.
+TEST_F(SchedulerTest, OnATimeSlicingGpuATenantPastItsDrainDeadlinePaysHalfUntilItReportsTheDrain) {
+  configure(gputime::kPpm, gputime::kPpm);
+  sched_->set_side_by_side(false, /*driver_time_slices=*/true);
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.period = 167 * kMs;
+  meter_.last = now_;
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  const int b = spawn(1);
+  now_ += GpuScheduler::kAuditGraceNs;
+  auto late_drain = [&] {
+    const uint64_t seq = hold_then_revoke(a, b);
+    pass(100 * kMs);  // the deadline
+    EXPECT_TRUE(granted_to(1));
+    EXPECT_TRUE(row(0).flags.load() & gputime::kTenantBlocked);
+    EXPECT_TRUE(enter(1, b));
+    return seq;
+  };
+  const uint64_t seq = late_drain();
+  const uint64_t a0 = row(0).used_ns.load(), b0 = row(1).used_ns.load();
+  pass(10 * kMs);
+  pass(10 * kMs);
+  EXPECT_EQ(row(0).used_ns.load() - a0, 10 * kMs) << "half of b's 20 ms: a's late work ran beside b's";
+  EXPECT_EQ(row(1).used_ns.load() - b0, 10 * kMs);
+  // A sample naming a's process in b's grant: that work is paid already.
+  meter_.samples.push_back({pa, 150 * kMs, now_ - 5 * kMs});
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), 0u) << "charged twice for its late work";
+  EXPECT_EQ(row(1).used_ns.load() - b0, 11 * kMs) << "b credited for time a paid";
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  pass(1 * kMs);
+  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantBlocked);
+  const uint64_t a1 = row(0).used_ns.load(), b1 = row(1).used_ns.load();
+  pass(10 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), a1) << "drained: nothing more";
+  EXPECT_EQ(row(1).used_ns.load() - b1, 10 * kMs);
+  // a misses the deadline again, and never reports the drain: it pays for
+  // at most kOverdueChargeMaxNs of late work.
+  request(1, b).want_since_ns.store(0);
+  gputime::report_drained(*arbiter_.seg, request(1, b), gputime::grant_seq(word()));
+  pass(1 * kMs);
+  ASSERT_EQ(state(), gputime::kGrantIdle);
+  pass(200 * kMs);  // the turns start afresh
+  late_drain();
+  const uint64_t a2 = row(0).used_ns.load();
+  for (int i = 0; i < 120; ++i) pass(10 * kMs);
+  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantBlocked);
+  EXPECT_GE(row(0).used_ns.load() - a2, GpuScheduler::kOverdueChargeMaxNs / 2 - 10 * kMs);
+  EXPECT_LE(row(0).used_ns.load() - a2, GpuScheduler::kOverdueChargeMaxNs / 2 + 10 * kMs);
+  const uint64_t a3 = row(0).used_ns.load(), b3 = row(1).used_ns.load();
+  pass(10 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), a3) << "past the bound: no more";
+  EXPECT_EQ(row(1).used_ns.load() - b3, 10 * kMs);
+  // ... and a sample that finds its work then is the audit's again.
+  meter_.samples.push_back({pa, 150 * kMs, now_ - 5 * kMs});
+  pass(2 * kMs);
+  EXPECT_EQ(row(0).out_of_grant_ns.load(), 150 * kMs);
+  EXPECT_EQ(row(0).used_ns.load(), a3 + 150 * kMs);
 }
 
 // A latency tenant's queue protection starts when it is configured, not at

@@ -844,9 +844,19 @@ void GpuScheduler::charge(uint64_t now) {
   // per share). Charged to the drainer alone there, the overlap was the
   // latency tenant's for free, and the more often it took the GPU and the
   // slower the drains (a loaded host), the more it got beyond its share.
-  const bool draining = !measured && !side_ && holders(gputime::kGrantRevoking) > 0;
-  const uint64_t overlap_payers =
-      draining && driver_slices_ ? holders(gputime::kGrantRevoking) + holders(gputime::kGranted) : 0;
+  // A tenant that missed its drain deadline (complete_revoke) is in the
+  // same place until it reports the drain: its late work runs beside the
+  // holders' by turns, or ahead of theirs on a driver without compute
+  // preemption. Charged to the holders, that work took their time for free:
+  // a tenant whose one long kernel ran on past each grant, timed to end
+  // before the next sampling instant, kept 0.98 of the GPU on the queue
+  // model, the honest holder 0.01.
+  uint64_t overdue = 0;
+  if (!measured && !side_)
+    for (const Row& r : rows_) overdue += r.active && r.overdue_since != 0 ? 1 : 0;
+  const uint64_t drainers = holders(gputime::kGrantRevoking) + overdue;
+  const bool draining = !measured && !side_ && drainers > 0;
+  const uint64_t overlap_payers = draining && driver_slices_ ? drainers + holders(gputime::kGranted) : 0;
   // Side by side, the holders share each interval in proportion to their
   // shares (equal parts: side_by_side_fits()), which is how the driver's
   // time slices divide it between them when each has work.
@@ -858,8 +868,9 @@ void GpuScheduler::charge(uint64_t now) {
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
-      uint64_t ns = r.gstate == gputime::kGrantRevoking || (r.gstate == gputime::kGranted && !draining) ? dt : 0;
-      if (overlap_payers > 0 && r.gstate != gputime::kGrantIdle) ns = dt / overlap_payers;
+      const bool drains = r.gstate == gputime::kGrantRevoking || (overdue > 0 && r.active && r.overdue_since != 0);
+      uint64_t ns = drains ? dt / drainers : r.gstate == gputime::kGranted && !draining ? dt : 0;
+      if (overlap_payers > 0 && (drains || r.gstate == gputime::kGranted)) ns = dt / overlap_payers;
       if (side_shares > 0 && r.gstate == gputime::kGranted)
         ns = static_cast<uint64_t>(static_cast<unsigned __int128>(dt) * r.share / side_shares);
       const uint64_t credit = std::min(ns, r.credit);
@@ -944,6 +955,9 @@ void GpuScheduler::account_waits(uint64_t now) {
 // the processes that missed it reports the drain, or all of them are gone
 // (dead, or their slot taken by a new process, which clears its requests).
 void GpuScheduler::check_blocked(Row& r, uint64_t now) {
+  if (r.overdue_since != 0 &&
+      (!r.blocked || !r.active || now - r.overdue_since >= std::max(kOverdueChargeMaxNs, 2 * sample_period())))
+    end_overdue(r, now);
   if (!r.blocked || !r.readable) return;
   bool progress = false;
   for (uint32_t s = 0; s < kMaxSlots; ++s) {
@@ -958,8 +972,20 @@ void GpuScheduler::check_blocked(Row& r, uint64_t now) {
   if (!progress && r.missed.any()) return;
   r.blocked = false;
   r.missed.reset();
+  end_overdue(r, now);
   note(false, fmt::format("{}: tenant \"{}\" {}: it may be granted the GPU again", label_, r.name,
                           progress ? "reported its late drain" : "has none of the processes that missed the deadline left"));
+}
+
+// The late work is done (or no longer charged as such): the hold that
+// stayed open for it ends, and samples naming the tenant from now on are
+// the audit's business again.
+void GpuScheduler::end_overdue(Row& r, uint64_t now) {
+  if (r.overdue_since == 0) return;
+  r.overdue_since = 0;
+  if (r.hold_next == 0 || r.gstate != gputime::kGrantIdle) return;
+  Row::Hold& h = r.holds[(r.hold_next - 1) % r.holds.size()];
+  if (h.to == 0) h.to = std::max(now, h.from + 1);
 }
 
 void GpuScheduler::publish_grant(uint32_t t, bool change) {
@@ -1047,11 +1073,15 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
     h.blocked_seq = h.gseq;
     h.missed = pending;
     h.missed_deadlines += 1;
+    h.overdue_since = now;
     note(true, fmt::format("{}: tenant \"{}\": {} process(es) did not drain grant {} within {} ms; the GPU goes on "
                            "without them, and the tenant waits until they report it",
                            label_, h.name, pending.count(), h.gseq, gputime::kDrainDeadlineNs / 1'000'000));
   }
   end_grant(t, now);
+  // Its work still runs: it pays for it from here (charge()), and the hold
+  // stays open, so that the audit charges the same work no second time.
+  if (h.overdue_since != 0 && h.hold_next > 0) h.holds[(h.hold_next - 1) % h.holds.size()].to = 0;
 }
 
 // The checks on one tenant's grant: configuration, limit, idleness, drains.

@@ -105,6 +105,12 @@ class GpuScheduler {
   // periods they can miss (1 in 256 windows), and the holder, ahead by the
   // wide burst, would be revoked at once.
   static constexpr uint64_t kCreditBurstPeriods = 32;
+  // A tenant that missed a drain deadline pays for its late work's part of
+  // the others' grants (charge()) until it reports the drain, for at most
+  // this long, or two sampling periods where those are longer: work that
+  // runs on longer than a period is found by the audit's samples, which
+  // take over from then on.
+  static constexpr uint64_t kOverdueChargeMaxNs = 1'000'000'000;
   // ... and is granted a free GPU only once no other tenant has held or
   // asked for this long: a holder between two of its launches hands the
   // GPU back for a moment, and a grant then would make it wait for the
@@ -282,6 +288,9 @@ class GpuScheduler {
     uint64_t outside_named_ns = 0, outside_logged_ns = 0;
     uint64_t kept_off_since = 0;  // first pass that saw it wait while another held (our clock)
     bool blocked = false;         // missed a drain deadline; waits for progress
+    // Since when it pays for work left running past that deadline (our
+    // clock; 0: not paying): its last hold stays open meanwhile.
+    uint64_t overdue_since = 0;
     uint64_t blocked_seq = 0;
     std::bitset<ledger::kMaxSlots> missed;  // slots that had not drained blocked_seq
     // Slots seen to have entered its current grant: only a drain of that
@@ -408,6 +417,7 @@ class GpuScheduler {
   bool contended(uint32_t self) const;
   void account_waits(uint64_t now);
   void check_blocked(Row& r, uint64_t now);
+  void end_overdue(Row& r, uint64_t now);
   void step(uint64_t now);
   void step_row(uint32_t t, uint64_t now);
   void grant(uint32_t t, uint64_t now);

@@ -37,7 +37,13 @@
 //                       from guard_ms before each such instant until 1 ms after it, launch
 //                       nothing and wait for the queue to empty, so no sample finds this
 //                       process on the GPU
-//     guard_ms=8        (with dodge_ms) how long before each instant to stop
+//     guard_ms=8        (with dodge_ms or timed_ms) how long before each instant to stop
+//     timed_ms=P        the long kernel timed between samples: 1 ms after each multiple of
+//                       P ms of CLOCK_MONOTONIC (the stand-in NVML's sampling instants),
+//                       launch the first of kernels_us (it waits for a grant), then one
+//                       kernel that ends guard_ms before the next instant (whole ms), and
+//                       wait for it: every sample finds another tenant's work, while this
+//                       one runs on past its grant
 //     exit_at_ms=P      one link of a chain of short-lived processes: once set up, launch
 //                       until exit_after_ms past the first multiple of P ms of CLOCK_MONOTONIC
 //                       more than 1 ms away (the stand-in NVML's next sampling instant), then
@@ -74,6 +80,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,6 +101,7 @@ struct Options {
   double fork_after = 0;
   unsigned last_us = 0;
   unsigned dodge_ms = 0;
+  unsigned timed_ms = 0;
   unsigned guard_ms = 8;
   unsigned exit_at_ms = 0;
   unsigned exit_after_ms = 2;
@@ -153,6 +161,8 @@ struct Launcher {
   std::vector<CUgraphExec> graphs;
   CUgraphExec memory_graph = nullptr;  // path=graph_mem: an exec with a memory-allocation node
   CUfunction last = nullptr;  // last_us
+  CUmodule module = nullptr;
+  std::map<uint64_t, CUfunction> timed_functions;  // timed_ms: the long kernels, by length in ms
   PFN_cuLaunchKernel_v4000 launch_from_getproc = nullptr;  // path=getproc
   unsigned long long launches = 0;
   uint64_t capture_launch_max_ns = 0;
@@ -170,7 +180,6 @@ struct Launcher {
       CHECK(cuCtxSetCurrent(ctx));
     }
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
-    CUmodule module = nullptr;
     static const char image[] = "simulated";  // the simulated driver takes any image
     CHECK(cuModuleLoadData(&module, image));
     for (unsigned us : o.kernels_us) {
@@ -310,7 +319,34 @@ struct Launcher {
     return true;
   }
 
+  // timed_ms: one grant's tiny kernel, then one long kernel that runs on
+  // past the grant and ends just before the next sampling instant.
+  bool timed_step() {
+    const uint64_t period = o.timed_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
+    const uint64_t resume = now_ns() / period * period + 1'000'000ull;
+    sleep_until(resume > now_ns() ? resume : resume + period);
+    if (!launch(0)) return false;
+    const uint64_t t = now_ns(), next_instant = (t / period + 1) * period;
+    if (t + guard + 1'000'000ull < next_instant) {
+      const uint64_t ms = (next_instant - guard - t) / 1'000'000ull;
+      CUfunction& f = timed_functions[ms];
+      if (f == nullptr) CHECK(cuModuleGetFunction(&f, module, ("sleep_" + std::to_string(ms * 1000) + "us").c_str()));
+      CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+      ++launches;
+    }
+    CHECK(cuStreamSynchronize(stream));
+    return true;
+  }
+
+  static void sleep_until(uint64_t t_ns) {
+    for (uint64_t t = now_ns(); t < t_ns; t = now_ns()) {
+      struct timespec ts {0, static_cast<long>(t_ns - t)};
+      nanosleep(&ts, nullptr);
+    }
+  }
+
   bool step() {
+    if (o.timed_ms != 0) return timed_step();
     const bool flooding = flood_at_ns != 0 && now_ns() >= flood_at_ns;
     if (flood_at_ns != 0) next = flooding ? functions.size() - 1 : 0;
     const unsigned host_us = flooding ? 0 : o.host_us, ahead_us = flooding ? o.flood_ahead_us : o.ahead_us;
@@ -560,6 +596,7 @@ int main(int argc, char** argv) {
     else if (key == "fork_after") o.fork_after = atof(value);
     else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
     else if (key == "dodge_ms") o.dodge_ms = static_cast<unsigned>(atoi(value));
+    else if (key == "timed_ms") o.timed_ms = static_cast<unsigned>(atoi(value));
     else if (key == "guard_ms") o.guard_ms = static_cast<unsigned>(atoi(value));
     else if (key == "exit_at_ms") o.exit_at_ms = static_cast<unsigned>(atoi(value));
     else if (key == "exit_after_ms") o.exit_after_ms = static_cast<unsigned>(atoi(value));
