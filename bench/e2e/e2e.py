@@ -293,6 +293,13 @@ def read_run(d: Path) -> dict:
             tenant, share, pid, rc = line.rstrip("\n").split("\t")
             out = (d / f"{tenant}.out").read_text().strip() if (d / f"{tenant}.out").exists() else ""
             kv = parse_kv(out.splitlines()[-1]) if out else {}
+            if out and "rate" not in kv:
+                # gputime_load (the hostile shapes): a line each, launches_0= among them.
+                for line in out.splitlines():
+                    kv.update(parse_kv(line))
+                if "launches_0" in kv:
+                    kv.update(ops=kv["launches_0"], seconds=str(meta["seconds"]), unit="launches/s",
+                              rate=str(int(kv["launches_0"]) / meta["seconds"]))
             procs.append({"tenant": tenant, "share": share, "pid": int(pid), "rc": int(rc),
                           "ok": bool(kv) and int(rc) == 0, "rate": float(kv.get("rate", 0)),
                           "ops": int(kv.get("ops", 0)), "seconds": float(kv.get("seconds", 0)),

@@ -4,7 +4,7 @@
 #
 #   bash bench/e2e/run_e2e.sh BUILD_DIR OUT_DIR [--smoke] [--seconds N] [--held]
 #        [--sample-ms N] [--charging held|measured] [--guard-ms N] [--realistic]
-#        [--only workloads|latency] [--sched timeslice|queue] [--attrib instant|last]
+#        [--only workloads|latency|hostile] [--sched timeslice|queue] [--attrib instant|last]
 #
 # fracgpud runs with the stand-in NVML (BUILD_DIR/simnvml), which measures each
 # process's GPU time from the simulated driver, exactly, on every call; --held
@@ -43,6 +43,15 @@
 # NVML, k x the sampling period of CLOCK_MONOTONIC (--sample-ms; 167 without
 # it), until 1 ms after) beside an honest compute-bound tenant `honest`: two
 # processes without fracgpu, and two 0.5 tenants with it (also in --smoke).
+# Two more hostile shapes, each as two processes without fracgpu and as two
+# 0.5 tenants with it (--smoke: timed with fracgpu only), run by
+# tests/probe/gputime_load:
+#   - timed: the long kernel timed between samples (`cheat`: 1 ms after each
+#     sampling instant one 50 us kernel, then one kernel that ends --guard-ms
+#     before the next instant, waited for) beside `honest` (1 ms kernels);
+#   - flood: two light step loops (50 us kernels, 60 us of host work, 3.2 ms
+#     queued at most), `light` and `flood`; from 2 s on, `flood` launches
+#     20 ms kernels back to back, 100 ms queued ahead.
 # A second table, e2e_sharing.md: for every workload (and the cheat), the GPU's
 # busy time and each tenant's share of the GPU time used, two processes
 # without fracgpu beside two 0.5 tenants with it, and what fracgpu charged
@@ -80,8 +89,11 @@
 # time the inference leaves, and the issue's targets from the native alone
 # run (p50 <= 1.05 x alone, p99 <= 1.10 x alone + 2 ms) and whether each is
 # met (figures only: the exit status does not depend on them).
-# --only runs one set: workloads (everything above the latency set) or
-# latency. Exit 0 when every run succeeded.
+# --only runs one set: workloads (everything above the latency set),
+# latency, or hostile (the cheats of the workloads set alone: the
+# phase-locked cheat, the long kernel timed between samples and the light
+# tenant beside a flood; their tables are the workloads set's). Exit 0 when
+# every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -109,7 +121,8 @@ while (($#)); do
   esac
 done
 [[ -n $build && -n $out ]] || { usage >&2; exit 2; }
-[[ -z $only || $only == workloads || $only == latency ]] || die "--only takes workloads or latency, not $only"
+[[ -z $only || $only == workloads || $only == latency || $only == hostile ]] ||
+  die "--only takes workloads, latency or hostile, not $only"
 # The latency set's runs: a few hundred bursts even in the smoke.
 latency_seconds=${seconds:-$((smoke ? 2 : 10))}
 seconds=${seconds:-$((smoke ? 1 : 10))}
@@ -156,11 +169,12 @@ cheat_period_ms=${sample_ms:-167}
 
 build=$(realpath "$build") || die "no build dir $1"
 workload=$build/bench/e2e/e2e_workload
+load=$build/tests/gputime_load  # the hostile shapes' workload
 fracgpud=$build/controller/fracgpud
 fracgpu=$build/controller/fracgpu
 lib=$build/interpose/libfracgpu.so
 simdir=$build/simcuda
-for f in "$workload" "$fracgpud" "$fracgpu" "$lib" "$simdir/libcuda.so.1"; do
+for f in "$workload" "$load" "$fracgpud" "$fracgpu" "$lib" "$simdir/libcuda.so.1"; do
   [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh, with tests: the simulated driver)"
 done
 py() { python3 "$here/e2e.py" "$@"; }
@@ -208,6 +222,25 @@ workload_args() {
     training-b) echo "mode=training inflight=1000" ;;
     cheat) echo "mode=cheat period_ms=$cheat_period_ms guard_ms=$guard_ms" ;;
     *) echo "mode=$1" ;;
+  esac
+}
+
+# The gputime_load arguments of a hostile shape's workload (load-NAME).
+load_args() {
+  case $1 in
+    load-timed) echo "devices=0 kernels_us=50 timed_ms=$cheat_period_ms guard_ms=$guard_ms" ;;
+    load-compute) echo "devices=0 kernels_us=1000" ;;
+    load-light) echo "devices=0 kernels_us=50 host_us=60 ahead_us=3200" ;;
+    load-flood) echo "devices=0 kernels_us=50,20000 host_us=60 ahead_us=3200 flood_after_ms=2000" ;;
+    *) die "no workload $1" ;;
+  esac
+}
+
+# The command line of a workload: e2e_workload's, or gputime_load's for load-*.
+workload_command() {
+  case $1 in
+    load-*) echo "$load $(load_args "$1")" ;;
+    *) echo "$workload $(workload_args "$1")" ;;
   esac
 }
 
@@ -260,7 +293,7 @@ run() {
     # Every burst's latency, for a look beyond the percentiles.
     [[ ${twl:-$wl} != inference ]] || extra=(latency_file="$dir/$tenant.latencies")
     # shellcheck disable=SC2046 # the workload's arguments are words on purpose
-    env "${vars[@]}" "$workload" $(workload_args "${twl:-$wl}") ${extra[@]+"${extra[@]}"} seconds="$seconds" start_ns="$start" \
+    env "${vars[@]}" $(workload_command "${twl:-$wl}") ${extra[@]+"${extra[@]}"} seconds="$seconds" start_ns="$start" \
       >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
     pids+=("$!")
     tenants+=("$tenant")
@@ -290,7 +323,9 @@ run() {
 
 if [[ $only != latency ]]; then
   echo "== end-to-end workloads on the simulated driver, $seconds s each, into $out" >&2
-  for wl in launch step10 step50 compute alloc; do
+  wls="launch step10 step50 compute alloc"
+  [[ $only != hostile ]] || wls=""
+  for wl in $wls; do
     run "$wl-native" "$wl" native a
     run "$wl-fracgpu-alone" "$wl" fracgpu a:1
     if ((smoke)); then
@@ -304,7 +339,7 @@ if [[ $only != latency ]]; then
       run "$wl-fracgpu-0.1-0.9" "$wl" fracgpu a:0.1 b:0.9
     fi
   done
-  if ((!smoke)); then
+  if ((!smoke)) && [[ $only != hostile ]]; then
     # The side-by-side shapes beyond pairs: four light tenants of 0.25; a
     # light tenant beside a compute-bound one that may use what it leaves
     # (limit 1.0); and a cap alone (limit = share = 0.3).
@@ -317,6 +352,12 @@ if [[ $only != latency ]]; then
   # The cheat beside an honest compute-bound tenant, without fracgpu and with it.
   run cheat-native-2 cheat native cheat::cheat honest::compute
   run cheat-fracgpu-0.5-0.5 cheat fracgpu cheat:0.5:cheat honest:0.5:compute
+  ((smoke)) || run timed-native-2 timed native cheat::load-timed honest::load-compute
+  run timed-fracgpu-0.5-0.5 timed fracgpu cheat:0.5:load-timed honest:0.5:load-compute
+  if ((!smoke)); then
+    run flood-native-2 flood native light::load-light flood::load-flood
+    run flood-fracgpu-0.5-0.5 flood fracgpu light:0.5:load-light flood:0.5:load-flood
+  fi
 fi
 
 # nvml_text SAMPLE_MS: how fracgpud's NVML was set up, for a table's head.
@@ -338,7 +379,7 @@ machine="$(date -u +%Y-%m-%d), $(lscpu | sed -n 's/^Model name: *//p' | head -n 
 
 rc=0
 latency_skipped=""
-if [[ $only != workloads ]]; then
+if [[ $only != workloads && $only != hostile ]]; then
   # The latency set samples as a real GPU's NVML does (see the head).
   latency_sample_ms=${sample_ms:-167}
   if ((!held)); then
@@ -394,7 +435,7 @@ if [[ $only != latency ]]; then
     echo "fracgpud: $(nvml_text "$sample_ms"); $charging_text; cheat: period $cheat_period_ms ms, guard $guard_ms ms"
     echo
   } >"$out/e2e_table.head"
-  [[ $only == workloads ]] || echo
+  [[ $only == workloads || $only == hostile ]] || echo
   py report "$out" || { r=$?; ((rc)) || rc=$r; }
   for f in e2e_table e2e_sharing; do
     cat "$out/e2e_table.head" "$out/$f.md" >"$out/$f.tmp" && mv "$out/$f.tmp" "$out/$f.md"

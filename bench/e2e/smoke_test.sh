@@ -18,9 +18,12 @@ for f in e2e_table.md e2e_sharing.md e2e_runs.csv e2e_summary.csv e2e_shares.csv
 done
 # One row per process: launch, step10, step50 and alloc native + alone, compute
 # native + alone + 2 tenants, the cheat and its honest neighbour without
-# fracgpu and as 2 tenants.
+# fracgpu and as 2 tenants, the timed cheat and its neighbour as 2 tenants
+# (gputime_load: its launches are its work).
 rows=$(($(wc -l <"$out/e2e_runs.csv") - 1))
-((rows == 16)) || fail "e2e_runs.csv has $rows process rows, expected 16"
+((rows == 18)) || fail "e2e_runs.csv has $rows process rows, expected 18"
+grep -q '^| timed | fracgpu: cheat=0.5 (load-timed), honest=0.5 (load-compute) | cheat [0-9.]* launches/s; honest [0-9.]* launches/s |' \
+  "$out/e2e_table.md" || fail "the table has no timed row with launch rates"
 # Every process exited 0 and did work (columns: ... exit=7, ops=8).
 awk -F, 'NR > 1 && ($7 != 0 || $8 <= 0) { bad = 1; print "bad row: " $0 } END { exit bad }' "$out/e2e_runs.csv" >&2 ||
   fail "a workload failed or did nothing"
