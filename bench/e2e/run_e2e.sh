@@ -52,6 +52,8 @@
 #   - flood: two light step loops (50 us kernels, 60 us of host work, 3.2 ms
 #     queued at most), `light` and `flood`; from 2 s on, `flood` launches
 #     20 ms kernels back to back, 100 ms queued ahead.
+# And the cheat beside a light step50 tenant `light` (dodge; not in --smoke):
+# a pair that may hold the GPU side by side.
 # A second table, e2e_sharing.md: for every workload (and the cheat), the GPU's
 # busy time and each tenant's share of the GPU time used, two processes
 # without fracgpu beside two 0.5 tenants with it, and what fracgpu charged
@@ -91,8 +93,9 @@
 # met (figures only: the exit status does not depend on them).
 # --only runs one set: workloads (everything above the latency set),
 # latency, or hostile (the cheats of the workloads set alone: the
-# phase-locked cheat, the long kernel timed between samples and the light
-# tenant beside a flood; their tables are the workloads set's). Exit 0 when
+# phase-locked cheat beside a compute-bound and a light tenant, the long
+# kernel timed between samples and the light tenant beside a flood; their
+# tables are the workloads set's). Exit 0 when
 # every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -357,6 +360,10 @@ if [[ $only != latency ]]; then
   if ((!smoke)); then
     run flood-native-2 flood native light::load-light flood::load-flood
     run flood-fracgpu-0.5-0.5 flood fracgpu light:0.5:load-light flood:0.5:load-flood
+    # The phase-locked cheat beside a light tenant: a pair that may hold the
+    # GPU side by side, where the cheat's timing must buy nothing either.
+    run dodge-native-2 dodge native cheat::cheat light::step50
+    run dodge-fracgpu-0.5-0.5 dodge fracgpu cheat:0.5:cheat light:0.5:step50
   fi
 fi
 
