@@ -288,10 +288,11 @@ def read_run(d: Path) -> dict:
     meta = parse_kv((d / "run.txt").read_text())
     meta["seconds"] = float(meta["seconds"])
     procs = []
-    with open(d / "procs.tsv") as f:  # tenant, share, pid, exit status (fracgpu_run.sh)
+    with open(d / "procs.tsv") as f:  # tenant, share, pid, exit status[, output's name] (fracgpu_run.sh)
         for line in f:
-            tenant, share, pid, rc = line.rstrip("\n").split("\t")
-            out = (d / f"{tenant}.out").read_text().strip() if (d / f"{tenant}.out").exists() else ""
+            tenant, share, pid, rc, *rest = line.rstrip("\n").split("\t")
+            stem = rest[0] if rest else tenant
+            out = (d / f"{stem}.out").read_text().strip() if (d / f"{stem}.out").exists() else ""
             kv = parse_kv(out.splitlines()[-1]) if out else {}
             if out and "rate" not in kv:
                 # gputime_load (the hostile shapes): a line each, launches_0= among them.
@@ -543,14 +544,17 @@ def latency_row(r: dict, targets, d: Path) -> dict:
     """One run of the latency set as the table's and the CSV's fields."""
     procs = {p["tenant"]: p for p in r["procs"]}
     inf, train = procs.get("inf"), procs.get("train")
+    trains = [p for p in r["procs"] if p["tenant"] == "train"]  # the training may run in several processes
     prio = dict(part.partition(":")[::2] for part in r.get("priority", "").split(",") if part)
     shape = r["workload"].partition("-")[2]
     if r["mode"] == "native":
-        label = "inference alone, native" if train is None else "both, native (2 processes)"
+        label = "inference alone, native" if train is None else f"both, native ({len(r['procs'])} processes)"
     else:
         limits = dict(part.partition(":")[::2] for part in r.get("limit", "").split(",") if part)
         who = ", ".join(f"{p['tenant']} {p['share']} {prio.get(p['tenant'], 'normal')}"
-                        + (f" limit {limits[p['tenant']]}" if p["tenant"] in limits else "") for p in r["procs"])
+                        + (f" limit {limits[p['tenant']]}" if p["tenant"] in limits else "")
+                        + (f" ({len(trains)} processes)" if p["tenant"] == "train" and len(trains) > 1 else "")
+                        for p in procs.values())
         label = f"{'inference alone' if train is None else 'both'}, fracgpu: {who}"
     row = {"run": r["dir"], "shape": shape, "label": label, "mode": r["mode"], "seconds": r["seconds"],
            "ok": int(all(p["ok"] for p in r["procs"]))}
@@ -562,7 +566,7 @@ def latency_row(r: dict, targets, d: Path) -> dict:
         inf_share, _, _, busy = share_figures(r["samples"].get("inf", []), r["seconds"])
     if train is not None:
         train_share = share_figures(r["samples"].get("train", []), r["seconds"])[0]
-        row["train_rate"] = f"{train['rate']:.1f}"
+        row["train_rate"] = f"{sum(p['rate'] for p in trains):.1f}"
     row["inf_share"] = fmt_ratio(inf_share)
     row["train_share"] = fmt_ratio(train_share)
     row["gpu_busy"] = fmt_ratio(busy)
@@ -628,7 +632,10 @@ def cmd_latency(args) -> int:
     else:
         notes.append("No targets: the inference alone without fracgpu did not run or failed.")
     notes.append("Shapes: a = the training launches, synchronizes, launches (1 kernel of 2 ms in flight); "
-                 "b = 1000 in flight. GPU time: fraction of the window (from "
+                 "b = 1000 in flight; split4, split8 = 2 ms kernels, 2 s of them queued ahead, in 4 (8) "
+                 "processes of the training tenant; prefix = one process queuing 100 x 10 us, then "
+                 "10 x 20 ms, in a loop (it trains a per-launch estimate down, then floods); their kernels/s "
+                 "are launches per second of the run, queued or run. GPU time: fraction of the window (from "
                  f"{SKIP_S:g} s; half-way in shorter runs) the simulated driver ran each tenant's kernels. "
                  "Percentiles: nearest rank over the bursts (below 1000 bursts, p99.9 is the largest). "
                  "fracgpu's wait: a latency tenant's waits for the GPU as fracgpu publishes them (`fracgpu "

@@ -17,18 +17,21 @@ begin_run() {
 }
 
 # wait_procs: waits for the caller's processes $pids (of tenants $tenants,
-# with shares $shares), writes $dir/procs.tsv (tenant, share, pid, exit
-# status; what the reports read) and says which failed.
+# with shares $shares; their output in $dir/OUT.out and OUT.err, OUT from
+# $outs where set, else the tenant), writes $dir/procs.tsv (tenant, share,
+# pid, exit status, OUT; what the reports read) and says which failed.
 wait_procs() {
-  local i rc
+  local i rc stem
   : >"$dir/procs.tsv"
   for i in "${!pids[@]}"; do
     rc=0
     wait "${pids[i]}" || rc=$?
-    printf '%s\t%s\t%s\t%s\n' "${tenants[i]}" "${shares[i]}" "${pids[i]}" "$rc" >>"$dir/procs.tsv"
-    ((rc == 0)) || echo "$name: ${tenants[i]} exited $rc: $(tail -n 3 "$dir/${tenants[i]}.err")" >&2
+    stem=${outs[i]:-${tenants[i]}}
+    printf '%s\t%s\t%s\t%s\t%s\n' "${tenants[i]}" "${shares[i]}" "${pids[i]}" "$rc" "$stem" >>"$dir/procs.tsv"
+    ((rc == 0)) || echo "$name: ${tenants[i]} exited $rc: $(tail -n 3 "$dir/$stem.err")" >&2
   done
   pids=()
+  outs=()
 }
 
 # stop PID...: TERM, up to 3 s to exit, then KILL; reaps them. Only ever

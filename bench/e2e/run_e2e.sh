@@ -78,7 +78,11 @@
 #     depends on the shape);
 #   - per shape: the pair as two native processes; the pair under fracgpu,
 #     both normal (inf 0.25, train 0.75 with limit 1.0: it may use what the
-#     inference leaves); the pair with inf priority latency.
+#     inference leaves); the pair with inf priority latency;
+#   - training that pushes (not in --smoke), natively and beside the
+#     inference at latency: split4 and split8, 2 ms kernels with 2 s queued
+#     ahead in 4 (8) processes of the training tenant; prefix, one process
+#     queuing 100 x 10 us kernels, then 10 x 20 ms, in a loop (gputime_load).
 # A fracgpud that refuses `priority` in a config (checked first with
 # fracgpud --check) leaves the runs that need it out, said in the table.
 # The fracgpu runs of the set always sample with the realistic stand-in NVML
@@ -235,6 +239,12 @@ load_args() {
     load-compute) echo "devices=0 kernels_us=1000" ;;
     load-light) echo "devices=0 kernels_us=50 host_us=60 ahead_us=3200" ;;
     load-flood) echo "devices=0 kernels_us=50,20000 host_us=60 ahead_us=3200 flood_after_ms=2000" ;;
+    load-train) echo "devices=0 kernels_us=2000 ahead_us=2000000" ;;
+    load-prefix)
+      local kernels
+      kernels=$(printf '10,%.0s' $(seq 100))$(printf '20000,%.0s' $(seq 10))
+      echo "devices=0 kernels_us=${kernels%,} ahead_us=2000000"
+      ;;
     *) die "no workload $1" ;;
   esac
 }
@@ -255,19 +265,21 @@ status_at() {
   "$fracgpu" status --run-dir "$run_dir" --json >"$2" 2>&1 || true
 }
 
-# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD[:PRIORITY[:LIMIT]]]]...
+# run NAME WORKLOAD MODE TENANT[:SHARE[:WORKLOAD[:PRIORITY[:LIMIT[:COUNT]]]]]...
 # MODE native: each TENANT is one process without the interposer. MODE
 # fracgpu: a fresh fracgpud whose config gives each TENANT its SHARE of GPU 0
-# (and its PRIORITY and LIMIT, where named), one process each, from a common start. A
+# (and its PRIORITY and LIMIT, where named), one process each (COUNT
+# processes, where named: their output in TENANT.out, TENANT.2.out, ...),
+# from a common start. A
 # TENANT's own WORKLOAD replaces the run's (run.txt then says
 # mix=TENANT:WORKLOAD,...). $run_set, when set, goes to run.txt as set=
 # (the report keeps the latency set's runs out of the workloads' tables).
 run() {
-  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority limit i mix="" prio="" limits=""
+  local name dir run_dir wl=$2 mode=$3 spec tenant share twl priority limit count k stem mix="" prio="" limits=""
   begin_run "$1" "$wl" "$mode"
   shift 3
   for spec in "$@"; do
-    IFS=: read -r tenant share twl priority limit <<<"$spec"
+    IFS=: read -r tenant share twl priority limit count <<<"$spec"
     [[ -z $twl ]] || mix+="${mix:+,}$tenant:$twl"
     [[ -z $priority ]] || prio+="${prio:+,}$tenant:$priority"
     [[ -z $limit ]] || limits+="${limits:+,}$tenant:$limit"
@@ -279,7 +291,7 @@ run() {
   if [[ $mode == fracgpu ]]; then
     local -a daemon_specs=()
     for spec in "$@"; do
-      IFS=: read -r tenant share twl priority limit <<<"$spec"
+      IFS=: read -r tenant share twl priority limit count <<<"$spec"
       daemon_specs+=("$tenant:$share:$priority:$limit")
     done
     start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "${daemon_specs[@]}" || exit 1
@@ -287,21 +299,27 @@ run() {
   # A common start, after every process has had time to create its context.
   local start=$(($(py now) + 700000000)) tenants=() shares=() procs=()
   pids=()
+  outs=()
   for spec in "$@"; do
-    IFS=: read -r tenant share twl priority limit <<<"$spec"
+    IFS=: read -r tenant share twl priority limit count <<<"$spec"
     local -a vars=() extra=()
     if [[ $mode == fracgpu ]]; then
       vars=(FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib")
     fi
     # Every burst's latency, for a look beyond the percentiles.
     [[ ${twl:-$wl} != inference ]] || extra=(latency_file="$dir/$tenant.latencies")
-    # shellcheck disable=SC2046 # the workload's arguments are words on purpose
-    env "${vars[@]}" $(workload_command "${twl:-$wl}") ${extra[@]+"${extra[@]}"} seconds="$seconds" start_ns="$start" \
-      >"$dir/$tenant.out" 2>"$dir/$tenant.err" &
-    pids+=("$!")
-    tenants+=("$tenant")
-    shares+=("${share:-}")
-    procs+=("$!:$tenant")
+    for ((k = 1; k <= ${count:-1}; k++)); do
+      stem=$tenant
+      ((k == 1)) || stem=$tenant.$k
+      # shellcheck disable=SC2046 # the workload's arguments are words on purpose
+      env "${vars[@]}" $(workload_command "${twl:-$wl}") ${extra[@]+"${extra[@]}"} seconds="$seconds" start_ns="$start" \
+        >"$dir/$stem.out" 2>"$dir/$stem.err" &
+      pids+=("$!")
+      tenants+=("$tenant")
+      shares+=("${share:-}")
+      outs+=("$stem")
+      procs+=("$!:$tenant")
+    done
   done
   py sample --lib "$simdir/libcuda.so.1" --start-ns "$start" --seconds "$seconds" --out "$dir/samples.csv" \
     "${procs[@]}" &
@@ -421,6 +439,20 @@ if [[ $only != workloads && $only != hostile ]]; then
       run "latency-$shape-fracgpu-latency" "latency-$shape" fracgpu inf:0.25:inference:latency \
         "train:0.75:training-$shape::1.0"
   done
+  if ((!smoke)); then
+    # Training that pushes: 2 s queued ahead in 4 and 8 processes of one
+    # tenant, and one process that trains a per-launch estimate down with
+    # 10 us kernels, then queues 20 ms ones (gputime_load).
+    for n in 4 8; do
+      run "latency-split$n-native-$((n + 1))" "latency-split$n" native inf::inference "train::load-train:::$n"
+      [[ -n $latency_skipped ]] ||
+        run "latency-split$n-fracgpu-latency" "latency-split$n" fracgpu inf:0.25:inference:latency \
+          "train:0.75:load-train::1.0:$n"
+    done
+    run latency-prefix-native-2 latency-prefix native inf::inference train::load-prefix
+    [[ -n $latency_skipped ]] ||
+      run latency-prefix-fracgpu-latency latency-prefix fracgpu inf:0.25:inference:latency train:0.75:load-prefix::1.0
+  fi
   run_set=""
   seconds=$workload_seconds
   {

@@ -46,7 +46,7 @@ OVERLAP = 1.01  # GPU fractions of one run summing above this overlapped
 
 
 def read_proc(d: Path, line: str) -> dict:
-    tenant, share, pid, rc = line.split("\t")
+    tenant, share, pid, rc, *_ = line.split("\t")  # a fifth column: the output's name (the e2e harness)
     path = d / f"{tenant}.json"
     text = path.read_text().strip() if path.exists() else ""
     try:
