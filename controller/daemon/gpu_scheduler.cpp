@@ -361,6 +361,7 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
     if (listed[t] || !r.active) continue;
     r.active = false;
     changed = true;
+    end_overdue(r, last_pass_ns_);
     release_usage(r);
     note(false, fmt::format("{}: tenant \"{}\" no longer has a share of its time", label_, r.name));
   }
@@ -955,8 +956,7 @@ void GpuScheduler::account_waits(uint64_t now) {
 // the processes that missed it reports the drain, or all of them are gone
 // (dead, or their slot taken by a new process, which clears its requests).
 void GpuScheduler::check_blocked(Row& r, uint64_t now) {
-  if (r.overdue_since != 0 &&
-      (!r.blocked || !r.active || now - r.overdue_since >= std::max(kOverdueChargeMaxNs, 2 * sample_period())))
+  if (r.overdue_since != 0 && (!r.blocked || now - r.overdue_since >= std::max(kOverdueChargeMaxNs, 2 * sample_period())))
     end_overdue(r, now);
   if (!r.blocked || !r.readable) return;
   bool progress = false;

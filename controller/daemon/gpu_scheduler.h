@@ -105,17 +105,17 @@ class GpuScheduler {
   // periods they can miss (1 in 256 windows), and the holder, ahead by the
   // wide burst, would be revoked at once.
   static constexpr uint64_t kCreditBurstPeriods = 32;
+  // ... and is granted a free GPU only once no other tenant has held or
+  // asked for this long: a holder between two of its launches hands the
+  // GPU back for a moment, and a grant then would make it wait for the
+  // yielding tenant's queued work.
+  static constexpr uint64_t kYieldGapNs = 20'000'000;
   // A tenant that missed a drain deadline pays for its late work's part of
   // the others' grants (charge()) until it reports the drain, for at most
   // this long, or two sampling periods where those are longer: work that
   // runs on longer than a period is found by the audit's samples, which
   // take over from then on.
   static constexpr uint64_t kOverdueChargeMaxNs = 1'000'000'000;
-  // ... and is granted a free GPU only once no other tenant has held or
-  // asked for this long: a holder between two of its launches hands the
-  // GPU back for a moment, and a grant then would make it wait for the
-  // yielding tenant's queued work.
-  static constexpr uint64_t kYieldGapNs = 20'000'000;
   // Other tenants are paced (gputime::DaemonSection::pace_inflight_ns) while
   // a latency tenant has a live process, or asked or held the GPU, this
   // recently ...
