@@ -116,6 +116,14 @@ uint64_t now_ns() {
   return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
+// Sleeps until CLOCK_MONOTONIC reaches t_ns.
+void sleep_until(uint64_t t_ns) {
+  for (uint64_t t = now_ns(); t < t_ns; t = now_ns()) {
+    struct timespec ts {static_cast<time_t>((t_ns - t) / 1'000'000'000ull), static_cast<long>((t_ns - t) % 1'000'000'000ull)};
+    nanosleep(&ts, nullptr);
+  }
+}
+
 std::vector<unsigned> parse_list(const char* s) {
   std::vector<unsigned> out;
   for (const char* p = s; *p != '\0';) {
@@ -311,10 +319,7 @@ struct Launcher {
     if (now + kernel_ns + guard < next_instant && now % period >= 1'000'000ull) return true;
     CHECK(cuStreamSynchronize(sync_stream()));
     const uint64_t resume = (now % period < 1'000'000ull ? now / period * period : next_instant) + 1'000'000ull;
-    for (uint64_t t = now_ns(); t < resume; t = now_ns()) {
-      struct timespec ts {0, static_cast<long>(resume - t)};
-      nanosleep(&ts, nullptr);
-    }
+    sleep_until(resume);
     batch_us = 0;
     return true;
   }
@@ -336,13 +341,6 @@ struct Launcher {
     }
     CHECK(cuStreamSynchronize(stream));
     return true;
-  }
-
-  static void sleep_until(uint64_t t_ns) {
-    for (uint64_t t = now_ns(); t < t_ns; t = now_ns()) {
-      struct timespec ts {0, static_cast<long>(t_ns - t)};
-      nanosleep(&ts, nullptr);
-    }
   }
 
   bool step() {
@@ -481,10 +479,7 @@ int run_bursts(const Options& o) {
     const double offset = (uniform() * 2 - 1) * static_cast<double>(jitter);
     const uint64_t arrival = start + k * period + static_cast<uint64_t>(std::max(0.0, static_cast<double>(period) + offset)) - period;
     if (arrival >= until) break;
-    for (uint64_t t = now_ns(); t < arrival; t = now_ns()) {
-      struct timespec ts {0, static_cast<long>(arrival - t)};
-      nanosleep(&ts, nullptr);
-    }
+    sleep_until(arrival);
     const uint64_t t0 = now_ns();
     for (unsigned i = 0; i < n; ++i)
       if (!l.launch(i % l.functions.size())) return 1;
