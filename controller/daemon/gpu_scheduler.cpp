@@ -854,7 +854,7 @@ void GpuScheduler::charge(uint64_t now) {
   // model, the honest holder 0.01.
   uint64_t overdue = 0;
   if (!measured && !side_)
-    for (const Row& r : rows_) overdue += r.active && r.overdue_since != 0 ? 1 : 0;
+    for (const Row& r : rows_) overdue += r.pays_late() ? 1 : 0;
   const uint64_t drainers = holders(gputime::kGrantRevoking) + overdue;
   const bool draining = !measured && !side_ && drainers > 0;
   const uint64_t overlap_payers = draining && driver_slices_ ? drainers + holders(gputime::kGranted) : 0;
@@ -869,7 +869,7 @@ void GpuScheduler::charge(uint64_t now) {
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
-      const bool drains = r.gstate == gputime::kGrantRevoking || (overdue > 0 && r.active && r.overdue_since != 0);
+      const bool drains = r.gstate == gputime::kGrantRevoking || (overdue > 0 && r.pays_late());
       uint64_t ns = drains ? dt / drainers : r.gstate == gputime::kGranted && !draining ? dt : 0;
       if (overlap_payers > 0 && (drains || r.gstate == gputime::kGranted)) ns = dt / overlap_payers;
       if (side_shares > 0 && r.gstate == gputime::kGranted)
@@ -983,9 +983,7 @@ void GpuScheduler::check_blocked(Row& r, uint64_t now) {
 void GpuScheduler::end_overdue(Row& r, uint64_t now) {
   if (r.overdue_since == 0) return;
   r.overdue_since = 0;
-  if (r.hold_next == 0 || r.gstate != gputime::kGrantIdle) return;
-  Row::Hold& h = r.holds[(r.hold_next - 1) % r.holds.size()];
-  if (h.to == 0) h.to = std::max(now, h.from + 1);
+  if (r.gstate == gputime::kGrantIdle) r.end_last_hold(now);
 }
 
 void GpuScheduler::publish_grant(uint32_t t, bool change) {
@@ -1037,10 +1035,7 @@ void GpuScheduler::grant(uint32_t t, uint64_t now) {
 
 void GpuScheduler::end_grant(uint32_t t, uint64_t now) {
   Row& r = rows_[t];
-  if (r.hold_next > 0) {
-    Row::Hold& h = r.holds[(r.hold_next - 1) % r.holds.size()];
-    if (h.to == 0) h.to = std::max(now, h.from + 1);
-  }
+  r.end_last_hold(now);
   r.gstate = gputime::kGrantIdle;
   r.revoke_ns = 0;
   publish_grant(t);
@@ -1081,7 +1076,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
   end_grant(t, now);
   // Its work still runs: it pays for it from here (charge()), and the hold
   // stays open, so that the audit charges the same work no second time.
-  if (h.overdue_since != 0 && h.hold_next > 0) h.holds[(h.hold_next - 1) % h.holds.size()].to = 0;
+  if (Row::Hold* last = h.last_hold(); h.overdue_since != 0 && last != nullptr) last->to = 0;
 }
 
 // The checks on one tenant's grant: configuration, limit, idleness, drains.

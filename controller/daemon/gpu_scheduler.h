@@ -32,6 +32,7 @@
 // the metrics child the main thread forks.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bitset>
@@ -98,6 +99,11 @@ class GpuScheduler {
   // process outside the gate costs its tenant its turns".
   static constexpr uint64_t kOutsideYieldPeriods = 8;
   static constexpr uint64_t kOutsideYieldMinNs = 500'000'000;
+  // ... and is granted a free GPU only once no other tenant has held or
+  // asked for this long: a holder between two of its launches hands the
+  // GPU back for a moment, and a grant then would make it wait for the
+  // yielding tenant's queued work.
+  static constexpr uint64_t kYieldGapNs = 20'000'000;
   // A tenant the audit credited within this many sampling periods has its
   // limit's burst widened to kOutsideYieldPeriods periods (burst()). Longer
   // than the burst: credits come when a sample happens to name the other's
@@ -105,11 +111,6 @@ class GpuScheduler {
   // periods they can miss (1 in 256 windows), and the holder, ahead by the
   // wide burst, would be revoked at once.
   static constexpr uint64_t kCreditBurstPeriods = 32;
-  // ... and is granted a free GPU only once no other tenant has held or
-  // asked for this long: a holder between two of its launches hands the
-  // GPU back for a moment, and a grant then would make it wait for the
-  // yielding tenant's queued work.
-  static constexpr uint64_t kYieldGapNs = 20'000'000;
   // A tenant that missed a drain deadline pays for its late work's part of
   // the others' grants (charge()) until it reports the drain, for at most
   // this long, or two sampling periods where those are longer: work that
@@ -273,6 +274,11 @@ class GpuScheduler {
     };
     std::array<Hold, 32> holds{};
     uint32_t hold_next = 0;
+    // The latest hold (nullptr: none yet), and ending it now if still open.
+    Hold* last_hold() { return hold_next > 0 ? &holds[(hold_next - 1) % holds.size()] : nullptr; }
+    void end_last_hold(uint64_t now) {
+      if (Hold* h = last_hold(); h != nullptr && h->to == 0) h->to = std::max(now, h->from + 1);
+    }
     uint64_t pending_out_of_grant = 0, credit = 0;
     uint64_t credited_ns = 0;  // when the audit last gave it such time back (our clock; 0: never)
     uint64_t out_of_grant = 0, out_of_grant_samples = 0;
@@ -291,6 +297,7 @@ class GpuScheduler {
     // Since when it pays for work left running past that deadline (our
     // clock; 0: not paying): its last hold stays open meanwhile.
     uint64_t overdue_since = 0;
+    bool pays_late() const { return active && overdue_since != 0; }
     uint64_t blocked_seq = 0;
     std::bitset<ledger::kMaxSlots> missed;  // slots that had not drained blocked_seq
     // Slots seen to have entered its current grant: only a drain of that
