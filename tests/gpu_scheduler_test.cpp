@@ -1129,6 +1129,51 @@ TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWa
   EXPECT_FALSE(row(1).flags.load() & gputime::kTenantYields);
 }
 
+// A tenant that yields falls behind in virtual time while the others hold
+// the GPU, since it is served only when nobody else asks. That lag is no
+// debt: once its yield lapses it takes turns as a tenant back from idle
+// does, and does not keep the GPU until it has caught up (it did: a tenant
+// whose process outside the gate had yielded for seconds then held the
+// GPU for as long again, its neighbour's work waiting).
+TEST_F(SchedulerTest, ATenantThatYieldedHasNoLagToMakeUpOnceItStops) {
+  int a = 0, b = 0;
+  uint32_t pb = 0;
+  ASSERT_NO_FATAL_FAILURE(pair_beside_a_process_outside_the_gate(&a, &b, &pb));
+  // Both ask throughout, as saturating processes do.
+  const auto step = [&](uint64_t ms) {
+    for (const auto& [t, slot] : {std::pair{0, a}, std::pair{1, b}})
+      if (!holds(t) && request(t, slot).want_since_ns.load() == 0) want(t, slot);
+    pass(ms * kMs);
+    follow(0, a);
+    follow(1, b);
+  };
+  // 3 s in which b's process outside the gate is named in a's grants at
+  // every sample: b yields, a holds.
+  uint64_t held_by_a = 0, ms = 0;
+  for (uint64_t next_sample = now_; ms < 3000; ++ms) {
+    if (now_ >= next_sample) {
+      meter_.samples.push_back({kOutside, 20 * kMs, now_ - 4 * kMs});
+      next_sample += meter_.period;
+    }
+    step(1);
+    held_by_a += holds(0);
+  }
+  EXPECT_GT(held_by_a, 2700u) << "b yields while its process outside the gate is at work";
+  // Then no more samples of it: once the yield has lapsed, the next 2 s go
+  // about half each.
+  const uint64_t lapse = now_ + GpuScheduler::kOutsideYieldPeriods * meter_.period;
+  while (now_ < lapse) step(1);
+  held_by_a = 0;
+  uint64_t held_by_b = 0;
+  for (ms = 0; ms < 2000; ++ms) {
+    step(1);
+    held_by_a += holds(0);
+    held_by_b += holds(1);
+  }
+  EXPECT_GT(held_by_a, 700u) << "b held " << held_by_b << " ms of 2000";
+  EXPECT_GT(held_by_b, 700u) << "a held " << held_by_a << " ms of 2000";
+}
+
 // A tenant the audit credits (another tenant's work found in its grants)
 // has its limit enforced with a burst of kOutsideYieldPeriods sampling
 // periods, since such credits come a sample at a time; a tenant nobody

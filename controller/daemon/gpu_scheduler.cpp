@@ -1479,9 +1479,12 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   // among those that want the GPU and the holder (it only rises).
   uint64_t lowest = UINT64_MAX;
   // (A blocked tenant is not among them: it cannot be granted, and its
-  // virtual time standing still must not hold the others' back.)
+  // virtual time standing still must not hold the others' back. Nor is one
+  // that yields: it is served only when nobody else asks, so its virtual
+  // time falls behind while it yields, and that lag is no debt the others
+  // owe it once it stops: it comes back as from idle.)
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
-    if (contends(rows_[t]))
+    if (contends(rows_[t]) && !yields(rows_[t], now))
       lowest = std::min(lowest, rows_[t].vtime);
   if (lowest != UINT64_MAX && lowest > min_vtime_) min_vtime_ = lowest;
   read_meter(now);
