@@ -37,6 +37,7 @@
 #include "gputime.h"
 #include "policy_util.h"
 #include "simcuda.h"
+#include "usage_attack.h"
 
 namespace fs = std::filesystem;
 using namespace fracgpu;
@@ -495,11 +496,12 @@ class GpuTimeTest : public ::testing::Test {
     EXPECT_GE(real, 0);
     gputime::Arbiter arbiter = open_tenant_arbiter("cheat", 0);
     if (real < 0 || !arbiter.is_open()) return 1;
-    const int row = gputime::find_tenant(*arbiter.seg, "cheat");
+    const usage_attack::Target target{l.usage, static_cast<uint32_t>(real), loads_[1].pid, loads_[0].pid,
+                                      &arbiter.seg->tenants[gputime::find_tenant(*arbiter.seg, "cheat")]};
     std::atomic<bool> stop{false};
     std::thread scribbler([&] {
       while (!stop.load()) {
-        l.usage->gputime[0][real].drained_grant.store(gputime::grant_seq(arbiter.seg->tenants[row].grant.load()));
+        usage_attack::claim_drained(target);
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     });
@@ -1616,96 +1618,7 @@ TEST_F(GpuTimeTest, GarbageInATenantsRequestsTakesNothingFromAnother) {
 // absolute figures move with the machine's load; the split does not).
 class GarbageInOwnUsageTest : public GpuTimeTest {
  protected:
-  enum class Garbage {
-    // Every word: timestamps in the past only (a moment ago, seconds ago,
-    // 0 or 1), the words that are no timestamps included (grant numbers,
-    // start times, the slot high-water mark), all but its real slot's state
-    // and PID.
-    kPastTimes,
-    // Every slot live under the attacker's own PID and start time, the
-    // others asking and active now; in every slot, its real one included,
-    // entered and drained numbers guessed around the attacker's current
-    // grant (seq - 3 .. seq + 3).
-    kOwnPidAndGuessedGrants,
-    // The words side by side and the slot scan rest on: context counts (0,
-    // 1, huge), the slot high-water mark (0, 1, all, beyond), the other
-    // slots named after the honest tenant's process and the attacker's own,
-    // and the real slot's state flipped between free and live.
-    kContextsAndSlotWords,
-  };
-
-  static void put(void* base, size_t word, uint64_t value) {
-    std::atomic_ref<uint64_t>(static_cast<uint64_t*>(base)[word]).store(value, std::memory_order_relaxed);
-  }
-  static constexpr size_t kWords = 8;  // a ProcessSlot, a GpuTimeRequest
-  static_assert(sizeof(ledger::ProcessSlot) == kWords * 8 && sizeof(ledger::GpuTimeRequest) == kWords * 8);
-
-  // One round of `kind` into the attacker's usage file `u`, whose real
-  // process has slot `real`.
-  void scribble(Garbage kind, ledger::UsageSegment& u, uint32_t real, const gputime::TenantTime& row,
-                unsigned* seed) const {
-    const uint64_t now = now_ns();
-    auto past = [&]() -> uint64_t {
-      switch (rand_r(seed) % 4) {
-        case 0: return now - 1 - rand_r(seed) % 2'000'000;                          // a moment ago
-        case 1: return now - (1 + rand_r(seed) % 10) * kSecond;                    // seconds ago
-        case 2: return 0;
-        default: return 1;
-      }
-    };
-    auto* header = reinterpret_cast<uint64_t*>(&u);
-    const size_t high_word = offsetof(ledger::UsageSegment, slot_high_water) / 8;
-    if (kind == Garbage::kPastTimes) {
-      put(header, high_word, past());
-      for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
-        for (size_t w = 0; w < kWords; ++w) {
-          // Not the real slot's state and PID: that would only hide its own
-          // process from the daemon, and it asks for nothing then.
-          if (s != real || w != 0) put(&u.slots[s], w, past());
-          put(&u.gputime[0][s], w, past());
-        }
-      return;
-    }
-    const uint32_t own_pid = static_cast<uint32_t>(loads_[1].pid), honest_pid = static_cast<uint32_t>(loads_[0].pid);
-    const uint64_t seq = gputime::grant_seq(row.grant.load());
-    if (kind == Garbage::kOwnPidAndGuessedGrants) {
-      const uint64_t start = u.slots[real].start_time.load();
-      u.slot_high_water.store(ledger::kMaxSlots);
-      for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
-        ledger::ProcessSlot& slot = u.slots[s];
-        ledger::GpuTimeRequest& r = u.gputime[0][s];
-        slot.state.store(ledger::kSlotLive);
-        slot.pid.store(static_cast<int32_t>(own_pid));
-        slot.start_time.store(start);
-        slot.host_pid.store(static_cast<int32_t>(own_pid));
-        r.entered_grant.store(seq - 3 + rand_r(seed) % 7);
-        r.drained_grant.store(seq - 3 + rand_r(seed) % 7);
-        if (s == real) continue;  // its own process keeps asking and launching
-        r.want_since_ns.store(now - rand_r(seed) % 1'000'000);
-        r.poll_ns.store(now);
-        r.last_active_ns.store(now);
-        r.contexts.store(1);
-      }
-      return;
-    }
-    const uint32_t highs[] = {0, 1, ledger::kMaxSlots, UINT32_MAX};
-    u.slot_high_water.store(highs[rand_r(seed) % 4]);
-    const uint64_t contexts[] = {0, 1, UINT64_MAX, 1ull << 32};
-    for (uint32_t s = 0; s < ledger::kMaxSlots; ++s) {
-      u.gputime[0][s].contexts.store(contexts[rand_r(seed) % 4]);
-      ledger::ProcessSlot& slot = u.slots[s];
-      if (s == real) {
-        slot.state.store(rand_r(seed) % 2 == 0 ? ledger::kSlotFree : ledger::kSlotLive);
-        continue;
-      }
-      const uint32_t pid = rand_r(seed) % 2 == 0 ? honest_pid : own_pid;
-      slot.state.store(ledger::kSlotLive);
-      slot.pid.store(static_cast<int32_t>(pid));
-      slot.host_pid.store(static_cast<int32_t>(pid));
-      u.gputime[0][s].poll_ns.store(now);
-      u.gputime[0][s].entered_grant.store(seq);
-    }
-  }
+  using Garbage = usage_attack::Garbage;  // what each kind writes: tests/probe/usage_attack.h
 
   // The attack over 8 s of a 12 s pair: the honest tenant's and the
   // attacker's shares of the GPU time they used.
@@ -1718,13 +1631,14 @@ class GarbageInOwnUsageTest : public GpuTimeTest {
     gputime::Arbiter arbiter = open_tenant_arbiter("attacker", 0);
     EXPECT_TRUE(arbiter.is_open());
     if (real < 0 || !arbiter.is_open()) return {0, 1};
-    const gputime::TenantTime& row = arbiter.seg->tenants[gputime::find_tenant(*arbiter.seg, "attacker")];
+    const usage_attack::Target target{l.usage, static_cast<uint32_t>(real), loads_[1].pid, loads_[0].pid,
+                                      &arbiter.seg->tenants[gputime::find_tenant(*arbiter.seg, "attacker")]};
     std::atomic<bool> stop{false};
     uint64_t rounds = 0;
     std::thread scribbler([&] {
       unsigned seed = 20261128;  // fixed: a failure can be replayed
       while (!stop.load()) {
-        scribble(kind, *l.usage, static_cast<uint32_t>(real), row, &seed);
+        usage_attack::scribble(kind, target, now_ns(), &seed);
         ++rounds;
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
@@ -1733,10 +1647,7 @@ class GarbageInOwnUsageTest : public GpuTimeTest {
     const auto [a, b] = span(1, 8000);
     stop.store(true);
     scribbler.join();
-    // Its own process visible again, so that its load can finish: hidden,
-    // it waits for a grant it is never given (its own loss).
-    l.usage->slot_high_water.store(ledger::kMaxSlots);
-    l.usage->slots[real].state.store(ledger::kSlotLive);
+    usage_attack::restore(target);  // so that its load can finish
     const double length = static_cast<double>(b.t - a.t);
     const double honest = tenant_busy(a, b, "honest", 0) / length, attacker = tenant_busy(a, b, "attacker", 0) / length;
     const double used = honest + attacker;

@@ -313,7 +313,11 @@ def read_run(d: Path) -> dict:
                 t = float(r["t_s"])
                 slot = by_t.setdefault(t, {"device": int(r["device_busy_ns"]), "tenants": {}})
                 slot["tenants"][r["tenant"]] = slot["tenants"].get(r["tenant"], 0) + int(r["busy_ns"])
+        rest = meta.get("rest")  # a tenant whose processes come and go too fast to sample (run_e2e.sh)
         for t in sorted(by_t):
+            if rest:
+                slot = by_t[t]
+                slot["tenants"][rest] = slot["device"] - sum(b for name, b in slot["tenants"].items() if name != rest)
             for tenant, b in by_t[t]["tenants"].items():
                 samples.setdefault(tenant, []).append((t, b, by_t[t]["device"]))
     # Tenants with a workload of their own (run.txt's mix=TENANT:WORKLOAD,...).

@@ -53,7 +53,20 @@
 #     queued at most), `light` and `flood`; from 2 s on, `flood` launches
 #     20 ms kernels back to back, 100 ms queued ahead.
 # And the cheat beside a light step50 tenant `light` (dodge; not in --smoke):
-# a pair that may hold the GPU side by side.
+# a pair that may hold the GPU side by side. And (not in --smoke) a hostile
+# tenant `cheat` whose container runs a load of 1 ms kernels and an attack
+# beside it (bench/e2e/tenant_attack.sh), beside `honest` (1 ms kernels),
+# each as two tenants without fracgpu and as two 0.5 tenants with it:
+#   - processes without the interposer (root only: the tenant's container is
+#     a mount namespace holding its tenant directory): plain (a second load),
+#     chain (only short-lived processes, one per sampling period, each gone
+#     2 ms after its sample), chain-gated (the load and the chain),
+#     bypass-dodge (the load and a process that stays off the GPU around
+#     each sampling instant), and bypass-dodge-terminate (the same, fracgpud
+#     with audit_action = "terminate" and audit_interval = "1s");
+#   - its own usage file written (tests/usage_attacker): false-drain (its
+#     load's slot says it drained every grant at once), and garbage in every
+#     word: past-times, own-pid, contexts.
 # A second table, e2e_sharing.md: for every workload (and the cheat), the GPU's
 # busy time and each tenant's share of the GPU time used, two processes
 # without fracgpu beside two 0.5 tenants with it, and what fracgpu charged
@@ -98,8 +111,8 @@
 # --only runs one set: workloads (everything above the latency set),
 # latency, or hostile (the cheats of the workloads set alone: the
 # phase-locked cheat beside a compute-bound and a light tenant, the long
-# kernel timed between samples and the light tenant beside a flood; their
-# tables are the workloads set's). Exit 0 when
+# kernel timed between samples, the light tenant beside a flood, and the
+# hostile containers; their tables are the workloads set's). Exit 0 when
 # every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -181,7 +194,7 @@ fracgpud=$build/controller/fracgpud
 fracgpu=$build/controller/fracgpu
 lib=$build/interpose/libfracgpu.so
 simdir=$build/simcuda
-for f in "$workload" "$load" "$fracgpud" "$fracgpu" "$lib" "$simdir/libcuda.so.1"; do
+for f in "$workload" "$load" "$build/tests/usage_attacker" "$fracgpud" "$fracgpu" "$lib" "$simdir/libcuda.so.1"; do
   [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh, with tests: the simulated driver)"
 done
 py() { python3 "$here/e2e.py" "$@"; }
@@ -249,10 +262,12 @@ load_args() {
   esac
 }
 
-# The command line of a workload: e2e_workload's, or gputime_load's for load-*.
+# The command line of a workload: e2e_workload's, gputime_load's for load-*,
+# or for attack-KIND a hostile tenant's load and attack (tenant_attack.sh).
 workload_command() {
   case $1 in
     load-*) echo "$load $(load_args "$1")" ;;
+    attack-*) echo "bash $here/tenant_attack.sh ${1#attack-} $build $cheat_period_ms $guard_ms" ;;
     *) echo "$workload $(workload_args "$1")" ;;
   esac
 }
@@ -288,6 +303,9 @@ run() {
   [[ -z $prio ]] || printf 'priority=%s\n' "$prio" >>"$dir/run.txt"
   [[ -z $limits ]] || printf 'limit=%s\n' "$limits" >>"$dir/run.txt"
   [[ -z ${run_set:-} ]] || printf 'set=%s\n' "$run_set" >>"$dir/run.txt"
+  # A tenant with processes the sampler cannot follow (a chain of short-lived
+  # ones): its GPU time is the device's less everyone else's.
+  [[ -z ${run_rest:-} ]] || printf 'rest=%s\n' "$run_rest" >>"$dir/run.txt"
   if [[ $mode == fracgpu ]]; then
     local -a daemon_specs=()
     for spec in "$@"; do
@@ -382,6 +400,32 @@ if [[ $only != latency ]]; then
     # GPU side by side, where the cheat's timing must buy nothing either.
     run dodge-native-2 dodge native cheat::cheat light::step50
     run dodge-fracgpu-0.5-0.5 dodge fracgpu cheat:0.5:cheat light:0.5:step50
+    # The hostile tenants of a container (tenant_attack.sh) beside `honest`
+    # (1 ms kernels): processes without the interposer (a plain one, a chain
+    # of short-lived ones alone and beside its load, one that dodges the
+    # sampling instants: that one's defence is the bypass audit's terminate,
+    # run here with audit_interval = "1s" so that the run shows the rest of
+    # it), and its own usage file written (the false drain, and garbage).
+    # Those without the interposer need a mount namespace: root only.
+    attacks="false-drain past-times own-pid contexts"
+    if ((EUID == 0)); then
+      attacks="plain chain chain-gated bypass-dodge $attacks"
+    else
+      echo "run_e2e.sh: the attacks without the interposer need root (a tenant's mount namespace): left out" >&2
+    fi
+    # The attacking tenant's processes are the wrapper's children, which the
+    # sampler does not follow: its GPU time is the device's less `honest`'s.
+    run_rest=cheat
+    for kind in $attacks; do
+      run "$kind-native-2" "$kind" native "cheat::attack-$kind" honest::load-compute
+      run "$kind-fracgpu-0.5-0.5" "$kind" fracgpu "cheat:0.5:attack-$kind" honest:0.5:load-compute
+      if [[ $kind == bypass-dodge ]]; then
+        run "$kind-terminate-native-2" "$kind-terminate" native "cheat::attack-$kind" honest::load-compute
+        fracgpud_daemon_keys="${fracgpud_daemon_keys:+$fracgpud_daemon_keys$'\n'}audit_action = \"terminate\""$'\n'"audit_interval = \"1s\"" \
+          run "$kind-terminate-fracgpu-0.5-0.5" "$kind-terminate" fracgpu "cheat:0.5:attack-$kind" honest:0.5:load-compute
+      fi
+    done
+    run_rest=""
   fi
 fi
 
