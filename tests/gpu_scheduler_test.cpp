@@ -1129,6 +1129,44 @@ TEST_F(SchedulerTest, ATenantWhoseProcessOutsideTheGateRunsInOthersGrantsGivesWa
   EXPECT_FALSE(row(1).flags.load() & gputime::kTenantYields);
 }
 
+// A process outside the gate that NVML lists on the GPU takes the driver's
+// turns in every holder's grant, whether or not a sample ever names it (one
+// that stays off the GPU at the sampling instants never is): while it is
+// listed, the holder pays its contexts' part of its grant (one of two here)
+// and the listed process's tenant the rest; its own grants it pays whole.
+// A sample naming that process in the holder's grant is counted, not
+// charged again.
+TEST_F(SchedulerTest, AListedProcessOutsideTheGatePaysItsPartOfEveryOtherHoldersGrant) {
+  int a = 0, b = 0;
+  uint32_t pb = 0;
+  ASSERT_NO_FATAL_FAILURE(pair_beside_a_process_outside_the_gate(&a, &b, &pb));
+  sched_->set_listed_outside({{"b", 1000}});
+  const uint64_t a0 = row(0).used_ns.load(), b0 = row(1).used_ns.load();
+  for (int i = 0; i < 100; ++i) {
+    pass(10 * kMs);
+    follow(0, a);
+  }
+  ASSERT_TRUE(holds(0));
+  EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - a0), 500.0 * kMs, 25.0 * kMs) << "a pays half";
+  EXPECT_NEAR(static_cast<double>(row(1).used_ns.load() - b0), 500.0 * kMs, 25.0 * kMs) << "b pays the rest";
+  // A sample naming b's process in a's grant adds nothing to that.
+  const uint64_t b1 = row(1).used_ns.load();
+  meter_.samples.push_back({kOutside, 100 * kMs, now_ - 4 * kMs});
+  pass(10 * kMs);
+  follow(0, a);
+  EXPECT_NEAR(static_cast<double>(row(1).used_ns.load() - b1), 5.0 * kMs, 1.0 * kMs);
+  EXPECT_EQ(row(1).out_of_grant_samples.load(), 1u);
+  // No longer listed: a pays its grant whole again.
+  sched_->set_listed_outside({});
+  const uint64_t a2 = row(0).used_ns.load(), b2 = row(1).used_ns.load();
+  for (int i = 0; i < 50; ++i) {
+    pass(10 * kMs);
+    follow(0, a);
+  }
+  EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - a2), 500.0 * kMs, 15.0 * kMs);
+  EXPECT_EQ(row(1).used_ns.load(), b2);
+}
+
 // A tenant that yields falls behind in virtual time while the others hold
 // the GPU, since it is served only when nobody else asks. That lag is no
 // debt: once its yield lapses it takes turns as a tenant back from idle

@@ -889,12 +889,16 @@ void Daemon::watch_gpu_processes(uint64_t now) {
     for (const Nvml::Process& p : processes) {
       if (p.pid <= 1 || p.pid == self || owners.contains(static_cast<int32_t>(p.pid))) continue;
       const auto known = outside_gate_.find(p.pid);
-      if (known != outside_gate_.end() && known->second.listed_ns == now) continue;  // on another GPU too
+      if (known != outside_gate_.end() && known->second.listed_ns == now) {
+        known->second.gpus.insert(uuid);  // on another GPU too
+        continue;
+      }
       const uint64_t start_time = process_start_time(static_cast<int32_t>(p.pid));
       if (start_time == 0) continue;  // gone already, or not visible here (the bypass audit says so)
       if (known != outside_gate_.end() && known->second.start_time == start_time) {
         known->second.listed_ns = now;
         known->second.gone_ns = 0;  // back on a GPU
+        known->second.gpus.insert(uuid);
         continue;
       }
       // New, or a new process behind a reused PID: attributed now. Bounded:
@@ -908,6 +912,7 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       o.from_ns = start_on_monotonic_ns(start_time);
       o.from_ns = o.from_ns > kLifetimeMarginNs ? o.from_ns - kLifetimeMarginNs : 0;
       o.checked_ns = o.listed_ns = now;
+      o.gpus = {uuid};
       o.tenants = attribute_process_on_gpu(static_cast<int32_t>(p.pid), *containers, config_->daemon.run_dir, uuid);
       outside_gate_[p.pid] = std::move(o);
     }
@@ -925,6 +930,10 @@ void Daemon::tick_gpu_time(uint64_t now) {
   // Built once per tick, for every GPU's scheduler.
   std::map<std::string, std::vector<uint32_t>> pids_by_tenant;
   std::set<std::string> outside_tenants;  // with a process outside the gate
+  // GPU (UUID) -> tenant -> its processes outside the gate that NVML lists
+  // on that GPU now, in thousandths (a process several tenants are named
+  // for counts a part to each).
+  std::map<std::string, std::map<std::string, uint32_t>> listed_outside;
   std::map<uint32_t, GpuScheduler::PidLifetime> lifetimes;  // of those processes
   if (!arbiters_.empty()) {
     for (const auto& [name, open] : ledgers_) {
@@ -1001,16 +1010,21 @@ void Daemon::tick_gpu_time(uint64_t now) {
                      pid, fmt::join(o.tenants, "\", \""));
       }
       lifetimes[pid] = {o.from_ns, o.gone_ns == 0 ? 0 : o.gone_ns + kLifetimeMarginNs};
+      const bool listed = o.listed_ns != 0 && o.gone_ns == 0;
       for (const std::string& t : o.tenants)
         if (ledgers_.contains(t)) {
           pids_by_tenant[t].push_back(pid);
           outside_tenants.insert(t);
+          if (listed)
+            for (const std::string& uuid : o.gpus)
+              listed_outside[uuid][t] += static_cast<uint32_t>(1000 / o.tenants.size());
         }
     }
   }
   for (auto& [uuid, arbiter] : arbiters_) {
     arbiter.scheduler->attribute(pids_by_tenant, lifetimes);
     arbiter.scheduler->set_outside_tenants(outside_tenants);
+    arbiter.scheduler->set_listed_outside(listed_outside[uuid]);
     arbiter.scheduler->sample_achieved(now);
     for (const SchedulerMessage& m : arbiter.scheduler->take_messages()) {
       if (m.warning)

@@ -240,6 +240,7 @@ class Daemon {
     uint64_t listed_ns = 0;   // the last watch pass that found it on a GPU; 0: none did
     uint64_t gone_ns = 0;     // when it was found off the GPUs or dead; 0: not yet
     bool logged = false;
+    std::set<std::string> gpus;  // the GPUs (UUIDs) NVML's lists showed it on
     // Whose GPU time it is: the tenant of its container, or the container's
     // claims that share the GPU it was seen on (all of them; empty: nobody's).
     std::set<std::string> tenants;

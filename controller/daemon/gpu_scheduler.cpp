@@ -171,6 +171,14 @@ void GpuScheduler::set_outside_tenants(const std::set<std::string>& tenants) {
   for (Row& r : rows_) r.outside = r.bound && tenants.contains(r.name);
 }
 
+void GpuScheduler::set_listed_outside(const std::map<std::string, uint32_t>& milli_by_tenant) {
+  std::lock_guard lock(mutex_);
+  for (Row& r : rows_) {
+    const auto it = milli_by_tenant.find(r.name);
+    r.listed_outside_milli = r.bound && it != milli_by_tenant.end() ? it->second : 0;
+  }
+}
+
 std::vector<uint32_t> GpuScheduler::unattributed_pids() {
   std::lock_guard lock(mutex_);
   std::vector<uint32_t> pids;
@@ -761,6 +769,13 @@ void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now
     r.out_of_grant_samples += 1;
     return;
   }
+  // A process outside the gate that NVML lists pays for its part of the
+  // holders' grants as they are charged (charge()): the sample is counted,
+  // not charged again.
+  if (outside_gate && r.listed_outside_milli > 0) {
+    r.out_of_grant_samples += 1;
+    return;
+  }
   r.pending_out_of_grant = gputime::saturating_add(r.pending_out_of_grant, busy);
   r.out_of_grant = gputime::saturating_add(r.out_of_grant, busy);
   r.out_of_grant_samples += 1;
@@ -864,6 +879,14 @@ void GpuScheduler::charge(uint64_t now) {
   uint64_t side_shares = 0;
   if (side_ && !measured)
     for (const Row& r : rows_) side_shares += r.gstate == gputime::kGranted ? r.share : 0;
+  // Processes outside the gate that NVML lists on this GPU take the
+  // driver's turns in every holder's grant, whatever their timing: no
+  // sample need name them. A holder pays its contexts' part of the time
+  // (c / (c + k), c its contexts, k those processes of other tenants), and
+  // the tenants of those processes the rest, in proportion.
+  uint64_t listed_outside = 0;
+  if (!measured)
+    for (const Row& r : rows_) listed_outside += r.active ? r.listed_outside_milli : 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
     if (!measured) {
@@ -874,6 +897,18 @@ void GpuScheduler::charge(uint64_t now) {
       if (overlap_payers > 0 && (drains || r.gstate == gputime::kGranted)) ns = dt / overlap_payers;
       if (side_shares > 0 && r.gstate == gputime::kGranted)
         ns = static_cast<uint64_t>(static_cast<unsigned __int128>(dt) * r.share / side_shares);
+      if (const uint64_t others = listed_outside - r.listed_outside_milli; ns > 0 && others > 0) {
+        const uint64_t contexts = uint64_t{std::max<uint32_t>(r.gpu_contexts, 1)} * 1000;
+        const uint64_t theirs = static_cast<uint64_t>(static_cast<unsigned __int128>(ns) * others / (contexts + others));
+        ns -= theirs;
+        for (uint32_t u = 0; u < gputime::kMaxTenants; ++u) {
+          Row& o = rows_[u];
+          if (u == t || !o.active || o.listed_outside_milli == 0) continue;
+          const uint64_t part = static_cast<uint64_t>(static_cast<unsigned __int128>(theirs) * o.listed_outside_milli / others);
+          o.pending_out_of_grant = gputime::saturating_add(o.pending_out_of_grant, part);
+          o.out_of_grant = gputime::saturating_add(o.out_of_grant, part);
+        }
+      }
       const uint64_t credit = std::min(ns, r.credit);
       r.credit -= credit;
       ns = gputime::saturating_add(ns - credit, std::exchange(r.pending_out_of_grant, 0));

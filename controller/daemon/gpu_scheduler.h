@@ -187,6 +187,13 @@ class GpuScheduler {
   // Tenants with a process the daemon found on a GPU outside the gate (no
   // interposer): such a tenant never holds the GPU side by side.
   void set_outside_tenants(const std::set<std::string>& tenants);
+  // The processes outside the gate that NVML lists on this GPU now, by
+  // tenant, in thousandths (a process of a container with several claims
+  // on the GPU counts a part to each). While a tenant has such a process,
+  // every other holder pays only its contexts' part of its grants, and that
+  // tenant the rest (held charging; docs/sm-time.md, "A process outside the
+  // gate pays for its turns").
+  void set_listed_outside(const std::map<std::string, uint32_t>& milli_by_tenant);
   // PIDs the meter named that no tenant's list holds yet (at most 64): the
   // daemon finds out whose they are (a process without the interposer in a
   // tenant's container) and lists them in the next attribute().
@@ -289,6 +296,7 @@ class GpuScheduler {
     // the daemon found a process of it outside the gate.
     uint32_t gpu_contexts = 0;
     bool outside = false;
+    uint32_t listed_outside_milli = 0;  // set_listed_outside()
     // When a sample last found a process of it outside the gate at work
     // (our clock; 0: never), and when a yield of it was last logged.
     uint64_t outside_named_ns = 0, outside_logged_ns = 0;
