@@ -897,7 +897,8 @@ void GpuScheduler::charge(uint64_t now) {
       if (overlap_payers > 0 && (drains || r.gstate == gputime::kGranted)) ns = dt / overlap_payers;
       if (side_shares > 0 && r.gstate == gputime::kGranted)
         ns = static_cast<uint64_t>(static_cast<unsigned __int128>(dt) * r.share / side_shares);
-      if (const uint64_t others = listed_outside - r.listed_outside_milli; ns > 0 && others > 0) {
+      const uint64_t others = listed_outside - (r.active ? r.listed_outside_milli : 0);
+      if (ns > 0 && others > 0) {
         const uint64_t contexts = uint64_t{std::max<uint32_t>(r.gpu_contexts, 1)} * 1000;
         const uint64_t theirs = static_cast<uint64_t>(static_cast<unsigned __int128>(ns) * others / (contexts + others));
         ns -= theirs;
