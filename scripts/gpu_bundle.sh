@@ -22,6 +22,10 @@
 #                     ($FRACGPU_GPU_WORKLOAD).
 #   timeslice_probe   bench/gpu/timeslice_probe.cu, nvcc --arch ARCH
 #                     (tests/gpu/run_timeslice.sh).
+# and into DIR/tests/, from a second build with the tests (DIR-probes/, only
+# these two targets), the loads of tests/gpu/run_hostile.sh, which cannot be
+# built on the GPU machine without the build's packages:
+#   gputime_load, usage_attacker
 # The CUPTI meter and gpu_workload find libcupti through a RUNPATH that names
 # this machine's toolkit directory (printed at the end; the meter's also
 # /usr/local/cuda's usual ones). Where the GPU machine has it elsewhere, or
@@ -72,6 +76,13 @@ if ((instruments)); then
   for f in nvml_sampler libfracgpu_cupti_meter.so gpu_workload timeslice_probe; do
     [[ ! -e $dir/bench/gpu/$f ]] || instrument_files+=("$dir/bench/gpu/$f")
   done
+  probes=${dir%/}-probes
+  cmake -S . -B "$probes" -DCMAKE_BUILD_TYPE=Release -DCUDAToolkit_ROOT=/usr/local/cuda \
+    "-DCMAKE_BUILD_RPATH=\$ORIGIN/../lib" >/dev/null
+  cmake --build "$probes" -j "$(nproc)" --target gputime_load usage_attacker
+  mkdir -p "$dir/tests"
+  cp "$probes/tests/gputime_load" "$probes/tests/usage_attacker" "$dir/tests/"
+  instrument_files+=("$dir/tests/gputime_load" "$dir/tests/usage_attacker")
 fi
 # The newest glibc symbol version each needs: the GPU machine's glibc must be
 # at least that.
@@ -82,6 +93,7 @@ echo "gpu bundle: $dir ($(du -sh "$dir" | cut -f1)), libraries: $(ls "$dir/lib" 
 echo "needs glibc >= ${newest_glibc#GLIBC_} on the GPU machine"
 needed=("${binaries[@]}" "$dir/interpose/libfracgpu.so" "$dir/lib")
 [[ ! -d $dir/bench/gpu ]] || needed+=("$dir/bench/gpu")
+[[ ! -d $dir/tests ]] || needed+=("$dir/tests")
 echo "what the GPU checks read from it ($(du -shc "${needed[@]}" | tail -n 1 | cut -f1)): ${needed[*]}"
 for f in ${instrument_files[@]+"${instrument_files[@]}"}; do
   echo "  $f$(readelf -d "$f" 2>/dev/null | awk '/RUNPATH|RPATH/ {printf ", runpath %s", $NF}')"

@@ -25,6 +25,9 @@
 # tenant of the shapes with processes without the interposer runs in a mount
 # namespace of its own that holds its tenant directory, as a container does
 # (root only: unshare): that is how fracgpud tells whose such a process is.
+# $TENANT_ATTACK_LOAD_ARGS, where set, goes to every gputime_load of the
+# tenant (tests/gpu/run_hostile.sh: "kernels=ptx spin_per_us=R instants=nvml"
+# on a real GPU).
 # The usage attacker writes the tenant's usage file through its own mapping,
 # as any process of the container can. Without fracgpu the same
 # processes run plain, and the usage attacks have nothing to write: the load
@@ -46,6 +49,8 @@ case $kind in
   *) echo "tenant_attack.sh: no attack $kind" >&2; exit 2 ;;
 esac
 load=$build/tests/gputime_load attacker=$build/tests/usage_attacker
+read -r -a load_extra <<<"${TENANT_ATTACK_LOAD_ARGS:-}"
+load_cmd=("$load" ${load_extra[@]+"${load_extra[@]}"})
 gated=0
 [[ -z ${FRACGPU_RUN_DIR:-} || -z ${FRACGPU_TENANT:-} ]] || gated=1
 tenant_dir=${FRACGPU_RUN_DIR:-}/tenants/${FRACGPU_TENANT:-}
@@ -70,13 +75,13 @@ plain() { env -u LD_PRELOAD "$@"; }
 
 load_pid=""
 if [[ $kind != chain ]]; then
-  "$load" devices=0 kernels_us=1000 seconds="$seconds" ${at_start[@]+"${at_start[@]}"} &
+  "${load_cmd[@]}" devices=0 kernels_us=1000 seconds="$seconds" ${at_start[@]+"${at_start[@]}"} &
   load_pid=$!
   pids+=("$!")
 fi
 case $kind in
   plain)
-    plain "$load" devices=0 kernels_us=1000 seconds="$seconds" ${at_start[@]+"${at_start[@]}"} >/dev/null &
+    plain "${load_cmd[@]}" devices=0 kernels_us=1000 seconds="$seconds" ${at_start[@]+"${at_start[@]}"} >/dev/null &
     pids+=("$!")
     ;;
   chain | chain-gated)
@@ -88,7 +93,7 @@ case $kind in
       limit=$(python3 -c 'import math, sys; print(math.ceil(float(sys.argv[1])) + 1)' "$seconds")
       links=0
       while ((SECONDS < limit)); do
-        plain "$load" devices=0 kernels_us=1000 exit_at_ms="$period_ms" exit_after_ms=2 ${first[@]+"${first[@]}"} \
+        plain "${load_cmd[@]}" devices=0 kernels_us=1000 exit_at_ms="$period_ms" exit_after_ms=2 ${first[@]+"${first[@]}"} \
           >/dev/null 2>&1 || true
         first=()
         links=$((links + 1))
@@ -98,7 +103,7 @@ case $kind in
     pids+=("$!")
     ;;
   bypass-dodge)
-    plain "$load" devices=0 kernels_us=1000 seconds="$seconds" dodge_ms="$period_ms" guard_ms="$guard_ms" \
+    plain "${load_cmd[@]}" devices=0 kernels_us=1000 seconds="$seconds" dodge_ms="$period_ms" guard_ms="$guard_ms" \
       ${at_start[@]+"${at_start[@]}"} >/dev/null &
     bypass_pid=$!
     ;;

@@ -26,6 +26,13 @@
 #   share     tests/gpu/run_sm_share.sh: GPU-time shares 0.5/0.5, 0.25/0.75,
 #             0.1/0.9 (full: also 0.2/0.3/0.5, the mixed kind, launch-bound
 #             pairs). 12 runs of 20 s | 5 runs of 11 s           340 s | 105 s
+#   hostile   tests/gpu/run_hostile.sh: bench/e2e's hostile containers (a
+#             bypass, a chain of short-lived processes, a dodging bypass,
+#             the false drain, garbage in the usage file) beside an honest
+#             0.5 tenant, without and with fracgpu; the honest tenant's
+#             share of the GPU time used. Needs a build with the tests
+#             (gputime_load, usage_attacker); root for the bypasses.
+#             17 runs of 10 s | 5 runs of 5 s                    230 s |  45 s
 #   nvml      tests/gpu/run_nvml_checks.sh: nvidia-smi inside a tenant.
 #             4 PyTorch processes, ~8 nvidia-smi calls            35 s |  35 s
 #   latency   tests/gpu/run_sm_share.sh latency: a decode tenant beside
@@ -37,7 +44,7 @@
 #             0.25/0.75, 0.1/0.9, MPS). Last: the longest, and its figures
 #             mean little where the checks before it fail.
 #             39 runs of 15 s | 12 runs of 4 s                   750 s |  90 s
-#   In all: about 24 minutes in full; about 8.8 minutes (520 s) with --quick.
+#   In all: about 28 minutes in full; about 9.4 minutes (565 s) with --quick.
 # How the estimates are made (on an idle H100/H200, warm page cache; none has
 # been timed yet): a run is its window plus the start of its processes, which
 # start in parallel (PyTorch: import, CUDA context, cuBLAS, ~5 s; a CUDA
@@ -50,8 +57,8 @@
 # process on a fresh machine may take 10-20 s more (cold page cache). Each
 # check's log ends with the time it took: correct these figures from them.
 #
-# --quick        every check cut to what a first run on a GPU needs, all six
-#                in about 8 minutes: calibrate as in full (20 s windows, NVML
+# --quick        every check cut to what a first run on a GPU needs, all
+#                eight in about 10 minutes: calibrate as in full (20 s windows, NVML
 #                polled every 2 ms); share --seconds 11 --kinds matmul
 #                --no-three-tenants --no-launch-bound (the three two-tenant
 #                splits between two baselines; at 11 s fracgpu's achieved_10s
@@ -59,7 +66,8 @@
 #                runs, ~1000 requests each); bench --workloads compute,launch
 #                --repeats 2 --seconds 4 --passes throughput --half-split-only
 #                --no-mps (native against one tenant and two 0.5 tenants, and
-#                time-slicing); memory and nvml as in full (short already).
+#                time-slicing); hostile --seconds 5 --kinds bypass-dodge,
+#                false-drain; memory and nvml as in full (short already).
 # --deadline-s N every check is to end within N s of this script's start: one
 #                whose estimate does not fit in what is left is skipped (said
 #                so here and in OUT_DIR/<check>.log; neither passed nor
@@ -78,7 +86,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 64
 usage() {
-  echo "usage: run_all.sh [--quick] [--deadline-s N] [--dry-run] BUILD_DIR OUT_DIR [calibrate|timeslice|memory|share|nvml|latency|bench ...]" >&2
+  echo "usage: run_all.sh [--quick] [--deadline-s N] [--dry-run] BUILD_DIR OUT_DIR [calibrate|timeslice|memory|share|hostile|nvml|latency|bench ...]" >&2
   exit 64
 }
 quick=0 deadline="" dry_run=0
@@ -100,11 +108,13 @@ done
 build=$(realpath "${args[0]}") || exit 64
 out=${args[1]}
 checks=("${args[@]:2}")
-[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share nvml latency bench)
+[[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=340 [nvml]=35 [latency]=185 [bench]=750)
-declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [nvml]=35 [latency]=120 [bench]=90)
+declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=340 [hostile]=230 [nvml]=35 [latency]=185
+  [bench]=750)
+declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
+  [bench]=90)
 
 # command_for CHECK: sets cmd to the check's command line.
 command_for() {
@@ -119,6 +129,9 @@ command_for() {
     share)
       ((quick == 0)) || opts=(--seconds 11 --kinds matmul --no-three-tenants --no-launch-bound)
       cmd=(bash tests/gpu/run_sm_share.sh "$build" --out "$out/share" "${opts[@]}") ;;
+    hostile)
+      ((quick == 0)) || opts=(--seconds 5 --kinds "bypass-dodge,false-drain")
+      cmd=(bash tests/gpu/run_hostile.sh "$build" --out "$out/hostile" "${opts[@]}") ;;
     bench)
       ((quick == 0)) ||
         opts=(--workloads "compute,launch" --repeats 2 --seconds 4 --passes throughput --half-split-only --no-mps)

@@ -56,6 +56,20 @@
 //                       on only the last, back to back (no host work), flood_ahead_us
 //                       queued ahead
 //     flood_ahead_us=100000  (with flood_after_ms) how much to queue ahead while flooding
+//     kernels=sim       sim: the simulated driver's sleep_<N>us kernels; ptx: on a real GPU,
+//                       one spin kernel of fixed work (a dependent integer chain, not a
+//                       clock: cut by another context's slice, it takes the same GPU time),
+//                       N us each as measured alone at the start (path=kernel only)
+//     spin_per_us=R     (kernels=ptx) the spin kernel's iterations per us, instead of
+//                       measuring them at the start (where other processes may already
+//                       share the GPU); kernels=ptx alone prints the figure it measured
+//     instants=clock    where dodge_ms, timed_ms and exit_at_ms put the sampling instants:
+//                       clock, multiples of their period of CLOCK_MONOTONIC (the stand-in
+//                       NVML's timeline); nvml, as a tenant on a real GPU would learn them:
+//                       period and phase from the timestamps of the device's utilization
+//                       samples (nvmlDeviceGetSamples), read again every second (the clock's
+//                       until a sample is there). Prints instants_period_us= and
+//                       instants_phase_us= (of CLOCK_MONOTONIC) once learned
 //     burst=N,P,J       an inference service (device 0, path=kernel): bursts of N kernels
 //                       (kernels_us), the k-th arriving at k*P us + uniform(-J, +J) us
 //                       after the start (seed 1); a burst whose arrival is past starts at
@@ -81,9 +95,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "fracgpu/nvml_abi.h"
 
 namespace {
 
@@ -108,6 +125,9 @@ struct Options {
   unsigned flood_after_ms = 0;
   unsigned flood_ahead_us = 100000;
   std::vector<unsigned> burst;  // N, P us, J us
+  bool ptx_kernels = false;  // kernels=ptx
+  double spin_per_us = 0;    // kernels=ptx: 0, measure
+  bool nvml_instants = false;  // instants=nvml
 };
 
 uint64_t now_ns() {
@@ -148,6 +168,141 @@ bool check(CUresult r, const char* what) {
     if (!check((call), #call)) return false; \
   } while (0)
 
+// kernels=ptx: fixed work, so a kernel cut by another context's time slice
+// still takes its GPU time (a spin on %globaltimer would end by the wall
+// clock). The sink, never non-null here, keeps ptxas from dropping the loop.
+constexpr char kSpinPtx[] = R"(.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry fracgpu_spin(.param .u64 fracgpu_spin_iterations, .param .u64 fracgpu_spin_sink)
+{
+  .reg .pred %p<3>;
+  .reg .b64 %rd<5>;
+  ld.param.u64 %rd1, [fracgpu_spin_iterations];
+  ld.param.u64 %rd2, [fracgpu_spin_sink];
+  mov.u64 %rd3, 0;
+  mov.u64 %rd4, 1;
+  setp.eq.u64 %p1, %rd1, 0;
+  @%p1 bra DONE;
+LOOP:
+  mad.lo.u64 %rd4, %rd4, 6364136223846793005, 1442695040888963407;
+  add.u64 %rd3, %rd3, 1;
+  setp.lt.u64 %p2, %rd3, %rd1;
+  @%p2 bra LOOP;
+DONE:
+  setp.eq.u64 %p1, %rd2, 0;
+  @%p1 bra END;
+  st.global.u64 [%rd2], %rd4;
+END:
+  ret;
+}
+)";
+
+// Where the driver's sampling instants are. clock: multiples of the given
+// period of CLOCK_MONOTONIC (the stand-in NVML's). nvml: learned from the
+// timestamps of the device's utilization samples, as a tenant on a real GPU
+// can (its container has NVML): the period from the span of the samples in
+// the ring, the phase from the newest, read again every second.
+class Instants {
+ public:
+  void use_nvml(int cuda_device) {
+    char bus[32] = {};
+    if (cuDeviceGetPCIBusId(bus, sizeof bus, cuda_device) != CUDA_SUCCESS) {
+      fprintf(stderr, "gputime_load: instants=nvml: no PCI bus id of device %d; the clock's instants\n", cuda_device);
+      return;
+    }
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      fprintf(stderr, "gputime_load: instants=nvml: no libnvidia-ml.so.1 (%s); the clock's instants\n", dlerror());
+      return;
+    }
+    auto init = reinterpret_cast<decltype(&nvmlInit_v2)>(dlsym(lib, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<decltype(&nvmlDeviceGetHandleByPciBusId_v2)>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    get_samples_ = reinterpret_cast<decltype(&nvmlDeviceGetSamples)>(dlsym(lib, "nvmlDeviceGetSamples"));
+    if (init == nullptr || by_bus == nullptr || get_samples_ == nullptr || init() != NVML_SUCCESS ||
+        by_bus(bus, &device_) != NVML_SUCCESS) {
+      fprintf(stderr, "gputime_load: instants=nvml: NVML has no device %s; the clock's instants\n", bus);
+      get_samples_ = nullptr;
+    }
+  }
+
+  // Time since the last instant at or before t, and the first one after t
+  // (given_ns: the clock's period).
+  uint64_t since(uint64_t t, uint64_t given_ns) {
+    uint64_t period = 0, phase = 0;
+    at(t, given_ns, &period, &phase);
+    return (t % period + period - phase) % period;
+  }
+  uint64_t next(uint64_t t, uint64_t given_ns) {
+    uint64_t period = 0, phase = 0;
+    at(t, given_ns, &period, &phase);
+    return t - (t % period + period - phase) % period + period;
+  }
+
+ private:
+  void at(uint64_t t, uint64_t given_ns, uint64_t* period, uint64_t* phase) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    refresh(t);
+    *period = learned_ ? period_ns_ : given_ns;
+    *phase = learned_ ? phase_ns_ : 0;
+  }
+
+  // Reads the ring at most every 100 ms until learned, then every second.
+  void refresh(uint64_t now) {
+    if (get_samples_ == nullptr || (read_ns_ != 0 && now - read_ns_ < (learned_ ? 1'000'000'000ull : 100'000'000ull)))
+      return;
+    read_ns_ = now;
+    nvmlValueType_t type{};
+    unsigned count = 0;
+    if (get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, nullptr) != NVML_SUCCESS || count == 0)
+      return;
+    std::vector<nvmlSample_t> ring(count);
+    if (get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, ring.data()) != NVML_SUCCESS ||
+        count < 2)
+      return;
+    ring.resize(count);
+    std::vector<unsigned long long> stamps;
+    for (const nvmlSample_t& s : ring) stamps.push_back(s.timeStamp);
+    std::sort(stamps.begin(), stamps.end());
+    stamps.erase(std::unique(stamps.begin(), stamps.end()), stamps.end());
+    if (stamps.size() < 2) return;
+    // A sample is missing where the GPU idled through its period: the
+    // shortest gap is one period; the whole span, in such periods, the
+    // average one.
+    unsigned long long gap = ~0ull;
+    for (size_t i = 1; i < stamps.size(); ++i) gap = std::min(gap, stamps[i] - stamps[i - 1]);
+    const unsigned long long span = stamps.back() - stamps.front();
+    const unsigned long long periods = std::max(1ull, (span + gap / 2) / gap);
+    const uint64_t period_ns = span * 1000ull / periods;
+    if (period_ns < 1'000'000ull) return;
+    // NVML's stamps are CPU time in us (CLOCK_REALTIME); instants here are
+    // CLOCK_MONOTONIC.
+    struct timespec real {};
+    clock_gettime(CLOCK_REALTIME, &real);
+    const uint64_t real_ns = static_cast<uint64_t>(real.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(real.tv_nsec);
+    const int64_t newest_mono = static_cast<int64_t>(stamps.back() * 1000ull) - static_cast<int64_t>(real_ns) +
+                                static_cast<int64_t>(now_ns());
+    if (newest_mono <= 0) return;
+    period_ns_ = period_ns;
+    phase_ns_ = static_cast<uint64_t>(newest_mono) % period_ns;
+    if (!learned_) {
+      printf("instants_period_us=%llu\ninstants_phase_us=%llu\n", static_cast<unsigned long long>(period_ns_ / 1000),
+             static_cast<unsigned long long>(phase_ns_ / 1000));
+      fflush(stdout);
+    }
+    learned_ = true;
+  }
+
+  decltype(&nvmlDeviceGetSamples) get_samples_ = nullptr;
+  nvmlDevice_t device_ = nullptr;
+  std::mutex mutex_;
+  uint64_t read_ns_ = 0;
+  bool learned_ = false;
+  uint64_t period_ns_ = 0, phase_ns_ = 0;
+};
+
+Instants g_instants;
+
 // The deprecated launches, found at run time as an old application's loader
 // would (through the interposer's dlsym when it is preloaded).
 template <class Fn>
@@ -168,9 +323,11 @@ struct Launcher {
   std::vector<CUfunction> functions;
   std::vector<CUgraphExec> graphs;
   CUgraphExec memory_graph = nullptr;  // path=graph_mem: an exec with a memory-allocation node
-  CUfunction last = nullptr;  // last_us
   CUmodule module = nullptr;
-  std::map<uint64_t, CUfunction> timed_functions;  // timed_ms: the long kernels, by length in ms
+  std::map<uint64_t, CUfunction> timed_functions;  // timed_ms, last_us: the long kernels, by length in us
+  CUfunction spin = nullptr;                        // kernels=ptx: every kernel is this one
+  double spin_per_us = 0;                           // kernels=ptx: its iterations per us
+  std::vector<unsigned long long> iterations;       // kernels=ptx: functions[i]'s
   PFN_cuLaunchKernel_v4000 launch_from_getproc = nullptr;  // path=getproc
   unsigned long long launches = 0;
   uint64_t capture_launch_max_ns = 0;
@@ -188,6 +345,7 @@ struct Launcher {
       CHECK(cuCtxSetCurrent(ctx));
     }
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    if (o.ptx_kernels) return setup_spin();
     static const char image[] = "simulated";  // the simulated driver takes any image
     CHECK(cuModuleLoadData(&module, image));
     for (unsigned us : o.kernels_us) {
@@ -223,7 +381,6 @@ struct Launcher {
       CHECK(cuGraphAddMemAllocNode(&node, g, nullptr, 0, &p));
       CHECK(cuGraphInstantiateWithFlags(&memory_graph, g, 0));
     }
-    if (o.last_us != 0) CHECK(cuModuleGetFunction(&last, module, ("sleep_" + std::to_string(o.last_us) + "us").c_str()));
     if (o.path == "getproc") {
       void* fn = nullptr;
       CUdriverProcAddressQueryResult found{};
@@ -231,6 +388,70 @@ struct Launcher {
       launch_from_getproc = reinterpret_cast<PFN_cuLaunchKernel_v4000>(fn);
     }
     return true;
+  }
+
+  // kernels=ptx: the spin kernel, and its iterations per us, measured alone
+  // (the shortest of three runs of at least a millisecond) unless given.
+  bool setup_spin() {
+    CHECK(cuModuleLoadData(&module, kSpinPtx));
+    CHECK(cuModuleGetFunction(&spin, module, "fracgpu_spin"));
+    spin_per_us = o.spin_per_us;
+    if (spin_per_us <= 0) {
+      CUevent from = nullptr, to = nullptr;
+      CHECK(cuEventCreate(&from, CU_EVENT_DEFAULT));
+      CHECK(cuEventCreate(&to, CU_EVENT_DEFAULT));
+      unsigned long long n = 1ull << 14;
+      float best_ms = 0;
+      for (;;) {
+        best_ms = 0;
+        for (int trial = 0; trial < 3; ++trial) {
+          CHECK(cuEventRecord(from, stream));
+          CHECK(launch_spin(n));
+          CHECK(cuEventRecord(to, stream));
+          CHECK(cuEventSynchronize(to));
+          float ms = 0;
+          CHECK(cuEventElapsedTime(&ms, from, to));
+          if (trial == 0 || ms < best_ms) best_ms = ms;
+        }
+        if (best_ms >= 1.0f || n >= (1ull << 40)) break;
+        n *= best_ms > 0.01f ? static_cast<unsigned long long>(2.0f / best_ms) + 1 : 64;
+      }
+      cuEventDestroy(from);
+      cuEventDestroy(to);
+      if (best_ms <= 0) {
+        fprintf(stderr, "gputime_load: the spin kernel took no time\n");
+        return false;
+      }
+      spin_per_us = static_cast<double>(n) / (best_ms * 1000.0);
+      printf("spin_per_us=%.3f\n", spin_per_us);
+      fflush(stdout);
+    }
+    for (unsigned us : o.kernels_us) {
+      functions.push_back(spin);
+      iterations.push_back(spin_iterations(us));
+    }
+    return true;
+  }
+
+  unsigned long long spin_iterations(uint64_t us) const {
+    return std::max(1ull, static_cast<unsigned long long>(static_cast<double>(us) * spin_per_us));
+  }
+
+  CUresult launch_spin(unsigned long long n) {
+    unsigned long long sink = 0;
+    void* args[] = {&n, &sink};
+    return cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, stream, args, nullptr);
+  }
+
+  // A kernel of us microseconds outside the cycle of kernels_us (timed_ms,
+  // last_us): sleep_<us>us on the simulated driver, the spin on a GPU.
+  CUresult launch_us(uint64_t us) {
+    if (o.ptx_kernels) return launch_spin(spin_iterations(us));
+    CUfunction& f = timed_functions[us];
+    if (f == nullptr) {
+      if (CUresult r = cuModuleGetFunction(&f, module, ("sleep_" + std::to_string(us) + "us").c_str())) return r;
+    }
+    return cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr);
   }
 
   // Captures f into a graph on the stream, then launches the graph. The
@@ -254,7 +475,8 @@ struct Launcher {
   bool launch(size_t i) {
     CUfunction f = functions[i];
     const std::string& p = o.path;
-    if (p == "kernel") CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+    if (p == "kernel" && o.ptx_kernels) CHECK(launch_spin(iterations[i]));
+    else if (p == "kernel") CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
     else if (p == "getproc") CHECK(launch_from_getproc(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
     else if (p == "kernel_ptsz") CHECK(cuLaunchKernel_ptsz(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
     else if (p == "ex" || p == "ex_ptsz") {
@@ -313,12 +535,12 @@ struct Launcher {
   // dodge_ms: if a sampling instant is near, empty the queue and sleep past it.
   bool dodge() {
     if (o.dodge_ms == 0) return true;
-    const uint64_t period = o.dodge_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
-    const uint64_t now = now_ns(), next_instant = (now / period + 1) * period;
+    const uint64_t given = o.dodge_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
+    const uint64_t now = now_ns(), since = g_instants.since(now, given), next_instant = g_instants.next(now, given);
     const uint64_t kernel_ns = o.kernels_us[next] * 1000ull;
-    if (now + kernel_ns + guard < next_instant && now % period >= 1'000'000ull) return true;
+    if (now + kernel_ns + guard < next_instant && since >= 1'000'000ull) return true;
     CHECK(cuStreamSynchronize(sync_stream()));
-    const uint64_t resume = (now % period < 1'000'000ull ? now / period * period : next_instant) + 1'000'000ull;
+    const uint64_t resume = (since < 1'000'000ull ? now - since : next_instant) + 1'000'000ull;
     sleep_until(resume);
     batch_us = 0;
     return true;
@@ -327,16 +549,14 @@ struct Launcher {
   // timed_ms: one grant's tiny kernel, then one long kernel that runs on
   // past the grant and ends just before the next sampling instant.
   bool timed_step() {
-    const uint64_t period = o.timed_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
-    const uint64_t resume = now_ns() / period * period + 1'000'000ull;
-    sleep_until(resume > now_ns() ? resume : resume + period);
+    const uint64_t given = o.timed_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
+    const uint64_t start = now_ns(), resume = start - g_instants.since(start, given) + 1'000'000ull;
+    sleep_until(resume > start ? resume : g_instants.next(start, given) + 1'000'000ull);
     if (!launch(0)) return false;
-    const uint64_t t = now_ns(), next_instant = (t / period + 1) * period;
+    const uint64_t t = now_ns(), next_instant = g_instants.next(t, given);
     if (t + guard + 1'000'000ull < next_instant) {
       const uint64_t ms = (next_instant - guard - t) / 1'000'000ull;
-      CUfunction& f = timed_functions[ms];
-      if (f == nullptr) CHECK(cuModuleGetFunction(&f, module, ("sleep_" + std::to_string(ms * 1000) + "us").c_str()));
-      CHECK(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, nullptr, nullptr));
+      CHECK(launch_us(ms * 1000));
       ++launches;
     }
     CHECK(cuStreamSynchronize(stream));
@@ -384,8 +604,8 @@ struct Launcher {
     if (!begin()) return false;
     uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
     if (o.exit_at_ms != 0) {
-      const uint64_t period = o.exit_at_ms * 1'000'000ull, soonest = now_ns() + 1'000'000ull;
-      until = (soonest / period + 1) * period + o.exit_after_ms * 1'000'000ull;
+      const uint64_t soonest = now_ns() + 1'000'000ull;
+      until = g_instants.next(soonest, o.exit_at_ms * 1'000'000ull) + o.exit_after_ms * 1'000'000ull;
     }
     for (uint64_t before = now_ns(); before < until;) {
       if (!step()) return false;
@@ -554,8 +774,7 @@ int run_all(const Options& o, double seconds) {
   if (status == 0 && o.last_us != 0) {
     // One more kernel, then exit at once: the exit hands the GPU on.
     Launcher& l = launchers[0];
-    if (!check(cuCtxSetCurrent(l.ctx), "cuCtxSetCurrent") ||
-        !check(cuLaunchKernel(l.last, 1, 1, 1, 32, 1, 1, 0, l.stream, nullptr, nullptr), "cuLaunchKernel"))
+    if (!check(cuCtxSetCurrent(l.ctx), "cuCtxSetCurrent") || !check(l.launch_us(o.last_us), "cuLaunchKernel"))
       status = 1;
   }
   fflush(stdout);
@@ -598,7 +817,16 @@ int main(int argc, char** argv) {
     else if (key == "burst") o.burst = parse_list(value);
     else if (key == "flood_after_ms") o.flood_after_ms = static_cast<unsigned>(atoi(value));
     else if (key == "flood_ahead_us") o.flood_ahead_us = static_cast<unsigned>(atoi(value));
-    else {
+    else if (key == "kernels" && (strcmp(value, "sim") == 0 || strcmp(value, "ptx") == 0))
+      o.ptx_kernels = strcmp(value, "ptx") == 0;
+    else if (key == "spin_per_us") o.spin_per_us = atof(value);
+    else if (key == "instants" && (strcmp(value, "clock") == 0 || strcmp(value, "nvml") == 0))
+      o.nvml_instants = strcmp(value, "nvml") == 0;
+    else if (key == "kernels" || key == "instants") {
+      fprintf(stderr, "gputime_load: %s takes %s, not %s\n", key.c_str(), key == "kernels" ? "sim or ptx" : "clock or nvml",
+              value);
+      return 64;
+    } else {
       fprintf(stderr, "gputime_load: unknown key %s\n", key.c_str());
       return 64;
     }
@@ -608,7 +836,12 @@ int main(int argc, char** argv) {
     fprintf(stderr, "gputime_load: switch must be set, push or create\n");
     return 64;
   }
+  if (o.ptx_kernels && (o.path != "kernel" || !o.switch_mode.empty() || o.fork_after > 0)) {
+    fprintf(stderr, "gputime_load: kernels=ptx takes path=kernel, a thread per device, no fork_after\n");
+    return 64;
+  }
   if (!check(cuInit(0), "cuInit")) return 1;
+  if (o.nvml_instants) g_instants.use_nvml(o.devices[0]);
   if (o.burst.size() == 3 && o.burst[0] > 0 && o.burst[1] > 0) return run_bursts(o);
   if (!o.burst.empty()) {
     fprintf(stderr, "gputime_load: burst=N,P,J needs N > 0 and P > 0\n");

@@ -1,6 +1,7 @@
 // Modules, functions, launches, graphs, streams and events: the simulated
 // timeline. A kernel's duration comes from its name ("sleep_<N>us", else
-// 10 us) or simcuda_set_function_duration_ns.
+// 10 us) or simcuda_set_function_duration_ns; fracgpu_spin's from its first
+// parameter (kSpinIterationsPerUs).
 #include <unistd.h>
 
 #include <algorithm>
@@ -102,6 +103,8 @@ CUresult launch(Guard& guard, CUfunction f, unsigned gx, unsigned gy, unsigned g
     return CUDA_SUCCESS;
   }
   uint64_t d = fn->duration_ns.load(std::memory_order_relaxed);
+  if (fn->name == "fracgpu_spin" && params != nullptr && params[0] != nullptr)
+    d = *static_cast<const uint64_t*>(params[0]) * 1000 / kSpinIterationsPerUs;
   guard.unlock();  // the timeline is lock-free
   enqueue_kernel(t, d, 1);
   return CUDA_SUCCESS;

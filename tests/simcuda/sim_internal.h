@@ -56,6 +56,10 @@ inline constexpr int kMaxDevices = 16;
 inline constexpr int kMaxSlots = 256;
 inline constexpr uint64_t kMiB = 1ull << 20;
 inline constexpr uint64_t kGiB = 1ull << 30;
+// A kernel named "fracgpu_spin" does fixed work: its first parameter, a
+// count of iterations (tests/probe/gputime_load kernels=ptx), at this many a
+// microsecond of device time.
+inline constexpr uint64_t kSpinIterationsPerUs = 100;
 // Pool chunk, VMM granularity and array rounding: the real driver's 2 MiB.
 inline constexpr uint64_t kChunk = 2 * kMiB;
 inline constexpr uint64_t kPitchAlign = 512;

@@ -2207,6 +2207,24 @@ TEST_F(Timeline, KernelDurationsComeFromNames) {
   EXPECT_EQ(simcuda_function_duration_ns(f), 0u) << "unloaded with its module";
 }
 
+// gputime_load kernels=ptx's spin kernel: its work is its first parameter,
+// 100 iterations a microsecond; without parameters it is any kernel (10 us).
+TEST_F(Timeline, TheSpinKernelTakesTheTimeOfItsIterations) {
+  ScopedCtx c(0);
+  ASSERT_CU(c.result);
+  CUfunction f = get_function("fracgpu_spin");
+  ASSERT_NE(f, nullptr);
+  const uint64_t busy = simcuda_busy_ns(0, 0);
+  unsigned long long iterations = 250000, sink = 0;
+  void* args[] = {&iterations, &sink};
+  ASSERT_CU(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr));
+  ASSERT_CU(cuCtxSynchronize());
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 2500 * 1000ull) << "250,000 iterations: 2.5 ms";
+  ASSERT_CU(launch(f));
+  ASSERT_CU(cuCtxSynchronize());
+  EXPECT_EQ(simcuda_busy_ns(0, 0), busy + 2510 * 1000ull) << "no parameters: 10 us";
+}
+
 TEST_F(Timeline, SleepKernelAdvancesBusyTimeAndSynchronizeWaits) {
   ScopedCtx c(0);
   ASSERT_CU(c.result);
