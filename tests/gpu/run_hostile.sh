@@ -154,11 +154,12 @@ run() {
   sleep $((seconds - 1))
   kill "$smi_pid" 2>/dev/null || true
   smi_pid=""
+  # While the loads still run (their last half second).
+  [[ -z $run_dir ]] || "$fracgpu" status --run-dir "$run_dir" --json >"$dir/status.json" 2>&1 || true
   local rc=0 pid
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   pids=()
   if [[ -n $run_dir ]]; then
-    "$fracgpu" status --run-dir "$run_dir" --json >"$dir/status.json" 2>&1 || true
     kill "$daemon_pid" 2>/dev/null || true
     wait "$daemon_pid" 2>/dev/null || true
     daemon_pid=""
