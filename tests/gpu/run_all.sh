@@ -25,7 +25,7 @@
 #             9 short processes, one after another                50 s |  50 s
 #   share     tests/gpu/run_sm_share.sh: GPU-time shares 0.5/0.5, 0.25/0.75,
 #             0.1/0.9 (full: also 0.2/0.3/0.5, the mixed kind, launch-bound
-#             pairs). 12 runs of 20 s | 5 runs of 11 s           340 s | 105 s
+#             shapes). 16 runs of 20 s | 5 runs of 11 s          450 s | 105 s
 #   hostile   tests/gpu/run_hostile.sh: bench/e2e's hostile containers (a
 #             bypass, a chain of short-lived processes, a dodging bypass,
 #             the false drain, garbage in the usage file) beside an honest
@@ -44,7 +44,7 @@
 #             0.25/0.75, 0.1/0.9, MPS). Last: the longest, and its figures
 #             mean little where the checks before it fail.
 #             39 runs of 15 s | 12 runs of 4 s                   750 s |  90 s
-#   In all: about 28 minutes in full; about 9.4 minutes (565 s) with --quick.
+#   In all: about 30 minutes in full; about 9.4 minutes (565 s) with --quick.
 # How the estimates are made (on an idle H100/H200, warm page cache; none has
 # been timed yet): a run is its window plus the start of its processes, which
 # start in parallel (PyTorch: import, CUDA context, cuBLAS, ~5 s; a CUDA
@@ -111,7 +111,7 @@ checks=("${args[@]:2}")
 [[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=340 [hostile]=230 [nvml]=35 [latency]=185
+declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=450 [hostile]=230 [nvml]=35 [latency]=185
   [bench]=750)
 declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
   [bench]=90)

@@ -25,9 +25,11 @@
 #  4. (unless --no-launch-bound) the launch-bound shapes of the simulated tests:
 #     step10 and step50, one thread launching a ~10 us (50 us) kernel then
 #     spinning 1.2x that on the CPU, nothing queued ahead; two such processes
-#     without fracgpu, then two tenants at 0.5/0.5; a table of the GPU's busy
-#     time and each one's share of the GPU time used, side by side (NVML
-#     accounting needed).
+#     without fracgpu, then two tenants at 0.5/0.5; four step50 processes,
+#     then four tenants at 0.25; the mixed pair, step10 beside matmul, then
+#     tenants at 0.5/0.5 with matmul's limit 1.0; a table of the GPU's busy
+#     time with and without fracgpu, each one's share of the GPU time used
+#     (NVML accounting needed) and the mixed pair's steps with and without.
 # Unless --no-nvml, the CUPTI meter (bench/gpu/cupti_meter.cpp, injected with
 # CUDA_INJECTION64_PATH; each process's kernel time) runs in every workload
 # process but the launch-bound ones, and in the two-tenant splits nvml_sampler
@@ -91,10 +93,10 @@
 # start, NVML accounting read after, the daemon's start and stop; the latency
 # runs with training ~2 s more (its queue drains at the end). Before the runs
 # ~10 s (PyTorch and NVML probes) and, without the instruments at hand, ~5 s
-# to compile them (build_tools.sh). Runs: the shares 12 (2 kinds x 2
-# baselines, 4 splits, 2 x 2 launch-bound), 5 with --kinds matmul
+# to compile them (build_tools.sh). Runs: the shares 16 (2 kinds x 2
+# baselines, 4 splits, 4 x 2 launch-bound), 5 with --kinds matmul
 # --no-three-tenants --no-launch-bound; calibrate 3; latency 6 (5 where
-# fracgpud refuses the priority key). Default 20 s: shares ~340 s, calibrate
+# fracgpud refuses the priority key). Default 20 s: shares ~450 s, calibrate
 # ~100 s, latency ~185 s; tests/gpu/run_all.sh --quick: shares at --seconds 11
 # with the three options above ~105 s, latency at --seconds 10 ~120 s.
 #
@@ -323,11 +325,11 @@ run_group() {
   python3 "$work" accounting --uuid "$gpu_uuid" "${pids[@]}" >"$dir/accounting.json" || true
 }
 
-# run_split SHARE[:KIND]...: tenants a, b, c... with these shares of GPU 0,
-# each on KIND or else the next workload kind of --kinds in turn, under a
-# fresh fracgpud.
+# run_split SHARE[:KIND[:LIMIT]]...: tenants a, b, c... with these shares of
+# GPU 0, each on KIND or else the next workload kind of --kinds in turn (and
+# LIMIT where given, else the share), under a fresh fracgpud.
 run_split() {
-  local label dir run_dir i share kind
+  local label dir run_dir i share kind limit
   local -a names=(a b c d e f g h) specs=()
   label=$(IFS=-; echo "$*" | tr ':' '_')
   dir=$results/split-$label
@@ -338,10 +340,13 @@ run_split() {
     printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n\n[[gpu]]\nindex = 0\n' "$run_dir"
     i=0
     for share in "$@"; do
-      kind=${kind_list[i % ${#kind_list[@]}]}
+      kind=${kind_list[i % ${#kind_list[@]}]} limit=""
       [[ $share == *:* ]] && kind=${share#*:} share=${share%%:*}
-      # No `limit`: the default is the share (a hard cap), what this check assumes.
+      [[ $kind == *:* ]] && limit=${kind#*:} kind=${kind%%:*}
+      # No `limit` unless given: the default is the share (a hard cap), what
+      # the share table assumes.
       printf '\n[[tenant]]\nname = "%s"\ngpus = %s\ndevices = [0]\n' "${names[i]}" "$share"
+      [[ -z $limit ]] || printf 'limit = %s\n' "$limit"
       specs+=("${names[i]}:$share:$kind")
       i=$((i + 1))
     done
@@ -523,6 +528,12 @@ if ((launch_bound)); then
     run_group "$results/pair-native-$kind" "" "a:pair:$kind" "b:pair:$kind"
     run_split "0.5:$kind" "0.5:$kind"
   done
+  echo "== launch-bound: four step50 processes without fracgpu, $run_seconds s"
+  run_group "$results/pair-native-four-step50" "" a:pair:step50 b:pair:step50 c:pair:step50 d:pair:step50
+  run_split 0.25:step50 0.25:step50 0.25:step50 0.25:step50
+  echo "== the mixed pair: step10 beside matmul without fracgpu, $run_seconds s"
+  run_group "$results/pair-native-mixed" "" a:pair:step10 b:pair:matmul
+  run_split 0.5:step10 0.5:matmul:1.0
 fi
 ((nvml == 0)) || group_tools="meter"
 run_baselines after
