@@ -19,13 +19,25 @@ begin_run() {
 # wait_procs: waits for the caller's processes $pids (of tenants $tenants,
 # with shares $shares; their output in $dir/OUT.out and OUT.err, OUT from
 # $outs where set, else the tenant), writes $dir/procs.tsv (tenant, share,
-# pid, exit status, OUT; what the reports read) and says which failed.
+# pid, exit status, OUT; what the reports read) and says which failed. One
+# still running $seconds + 60 s after this is called, well past its run's
+# window (a hostile tenant's load whose own garbage locked its tenant out,
+# say), is stopped and counted as failed (status 124), so that one run
+# cannot hold up the rest.
 wait_procs() {
-  local i rc stem
+  local i rc stem whole=${seconds%%.*}
+  local deadline=$((SECONDS + ${whole:-0} + 60))
   : >"$dir/procs.tsv"
   for i in "${!pids[@]}"; do
     rc=0
-    wait "${pids[i]}" || rc=$?
+    while kill -0 "${pids[i]}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    if kill -0 "${pids[i]}" 2>/dev/null; then
+      echo "$name: ${tenants[i]} still running a minute after its window: stopped" >&2
+      stop "${pids[i]}"
+      rc=124
+    else
+      wait "${pids[i]}" || rc=$?
+    fi
     stem=${outs[i]:-${tenants[i]}}
     printf '%s\t%s\t%s\t%s\t%s\n' "${tenants[i]}" "${shares[i]}" "${pids[i]}" "$rc" "$stem" >>"$dir/procs.tsv"
     ((rc == 0)) || echo "$name: ${tenants[i]} exited $rc: $(tail -n 3 "$dir/$stem.err")" >&2

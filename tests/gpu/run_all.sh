@@ -32,7 +32,7 @@
 #             0.5 tenant, without and with fracgpu; the honest tenant's
 #             share of the GPU time used. Needs a build with the tests
 #             (gputime_load, usage_attacker); root for the bypasses.
-#             17 runs of 10 s | 5 runs of 5 s                    230 s |  45 s
+#             19 runs of 10 s | 5 runs of 5 s                    250 s |  45 s
 #   nvml      tests/gpu/run_nvml_checks.sh: nvidia-smi inside a tenant.
 #             4 PyTorch processes, ~8 nvidia-smi calls            35 s |  35 s
 #   latency   tests/gpu/run_sm_share.sh latency: a decode tenant beside
@@ -111,7 +111,7 @@ checks=("${args[@]:2}")
 [[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=450 [hostile]=230 [nvml]=35 [latency]=185
+declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=450 [hostile]=250 [nvml]=35 [latency]=185
   [bench]=750)
 declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
   [bench]=90)

@@ -22,6 +22,9 @@
 # tenant's directory, as a container does; without root they are skipped):
 #   plain, chain, chain-gated, bypass-dodge, false-drain, past-times, own-pid,
 #   contexts   (tenant_attack.sh says what each does)
+#   bypass-dodge-terminate  bypass-dodge, with fracgpud's audit_action =
+#              "terminate" and audit_interval = "1s" (the table says whether
+#              the audit killed the bypass)
 # it runs tenant `honest` (the load) beside tenant `cheat` (tenant_attack.sh
 # KIND: its load and the attack) for N seconds (default 10) from a common
 # start:
@@ -37,7 +40,7 @@
 # results directory (printed at the end, under --out DIR, else /tmp).
 #
 # Time: (2 x kinds + 1) runs of N + ~3 s (a CUDA binary's start, the common
-# start, the daemon's start and stop): about 4 minutes with every kind at
+# start, the daemon's start and stop): about 4.5 minutes with every kind at
 # 10 s, 45 s with --kinds bypass-dodge,false-drain --seconds 5 (run_all.sh
 # --quick). Never timed on a GPU yet.
 #
@@ -50,7 +53,7 @@ die() { echo "run_hostile.sh: $*" >&2; exit 2; }
 
 build=${FRACGPU_BUILD_DIR:-build}
 seconds=10
-kinds=plain,chain,chain-gated,bypass-dodge,false-drain,past-times,own-pid,contexts
+kinds=plain,chain,chain-gated,bypass-dodge,bypass-dodge-terminate,false-drain,past-times,own-pid,contexts
 out_dir=""
 while (($#)); do
   case $1 in
@@ -65,7 +68,7 @@ done
 [[ $seconds =~ ^[1-9][0-9]*$ ]] || die "--seconds takes whole seconds above 0, not $seconds"
 IFS=, read -r -a kind_list <<<"$kinds"
 for kind in "${kind_list[@]}"; do
-  [[ $kind =~ ^(plain|chain|chain-gated|bypass-dodge|false-drain|past-times|own-pid|contexts)$ ]] ||
+  [[ $kind =~ ^(plain|chain|chain-gated|bypass-dodge|bypass-dodge-terminate|false-drain|past-times|own-pid|contexts)$ ]] ||
     die "--kinds: no attack \"$kind\""
 done
 
@@ -118,7 +121,11 @@ run() {
   if [[ $mode == fracgpu ]]; then
     run_dir=$results/run-$name
     mkdir -p "$run_dir"
-    printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n\n[[gpu]]\nindex = 0\n' "$run_dir" >"$run_dir/fracgpud.toml"
+    {
+      printf '[daemon]\nrun_dir = "%s"\nlog_level = "info"\n' "$run_dir"
+      [[ $kind != *-terminate ]] || printf 'audit_action = "terminate"\naudit_interval = "1s"\n'
+      printf '\n[[gpu]]\nindex = 0\n'
+    } >"$run_dir/fracgpud.toml"
     printf '\n[[tenant]]\nname = "%s"\ngpus = 0.5\ndevices = [0]\n' honest cheat >>"$run_dir/fracgpud.toml"
     "$fracgpud" --config "$run_dir/fracgpud.toml" 2>"$dir/fracgpud.log" &
     daemon_pid=$!
@@ -144,7 +151,7 @@ run() {
     seconds="$seconds" start_ns="$start" >"$dir/honest.out" 2>&1 &
   pids=("$!")
   if [[ $kind != none ]]; then
-    env ${cheat_env[@]+"${cheat_env[@]}"} bash bench/e2e/tenant_attack.sh "$kind" "$build" 167 8 \
+    env ${cheat_env[@]+"${cheat_env[@]}"} bash bench/e2e/tenant_attack.sh "${kind%-terminate}" "$build" 167 8 \
       seconds="$seconds" start_ns="$start" >"$dir/cheat.out" 2>"$dir/cheat.err" &
     pids+=("$!")
   fi
@@ -208,6 +215,7 @@ PY
   verdict=met
   python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) >= 0.48 else 1)' "$used_f" 2>/dev/null ||
     { verdict="**missed**"; failed=1; }
+  ! grep -q '^bypass=killed' "$results/$kind-fracgpu/cheat.out" 2>/dev/null || verdict+=" (the bypass killed)"
   echo "| $kind | $gpu_n / $gpu_f | $used_n / $used_f | $busy_n / $busy_f | $verdict |"
 done
 echo
