@@ -54,6 +54,7 @@ constexpr uint64_t kGateUnset = 1;
 constexpr uint64_t kTickNs = 1'000'000;              // pacer period while asking for or holding a GPU
 constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
 constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
+constexpr uint64_t kRestateNs = 1'000'000'000;       // a waiter restates its slot's drain words this often
 // A latency tenant's process gives its grant back once it has been idle
 // (no launch, no thread waiting for the GPU or synchronizing) for its hold
 // time: the others' work waits while it holds the GPU. The hold adapts to
@@ -317,6 +318,21 @@ bool enter_locked(GpuTime& g, uint64_t word) {
   return true;
 }
 
+// A process waiting in the gate has entered no grant, so nothing of any
+// grant is its on the GPU, and its slot's words should say so. But they are
+// in its tenant's usage file, which any process of the tenant can write: a
+// grant number written there as entered (a hostile tenant's garbage) makes
+// the daemon wait for this process's drain report of a grant it never saw,
+// its tenant blocked until then and this process waiting for a grant, for
+// good. So a waiter reports such a grant drained (true: none of its work is
+// on the GPU), once a second while it waits. Caller holds `transition`, with
+// nothing entered.
+void restate_nothing_entered_locked(GpuTime& g) {
+  const uint64_t said = g.request->entered_grant.load(std::memory_order_seq_cst);
+  if (said != 0 && g.request->drained_grant.load(std::memory_order_seq_cst) != said)
+    gputime::report_drained(*g.arbiter.seg, *g.request, said);
+}
+
 // Closes the gate on the grant we entered, drains (unless `drain_first` is
 // false: at exit, or when the GPU stopped being metered) and reports it.
 // Caller holds `transition`.
@@ -532,6 +548,7 @@ void wait_for_turn(int gpu) {
   const GpuTimeSegment& seg = *g.arbiter.seg;
   g.waiting.fetch_add(1, std::memory_order_acq_rel);
   bool asked = false;
+  uint64_t restated_ns = gputime::monotonic_ns();
   for (;;) {
     if (g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
     // Read before the grant: a change after this read ends the sleep below.
@@ -563,6 +580,11 @@ void wait_for_turn(int gpu) {
       // Still waiting a slice later: ring again, in case the daemon was
       // between a pass and its sleep when we first rang.
       gputime::ring_doorbell(seg);
+    }
+    if (now - restated_ns >= kRestateNs && pthread_mutex_trylock(&g.transition) == 0) {
+      if (g.entered.load(std::memory_order_relaxed) == 0) restate_nothing_entered_locked(g);
+      pthread_mutex_unlock(&g.transition);
+      restated_ns = now;
     }
     gputime::wait_for_turn(seg, turn, kWaitSliceNs);
   }

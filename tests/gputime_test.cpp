@@ -1620,13 +1620,16 @@ class GarbageInOwnUsageTest : public GpuTimeTest {
  protected:
   using Garbage = usage_attack::Garbage;  // what each kind writes: tests/probe/usage_attack.h
 
-  // The attack over 8 s of a 12 s pair: the honest tenant's and the
-  // attacker's shares of the GPU time they used.
+  // The attack over 8 s of a 13 s pair: the honest tenant's and the
+  // attacker's shares of the GPU time they used. Then, the attack over, the
+  // attacker's own load must run again: whatever its garbage left in its
+  // process's slot, a process waiting in the gate restates that it drained
+  // what the slot says it entered, so its tenant is never blocked for good.
   std::pair<double, double> attack(Garbage kind, const char* what) {
     meter_ = true;
     sample_ms_ = realistic_period();
     ledger::TenantLedger l;
-    const int real = start_attacked_pair("attacker", &l, 12);
+    const int real = start_attacked_pair("attacker", &l, 13);
     EXPECT_GE(real, 0);
     gputime::Arbiter arbiter = open_tenant_arbiter("attacker", 0);
     EXPECT_TRUE(arbiter.is_open());
@@ -1647,13 +1650,17 @@ class GarbageInOwnUsageTest : public GpuTimeTest {
     const auto [a, b] = span(1, 8000);
     stop.store(true);
     scribbler.join();
-    usage_attack::restore(target);  // so that its load can finish
+    usage_attack::restore(target);  // its slot live again, the high-water mark whole
+    const auto [c, d] = span(1, 2500);
+    const double after = tenant_busy(c, d, "attacker", 0) / static_cast<double>(d.t - c.t);
     const double length = static_cast<double>(b.t - a.t);
     const double honest = tenant_busy(a, b, "honest", 0) / length, attacker = tenant_busy(a, b, "attacker", 0) / length;
     const double used = honest + attacker;
-    printf("%s (%s, %llu rounds): honest %.3f, attacker %.3f of the GPU; honest %.3f of the time used\n", what,
-           mode().c_str(), static_cast<unsigned long long>(rounds), honest, attacker, used > 0 ? honest / used : 0);
+    printf("%s (%s, %llu rounds): honest %.3f, attacker %.3f of the GPU; honest %.3f of the time used; the "
+           "attacker's load %.3f of the GPU in the 2.5 s after\n", what, mode().c_str(),
+           static_cast<unsigned long long>(rounds), honest, attacker, used > 0 ? honest / used : 0, after);
     EXPECT_GT(rounds, 1000u) << "the attack barely ran";
+    EXPECT_GT(after, 0.1) << "the attacker's own load did not run again after its attack";
     EXPECT_EQ(kill(daemon_, 0), 0) << "the daemon died";
     gputime::close_arbiter(&arbiter);
     ledger::close_ledger(&l);
@@ -1685,6 +1692,38 @@ TEST_F(GarbageInOwnUsageTest, ItsOwnPidAndGuessedGrantNumbersTakeNothingFromAnot
 // tenant's process, and its real slot marked free and live by turns.
 TEST_F(GarbageInOwnUsageTest, ContextCountsAndSlotWordsTakeNothingFromAnother) {
   expect_fair(attack(Garbage::kContextsAndSlotWords, "contexts and slot words"));
+}
+
+// The opposite of the false drain, by the tenant's own hand: for 2 s its
+// slot's drained word is wiped every half millisecond, so each grant its
+// process entered and drained reads as not drained, the deadline passes,
+// and the tenant is blocked until that process reports the drain. Its
+// process reported it once and waits in the gate for its next grant: it
+// must report it again (restate what its slot says it entered), or its
+// tenant stays blocked and the process waits for good. (Before: the
+// attacker's load never ran again.)
+TEST_F(GpuTimeTest, ATenantWipingItsOwnDrainReportsIsNotLockedOutForGood) {
+  sample_ms_ = realistic_period();
+  ledger::TenantLedger l;
+  const int real = start_attacked_pair("attacker", &l, 8);
+  ASSERT_GE(real, 0);
+  std::atomic<bool> stop{false};
+  std::thread wiper([&] {
+    while (!stop.load()) {
+      l.usage->gputime[0][real].drained_grant.store(0);
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  stop.store(true);
+  wiper.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto [a, b] = span(1, 3000);
+  const double after = tenant_busy(a, b, "attacker", 0) / static_cast<double>(b.t - a.t);
+  printf("after 2 s of wiping its own drain reports: the attacker's load %.3f of the GPU\n", after);
+  EXPECT_GT(after, 0.1) << "the attacker's own load never ran again";
+  ledger::close_ledger(&l);
+  finish_loads();
 }
 
 // Issue requirement: SIGSTOP the holder. The other tenant waits once, for
