@@ -321,11 +321,12 @@ bool enter_locked(GpuTime& g, uint64_t word) {
 // A process waiting in the gate has entered no grant, so nothing of any
 // grant is its on the GPU, and its slot's words should say so. But they are
 // in its tenant's usage file, which any process of the tenant can write: a
-// grant number written there as entered (a hostile tenant's garbage) makes
-// the daemon wait for this process's drain report of a grant it never saw,
-// its tenant blocked until then and this process waiting for a grant, for
-// good. So a waiter reports such a grant drained (true: none of its work is
-// on the GPU), once a second while it waits. Caller holds `transition`, with
+// grant that reads there as entered and not drained (a hostile tenant's
+// garbage: a drained word wiped, a grant number guessed) makes the daemon
+// wait for a drain report this process has no reason to send, its tenant
+// blocked until then and this process waiting for a grant, for good. So a
+// waiter reports such a grant drained (true: none of its work is on the
+// GPU), once a second while it waits. Caller holds `transition`, with
 // nothing entered.
 void restate_nothing_entered_locked(GpuTime& g) {
   const uint64_t said = g.request->entered_grant.load(std::memory_order_seq_cst);
