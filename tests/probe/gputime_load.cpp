@@ -226,27 +226,20 @@ class Instants {
     }
   }
 
-  // Time since the last instant at or before t, and the first one after t
-  // (given_ns: the clock's period).
-  uint64_t since(uint64_t t, uint64_t given_ns) {
-    uint64_t period = 0, phase = 0;
-    at(t, given_ns, &period, &phase);
-    return (t % period + period - phase) % period;
-  }
-  uint64_t next(uint64_t t, uint64_t given_ns) {
-    uint64_t period = 0, phase = 0;
-    at(t, given_ns, &period, &phase);
-    return t - (t % period + period - phase) % period + period;
+  // The last instant at or before t and the first one after it (given_ns:
+  // the clock's period).
+  struct Around {
+    uint64_t last, next;
+  };
+  Around around(uint64_t t, uint64_t given_ns) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    refresh(t);
+    const uint64_t period = learned_ ? period_ns_ : given_ns, phase = learned_ ? phase_ns_ : 0;
+    const uint64_t last = t - (t % period + period - phase) % period;
+    return {last, last + period};
   }
 
  private:
-  void at(uint64_t t, uint64_t given_ns, uint64_t* period, uint64_t* phase) {
-    std::lock_guard<std::mutex> hold(mutex_);
-    refresh(t);
-    *period = learned_ ? period_ns_ : given_ns;
-    *phase = learned_ ? phase_ns_ : 0;
-  }
-
   // Reads the ring at most every 100 ms until learned, then every second.
   void refresh(uint64_t now) {
     if (get_samples_ == nullptr || (read_ns_ != 0 && now - read_ns_ < (learned_ ? 1'000'000'000ull : 100'000'000ull)))
@@ -536,11 +529,12 @@ struct Launcher {
   bool dodge() {
     if (o.dodge_ms == 0) return true;
     const uint64_t given = o.dodge_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
-    const uint64_t now = now_ns(), since = g_instants.since(now, given), next_instant = g_instants.next(now, given);
-    const uint64_t kernel_ns = o.kernels_us[next] * 1000ull;
-    if (now + kernel_ns + guard < next_instant && since >= 1'000'000ull) return true;
+    const uint64_t now = now_ns();
+    const Instants::Around instant = g_instants.around(now, given);
+    const uint64_t kernel_ns = o.kernels_us[next] * 1000ull, since = now - instant.last;
+    if (now + kernel_ns + guard < instant.next && since >= 1'000'000ull) return true;
     CHECK(cuStreamSynchronize(sync_stream()));
-    const uint64_t resume = (since < 1'000'000ull ? now - since : next_instant) + 1'000'000ull;
+    const uint64_t resume = (since < 1'000'000ull ? instant.last : instant.next) + 1'000'000ull;
     sleep_until(resume);
     batch_us = 0;
     return true;
@@ -550,10 +544,11 @@ struct Launcher {
   // past the grant and ends just before the next sampling instant.
   bool timed_step() {
     const uint64_t given = o.timed_ms * 1'000'000ull, guard = o.guard_ms * 1'000'000ull;
-    const uint64_t start = now_ns(), resume = start - g_instants.since(start, given) + 1'000'000ull;
-    sleep_until(resume > start ? resume : g_instants.next(start, given) + 1'000'000ull);
+    const uint64_t start = now_ns();
+    const Instants::Around instant = g_instants.around(start, given);
+    sleep_until((instant.last + 1'000'000ull > start ? instant.last : instant.next) + 1'000'000ull);
     if (!launch(0)) return false;
-    const uint64_t t = now_ns(), next_instant = g_instants.next(t, given);
+    const uint64_t t = now_ns(), next_instant = g_instants.around(t, given).next;
     if (t + guard + 1'000'000ull < next_instant) {
       const uint64_t ms = (next_instant - guard - t) / 1'000'000ull;
       CHECK(launch_us(ms * 1000));
@@ -605,7 +600,7 @@ struct Launcher {
     uint64_t until = now_ns() + static_cast<uint64_t>(seconds * 1e9);
     if (o.exit_at_ms != 0) {
       const uint64_t soonest = now_ns() + 1'000'000ull;
-      until = g_instants.next(soonest, o.exit_at_ms * 1'000'000ull) + o.exit_after_ms * 1'000'000ull;
+      until = g_instants.around(soonest, o.exit_at_ms * 1'000'000ull).next + o.exit_after_ms * 1'000'000ull;
     }
     for (uint64_t before = now_ns(); before < until;) {
       if (!step()) return false;
