@@ -65,6 +65,37 @@ struct Canary {
   mode_t mode = 0;
 };
 
+// The simulated driver's own record of who ran on each GPU, read in the
+// test's process (the independent measure): open while it lives.
+class SimRecord {
+ public:
+  SimRecord() : handle_(dlopen((std::string(SIMCUDA_DIR) + "/libcuda.so.1").c_str(), RTLD_NOW | RTLD_LOCAL)) {
+    if (handle_ == nullptr) {
+      error_ = dlerror();
+      return;
+    }
+    busy_ns_ = reinterpret_cast<uint64_t (*)(int, int)>(dlsym(handle_, "simcuda_busy_ns"));
+    device_busy_ns_ = reinterpret_cast<uint64_t (*)(int)>(dlsym(handle_, "simcuda_device_busy_ns"));
+    if (busy_ns_ == nullptr || device_busy_ns_ == nullptr) error_ = "no simcuda_busy_ns or simcuda_device_busy_ns";
+  }
+  ~SimRecord() {
+    if (handle_ != nullptr) dlclose(handle_);
+  }
+  SimRecord(const SimRecord&) = delete;
+  SimRecord& operator=(const SimRecord&) = delete;
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+  // GPU time of process `pid` on `device`, and of everyone on it.
+  uint64_t busy_ns(int device, pid_t pid) const { return busy_ns_(device, pid); }
+  uint64_t device_busy_ns(int device) const { return device_busy_ns_(device); }
+
+ private:
+  void* handle_;
+  uint64_t (*busy_ns_)(int, int) = nullptr;
+  uint64_t (*device_busy_ns_)(int) = nullptr;
+  std::string error_;
+};
+
 class HostileTenantTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -188,6 +219,15 @@ class HostileTenantTest : public ::testing::Test {
     return ok;
   }
 
+  // This process's simulated driver (SimRecord) on the tests' devices and
+  // state, with the model they run.
+  void use_sim_state() const {
+    setenv("SIMCUDA_STATE", sim_state_.c_str(), 1);
+    setenv("SIMCUDA_DEVICES", devices_.c_str(), 1);
+    if (sched_.empty()) unsetenv("SIMCUDA_SCHED");
+    else setenv("SIMCUDA_SCHED", sched_.c_str(), 1);
+  }
+
   // GPU time, for the GPU-time cheats: the honest tenant runs one load of
   // 1 ms kernels for `seconds` while the hostile one runs `script` in its
   // container; returns the honest tenant's share of the GPU and the GPU's
@@ -195,29 +235,23 @@ class HostileTenantTest : public ::testing::Test {
   // false: the honest load runs without fracgpu's interposer (what it gets
   // without fracgpu, with `script` run without it too).
   std::pair<double, double> honest_beside(const std::string& script, double seconds, bool interposed = true) {
-    setenv("SIMCUDA_STATE", sim_state_.c_str(), 1);
-    setenv("SIMCUDA_DEVICES", devices_.c_str(), 1);
-    if (sched_.empty()) unsetenv("SIMCUDA_SCHED");
-    else setenv("SIMCUDA_SCHED", sched_.c_str(), 1);
-    void* sim = dlopen((std::string(SIMCUDA_DIR) + "/libcuda.so.1").c_str(), RTLD_NOW | RTLD_LOCAL);
-    EXPECT_NE(sim, nullptr) << dlerror();
-    if (sim == nullptr) return {0, 0};
-    auto busy_ns = reinterpret_cast<uint64_t (*)(int, int)>(dlsym(sim, "simcuda_busy_ns"));
-    auto device_busy_ns = reinterpret_cast<uint64_t (*)(int)>(dlsym(sim, "simcuda_device_busy_ns"));
+    use_sim_state();
+    const SimRecord sim;
+    EXPECT_TRUE(sim.ok()) << sim.error();
+    if (!sim.ok()) return {0, 0};
     const pid_t mallory = start_container(script, container_ + "/container.log");
     const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
     const pid_t honest = spawn({LOAD_PATH, "devices=0", "kernels_us=1000", "seconds=" + std::to_string(seconds)},
                                root_ + "/honest.out", {interposed ? preload : "LD_PRELOAD", "FRACGPU_TENANT=alice"});
     std::this_thread::sleep_for(2s);
     const auto t0 = std::chrono::steady_clock::now();
-    const uint64_t h0 = busy_ns(0, honest), d0 = device_busy_ns(0);
+    const uint64_t h0 = sim.busy_ns(0, honest), d0 = sim.device_busy_ns(0);
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds - 2.5));
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
-    const double share = static_cast<double>(busy_ns(0, honest) - h0) / wall;
-    const double busy = static_cast<double>(device_busy_ns(0) - d0) / wall;
+    const double share = static_cast<double>(sim.busy_ns(0, honest) - h0) / wall;
+    const double busy = static_cast<double>(sim.device_busy_ns(0) - d0) / wall;
     EXPECT_EQ(wait_exit(honest, 20s), 0) << read_file(root_ + "/honest.out");
     kill_and_reap(mallory);
-    dlclose(sim);
     return {share, busy};
   }
 
@@ -239,12 +273,9 @@ class HostileTenantTest : public ::testing::Test {
 TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   start_daemon();
   // The sim's own record of who ran on the GPU: the independent measure.
-  setenv("SIMCUDA_STATE", sim_state_.c_str(), 1);
-  setenv("SIMCUDA_DEVICES", devices_.c_str(), 1);
-  void* sim = dlopen((std::string(SIMCUDA_DIR) + "/libcuda.so.1").c_str(), RTLD_NOW | RTLD_LOCAL);
-  ASSERT_NE(sim, nullptr) << dlerror();
-  auto busy_ns = reinterpret_cast<uint64_t (*)(int, int)>(dlsym(sim, "simcuda_busy_ns"));
-  ASSERT_NE(busy_ns, nullptr);
+  use_sim_state();
+  const SimRecord sim;
+  ASSERT_TRUE(sim.ok()) << sim.error();
 
   constexpr double kSeconds = 8;
   // The hostile tenant: a competing GPU-time load (restarted when its own
@@ -278,7 +309,7 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   const pid_t honest = spawn({LOAD_PATH, "devices=0", "kernels_us=1000", "seconds=" + std::to_string(kSeconds)},
                              honest_log, {preload, "FRACGPU_TENANT=alice"});
   const auto start = std::chrono::steady_clock::now();
-  const uint64_t busy_before = busy_ns(0, honest);
+  const uint64_t busy_before = sim.busy_ns(0, honest);
 
   // Meanwhile: a reload (with a change), a daemon SIGKILLed and restarted,
   // a reload back; status asked throughout.
@@ -302,7 +333,7 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   int status = 0;
   while (waitpid(honest, &status, WNOHANG) == 0) {
     const auto now = std::chrono::steady_clock::now();
-    const uint64_t busy = busy_ns(0, honest);
+    const uint64_t busy = sim.busy_ns(0, honest);
     if (busy >= busy_last) {
       busy_last = busy;
       sampled_at = now;
@@ -358,7 +389,6 @@ TEST_F(HostileTenantTest, AHostileTenantHurtsNobodyButItself) {
   EXPECT_EQ(wait_exit(quota, 10s), 0) << read_file(quota_log);
   EXPECT_NE(read_file(quota_log).find("alloc=0\n"), std::string::npos) << read_file(quota_log) << daemon_log();
   EXPECT_TRUE(status_answers());
-  dlclose(sim);
 }
 
 // GPU time against a stand-in NVML that samples like the real one (every
@@ -590,13 +620,9 @@ TEST_F(HostileTenantTest, ABypassThatDodgesTheSamplesIsTerminatedByTheAudit) {
   config.replace(config.find(interval), interval.size(), "audit_action = \"terminate\"\n");
   write_file(config_, config);
   start_daemon();
-  setenv("SIMCUDA_STATE", sim_state_.c_str(), 1);
-  setenv("SIMCUDA_DEVICES", devices_.c_str(), 1);
-  unsetenv("SIMCUDA_SCHED");
-  void* sim = dlopen((std::string(SIMCUDA_DIR) + "/libcuda.so.1").c_str(), RTLD_NOW | RTLD_LOCAL);
-  ASSERT_NE(sim, nullptr) << dlerror();
-  auto busy_ns = reinterpret_cast<uint64_t (*)(int, int)>(dlsym(sim, "simcuda_busy_ns"));
-  auto device_busy_ns = reinterpret_cast<uint64_t (*)(int)>(dlsym(sim, "simcuda_device_busy_ns"));
+  use_sim_state();
+  const SimRecord sim;
+  ASSERT_TRUE(sim.ok()) << sim.error();
   const std::string preload = std::string("LD_PRELOAD=") + FRACGPU_LIB;
   const std::string load = std::string(LOAD_PATH) + " devices=0 kernels_us=1000 seconds=45";
   const pid_t mallory = start_container("( " + preload + " " + load + " ) & " + load + " dodge_ms=167 guard_ms=8; wait",
@@ -606,10 +632,11 @@ TEST_F(HostileTenantTest, ABypassThatDodgesTheSamplesIsTerminatedByTheAudit) {
   // The honest tenant's share of the GPU time used from now until the kill,
   // then over 8 s after it.
   const auto share_since = [&](uint64_t h0, uint64_t d0) {
-    return static_cast<double>(busy_ns(0, honest) - h0) / static_cast<double>(std::max<uint64_t>(device_busy_ns(0) - d0, 1));
+    const uint64_t used = std::max<uint64_t>(sim.device_busy_ns(0) - d0, 1);
+    return static_cast<double>(sim.busy_ns(0, honest) - h0) / static_cast<double>(used);
   };
   std::this_thread::sleep_for(2s);
-  const uint64_t h0 = busy_ns(0, honest), d0 = device_busy_ns(0);
+  const uint64_t h0 = sim.busy_ns(0, honest), d0 = sim.device_busy_ns(0);
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(eventually([&] { return daemon_log_has("without being charged to any tenant (no interposer, or no "
                                                      "tenant): terminated (SIGKILL)"); }, 30s))
@@ -617,7 +644,7 @@ TEST_F(HostileTenantTest, ABypassThatDodgesTheSamplesIsTerminatedByTheAudit) {
   const double before = share_since(h0, d0);
   const double until_kill = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::this_thread::sleep_for(1s);
-  const uint64_t h1 = busy_ns(0, honest), d1 = device_busy_ns(0);
+  const uint64_t h1 = sim.busy_ns(0, honest), d1 = sim.device_busy_ns(0);
   std::this_thread::sleep_for(8s);
   const double after = share_since(h1, d1);
   printf("a bypass dodging the samples: honest %.3f of the GPU time used over the %.1f s before the audit "
@@ -626,7 +653,51 @@ TEST_F(HostileTenantTest, ABypassThatDodgesTheSamplesIsTerminatedByTheAudit) {
   EXPECT_GE(after, 0.48);
   EXPECT_EQ(wait_exit(honest, 40s), 0) << read_file(root_ + "/honest.out");
   kill_and_reap(mallory);
-  dlclose(sim);
+}
+
+// A process without the interposer on two GPUs that leaves one of them
+// (its context there destroyed) and runs on in the other. While NVML lists
+// it on a GPU, the holders there pay only their part of their grants and
+// its tenant the rest; once it is off that GPU, the holders there pay all
+// they hold again. Seen through a cap: the honest tenant, alone on GPU 1
+// with `limit = 0.5`, runs at its cap once the process has left that GPU
+// (when its record kept the GPU, the honest tenant paid half of what it
+// held there and ran at twice its cap).
+TEST_F(HostileTenantTest, AProcessOutsideTheGateThatLeftAGpuNoLongerSharesTheTurnsThere) {
+  sample_ms_ = "167";
+  const std::string second = "GPU-0badc0de-0000-4000-8000-000000000002";
+  devices_ += ";uuid=" + second + ",name=Sim2,mem=16GiB,ctx=64MiB,sms=100";
+  std::string config = read_file(config_);
+  const std::string tenants = config.substr(config.find("[[tenant]]"));
+  config.replace(config.find("[[tenant]]"), tenants.size(),
+                 "[[gpu]]\nuuid = \"" + second + "\"\ncontext_memory = \"64MiB\"\n"
+                 "[[tenant]]\nname = \"alice\"\ngpus = 0.5\nlimit = 0.5\ndevices = [\"" + second + "\"]\n"
+                 "[[tenant]]\nname = \"mallory\"\ngpus = 1.5\ndevices = [\"" + kUuid + "\", \"" + second + "\"]\n");
+  write_file(config_, config);
+  start_daemon();
+  use_sim_state();
+  const SimRecord sim;
+  ASSERT_TRUE(sim.ok()) << sim.error();
+  // GPU 1 for 2 s, GPU 0 for 12.
+  const pid_t mallory = start_container(std::string(LOAD_PATH) + " devices=0,1 kernels_us=1000 seconds=12 leave_after_s=2",
+                                        container_ + "/container.log");
+  // The honest tenant sees its one GPU as device 0 (fracgpu shows a tenant
+  // only its GPUs); the driver's record is of GPU 1.
+  const pid_t honest = spawn({LOAD_PATH, "devices=0", "kernels_us=1000", "seconds=11"}, root_ + "/honest.out",
+                             {std::string("LD_PRELOAD=") + FRACGPU_LIB, "FRACGPU_TENANT=alice"});
+  ASSERT_TRUE(eventually([&] { return daemon_log_has("outside fracgpu's gate (no interposer): charged to tenant"); }, 5s))
+      << daemon_log();
+  std::this_thread::sleep_for(4s);  // off GPU 1 by now, and the cap's window past it
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t h0 = sim.busy_ns(1, honest);
+  std::this_thread::sleep_for(5s);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
+  const double share = static_cast<double>(sim.busy_ns(1, honest) - h0) / wall;
+  printf("the honest tenant, capped at 0.5 on GPU 1 after a process outside the gate left it: %.3f of GPU 1\n", share);
+  EXPECT_LE(share, 0.55);
+  EXPECT_GE(share, 0.40);  // and not kept off it
+  EXPECT_EQ(wait_exit(honest, 20s), 0) << read_file(root_ + "/honest.out");
+  EXPECT_EQ(wait_exit(mallory, 20s), 0) << read_file(container_ + "/container.log");
 }
 
 // Memory, as a container sees it (issue: the audit's allowance grew with the

@@ -890,7 +890,7 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       if (p.pid <= 1 || p.pid == self || owners.contains(static_cast<int32_t>(p.pid))) continue;
       const auto known = outside_gate_.find(p.pid);
       if (known != outside_gate_.end() && known->second.listed_ns == now) {
-        known->second.gpus.insert(uuid);  // on another GPU too
+        known->second.gpus[uuid] = now;  // on another GPU too
         continue;
       }
       const uint64_t start_time = process_start_time(static_cast<int32_t>(p.pid));
@@ -898,7 +898,7 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       if (known != outside_gate_.end() && known->second.start_time == start_time) {
         known->second.listed_ns = now;
         known->second.gone_ns = 0;  // back on a GPU
-        known->second.gpus.insert(uuid);
+        known->second.gpus[uuid] = now;
         continue;
       }
       // New, or a new process behind a reused PID: attributed now. Bounded:
@@ -912,16 +912,19 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       o.from_ns = start_on_monotonic_ns(start_time);
       o.from_ns = o.from_ns > kLifetimeMarginNs ? o.from_ns - kLifetimeMarginNs : 0;
       o.checked_ns = o.listed_ns = now;
-      o.gpus = {uuid};
+      o.gpus = {{uuid, now}};
       o.tenants = attribute_process_on_gpu(static_cast<int32_t>(p.pid), *containers, config_->daemon.run_dir, uuid);
       outside_gate_[p.pid] = std::move(o);
     }
   }
   // Off every GPU since the last pass (exited, or its context destroyed):
-  // no later sample is of it.
+  // no later sample is of it. Off some of them (its context there
+  // destroyed): the holders there no longer share their turns with it.
   if (all_read)
-    for (auto& [pid, o] : outside_gate_)
+    for (auto& [pid, o] : outside_gate_) {
       if (o.listed_ns != 0 && o.listed_ns != now && o.gone_ns == 0) o.gone_ns = now;
+      if (o.listed_ns == now) std::erase_if(o.gpus, [&](const auto& gpu) { return gpu.second != now; });
+    }
 }
 
 void Daemon::tick_gpu_time(uint64_t now) {
@@ -1016,7 +1019,7 @@ void Daemon::tick_gpu_time(uint64_t now) {
           pids_by_tenant[t].push_back(pid);
           outside_tenants.insert(t);
           if (listed)
-            for (const std::string& uuid : o.gpus)
+            for (const auto& [uuid, listed_ns] : o.gpus)
               listed_outside[uuid][t] += static_cast<uint32_t>(1000 / o.tenants.size());
         }
     }

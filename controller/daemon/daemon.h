@@ -240,7 +240,10 @@ class Daemon {
     uint64_t listed_ns = 0;   // the last watch pass that found it on a GPU; 0: none did
     uint64_t gone_ns = 0;     // when it was found off the GPUs or dead; 0: not yet
     bool logged = false;
-    std::set<std::string> gpus;  // the GPUs (UUIDs) NVML's lists showed it on
+    // The GPUs (UUIDs) NVML's lists show it on, each with the last watch
+    // pass that did; a GPU it has left drops out at the next pass that read
+    // every GPU's list.
+    std::map<std::string, uint64_t> gpus;
     // Whose GPU time it is: the tenant of its container, or the container's
     // claims that share the GPU it was seen on (all of them; empty: nobody's).
     std::set<std::string> tenants;

@@ -28,6 +28,9 @@
 //                       cuCtxPushCurrent/cuCtxPopCurrent (default: a thread per device)
 //     switch=create     one thread for all devices, one after the other: each device's
 //                       run in a context made current only by cuCtxCreate, for `seconds`
+//     leave_after_s=S   (a thread per device) the thread of the last of `devices` stops
+//                       after S seconds and releases its primary context: the process
+//                       leaves that GPU and runs on the others for `seconds`
 //     fork_after=S      run S seconds, then fork: the child starts CUDA afresh and runs
 //                       `seconds`; the parent waits for it and exits with its status
 //     last_us=N         after the run, launch one N us kernel and exit without waiting
@@ -116,6 +119,7 @@ struct Options {
   double resume_seconds = 0;
   std::string switch_mode;  // "", "set", "push" or "create"
   double fork_after = 0;
+  double leave_after_s = 0;  // leave_after_s
   unsigned last_us = 0;
   unsigned dodge_ms = 0;
   unsigned timed_ms = 0;
@@ -746,7 +750,17 @@ int run_all(const Options& o, double seconds) {
         Launcher& l = launchers[i];
         if (!l.setup(o.devices[i])) return;
         wait_start();
-        if (!l.run_for(seconds)) return;
+        const bool leaves = o.leave_after_s > 0 && i + 1 == o.devices.size();
+        if (!l.run_for(leaves ? o.leave_after_s : seconds)) return;
+        if (leaves) {
+          // Off this GPU, as a process that is done with one device: the last
+          // release destroys the context (its stream, module and memory with
+          // it), and with it NVML's listing there.
+          CUdevice dev = 0;
+          ok[i] = check(cuDeviceGet(&dev, o.devices[i]), "cuDeviceGet") &&
+                  check(cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease");
+          return;
+        }
         if (o.resume_seconds > 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
           if (!l.run_for(o.resume_seconds)) return;
@@ -803,6 +817,7 @@ int main(int argc, char** argv) {
       o.resume_seconds = v.size() > 1 ? v[1] / 1000.0 : 0;
     } else if (key == "switch") o.switch_mode = value;
     else if (key == "fork_after") o.fork_after = atof(value);
+    else if (key == "leave_after_s") o.leave_after_s = atof(value);
     else if (key == "last_us") o.last_us = static_cast<unsigned>(atoi(value));
     else if (key == "dodge_ms") o.dodge_ms = static_cast<unsigned>(atoi(value));
     else if (key == "timed_ms") o.timed_ms = static_cast<unsigned>(atoi(value));
