@@ -174,14 +174,15 @@ class GpuTimeTest : public ::testing::Test {
   }
 
   static pid_t spawn(const std::string& path, const std::vector<std::string>& args, const std::vector<std::string>& env,
-                     int* err_fd, const std::string& out_path = "") {
+                     int* err_fd, const std::string& out_path = "", const std::string& err_path = "") {
     int err[2] = {-1, -1};
     if (err_fd != nullptr && pipe(err) != 0) return -1;
     pid_t pid = fork();
     if (pid == 0) {
       int devnull = open("/dev/null", O_WRONLY);
       dup2(out_path.empty() ? devnull : open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
-      dup2(err_fd != nullptr ? err[1] : devnull, 2);
+      if (err_fd != nullptr) dup2(err[1], 2);
+      else dup2(err_path.empty() ? devnull : open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
       std::vector<char*> argv{const_cast<char*>(path.c_str())};
       for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -226,7 +227,8 @@ class GpuTimeTest : public ::testing::Test {
   }
 
   void start_daemon() {
-    daemon_ = spawn(FRACGPUD_PATH, {"--config", config_}, environment("", false), nullptr);
+    // Its log, for the tests that look for what it said.
+    daemon_ = spawn(FRACGPUD_PATH, {"--config", config_}, environment("", false), nullptr, "", root_ + "/daemon.log");
     ASSERT_GT(daemon_, 0);
     for (const TenantSpec& t : tenants_) {
       const std::string link = root_ + "/tenants/" + t.name + "/gputime-0";
@@ -243,6 +245,25 @@ class GpuTimeTest : public ::testing::Test {
 
   void start_load(const std::string& tenant, std::vector<std::string> args, bool preload = true) {
     start_load_with(tenant, std::move(args), environment(tenant, preload));
+  }
+
+  // A load without the interposer in a container with two claims: the
+  // tenant directories of `a` and `b` bind-mounted in its own mount
+  // namespace, as a container runtime mounts them. Filed under `a`.
+  void start_load_of_two_claims(const std::string& a, const std::string& b, const std::vector<std::string>& args) {
+    const std::string claim1 = root_ + "/claim-1", claim2 = root_ + "/claim-2";
+    fs::create_directories(claim1);
+    fs::create_directories(claim2);
+    std::vector<std::string> argv = {"-m", "--propagation", "private", "/bin/sh", "-c",
+                                     "mount --bind \"$0\" \"$1\" && mount --bind \"$2\" \"$3\" && shift 3 && exec \"$@\"",
+                                     root_ + "/tenants/" + a, claim1, root_ + "/tenants/" + b, claim2, LOAD_PATH};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Load l;
+    l.tenant = a;
+    l.out_path = root_ + "/load-bypass.out";
+    l.pid = spawn("/usr/bin/unshare", argv, environment(a, /*preload=*/false), &l.err_fd, l.out_path);
+    ASSERT_GT(l.pid, 0);
+    loads_.push_back(l);
   }
 
   // A load with the environment given, shown as `tenant`.
@@ -2136,19 +2157,8 @@ TEST_F(GpuTimeTest, AProcessWithoutTheInterposerOfTwoClaimsOnOneGpuIsChargedToBo
   start_daemon();
   start_load("honest", load_args("1000", 9.5));
   start_load("cheat", load_args("1000", 9.5));
-  const std::string claim1 = root_ + "/claim-1", claim2 = root_ + "/claim-2";
-  fs::create_directories(claim1);
-  fs::create_directories(claim2);
-  std::vector<std::string> args = {"-m", "--propagation", "private", "/bin/sh", "-c",
-                                   "mount --bind \"$0\" \"$1\" && mount --bind \"$2\" \"$3\" && shift 3 && exec \"$@\"",
-                                   root_ + "/tenants/cheat", claim1, root_ + "/tenants/cheat2", claim2, LOAD_PATH};
-  for (const std::string& a : load_args("1000", 9.5)) args.push_back(a);
-  Load l;
-  l.tenant = "cheat";  // the container's: its two claims' GPU time together
-  l.out_path = root_ + "/load-bypass.out";
-  l.pid = spawn("/usr/bin/unshare", args, environment("cheat", /*preload=*/false), &l.err_fd, l.out_path);
-  ASSERT_GT(l.pid, 0);
-  loads_.push_back(l);
+  // The container's load: its two claims' GPU time together.
+  start_load_of_two_claims("cheat", "cheat2", load_args("1000", 9.5));
   std::this_thread::sleep_for(std::chrono::seconds(1));
   const auto [a, b] = span(1, 7000);
   const double honest = busy_share(a, b, "honest", 0), container = busy_share(a, b, "cheat", 0);
@@ -2163,6 +2173,40 @@ TEST_F(GpuTimeTest, AProcessWithoutTheInterposerOfTwoClaimsOnOneGpuIsChargedToBo
   // The one-claim figure's bound (its twin above): the honest share, or
   // where lower what it would get without fracgpu (a third).
   EXPECT_GE(honest, 0.36);
+}
+
+// A container with two claims on two GPUs (cheat's on GPU 0, cheat2's on
+// GPU 1) runs one process without the interposer on both. Its turns on each
+// GPU are the tenant's whose claim holds that GPU: on GPU 1, while NVML
+// lists it beside the honest tenant's grants, cheat2 pays for its part of
+// them; on GPU 0, where nobody holds a grant, the samples naming it are
+// cheat's. (Before, the process was attributed once, by the first GPU's
+// list it was found in, to cheat alone, who has no share of GPU 1: there
+// nobody paid for it, and the honest tenant paid its whole grants.)
+TEST_F(GpuTimeTest, AProcessWithoutTheInterposerOfTwoClaimsOnTwoGpusIsChargedToEachGpusClaim) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  write_config({{"honest", "0.5", "[1]", ""}, {"cheat", "0.5", "[0]", ""}, {"cheat2", "0.5", "[1]", ""}});
+  start_daemon();
+  start_load("honest", load_args("1000", 6.5));  // its one GPU, GPU 1
+  start_load_of_two_claims("cheat", "cheat2", load_args("1000", 6.5, "0,1"));  // GPU 0 is cheat's, GPU 1 cheat2's
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double honest = measure("honest", 1, 4000);
+  auto status = status_by_tenant();
+  for (const char* t : {"honest", "cheat", "cheat2"}) printf("  %s: %s\n", t, status[t]["gpu_time"].dump().c_str());
+  printf("a process without the interposer of two claims on two GPUs: honest %.3f of GPU 1\n", honest);
+  finish_loads();
+  EXPECT_GT(status["cheat"]["gpu_time"]["out_of_grant_ns"].get<uint64_t>(), 0u) << "GPU 0's claim paid nothing";
+  EXPECT_GT(status["cheat2"]["gpu_time"]["out_of_grant_ns"].get<uint64_t>(), 0u) << "GPU 1's claim paid nothing";
+  // Paying only its part of each grant, the honest tenant holds GPU 1 twice
+  // as long and keeps its half of it (paying all, it kept about a quarter).
+  EXPECT_GE(honest, 0.42);
+  const std::string log = read_file(root_ + "/daemon.log");
+  for (const auto& [gpu, tenant] : {std::pair{0, "cheat"}, std::pair{1, "cheat2"}})
+    EXPECT_NE(log.find(std::string("runs on GPU ") + kUuids[gpu] + " outside fracgpu's gate (no interposer): charged to "
+                       "tenant \"" + tenant + "\", whose container it is in"),
+              std::string::npos)
+        << log;
 }
 
 // Tenants come and go (in Kubernetes every claim is a new tenant): after 64

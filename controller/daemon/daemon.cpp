@@ -861,6 +861,15 @@ void Daemon::attach_meters() {
   }
 }
 
+void Daemon::log_outside_gate(uint32_t pid, const std::string& where, const std::set<std::string>& tenants) const {
+  if (tenants.size() == 1)
+    log_->warn("GPU time: process {} runs on {} outside fracgpu's gate (no interposer): charged to tenant \"{}\", "
+               "whose container it is in", pid, where, *tenants.begin());
+  else
+    log_->warn("GPU time: process {} runs on {} outside fracgpu's gate (no interposer): charged to tenants \"{}\" in "
+               "equal parts, the claims of its container on that GPU", pid, where, fmt::join(tenants, "\", \""));
+}
+
 void Daemon::watch_gpu_processes(uint64_t now) {
   // Every process with a context on a GPU fracgpu schedules is in NVML's
   // list for as long as it has one, whatever its timing; the driver's
@@ -879,6 +888,23 @@ void Daemon::watch_gpu_processes(uint64_t now) {
   int attributed = 0;
   bool all_read = true;
   for (auto& [uuid, arbiter] : arbiters_) {
+    // The process `pid` is listed on this GPU: stamped, and attributed there
+    // if the GPU is new to its record (a container with claims on several
+    // GPUs is a different tenant's on each). With no attribution left in
+    // this pass, the GPU is left out until the next.
+    const auto listed_here = [&](OutsideGate& o, uint32_t pid) {
+      if (const auto on = o.gpus.find(uuid); on != o.gpus.end()) {
+        on->second.listed_ns = now;
+        return;
+      }
+      if (attributed >= kWatchAttributionsPerPass) return;
+      ++attributed;
+      if (!containers) containers.emplace(owners, proc);
+      OutsideGate::OnGpu on{now, attribute_process_on_gpu(static_cast<int32_t>(pid), *containers,
+                                                          config_->daemon.run_dir, uuid)};
+      o.tenants.insert(on.tenants.begin(), on.tenants.end());
+      o.gpus.emplace(uuid, std::move(on));
+    };
     nvmlDevice_t handle = nullptr;
     std::vector<Nvml::Process> processes;
     if (nvml_->api().get_handle_by_uuid(uuid.c_str(), &handle) != NVML_SUCCESS ||
@@ -890,7 +916,7 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       if (p.pid <= 1 || p.pid == self || owners.contains(static_cast<int32_t>(p.pid))) continue;
       const auto known = outside_gate_.find(p.pid);
       if (known != outside_gate_.end() && known->second.listed_ns == now) {
-        known->second.gpus[uuid] = now;  // on another GPU too
+        listed_here(known->second, p.pid);  // on another GPU too
         continue;
       }
       const uint64_t start_time = process_start_time(static_cast<int32_t>(p.pid));
@@ -898,22 +924,19 @@ void Daemon::watch_gpu_processes(uint64_t now) {
       if (known != outside_gate_.end() && known->second.start_time == start_time) {
         known->second.listed_ns = now;
         known->second.gone_ns = 0;  // back on a GPU
-        known->second.gpus[uuid] = now;
+        listed_here(known->second, p.pid);
         continue;
       }
       // New, or a new process behind a reused PID: attributed now. Bounded:
       // a tenant that starts processes faster waits for later passes.
       if (attributed >= kWatchAttributionsPerPass) continue;
       if (known == outside_gate_.end() && outside_gate_.size() >= kOutsideGateMax) continue;
-      ++attributed;
-      if (!containers) containers.emplace(owners, proc);
       OutsideGate o;
       o.start_time = start_time;
       o.from_ns = start_on_monotonic_ns(start_time);
       o.from_ns = o.from_ns > kLifetimeMarginNs ? o.from_ns - kLifetimeMarginNs : 0;
       o.checked_ns = o.listed_ns = now;
-      o.gpus = {{uuid, now}};
-      o.tenants = attribute_process_on_gpu(static_cast<int32_t>(p.pid), *containers, config_->daemon.run_dir, uuid);
+      listed_here(o, p.pid);
       outside_gate_[p.pid] = std::move(o);
     }
   }
@@ -923,7 +946,7 @@ void Daemon::watch_gpu_processes(uint64_t now) {
   if (all_read)
     for (auto& [pid, o] : outside_gate_) {
       if (o.listed_ns != 0 && o.listed_ns != now && o.gone_ns == 0) o.gone_ns = now;
-      if (o.listed_ns == now) std::erase_if(o.gpus, [&](const auto& gpu) { return gpu.second != now; });
+      if (o.listed_ns == now) std::erase_if(o.gpus, [&](const auto& gpu) { return gpu.second.listed_ns != now; });
     }
 }
 
@@ -999,29 +1022,25 @@ void Daemon::tick_gpu_time(uint64_t now) {
     // within its lifetime only: a later process behind the same PID is not it.
     for (auto& [pid, o] : outside_gate_) {
       if (o.tenants.empty()) continue;
-      if (!o.logged && o.gone_ns == 0) {
-        // Said once, of a process found alive at a tick (one that was gone
-        // by then may have been a gated process between its start and its
-        // slot's attach: it is charged alike, but not called a bypass).
-        o.logged = true;
-        if (o.tenants.size() == 1)
-          log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenant "
-                     "\"{}\", whose container it is in", pid, *o.tenants.begin());
-        else
-          log_->warn("GPU time: process {} runs on a GPU outside fracgpu's gate (no interposer): charged to tenants "
-                     "\"{}\" in equal parts, the claims of its container on that GPU",
-                     pid, fmt::join(o.tenants, "\", \""));
+      if (o.gone_ns == 0) {
+        // Said once for each GPU NVML lists it on (once, where only the
+        // meters found it), of a process found alive at a tick (one that was
+        // gone by then may have been a gated process between its start and
+        // its slot's attach: it is charged alike, but not called a bypass).
+        for (auto& [uuid, on] : o.gpus)
+          if (!on.tenants.empty() && !std::exchange(on.logged, true)) log_outside_gate(pid, "GPU " + uuid, on.tenants);
+        if (o.gpus.empty() && !std::exchange(o.logged, true)) log_outside_gate(pid, "a GPU", o.tenants);
       }
       lifetimes[pid] = {o.from_ns, o.gone_ns == 0 ? 0 : o.gone_ns + kLifetimeMarginNs};
-      const bool listed = o.listed_ns != 0 && o.gone_ns == 0;
       for (const std::string& t : o.tenants)
         if (ledgers_.contains(t)) {
           pids_by_tenant[t].push_back(pid);
           outside_tenants.insert(t);
-          if (listed)
-            for (const auto& [uuid, listed_ns] : o.gpus)
-              listed_outside[uuid][t] += static_cast<uint32_t>(1000 / o.tenants.size());
         }
+      if (o.listed_ns != 0 && o.gone_ns == 0)
+        for (const auto& [uuid, on] : o.gpus)
+          for (const std::string& t : on.tenants)
+            if (ledgers_.contains(t)) listed_outside[uuid][t] += static_cast<uint32_t>(1000 / on.tenants.size());
     }
   }
   for (auto& [uuid, arbiter] : arbiters_) {

@@ -239,13 +239,19 @@ class Daemon {
     uint64_t checked_ns = 0;  // when it was last found alive (or attributed)
     uint64_t listed_ns = 0;   // the last watch pass that found it on a GPU; 0: none did
     uint64_t gone_ns = 0;     // when it was found off the GPUs or dead; 0: not yet
-    bool logged = false;
-    // The GPUs (UUIDs) NVML's lists show it on, each with the last watch
-    // pass that did; a GPU it has left drops out at the next pass that read
-    // every GPU's list.
-    std::map<std::string, uint64_t> gpus;
-    // Whose GPU time it is: the tenant of its container, or the container's
-    // claims that share the GPU it was seen on (all of them; empty: nobody's).
+    bool logged = false;  // the log named its tenants (found by the meters, not on NVML's lists)
+    struct OnGpu {
+      uint64_t listed_ns = 0;  // the last watch pass that listed it on the GPU
+      // Whose its turns there are: the tenant of its container, or the
+      // container's claims that share that GPU (all of them; empty: nobody's).
+      std::set<std::string> tenants;
+      bool logged = false;  // the log named them
+    };
+    // The GPUs (UUIDs) NVML's lists show it on; a GPU it has left drops out
+    // at the next pass that read every GPU's list.
+    std::map<std::string, OnGpu> gpus;
+    // Whose GPU time it is: every tenant it was attributed to, on any GPU
+    // (each GPU's scheduler charges those with a share of it).
     std::set<std::string> tenants;
   };
   std::map<uint32_t, OutsideGate> outside_gate_;
@@ -262,6 +268,9 @@ class Daemon {
   static constexpr int kWatchAttributionsPerPass = 16;  // /proc reads a pass may cost
   uint64_t next_watch_ns_ = 0;
   void watch_gpu_processes(uint64_t now);
+  // Says that process `pid` runs on `where` ("GPU <uuid>") outside the
+  // gate, and whose its GPU time there is.
+  void log_outside_gate(uint32_t pid, const std::string& where, const std::set<std::string>& tenants) const;
   // A sample's instant is put on CLOCK_MONOTONIC from NVML's CPU clock stamp:
   // the margin the lifetime of an outside process allows it.
   static constexpr uint64_t kLifetimeMarginNs = 20'000'000;
