@@ -697,8 +697,10 @@ TEST_F(HostileTenantTest, AProcessOutsideTheGateThatLeftAGpuNoLongerSharesTheTur
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
   const double share = static_cast<double>(sim.busy_ns(1, honest) - h0) / wall;
   printf("the honest tenant, capped at 0.5 on GPU 1 after a process outside the gate left it: %.3f of GPU 1\n", share);
+  // Seen 0.42-0.48 on an idle 2-core host; the bug gives 1.00. A capped
+  // load starved of CPU on a loaded host uses less than its cap, never more.
   EXPECT_LE(share, 0.55);
-  EXPECT_GE(share, 0.40);  // and not kept off it
+  EXPECT_GE(share, 0.33);  // and not kept off it
   EXPECT_EQ(wait_exit(honest, 20s), 0) << read_file(root_ + "/honest.out");
   EXPECT_EQ(wait_exit(mallory, 20s), 0) << read_file(container_ + "/container.log");
 }
