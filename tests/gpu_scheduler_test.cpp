@@ -42,6 +42,8 @@ struct FakeMeterState {
   std::map<uint32_t, double> duty;
   std::map<uint32_t, uint64_t> extra;
   bool fail = false;
+  std::string problem;  // why, while `fail`
+  std::string warning;  // what the log should say about good readings
   uint64_t last = 0;
   int reads = 0;
   // Driver samples handed over as they are (pid, busy, instant), once; and
@@ -67,6 +69,8 @@ class FakeMeter final : public UsageMeter {
     return true;
   }
   uint64_t sample_period_ns() const override { return state_->period; }
+  std::string problem() const override { return state_->fail ? state_->problem : std::string(); }
+  std::string warning() const override { return state_->warning; }
 
  private:
   FakeMeterState* state_;
@@ -948,17 +952,30 @@ TEST_F(SchedulerTest, MeasuredModeChargesByTheDaemonsAttributionOnly) {
 }
 
 // A meter that stops answering: after kMeterStaleNs the scheduler charges
-// held time again, one holder at a time.
+// held time again, one holder at a time, and says so once, with the
+// meter's reason; and once more when the meter answers again. (Before,
+// nothing said why the audit was off.)
 TEST_F(SchedulerTest, AFailingMeterFallsBackToHeldTimeAndOneHolder) {
   uint32_t pa = 0, pb = 0;
   int a = 0, b = 0;
   measured_pair(&a, &b, &pa, &pb);
   pass(2 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeMeasured);
+  (void)sched_->take_messages();
   meter_.fail = true;
+  meter_.problem = "its time stamps are on no clock this host has";
   meter_.duty[pa] = 0.1;
-  for (int i = 0; i < 250; ++i) pass(1 * kMs);
+  for (int i = 0; i < 150; ++i) pass(1 * kMs);
+  EXPECT_TRUE(sched_->take_messages().empty()) << "a failure shorter than kMeterStaleNs changes nothing: unsaid";
+  for (int i = 0; i < 100; ++i) pass(1 * kMs);
   EXPECT_EQ(arbiter_.seg->daemon.charging.load(), gputime::kChargeHeld);
+  auto messages = sched_->take_messages();
+  ASSERT_EQ(messages.size(), 1u);
+  EXPECT_TRUE(messages[0].warning);
+  EXPECT_NE(messages[0].text.find("cannot be used (its time stamps are on no clock this host has): GPU time is charged "
+                                  "as held and not audited"),
+            std::string::npos)
+      << messages[0].text;
   want(0, a);
   want(1, b);
   for (int i = 0; i < 30; ++i) {
@@ -967,6 +984,44 @@ TEST_F(SchedulerTest, AFailingMeterFallsBackToHeldTimeAndOneHolder) {
     follow(1, b);
     EXPECT_FALSE(holds(0) && holds(1)) << "held mode: one holder, ms " << i + 1;
   }
+  EXPECT_TRUE(sched_->take_messages().empty()) << "said once";
+  meter_.fail = false;
+  pass(2 * kMs);
+  messages = sched_->take_messages();
+  ASSERT_EQ(messages.size(), 1u);
+  EXPECT_FALSE(messages[0].warning);
+  EXPECT_NE(messages[0].text.find("can be used again"), std::string::npos) << messages[0].text;
+  // A meter's warning about readings it still makes: said once.
+  meter_.warning = "time stamps on no clock this host has: each sample is placed at the time it is read";
+  pass(2 * kMs);
+  pass(2 * kMs);
+  messages = sched_->take_messages();
+  ASSERT_EQ(messages.size(), 1u);
+  EXPECT_TRUE(messages[0].warning);
+  EXPECT_NE(messages[0].text.find(meter_.warning), std::string::npos) << messages[0].text;
+}
+
+// A driver's sample time stamps are placed on the host clock they are near:
+// the wall clock's (as drivers stamp them) or the monotonic one; near
+// neither, none (0: NvmlMeter then places each sample at its reading).
+TEST(StampClockTest, AStampIsPlacedOnTheClockItIsNear) {
+  const auto us_of = [](clockid_t clock) {
+    struct timespec ts {};
+    clock_gettime(clock, &ts);
+    return static_cast<unsigned long long>(ts.tv_sec) * 1'000'000ull + static_cast<unsigned long long>(ts.tv_nsec) / 1000;
+  };
+  const unsigned long long real = us_of(CLOCK_REALTIME), mono = us_of(CLOCK_MONOTONIC);
+  const auto near = [](uint64_t now_ns, unsigned long long us) {
+    const uint64_t ns = us * 1000;
+    return (now_ns > ns ? now_ns - ns : ns - now_ns) < 5'000'000'000ull;
+  };
+  EXPECT_TRUE(near(stamp_clock_now_ns(real), real));
+  EXPECT_TRUE(near(stamp_clock_now_ns(real - 3'600'000'000ull), real)) << "an hour old: still the wall clock";
+  EXPECT_TRUE(near(stamp_clock_now_ns(mono), mono));
+  EXPECT_TRUE(near(stamp_clock_now_ns(mono - 1'000'000ull), mono));
+  EXPECT_EQ(stamp_clock_now_ns(real + 3'600'000'000ull), 0u) << "an hour in the future";
+  EXPECT_EQ(stamp_clock_now_ns(real * 1000), 0u) << "ns taken for us";
+  EXPECT_EQ(stamp_clock_now_ns(real / 2), 0u) << "decades ago";
 }
 
 // Held mode's audit (the default charging where a meter answers): a sample

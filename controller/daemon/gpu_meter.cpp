@@ -3,12 +3,35 @@
 #include <algorithm>
 #include <ctime>
 
+#include <fmt/format.h>
+
 namespace fracgpu::controller {
 namespace {
 // A sample covers at most this long: a process first seen, or seen again
 // after a gap, is not credited with a period it may not have been measured in.
 constexpr unsigned long long kMaxPeriodUs = 1'000'000;
+// How far a newest stamp may lie ahead of its clock's now (host and driver
+// read the clock at different moments), and behind it (a ring of samples
+// from before an idle spell).
+constexpr uint64_t kStampAheadNs = 600'000'000'000ull;        // 10 minutes
+constexpr uint64_t kStampBehindNs = 30ull * 86'400'000'000'000ull;  // 30 days
+
+uint64_t clock_ns(clockid_t clock) {
+  struct timespec ts {};
+  clock_gettime(clock, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
 }  // namespace
+
+uint64_t stamp_clock_now_ns(unsigned long long stamp_us) {
+  const uint64_t stamp_ns = stamp_us * 1000ull;
+  if (stamp_us > UINT64_MAX / 1000) return 0;
+  for (const clockid_t clock : {CLOCK_REALTIME, CLOCK_MONOTONIC}) {
+    const uint64_t now = clock_ns(clock);
+    if (stamp_ns <= now + kStampAheadNs && stamp_ns + kStampBehindNs >= now) return now;
+  }
+  return 0;
+}
 
 bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
   const auto fn = nvml_.api().get_process_utilization;
@@ -31,17 +54,7 @@ bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
     problem_ = "nvmlDeviceGetProcessUtilization: " + nvml_.describe(rc);
     return false;
   }
-  problem_.clear();
   count = std::min<unsigned>(count, static_cast<unsigned>(samples_.size()));
-  // NVML's time stamps are CPU time (CLOCK_REALTIME, us); ours monotonic.
-  struct timespec real {};
-  clock_gettime(CLOCK_REALTIME, &real);
-  const uint64_t real_ns = static_cast<uint64_t>(real.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(real.tv_nsec);
-  auto monotonic_of = [&](unsigned long long stamp_us) -> uint64_t {
-    const uint64_t stamp_ns = stamp_us * 1000ull;
-    if (stamp_ns >= real_ns) return now;
-    return real_ns - stamp_ns < now ? now - (real_ns - stamp_ns) : 0;
-  };
   // The first reading only sets where the next begins: what ran before
   // this meter existed (under an earlier daemon, which charged it, or
   // before the tenant was scheduled) is nobody's to pay now.
@@ -49,6 +62,21 @@ bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
   unsigned long long newest = last_seen_us_;
   for (unsigned i = 0; i < count; ++i) newest = std::max(newest, samples_[i].timeStamp);
   if (newest == last_seen_us_) return true;
+  // NVML's time stamps are "CPU time" in us, ours CLOCK_MONOTONIC. Drivers
+  // stamp the wall clock (CLOCK_REALTIME), but nvml.h does not say so: the
+  // clock is the one of the two the newest stamp is near (they are decades
+  // apart). Stamps on neither place each sample at the time it is read
+  // (at_ns 0): a few ms late, as the meter reads every few ms, and said.
+  const uint64_t stamps_now_ns = stamp_clock_now_ns(newest);
+  if (stamps_now_ns == 0 && warning_.empty())
+    warning_ = fmt::format("nvmlDeviceGetProcessUtilization's time stamps are on no clock this host has (the newest: "
+                           "{} us): each sample is placed at the time it is read", newest);
+  auto monotonic_of = [&](unsigned long long stamp_us) -> uint64_t {
+    const uint64_t stamp_ns = stamp_us * 1000ull;
+    if (stamps_now_ns == 0) return 0;
+    if (stamp_ns >= stamps_now_ns) return now;
+    return stamps_now_ns - stamp_ns < now ? now - (stamps_now_ns - stamp_ns) : 0;
+  };
   const unsigned long long gap = baseline ? 0 : newest - last_seen_us_;
   if (gap > 0) {
     gaps_us_.push_back(gap);
@@ -70,6 +98,7 @@ bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
     if (busy > 0) out->push_back({s.pid, busy, monotonic_of(s.timeStamp)});
   }
   last_seen_us_ = newest;
+  problem_.clear();
   // Forget processes not seen for a while (they exited): bounded memory.
   if (pid_seen_us_.size() > 4096)
     std::erase_if(pid_seen_us_, [&](const auto& kv) { return newest - kv.second > 10 * kMaxPeriodUs; });

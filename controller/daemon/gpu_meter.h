@@ -36,7 +36,18 @@ class UsageMeter {
   // The driver's sampling period as seen so far (the usual gap between
   // successive samples); 0: not known yet.
   virtual uint64_t sample_period_ns() const { return 0; }
+  // Why the last read() returned false, for the log ("": the driver did not
+  // answer this time, nothing to say).
+  virtual std::string problem() const { return {}; }
+  // What the log should say once about readings that succeed ("": nothing).
+  virtual std::string warning() const { return {}; }
 };
+
+// The current time, in ns, of the host clock a driver's sample time stamp
+// (`stamp_us`, "CPU time" in us) is on: CLOCK_REALTIME's if the stamp is
+// near it, else CLOCK_MONOTONIC's; 0 if it is near neither (no more than 10
+// minutes ahead of the clock, 30 days behind).
+uint64_t stamp_clock_now_ns(unsigned long long stamp_us);
 
 // NVML's samples (docs/sm-time.md, "What is measured"; the facts in the
 // NVML notes it cites): the driver samples the GPU every ~1/6 s to 1 s; a
@@ -57,7 +68,8 @@ class NvmlMeter final : public UsageMeter {
   bool read(uint64_t now, std::vector<ProcessUse>* out) override;
   uint64_t sample_period_ns() const override { return period_us_ * 1000; }
   // The last NVML error, for the daemon's log ("" if none).
-  const std::string& problem() const { return problem_; }
+  std::string problem() const override { return problem_; }
+  std::string warning() const override { return warning_; }
 
  private:
   const Nvml& nvml_;
@@ -69,6 +81,7 @@ class NvmlMeter final : public UsageMeter {
   std::vector<unsigned long long> gaps_us_;
   unsigned long long period_us_ = 0;
   std::string problem_;
+  std::string warning_;
 };
 
 }  // namespace fracgpu::controller

@@ -147,6 +147,9 @@ void GpuScheduler::set_meter(std::unique_ptr<UsageMeter> meter) {
   meter_ = std::move(meter);
   meter_ok_ns_ = 0;
   last_meter_ns_ = 0;
+  meter_failing_since_ns_ = 0;
+  meter_down_ = false;
+  meter_warning_.clear();
 }
 
 bool GpuScheduler::has_meter() {
@@ -804,7 +807,26 @@ void GpuScheduler::read_meter(uint64_t now) {
   if (meter_ == nullptr || now - last_meter_ns_ < kMeterIntervalNs) return;
   last_meter_ns_ = now;
   readings_.clear();
-  if (!meter_->read(now, &readings_)) return;
+  if (!meter_->read(now, &readings_)) {
+    // Said once the failure has cost the audit (no good reading for
+    // kMeterStaleNs), not at each failed read: a driver that misses one
+    // answer now and then changes nothing.
+    if (meter_failing_since_ns_ == 0) meter_failing_since_ns_ = now;
+    if (!meter_down_ && now - std::max(meter_ok_ns_, meter_failing_since_ns_) >= kMeterStaleNs) {
+      meter_down_ = true;
+      const std::string why = meter_->problem();
+      note(true, fmt::format("{}: NVML's per-process samples cannot be used ({}): GPU time is charged as held and "
+                             "not audited until they can", label_, why.empty() ? "no answer" : why));
+    }
+    return;
+  }
+  meter_failing_since_ns_ = 0;
+  if (std::exchange(meter_down_, false))
+    note(false, fmt::format("{}: NVML's per-process samples can be used again", label_));
+  if (std::string w = meter_->warning(); w != meter_warning_) {
+    if (!w.empty()) note(true, fmt::format("{}: {}", label_, w));
+    meter_warning_ = std::move(w);
+  }
   meter_ok_ns_ = now;
   fresh_reading_ = true;
   for (const ProcessUse& u : readings_) {

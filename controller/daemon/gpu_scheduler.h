@@ -462,6 +462,9 @@ class GpuScheduler {
   // and the GPU's busy time over the current room window.
   std::unique_ptr<UsageMeter> meter_;
   uint64_t last_meter_ns_ = 0, meter_ok_ns_ = 0;
+  uint64_t meter_failing_since_ns_ = 0;  // the first failed read since the last good one; 0: none
+  bool meter_down_ = false;              // its failure was said (read_meter())
+  std::string meter_warning_;            // its warning(), as last said
   // PID -> the rows whose GPU time its use is: one, or the claims of one
   // container that share this GPU (its use is split between them).
   std::unordered_map<uint32_t, std::vector<uint32_t>> pid_rows_;
