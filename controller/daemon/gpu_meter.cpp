@@ -24,8 +24,8 @@ uint64_t clock_ns(clockid_t clock) {
 }  // namespace
 
 uint64_t stamp_clock_now_ns(unsigned long long stamp_us) {
-  const uint64_t stamp_ns = stamp_us * 1000ull;
   if (stamp_us > UINT64_MAX / 1000) return 0;
+  const uint64_t stamp_ns = stamp_us * 1000ull;
   for (const clockid_t clock : {CLOCK_REALTIME, CLOCK_MONOTONIC}) {
     const uint64_t now = clock_ns(clock);
     if (stamp_ns <= now + kStampAheadNs && stamp_ns + kStampBehindNs >= now) return now;

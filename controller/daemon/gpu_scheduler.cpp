@@ -812,7 +812,7 @@ void GpuScheduler::read_meter(uint64_t now) {
     // kMeterStaleNs), not at each failed read: a driver that misses one
     // answer now and then changes nothing.
     if (meter_failing_since_ns_ == 0) meter_failing_since_ns_ = now;
-    if (!meter_down_ && now - std::max(meter_ok_ns_, meter_failing_since_ns_) >= kMeterStaleNs) {
+    if (!meter_down_ && now - meter_failing_since_ns_ >= kMeterStaleNs) {
       meter_down_ = true;
       const std::string why = meter_->problem();
       note(true, fmt::format("{}: NVML's per-process samples cannot be used ({}): GPU time is charged as held and "
