@@ -50,6 +50,9 @@ struct FakeMeterState {
   // the sampling period the meter says it sees.
   std::vector<ProcessUse> samples;
   uint64_t period = 0;
+  // The device's own busy share (device_busy()); negative: no such figure.
+  double device_duty = -1;
+  uint64_t device_ns = 0;
 };
 
 class FakeMeter final : public UsageMeter {
@@ -60,6 +63,7 @@ class FakeMeter final : public UsageMeter {
     if (state_->fail) return false;
     const uint64_t dt = state_->last == 0 ? 0 : now - state_->last;
     state_->last = now;
+    state_->device_ns = static_cast<uint64_t>(std::max(state_->device_duty, 0.0) * static_cast<double>(dt));
     for (const auto& [pid, duty] : state_->duty)
       if (duty > 0) out->push_back({pid, static_cast<uint64_t>(duty * static_cast<double>(dt))});
     for (const auto& [pid, ns] : state_->extra) out->push_back({pid, ns});
@@ -71,6 +75,11 @@ class FakeMeter final : public UsageMeter {
   uint64_t sample_period_ns() const override { return state_->period; }
   std::string problem() const override { return state_->fail ? state_->problem : std::string(); }
   std::string warning() const override { return state_->warning; }
+  bool device_busy(uint64_t* busy_ns) const override {
+    if (state_->device_duty < 0) return false;
+    *busy_ns = state_->device_ns;
+    return true;
+  }
 
  private:
   FakeMeterState* state_;
@@ -299,6 +308,47 @@ class SchedulerTest : public ::testing::Test {
     attributed_[t].push_back(*pid);
     reattribute();
     return slot;
+  }
+  // Tenant a alone and ungated (a whole GPU, no limit), its process busy
+  // 0.8 for 2 s; then b comes at half each (the tests below).
+  void alone_ungated_then_a_neighbour(bool measured) {
+    sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
+                      20 * kMs);
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    sched_->set_measured_charging(measured);
+    meter_.last = now_;
+    uint32_t pa = 0, pb = 0;
+    const int a = spawn_attributed(0, &pa);
+    meter_.duty[pa] = 0.8;
+    const uint64_t start = now_;
+    for (int i = 0; i < 200; ++i) {
+      pass(10 * kMs);
+      sched_->sample_achieved(now_);
+    }
+    EXPECT_EQ(arbiter_.seg->daemon.active_tenants.load(), 1u);
+    EXPECT_EQ(row(0).slices.load(), 0u) << "never granted: ungated";
+    EXPECT_NEAR(static_cast<double>(row(0).used_ns.load()), 0.8 * static_cast<double>(now_ - start), 20.0 * kMs)
+        << "charged what it used";
+    EXPECT_NEAR(row(0).achieved_1s_ppm.load(), 800'000, 20'000);
+    EXPECT_NEAR(row(0).achieved_10s_ppm.load(), 800'000, 20'000);
+    // b comes, at half each: both are gated now and ask. a's 1.6 s alone
+    // must not make it wait while b catches up.
+    configure(gputime::kPpm, gputime::kPpm);
+    const int b = spawn_attributed(1, &pb);
+    uint64_t a_held = 0, b_held = 0;
+    for (int ms = 0; ms < 1000; ++ms) {
+      meter_.duty[pa] = holds(0) ? 1.0 : 0.0;
+      meter_.duty[pb] = holds(1) ? 1.0 : 0.0;
+      want(0, a);
+      want(1, b);
+      pass(1 * kMs);
+      follow(0, a);
+      follow(1, b);
+      a_held += holds(0) ? 1 : 0;
+      b_held += holds(1) ? 1 : 0;
+    }
+    EXPECT_GE(a_held, 350u) << "b held the GPU for " << b_held << " of 1000 ms";
+    EXPECT_GE(b_held, 350u) << "a held the GPU for " << a_held << " of 1000 ms";
   }
   // Tells the scheduler whose every attributed process is, as the daemon does.
   void reattribute() {
@@ -1629,6 +1679,49 @@ TEST_F(SchedulerTest, TimeUsedWhileNobodyElseAskedDoesNotPutATenantBeyondItsShar
   // 100 ms is 50 ms, plus the 50 ms burst): b takes the GPU by priority.
   for (int i = 0; i < 150 && holds(0); ++i) pass(1 * kMs);
   EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a beyond its share while b asked";
+}
+
+// A tenant alone on a GPU with no limit below a whole one runs ungated and
+// never holds a grant. It is charged what the meter measured (held mode
+// too: held time would be none), so its achieved share shows the GPU time
+// it used; but that time is no debt once a neighbour comes: the two take
+// turns at once.
+TEST_F(SchedulerTest, InHeldModeATenantAloneAndUngatedIsChargedWhatItUsedAndOwesNothingToANewcomer) {
+  alone_ungated_then_a_neighbour(false);
+}
+
+TEST_F(SchedulerTest, InMeasuredModeATenantAloneAndUngatedOwesNothingToANewcomer) {
+  alone_ungated_then_a_neighbour(true);
+}
+
+// The per-process samples name one process per period, the one on the GPU
+// at its instant, and none when the GPU was idle then: a lone process busy
+// 0.8 of the time is named for 0.64. The device's own figure counts every
+// period; what the samples named other processes for (here one outside
+// fracgpu, 0.05) is not the tenant's.
+TEST_F(SchedulerTest, ATenantAloneAndUngatedIsChargedTheDevicesBusyTimeLessOtherProcesses) {
+  for (const bool measured : {false, true}) {
+    SCOPED_TRACE(measured ? "measured mode" : "held mode");
+    const uint64_t used_before = row(0).used_ns.load();
+    sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
+                      20 * kMs);
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    sched_->set_measured_charging(measured);
+    meter_.last = now_;
+    uint32_t pa = 0;
+    if (attributed_[0].empty()) spawn_attributed(0, &pa);
+    pa = attributed_[0].front();
+    constexpr uint32_t kStranger = 4'000'003;  // nobody's process
+    meter_.duty[pa] = 0.64;
+    meter_.duty[kStranger] = 0.05;
+    meter_.device_duty = 0.85;
+    const uint64_t start = now_;
+    for (int i = 0; i < 100; ++i) pass(10 * kMs);
+    EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - used_before), 0.8 * static_cast<double>(now_ - start),
+                10.0 * kMs);
+    EXPECT_EQ(row(0).measured_ns.load(), row(0).used_ns.load()) << "the figure measured mode shows, too";
+    EXPECT_EQ(row(0).slices.load(), 0u) << "never granted: ungated";
+  }
 }
 
 // Measured charging too: a latency tenant within its share takes the GPU

@@ -1186,6 +1186,33 @@ TEST_F(GpuTimeTest, StatusShowsAchievedSharesAndThrottledTime) {
   finish_loads();
 }
 
+// A tenant alone on a GPU with no limit below a whole one runs ungated: it
+// never holds a grant, so held time charged it nothing and `fracgpu status`
+// showed 0% while the driver showed the GPU busy. It is charged what NVML's
+// samples measured of it instead (default held mode, sampling stand-in).
+TEST_F(GpuTimeTest, ATenantAloneOnAWholeGpuShowsTheGpuTimeItUses) {
+  meter_ = true;
+  sample_ms_ = realistic_period();
+  write_config({{"whole", "1.0", "[0]", ""}});
+  start_daemon();
+  // One 0.6 ms kernel at a time, launched before 1 ms of host work: the GPU
+  // about 0.6 busy. NVML's per-process samples name the process only at
+  // instants it is on the GPU, so their figure reads about 0.36.
+  start_load("whole", {"devices=0", "kernels_us=600", "seconds=12.5", "host_us=1000", "ahead_us=0"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const auto [a, b] = span(1, 10'200);
+  const nlohmann::json whole = status_by_tenant()["whole"]["gpu_time"];
+  const double truth = busy_share(a, b, "whole", 0);
+  const double shown = whole["achieved_10s_ppm"].get<double>() / 1e6;
+  printf("alone and ungated: status achieved %.3f over 10 s, the driver's record %.3f; %s\n", shown, truth,
+         whole.dump().c_str());
+  finish_loads();
+  EXPECT_EQ(whole["slices"], 0) << "it was never granted the GPU: ungated";
+  EXPECT_GT(truth, 0.2);
+  EXPECT_NEAR(shown, truth, 0.03);
+  EXPECT_GT(whole["achieved_1s_ppm"].get<double>(), 0) << "1 s holds one to six samples: only not idle";
+}
+
 // SIGKILL the holder: the other tenant runs again within 200 ms. Then with
 // the daemon killed too, tenants that start run unshared, and to the end.
 TEST_F(GpuTimeTest, AKilledHolderStallsNobodyAndTenantsRunUnsharedWithoutTheDaemon) {

@@ -69,6 +69,7 @@ std::unique_ptr<Nvml> Nvml::open(const char* library, std::string* problem) {
   load_symbol(handle, "nvmlEventSetFree", &a.event_set_free, &optional);
   load_symbol(handle, "nvmlSystemGetDriverVersion", &a.driver_version, &optional);
   load_symbol(handle, "nvmlDeviceGetProcessUtilization", &a.get_process_utilization, &optional);
+  load_symbol(handle, "nvmlDeviceGetSamples", &a.get_samples, &optional);
   load_symbol(handle, "nvmlDeviceGetCudaComputeCapability", &a.get_compute_capability, &optional);
   const nvmlReturn_t rc = a.init();
   if (rc != NVML_SUCCESS) {

@@ -54,6 +54,8 @@ class Nvml {
     decltype(&nvmlSystemGetDriverVersion) driver_version = nullptr;  // for the control API's node view
     // The GPU-time meter (daemon/gpu_meter.h): per-process SM utilization.
     decltype(&nvmlDeviceGetProcessUtilization) get_process_utilization = nullptr;
+    // ... and the device's own busy share per sample, naming nobody.
+    decltype(&nvmlDeviceGetSamples) get_samples = nullptr;
     // Whether the driver time-slices contexts (compute preemption, 6.0 and later).
     decltype(&nvmlDeviceGetCudaComputeCapability) get_compute_capability = nullptr;
   };

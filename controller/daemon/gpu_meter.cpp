@@ -33,7 +33,81 @@ uint64_t stamp_clock_now_ns(unsigned long long stamp_us) {
   return 0;
 }
 
+void NvmlMeter::Period::learn(unsigned long long gap_us) {
+  if (gap_us == 0) return;
+  gaps_us.push_back(gap_us);
+  if (gaps_us.size() > 15) gaps_us.erase(gaps_us.begin());
+  std::vector<unsigned long long> sorted = gaps_us;
+  std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
+  us = sorted[sorted.size() / 2];
+}
+
+// One period, or the gap when it is about one.
+unsigned long long NvmlMeter::Period::covered(unsigned long long gap_us) const {
+  return std::min(gap_us < us * 3 / 2 ? gap_us : us, kMaxPeriodUs);
+}
+
+bool NvmlMeter::device_busy(uint64_t* busy_ns) const {
+  if (!device_ok_) return false;
+  *busy_ns = device_busy_ns_;
+  return true;
+}
+
+// The device ring's samples since the last read: their busy time, each
+// sample its percentage of the period it stands for. The ring leaves out
+// samples of 0 % (and answers NOT_FOUND when all are), so the gap to the
+// previous sample can span idle periods: it stands for one period at most.
+// The first answer only sets where the next begins, as for the per-process
+// samples.
+void NvmlMeter::read_device() {
+  device_busy_ns_ = 0;
+  device_ok_ = false;
+  const auto fn = nvml_.api().get_samples;
+  if (fn == nullptr) return;
+  device_samples_.resize(std::max<size_t>(device_samples_.size(), 80));
+  unsigned int count = static_cast<unsigned>(device_samples_.size());
+  nvmlValueType_t type{};
+  nvmlReturn_t rc = fn(device_, NVML_GPU_UTILIZATION_SAMPLES, device_seen_us_, &type, &count, device_samples_.data());
+  if (rc == NVML_ERROR_INSUFFICIENT_SIZE) {
+    device_samples_.resize(std::min<unsigned>(count, 4096) + 16);
+    count = static_cast<unsigned>(device_samples_.size());
+    rc = fn(device_, NVML_GPU_UTILIZATION_SAMPLES, device_seen_us_, &type, &count, device_samples_.data());
+  }
+  if (rc == NVML_ERROR_NOT_FOUND) {
+    device_ok_ = device_seen_us_ != 0;  // none since the last: idle, 0 busy
+    return;
+  }
+  if (rc != NVML_SUCCESS || type != NVML_VALUE_TYPE_UNSIGNED_INT) return;
+  count = std::min<unsigned>(count, static_cast<unsigned>(device_samples_.size()));
+  const bool baseline = device_seen_us_ == 0;
+  // Oldest first, as NVML answers; sorted anyway (a figure out of order
+  // must not count twice).
+  std::sort(device_samples_.begin(), device_samples_.begin() + count,
+            [](const nvmlSample_t& a, const nvmlSample_t& b) { return a.timeStamp < b.timeStamp; });
+  for (unsigned i = 0; i < count; ++i) {
+    const nvmlSample_t& s = device_samples_[i];
+    if (s.timeStamp <= device_seen_us_) continue;
+    const unsigned long long gap = baseline ? 0 : s.timeStamp - device_seen_us_;
+    device_period_.learn(gap);
+    device_seen_us_ = s.timeStamp;
+    if (baseline || s.sampleValue.uiVal > 100) continue;  // not a percentage: not trusted
+    // The per-process samples' period where known: the same ring's instants.
+    const Period& period = period_.us != 0 ? period_ : device_period_;
+    device_busy_ns_ += period.covered(gap) * 1000ull * s.sampleValue.uiVal / 100;
+  }
+  device_ok_ = !baseline;
+}
+
 bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
+  if (!read_processes(now, out)) {
+    device_ok_ = false;
+    return false;
+  }
+  read_device();
+  return true;
+}
+
+bool NvmlMeter::read_processes(uint64_t now, std::vector<ProcessUse>* out) {
   const auto fn = nvml_.api().get_process_utilization;
   if (fn == nullptr) {
     problem_ = "NVML lacks nvmlDeviceGetProcessUtilization";
@@ -78,15 +152,8 @@ bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
     return stamps_now_ns - stamp_ns < now ? now - (stamps_now_ns - stamp_ns) : 0;
   };
   const unsigned long long gap = baseline ? 0 : newest - last_seen_us_;
-  if (gap > 0) {
-    gaps_us_.push_back(gap);
-    if (gaps_us_.size() > 15) gaps_us_.erase(gaps_us_.begin());
-    std::vector<unsigned long long> sorted = gaps_us_;
-    std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
-    period_us_ = sorted[sorted.size() / 2];
-  }
-  // What one record stands for: one period, or the gap when it is about one.
-  const unsigned long long period = std::min(gap < period_us_ * 3 / 2 ? gap : period_us_, kMaxPeriodUs);
+  period_.learn(gap);
+  const unsigned long long period = period_.covered(gap);
   for (unsigned i = 0; i < count; ++i) {
     const nvmlProcessUtilizationSample_t& s = samples_[i];
     if (s.timeStamp <= last_seen_us_ || s.smUtil > 100) continue;  // old, or not a percentage

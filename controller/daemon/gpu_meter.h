@@ -41,6 +41,14 @@ class UsageMeter {
   virtual std::string problem() const { return {}; }
   // What the log should say once about readings that succeed ("": nothing).
   virtual std::string warning() const { return {}; }
+  // After a read() that returned true: how long the GPU was busy (all its
+  // processes, whoever the driver's samples name) over the samples that read
+  // consumed. False: no such figure this time (the driver lacks it or did
+  // not answer); the per-process figures are all there is.
+  virtual bool device_busy(uint64_t* busy_ns) const {
+    (void)busy_ns;
+    return false;
+  }
 };
 
 // The current time, in ns, of the host clock a driver's sample time stamp
@@ -66,20 +74,44 @@ class NvmlMeter final : public UsageMeter {
   // `nvml` outlives the meter; `device` is the GPU's handle.
   NvmlMeter(const Nvml& nvml, nvmlDevice_t device) : nvml_(nvml), device_(device) {}
   bool read(uint64_t now, std::vector<ProcessUse>* out) override;
-  uint64_t sample_period_ns() const override { return period_us_ * 1000; }
+  uint64_t sample_period_ns() const override { return period_.us * 1000; }
   // The last NVML error, for the daemon's log ("" if none).
   std::string problem() const override { return problem_; }
   std::string warning() const override { return warning_; }
+  // From the device's own ring (nvmlDeviceGetSamples, GPU utilization):
+  // every sample's busy share counts, including those of periods whose
+  // instant found the GPU idle, which name no process and so are missing
+  // from the per-process figures (a lone process busy 0.9 of the time is
+  // named in about 0.9 of the samples: its figure reads 0.81).
+  bool device_busy(uint64_t* busy_ns) const override;
 
  private:
+  // The sampling period, learnt from the gaps between successive samples
+  // (the median of the last few): a gap much longer than one period (no
+  // sample in between, a reader that fell behind) still stands for one.
+  struct Period {
+    std::vector<unsigned long long> gaps_us;
+    unsigned long long us = 0;
+    void learn(unsigned long long gap_us);
+    // What a sample `gap_us` after the previous one stands for (us).
+    unsigned long long covered(unsigned long long gap_us) const;
+  };
+  bool read_processes(uint64_t now, std::vector<ProcessUse>* out);
+  void read_device();
+
   const Nvml& nvml_;
   nvmlDevice_t device_;
   unsigned long long last_seen_us_ = 0;  // newest sample time stamp consumed (NVML's clock, us)
   std::unordered_map<uint32_t, unsigned long long> pid_seen_us_;  // per process: its newest sample
   std::vector<nvmlProcessUtilizationSample_t> samples_;
-  // Gaps between successive newest stamps (us), the last few, and their median.
-  std::vector<unsigned long long> gaps_us_;
-  unsigned long long period_us_ = 0;
+  Period period_;  // from the newest per-process stamps of successive reads
+  // The device ring's: the newest stamp consumed, its own period, the busy
+  // time of the last read's samples, and whether that figure stands.
+  unsigned long long device_seen_us_ = 0;
+  Period device_period_;
+  std::vector<nvmlSample_t> device_samples_;
+  uint64_t device_busy_ns_ = 0;
+  bool device_ok_ = false;
   std::string problem_;
   std::string warning_;
 };

@@ -731,15 +731,25 @@ uint64_t GpuScheduler::busy_beyond_grants(uint64_t busy, uint64_t at) const {
 // figure moves only by what the driver saw the other tenant's process do.
 void GpuScheduler::file_use(uint32_t t, uint64_t busy, uint64_t at, uint64_t now, bool outside_gate) {
   Row& r = rows_[t];
+  // A tenant alone on this GPU with no limit below a whole one: its
+  // processes run ungated (as they decide it themselves) and never hold a
+  // grant, so held time would charge it nothing and `fracgpu status` would
+  // show an idle tenant on a busy GPU. It is charged the GPU time it used,
+  // in either mode (read_meter() says how that is told): nobody else is
+  // here to pay for or be credited with anything, so there is nothing to
+  // audit either.
+  if (!gated(r)) {
+    r.named_ungated = gputime::saturating_add(r.named_ungated, busy);
+    return;
+  }
   if (measured_charging_) {
     r.pending_use = gputime::saturating_add(r.pending_use, busy);
     return;
   }
   r.measured = gputime::saturating_add(r.measured, busy);
-  // Only where the tenant's processes are gated: on a GPU it shares or
-  // under a limit (as they decide it themselves), and not in the moments
-  // after a restart or a change, before they have noticed and asked.
-  if ((active_count_ <= 1 && r.limit >= kPpm) || at < audit_from_ns_) return;
+  // Not in the moments after a restart or a change, before the tenant's
+  // processes have noticed and asked.
+  if (at < audit_from_ns_) return;
   // A process outside the gate found at work, whoever held the GPU then:
   // its tenant yields (yields()).
   if (outside_gate && busy > 0) {
@@ -848,6 +858,23 @@ void GpuScheduler::read_meter(uint64_t now) {
   }
   std::erase_if(unattributed_, [&](const auto& kv) { return now - kv.second.since > kUnattributedKeepNs; });
   room_busy_ += pass_busy_;
+  // An ungated tenant (file_use()) is charged the GPU's busy time less what
+  // the samples named other processes for (the device's figure counts the
+  // periods whose instant found the GPU idle, which name nobody: the
+  // per-process figure of a lone process busy 0.5 of the time reads 0.25).
+  // A process of its own not yet attributed counts as another's: the first
+  // tens of ms of a new process are not charged. Without the device's
+  // figure, what the samples named its processes for.
+  uint64_t device = 0;
+  const bool device_known = meter_->device_busy(&device);
+  for (Row& r : rows_) {
+    if (r.active && !gated(r)) {
+      const uint64_t others = pass_busy_ > r.named_ungated ? pass_busy_ - r.named_ungated : 0;
+      const uint64_t used = !device_known ? r.named_ungated : device > others ? device - others : 0;
+      r.pending_ungated = gputime::saturating_add(r.pending_ungated, used);
+    }
+    r.named_ungated = 0;
+  }
 }
 
 // What each tenant pays for the interval since the last pass.
@@ -911,6 +938,12 @@ void GpuScheduler::charge(uint64_t now) {
     for (const Row& r : rows_) listed_outside += r.active ? r.listed_outside_milli : 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
+    // An ungated tenant's GPU time (read_meter()). One that holds a grant
+    // (a limit or a neighbour came meanwhile and its processes now ask)
+    // pays the time it holds, or measured mode's figure, instead: this
+    // would be paid twice.
+    if (const uint64_t ungated = std::exchange(r.pending_ungated, 0); ungated > 0 && r.gstate == gputime::kGrantIdle)
+      charge_ungated(r, ungated);
     if (!measured) {
       r.pending_use = 0;
       r.alone_ns = 0;
@@ -950,6 +983,19 @@ void GpuScheduler::charge(uint64_t now) {
     if (ns > 0) charge_row(r, ns, now, contended(t));
   }
 }
+
+// Used and measured (the figures either mode shows), and nothing else: the
+// virtual time and the allowances order tenants that take turns, and this
+// one takes none. Charged there, its time alone would be a debt once a
+// neighbour comes (it never contends, so the floor for tenants coming back
+// never rose with it): after 1.6 s alone at a whole GPU's share it would
+// wait while a newcomer at half caught up for 0.8 s.
+void GpuScheduler::charge_ungated(Row& r, uint64_t ns) {
+  r.used = gputime::saturating_add(r.used, ns);
+  r.measured = gputime::saturating_add(r.measured, ns);
+}
+
+bool GpuScheduler::gated(const Row& r) const { return active_count_ > 1 || r.limit < kPpm; }
 
 void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;

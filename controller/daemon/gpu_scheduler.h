@@ -272,6 +272,11 @@ class GpuScheduler {
     uint64_t credit_from = 0;
     uint64_t bench_until = 0;    // revoked for running ahead: not granted before, while others want
     uint64_t pending_use = 0;    // measured since the last reading, not yet charged
+    // A tenant whose processes run ungated here (file_use()): the GPU time
+    // the samples named its processes for since the last reading, and what
+    // it is to be charged for that reading (read_meter()).
+    uint64_t named_ungated = 0;
+    uint64_t pending_ungated = 0;
     // Held mode's audit. The grants it held lately ([from, to), to 0 while
     // it holds), to tell whether it held the GPU at a sample's instant;
     // GPU time found used outside them, to be charged; and GPU time others
@@ -425,6 +430,12 @@ class GpuScheduler {
   // Charges `ns` of GPU time to the row; `contended`: another tenant wanted
   // or held the GPU meanwhile (see contended()).
   void charge_row(Row& r, uint64_t ns, uint64_t now, bool contended);
+  // A tenant alone on this GPU with no limit below a whole one: its
+  // processes run ungated (they decide so from the same two figures) and
+  // never ask for a grant.
+  bool gated(const Row& r) const;
+  // GPU time the meter measured of an ungated tenant (file_use()).
+  void charge_ungated(Row& r, uint64_t ns);
   // The row asks for the GPU (and is not blocked) or holds it.
   static bool contends(const Row& r);
   // True if a tenant other than `self` asks for the GPU (and may be
