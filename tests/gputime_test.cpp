@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <string>
@@ -167,6 +168,11 @@ class GpuTimeTest : public ::testing::Test {
       // with the other rule.
       const char* attrib = getenv("FRACGPU_TEST_ATTRIB");
       env.push_back(std::string("SIMNVML_ATTRIB=") + (attrib != nullptr && *attrib != 0 ? attrib : "instant"));
+    }
+    if (tenant.empty() && meter_ && !nvml_faults_.empty()) {
+      const std::string faults = root_ + "/nvml-faults";
+      std::ofstream(faults) << nvml_faults_;
+      env.push_back("SIMNVML_FAULTS=" + faults);
     }
     if (!tenant.empty()) env.push_back("FRACGPU_TENANT=" + tenant);
     if (preload) env.push_back(std::string("LD_PRELOAD=") + FRACGPU_LIB);
@@ -487,6 +493,37 @@ class GpuTimeTest : public ::testing::Test {
     EXPECT_GE(capped, 0.25) << "the cap must not starve its own tenant";
     EXPECT_GE(open, min_open);
     finish_loads();
+  }
+
+  // A tenant alone on a GPU with no limit below a whole one runs ungated: it
+  // never holds a grant, so held time charged it nothing and `fracgpu status`
+  // showed 0% while the driver showed the GPU busy. It is charged what NVML
+  // measured of it instead (default held mode, the sampling stand-in).
+  // Returns the GPU time `fracgpu status` says it used over 4 s, as a share of
+  // the time, and the simulated driver's record of the same.
+  std::pair<double, double> alone_and_ungated() {
+    meter_ = true;
+    sample_ms_ = realistic_period();
+    write_config({{"whole", "1.0", "[0]", ""}});
+    start_daemon();
+    // One 0.6 ms kernel at a time, launched before 1 ms of host work: the GPU
+    // about 0.6 busy, so a figure of 0 or 1 is wrong either way.
+    start_load("whole", {"devices=0", "kernels_us=600", "seconds=6.5", "host_us=1000", "ahead_us=0"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    const auto used_now = [&](Sample* at) {
+      const nlohmann::json time = status_by_tenant()["whole"]["gpu_time"];
+      *at = sample(1);
+      EXPECT_EQ(time["slices"], 0) << "it was never granted the GPU: ungated";
+      return time["used_ns"].get<double>();
+    };
+    Sample a, b;
+    const double before = used_now(&a);
+    std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+    const double after = used_now(&b);
+    const double shown = (after - before) / static_cast<double>(b.t - a.t), truth = busy_share(a, b, "whole", 0);
+    finish_loads();
+    printf("alone and ungated: status says it used %.3f of the time, the driver's record %.3f\n", shown, truth);
+    return {shown, truth};
   }
 
   // Tenants "honest" and `attacker` at 0.5 each, one load of 1 ms kernels
@@ -891,6 +928,7 @@ class GpuTimeTest : public ::testing::Test {
   double last_cheat_share_ = 0;  // the cheat's share in the last false_drain()
   std::vector<std::vector<simcuda_kernel_record>> timeline_;  // per device: the kernels of the last record()
   std::string sample_ms_;  // the stand-in's sampling period (SIMNVML_SAMPLE_MS); "": exact figures
+  std::string nvml_faults_;  // the stand-in NVML's faults for the daemon (SIMNVML_FAULTS: a file's text); "": none
   // The simulated driver's model (SIMCUDA_SCHED) for this test's processes; "": its default.
   std::string sched_;
   std::vector<TenantSpec> tenants_;
@@ -1186,31 +1224,25 @@ TEST_F(GpuTimeTest, StatusShowsAchievedSharesAndThrottledTime) {
   finish_loads();
 }
 
-// A tenant alone on a GPU with no limit below a whole one runs ungated: it
-// never holds a grant, so held time charged it nothing and `fracgpu status`
-// showed 0% while the driver showed the GPU busy. It is charged what NVML's
-// samples measured of it instead (default held mode, sampling stand-in).
+// Charged from the device's own samples: NVML's per-process samples name
+// the process only at the instants it is on the GPU, and alone they read
+// 0.523 for 0.587 here.
 TEST_F(GpuTimeTest, ATenantAloneOnAWholeGpuShowsTheGpuTimeItUses) {
-  meter_ = true;
-  sample_ms_ = realistic_period();
-  write_config({{"whole", "1.0", "[0]", ""}});
-  start_daemon();
-  // One 0.6 ms kernel at a time, launched before 1 ms of host work: the GPU
-  // about 0.6 busy. NVML's per-process samples name the process only at
-  // instants it is on the GPU, so their figure reads about 0.36.
-  start_load("whole", {"devices=0", "kernels_us=600", "seconds=12.5", "host_us=1000", "ahead_us=0"});
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-  const auto [a, b] = span(1, 10'200);
-  const nlohmann::json whole = status_by_tenant()["whole"]["gpu_time"];
-  const double truth = busy_share(a, b, "whole", 0);
-  const double shown = whole["achieved_10s_ppm"].get<double>() / 1e6;
-  printf("alone and ungated: status achieved %.3f over 10 s, the driver's record %.3f; %s\n", shown, truth,
-         whole.dump().c_str());
-  finish_loads();
-  EXPECT_EQ(whole["slices"], 0) << "it was never granted the GPU: ungated";
-  EXPECT_GT(truth, 0.2);
+  const auto [shown, truth] = alone_and_ungated();
+  EXPECT_GT(truth, 0.3);
   EXPECT_NEAR(shown, truth, 0.03);
-  EXPECT_GT(whole["achieved_1s_ppm"].get<double>(), 0) << "1 s holds one to six samples: only not idle";
+}
+
+// A driver whose device samples are in another unit than whole percent
+// (nvml.h names none) would have the lone tenant charged a busy GPU: the
+// daemon says so and falls back to the per-process samples, which read low.
+TEST_F(GpuTimeTest, DeviceSamplesInAnotherUnitAreNotTrusted) {
+  nvml_faults_ = "0 device_samples_scale=100\n";
+  const auto [shown, truth] = alone_and_ungated();
+  EXPECT_TRUE(read_file(root_ + "/daemon.log").find("nvmlDeviceGetSamples' GPU utilization reads") != std::string::npos)
+      << read_file(root_ + "/daemon.log");
+  EXPECT_GT(shown, 0.5 * truth) << "the per-process samples' figure";
+  EXPECT_LT(shown, truth + 0.03) << "not the scaled samples' busy GPU";
 }
 
 // SIGKILL the holder: the other tenant runs again within 200 ms. Then with

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ctime>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -37,6 +38,10 @@ void NvmlMeter::Period::learn(unsigned long long gap_us) {
   if (gap_us == 0) return;
   gaps_us.push_back(gap_us);
   if (gaps_us.size() > 15) gaps_us.erase(gaps_us.begin());
+  if (smallest) {
+    us = *std::min_element(gaps_us.begin(), gaps_us.end());
+    return;
+  }
   std::vector<unsigned long long> sorted = gaps_us;
   std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
   us = sorted[sorted.size() / 2];
@@ -46,6 +51,8 @@ void NvmlMeter::Period::learn(unsigned long long gap_us) {
 unsigned long long NvmlMeter::Period::covered(unsigned long long gap_us) const {
   return std::min(gap_us < us * 3 / 2 ? gap_us : us, kMaxPeriodUs);
 }
+
+void NvmlMeter::add_warning(const std::string& text) { warning_ += (warning_.empty() ? "" : "; ") + text; }
 
 bool NvmlMeter::device_busy(uint64_t* busy_ns) const {
   if (!device_ok_) return false;
@@ -84,18 +91,25 @@ void NvmlMeter::read_device() {
   // must not count twice).
   std::sort(device_samples_.begin(), device_samples_.begin() + count,
             [](const nvmlSample_t& a, const nvmlSample_t& b) { return a.timeStamp < b.timeStamp; });
+  unsigned int beyond = 0;  // a value above 100: not a percentage
   for (unsigned i = 0; i < count; ++i) {
     const nvmlSample_t& s = device_samples_[i];
     if (s.timeStamp <= device_seen_us_) continue;
     const unsigned long long gap = baseline ? 0 : s.timeStamp - device_seen_us_;
     device_period_.learn(gap);
     device_seen_us_ = s.timeStamp;
-    if (baseline || s.sampleValue.uiVal > 100) continue;  // not a percentage: not trusted
-    // The per-process samples' period where known: the same ring's instants.
-    const Period& period = period_.us != 0 ? period_ : device_period_;
-    device_busy_ns_ += period.covered(gap) * 1000ull * s.sampleValue.uiVal / 100;
+    if (s.sampleValue.uiVal > 100) beyond = std::max(beyond, s.sampleValue.uiVal);
+    if (baseline) continue;
+    device_busy_ns_ += device_period_.covered(gap) * 1000ull * std::min(s.sampleValue.uiVal, 100u) / 100;
   }
-  device_ok_ = !baseline;
+  // nvml.h gives the values no unit; a driver whose values are not whole
+  // percent (pct x 100, say, as the driver's own samples are) would make
+  // every figure wrong: none is used then, and the log says so once.
+  if (beyond > 0 && !std::exchange(device_unit_unknown_, true))
+    add_warning(fmt::format("nvmlDeviceGetSamples' GPU utilization reads {} (above 100%): the GPU's busy time is "
+                            "taken from the per-process samples alone",
+                            beyond));
+  device_ok_ = !baseline && !device_unit_unknown_;
 }
 
 bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
@@ -142,9 +156,10 @@ bool NvmlMeter::read_processes(uint64_t now, std::vector<ProcessUse>* out) {
   // apart). Stamps on neither place each sample at the time it is read
   // (at_ns 0): a few ms late, as the meter reads every few ms, and said.
   const uint64_t stamps_now_ns = stamp_clock_now_ns(newest);
-  if (stamps_now_ns == 0 && warning_.empty())
-    warning_ = fmt::format("nvmlDeviceGetProcessUtilization's time stamps are on no clock this host has (the newest: "
-                           "{} us): each sample is placed at the time it is read", newest);
+  if (stamps_now_ns == 0 && !std::exchange(stamps_unplaced_, true))
+    add_warning(fmt::format("nvmlDeviceGetProcessUtilization's time stamps are on no clock this host has (the "
+                            "newest: {} us): each sample is placed at the time it is read",
+                            newest));
   auto monotonic_of = [&](unsigned long long stamp_us) -> uint64_t {
     const uint64_t stamp_ns = stamp_us * 1000ull;
     if (stamps_now_ns == 0) return 0;

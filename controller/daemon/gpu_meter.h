@@ -90,6 +90,12 @@ class NvmlMeter final : public UsageMeter {
   // (the median of the last few): a gap much longer than one period (no
   // sample in between, a reader that fell behind) still stands for one.
   struct Period {
+    // The smallest gap instead of the median: the device ring leaves out
+    // samples of 0 %, so on a GPU idle in most periods most gaps span
+    // several (the per-process samples' median is what the audits were
+    // measured with, and stays).
+    explicit Period(bool smallest_gap = false) : smallest(smallest_gap) {}
+    bool smallest;
     std::vector<unsigned long long> gaps_us;
     unsigned long long us = 0;
     void learn(unsigned long long gap_us);
@@ -108,10 +114,13 @@ class NvmlMeter final : public UsageMeter {
   // The device ring's: the newest stamp consumed, its own period, the busy
   // time of the last read's samples, and whether that figure stands.
   unsigned long long device_seen_us_ = 0;
-  Period device_period_;
+  Period device_period_{true};
   std::vector<nvmlSample_t> device_samples_;
   uint64_t device_busy_ns_ = 0;
   bool device_ok_ = false;
+  bool device_unit_unknown_ = false;  // a value above 100 was seen: the figure is never used
+  bool stamps_unplaced_ = false;      // a newest stamp was on neither clock
+  void add_warning(const std::string& text);  // once each: the log shows warning() when it changes
   std::string problem_;
   std::string warning_;
 };

@@ -49,6 +49,7 @@ struct Faults {
   bool lost[kMaxDevices] = {};
   bool no_temperature[kMaxDevices] = {};
   bool no_power[kMaxDevices] = {};
+  unsigned long long device_samples_scale[kMaxDevices] = {};  // 0: as measured (whole percent)
   unsigned long long ecc[kMaxDevices] = {};
   std::vector<unsigned long long> xids[kMaxDevices];  // in file order
 };
@@ -99,6 +100,7 @@ Faults read_faults() {
     if (fault == "lost") f.lost[dev] = true;
     else if (fault == "no_temperature") f.no_temperature[dev] = true;
     else if (fault == "no_power") f.no_power[dev] = true;
+    else if (fault == "device_samples_scale") f.device_samples_scale[dev] = number;
     else if (fault == "ecc") f.ecc[dev] = number;
     else if (fault == "xid") f.xids[dev].push_back(number);
     else std::fprintf(stderr, "simnvml: %s:%d: unknown fault '%s'\n", path, lineno, fault.c_str());
@@ -727,7 +729,8 @@ nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, 
   for (size_t i = 0; i < ring.size(); ++i) {
     samples[i] = nvmlSample_t{};
     samples[i].timeStamp = ring[i].stamp_us;
-    samples[i].sampleValue.uiVal = ring[i].busy_pct;
+    samples[i].sampleValue.uiVal =
+        ring[i].busy_pct * static_cast<unsigned>(faults.device_samples_scale[dev] != 0 ? faults.device_samples_scale[dev] : 1);
   }
   return NVML_SUCCESS;
 }
