@@ -1724,6 +1724,43 @@ TEST_F(SchedulerTest, ATenantAloneAndUngatedIsChargedTheDevicesBusyTimeLessOther
   }
 }
 
+// A new process of the lone tenant's is somebody else's until the daemon
+// attributes it: its first samples are taken off the device's figure, and
+// added back once it is known to be the tenant's.
+TEST_F(SchedulerTest, ANewProcessOfATenantAloneAndUngatedIsChargedOnceAttributed) {
+  for (const bool measured : {false, true}) {
+    SCOPED_TRACE(measured ? "measured mode" : "held mode");
+    const uint64_t used_before = row(0).used_ns.load();
+    sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
+                      20 * kMs);
+    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+    sched_->set_measured_charging(measured);
+    meter_.last = now_;
+    uint32_t pa = 0;
+    spawn_attributed(0, &pa);
+    spawn(0);
+    const auto fresh = static_cast<uint32_t>(processes_.back());  // not attributed yet
+    meter_.duty[pa] = 0.5;
+    meter_.duty[fresh] = 0.3;
+    meter_.device_duty = 0.8;
+    const uint64_t start = now_;
+    for (int i = 0; i < 20; ++i) pass(10 * kMs);
+    EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - used_before), 0.5 * static_cast<double>(now_ - start),
+                2.0 * kMs)
+        << "the new process's samples are not the tenant's yet";
+    attributed_[0].push_back(fresh);
+    reattribute();
+    for (int i = 0; i < 10; ++i) pass(10 * kMs);
+    EXPECT_NEAR(static_cast<double>(row(0).used_ns.load() - used_before), 0.8 * static_cast<double>(now_ - start),
+                4.0 * kMs)
+        << "added back once attributed";
+    EXPECT_EQ(row(0).vtime.load(), 0u) << "charged as used only";
+    meter_.duty.clear();
+    attributed_.clear();
+    reattribute();
+  }
+}
+
 // Measured charging too: a latency tenant within its share takes the GPU
 // from a lone holder that keeps it busy (no room to grant it beside) at
 // once, instead of waiting for the holder's slice to end or its lead.

@@ -238,7 +238,11 @@ void GpuScheduler::attribute(const std::map<std::string, std::vector<uint32_t>>&
       // the named process's (their instants are not kept).
       const uint64_t mine = un.busy_ns - std::min(un.busy_ns, others_busy);
       const uint64_t part = mine / rows.size();
-      for (const uint32_t t : rows) rows_[t].pending_use = gputime::saturating_add(rows_[t].pending_use, part);
+      for (const uint32_t t : rows) {
+        Row& r = rows_[t];
+        uint64_t& to = gated(r) ? r.pending_use : r.named_ungated;  // as file_use() files it
+        to = gputime::saturating_add(to, part);
+      }
     }
     if (others.empty()) {
       unattributed_.erase(it);
@@ -839,6 +843,13 @@ void GpuScheduler::read_meter(uint64_t now) {
   }
   meter_ok_ns_ = now;
   fresh_reading_ = true;
+  // What was filed for ungated tenants since the last reading came from
+  // attribute(): samples of a process of theirs from before the daemon knew
+  // it, counted then as another's (below). Added back as they are.
+  for (Row& r : rows_) {
+    r.pending_ungated = gputime::saturating_add(r.pending_ungated, r.named_ungated);
+    r.named_ungated = 0;
+  }
   for (const ProcessUse& u : readings_) {
     // One reading cannot hold more than the time since the previous one
     // could: a driver figure out of range is clamped, not trusted.
@@ -862,8 +873,9 @@ void GpuScheduler::read_meter(uint64_t now) {
   // the samples named other processes for (the device's figure counts the
   // periods whose instant found the GPU idle, which name nobody: the
   // per-process figure of a lone process busy 0.5 of the time reads 0.25).
-  // A process of its own not yet attributed counts as another's: the first
-  // tens of ms of a new process are not charged. Without the device's
+  // A process of its own not yet attributed counts as another's until the
+  // daemon attributes it (its first tens of ms), and is added back then
+  // (attribute() files the samples kept for it). Without the device's
   // figure, what the samples named its processes for.
   uint64_t device = 0;
   const bool device_known = meter_->device_busy(&device);
