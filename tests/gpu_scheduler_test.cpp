@@ -309,14 +309,19 @@ class SchedulerTest : public ::testing::Test {
     reattribute();
     return slot;
   }
-  // Tenant a alone and ungated (a whole GPU, no limit), its process busy
-  // 0.8 for 2 s; then b comes at half each (the tests below).
-  void alone_ungated_then_a_neighbour(bool measured) {
+  // Tenant a alone on the GPU with no limit (its processes ungated), the
+  // fake meter charging in `measured` mode or held.
+  void configure_alone(bool measured) {
     sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
                       20 * kMs);
     sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
     sched_->set_measured_charging(measured);
     meter_.last = now_;
+  }
+  // Tenant a alone and ungated (a whole GPU, no limit), its process busy
+  // 0.8 for 2 s; then b comes at half each (the tests below).
+  void alone_ungated_then_a_neighbour(bool measured) {
+    configure_alone(measured);
     uint32_t pa = 0, pb = 0;
     const int a = spawn_attributed(0, &pa);
     meter_.duty[pa] = 0.8;
@@ -1703,11 +1708,7 @@ TEST_F(SchedulerTest, ATenantAloneAndUngatedIsChargedTheDevicesBusyTimeLessOther
   for (const bool measured : {false, true}) {
     SCOPED_TRACE(measured ? "measured mode" : "held mode");
     const uint64_t used_before = row(0).used_ns.load();
-    sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
-                      20 * kMs);
-    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
-    sched_->set_measured_charging(measured);
-    meter_.last = now_;
+    configure_alone(measured);
     uint32_t pa = 0;
     if (attributed_[0].empty()) spawn_attributed(0, &pa);
     pa = attributed_[0].front();
@@ -1731,11 +1732,7 @@ TEST_F(SchedulerTest, ANewProcessOfATenantAloneAndUngatedIsChargedOnceAttributed
   for (const bool measured : {false, true}) {
     SCOPED_TRACE(measured ? "measured mode" : "held mode");
     const uint64_t used_before = row(0).used_ns.load();
-    sched_->configure({{"a", gputime::kPpm, gputime::kPpm, tenants_[0].daemon.usage_fd, 0, gputime::kPriorityNormal}},
-                      20 * kMs);
-    sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
-    sched_->set_measured_charging(measured);
-    meter_.last = now_;
+    configure_alone(measured);
     uint32_t pa = 0;
     spawn_attributed(0, &pa);
     spawn(0);
