@@ -75,7 +75,7 @@ class FakeMeter final : public UsageMeter {
   uint64_t sample_period_ns() const override { return state_->period; }
   std::string problem() const override { return state_->fail ? state_->problem : std::string(); }
   std::string warning() const override { return state_->warning; }
-  bool device_busy(uint64_t* busy_ns) const override {
+  bool device_busy(uint64_t* busy_ns) override {
     if (state_->device_duty < 0) return false;
     *busy_ns = state_->device_ns;
     return true;

@@ -54,23 +54,22 @@ unsigned long long NvmlMeter::Period::covered(unsigned long long gap_us) const {
 
 void NvmlMeter::add_warning(const std::string& text) { warning_ += (warning_.empty() ? "" : "; ") + text; }
 
-bool NvmlMeter::device_busy(uint64_t* busy_ns) const {
-  if (!device_ok_) return false;
-  *busy_ns = device_busy_ns_;
-  return true;
+bool NvmlMeter::device_busy(uint64_t* busy_ns) {
+  if (device_read_after_ + 1 != reads_) device_seen_us_ = 0;  // not asked after the last read: afresh
+  device_read_after_ = reads_;
+  return read_device(busy_ns);
 }
 
-// The device ring's samples since the last read: their busy time, each
-// sample its percentage of the period it stands for. The ring leaves out
+// The device ring's samples since the last read of it: their busy time,
+// each sample its percentage of the period it stands for. The ring leaves out
 // samples of 0 % (and answers NOT_FOUND when all are), so the gap to the
 // previous sample can span idle periods: it stands for one period at most.
 // The first answer only sets where the next begins, as for the per-process
 // samples.
-void NvmlMeter::read_device() {
-  device_busy_ns_ = 0;
-  device_ok_ = false;
+bool NvmlMeter::read_device(uint64_t* busy_ns) {
+  *busy_ns = 0;
   const auto fn = nvml_.api().get_samples;
-  if (fn == nullptr) return;
+  if (fn == nullptr) return false;
   device_samples_.resize(std::max<size_t>(device_samples_.size(), 80));
   unsigned int count = static_cast<unsigned>(device_samples_.size());
   nvmlValueType_t type{};
@@ -80,11 +79,8 @@ void NvmlMeter::read_device() {
     count = static_cast<unsigned>(device_samples_.size());
     rc = fn(device_, NVML_GPU_UTILIZATION_SAMPLES, device_seen_us_, &type, &count, device_samples_.data());
   }
-  if (rc == NVML_ERROR_NOT_FOUND) {
-    device_ok_ = device_seen_us_ != 0;  // none since the last: idle, 0 busy
-    return;
-  }
-  if (rc != NVML_SUCCESS || type != NVML_VALUE_TYPE_UNSIGNED_INT) return;
+  if (rc == NVML_ERROR_NOT_FOUND) return device_seen_us_ != 0 && !device_unit_unknown_;  // none since: idle
+  if (rc != NVML_SUCCESS || type != NVML_VALUE_TYPE_UNSIGNED_INT) return false;
   count = std::min<unsigned>(count, static_cast<unsigned>(device_samples_.size()));
   const bool baseline = device_seen_us_ == 0;
   // Oldest first, as NVML answers; sorted anyway (a figure out of order
@@ -100,7 +96,7 @@ void NvmlMeter::read_device() {
     device_seen_us_ = s.timeStamp;
     if (s.sampleValue.uiVal > 100) beyond = std::max(beyond, s.sampleValue.uiVal);
     if (baseline) continue;
-    device_busy_ns_ += device_period_.covered(gap) * 1000ull * std::min(s.sampleValue.uiVal, 100u) / 100;
+    *busy_ns += device_period_.covered(gap) * 1000ull * std::min(s.sampleValue.uiVal, 100u) / 100;
   }
   // nvml.h gives the values no unit; a driver whose values are not whole
   // percent (pct x 100, say, as the driver's own samples are) would make
@@ -109,15 +105,12 @@ void NvmlMeter::read_device() {
     add_warning(fmt::format("nvmlDeviceGetSamples' GPU utilization reads {} (above 100%): the GPU's busy time is "
                             "taken from the per-process samples alone",
                             beyond));
-  device_ok_ = !baseline && !device_unit_unknown_;
+  return !baseline && !device_unit_unknown_;
 }
 
 bool NvmlMeter::read(uint64_t now, std::vector<ProcessUse>* out) {
-  if (!read_processes(now, out)) {
-    device_ok_ = false;
-    return false;
-  }
-  read_device();
+  if (!read_processes(now, out)) return false;
+  ++reads_;
   return true;
 }
 

@@ -41,11 +41,14 @@ class UsageMeter {
   virtual std::string problem() const { return {}; }
   // What the log should say once about readings that succeed ("": nothing).
   virtual std::string warning() const { return {}; }
-  // After a read() that returned true: how long the GPU was busy (all its
-  // processes, whoever the driver's samples name) over the samples that read
-  // consumed. False: no such figure this time (the driver lacks it or did
-  // not answer); the per-process figures are all there is.
-  virtual bool device_busy(uint64_t* busy_ns) const {
+  // Asked right after a read() that returned true: how long the GPU was
+  // busy (all its processes, whoever the driver's samples name) since the
+  // previous such call. Asked only when needed: the first call, and a call
+  // after reads that were not followed by one, starts afresh (false), so it
+  // never hands over the busy time of a spell nobody asked about. False
+  // also when there is no such figure (the driver lacks it or did not
+  // answer); the per-process figures are all there is then.
+  virtual bool device_busy(uint64_t* busy_ns) {
     (void)busy_ns;
     return false;
   }
@@ -83,7 +86,7 @@ class NvmlMeter final : public UsageMeter {
   // instant found the GPU idle, which name no process and so are missing
   // from the per-process figures (a lone process busy 0.9 of the time is
   // named in about 0.9 of the samples: its figure reads 0.81).
-  bool device_busy(uint64_t* busy_ns) const override;
+  bool device_busy(uint64_t* busy_ns) override;
 
  private:
   // The sampling period, learnt from the gaps between successive samples
@@ -103,7 +106,8 @@ class NvmlMeter final : public UsageMeter {
     unsigned long long covered(unsigned long long gap_us) const;
   };
   bool read_processes(uint64_t now, std::vector<ProcessUse>* out);
-  void read_device();
+  // The device ring's busy time since device_seen_us_ (0: only sets it).
+  bool read_device(uint64_t* busy_ns);
 
   const Nvml& nvml_;
   nvmlDevice_t device_;
@@ -111,13 +115,12 @@ class NvmlMeter final : public UsageMeter {
   std::unordered_map<uint32_t, unsigned long long> pid_seen_us_;  // per process: its newest sample
   std::vector<nvmlProcessUtilizationSample_t> samples_;
   Period period_;  // from the newest per-process stamps of successive reads
-  // The device ring's: the newest stamp consumed, its own period, the busy
-  // time of the last read's samples, and whether that figure stands.
+  // The device ring's: the newest stamp consumed, its own period; and the
+  // good reads so far, and after which one the ring was last read.
   unsigned long long device_seen_us_ = 0;
   Period device_period_{true};
   std::vector<nvmlSample_t> device_samples_;
-  uint64_t device_busy_ns_ = 0;
-  bool device_ok_ = false;
+  uint64_t reads_ = 0, device_read_after_ = 0;
   bool device_unit_unknown_ = false;  // a value above 100 was seen: the figure is never used
   bool stamps_unplaced_ = false;      // a newest stamp was on neither clock
   void add_warning(const std::string& text);  // once each: the log shows warning() when it changes

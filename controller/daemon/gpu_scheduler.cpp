@@ -877,10 +877,13 @@ void GpuScheduler::read_meter(uint64_t now) {
   // daemon attributes it (its first tens of ms), and is added back then
   // (attribute() files the samples kept for it). Without the device's
   // figure, what the samples named its processes for.
+  // The device's figure is asked for only while such a tenant is here
+  // (another NVML call every reading: on most GPUs nobody needs it).
   uint64_t device = 0;
-  const bool device_known = meter_->device_busy(&device);
+  bool device_known = false, asked = false;
   for (Row& r : rows_) {
     if (r.active && !gated(r)) {
+      if (!std::exchange(asked, true)) device_known = meter_->device_busy(&device);
       const uint64_t others = pass_busy_ > r.named_ungated ? pass_busy_ - r.named_ungated : 0;
       const uint64_t used = !device_known ? r.named_ungated : device > others ? device - others : 0;
       r.pending_ungated = gputime::saturating_add(r.pending_ungated, used);
