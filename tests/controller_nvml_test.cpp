@@ -3,6 +3,7 @@
 // and the bypass audit. fracgpud, the probes and the stand-in NVML all share
 // one simulated driver state, so NVML's per-process memory is what the
 // probes really allocated.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -25,6 +26,8 @@
 #include "control/client.h"
 #include "controller_test_util.h"
 #include "common/gpu_discovery.h"
+#include "common/nvml.h"
+#include "daemon/gpu_meter.h"
 #include "ledger.h"
 #include "common/uuid.h"
 
@@ -114,6 +117,93 @@ TEST(NvmlDiscovery, NvmlThatFailsToInitializeIsReportedAndCudaStillLists) {
                                   "NVML_ERROR_DRIVER_NOT_LOADED"),
             std::string::npos)
       << buf;
+}
+
+// ---- The GPU-time meter (daemon/gpu_meter.h) against the sampling stand-in ----
+
+// NvmlMeter's device figure, the GPU's busy time from nvmlDeviceGetSamples,
+// against the simulated driver's record. Asked after every reading, it
+// covers the time asked for, the periods whose instant found the GPU idle
+// included. Asked again after readings it was not asked at, it starts
+// afresh (false) and then covers only what follows: never the spell in
+// between, which a tenant that just turned ungated was charged as held.
+TEST(NvmlMeterTest, TheDevicesBusyTimeCoversOnlyTheSpellsItWasAskedFor) {
+  const std::string out = output_of_child([]() -> std::string {
+    const std::string state = "/tmp/fracgpu-meter-sim-" + std::to_string(getpid());
+    setenv("SIMCUDA_STATE", state.c_str(), 1);
+    setenv("SIMCUDA_DEVICES", kDevices.c_str(), 1);
+    setenv("SIMNVML_SAMPLE_MS", "20", 1);
+    unsetenv("SIMNVML_FAULTS");
+    // The sim first: the stand-in NVML finds it by its soname.
+    void* sim = dlopen(SIMCUDA_DIR "/libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    const auto device_busy = sim == nullptr ? nullptr
+                                            : reinterpret_cast<uint64_t (*)(int)>(dlsym(sim, "simcuda_device_busy_ns"));
+    std::string problem;
+    std::unique_ptr<controller::Nvml> nvml = controller::Nvml::open(SIMNVML_DIR "/libnvidia-ml.so.1", &problem);
+    nvmlDevice_t device{};
+    if (device_busy == nullptr || nvml == nullptr || nvml->api().get_handle(0, &device) != NVML_SUCCESS)
+      return "setup failed: " + problem;
+    // About 0.6 busy: one 0.6 ms kernel at a time, launched before 1 ms of host work.
+    const pid_t load = fork();
+    if (load == 0) {
+      execl(LOAD_PATH, LOAD_PATH, "devices=0", "kernels_us=600", "host_us=1000", "ahead_us=0", "seconds=5",
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    controller::NvmlMeter meter(*nvml, device);
+    std::vector<controller::ProcessUse> uses;
+    // Reads every 2 ms for `ms`, asking for the device's figure after each
+    // reading if `ask`: the figures' sum, the driver's busy time meanwhile,
+    // and whether the first answer was "afresh".
+    struct Phase {
+      uint64_t figure = 0, truth = 0;
+      bool first_refused = false;
+    };
+    const auto phase = [&](int ms, bool ask) {
+      Phase p;
+      const uint64_t before = device_busy(0);
+      const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+      bool first = true;
+      while (std::chrono::steady_clock::now() < end) {
+        uses.clear();
+        if (meter.read(ledger::monotonic_ns(), &uses) && ask) {
+          uint64_t busy = 0;
+          const bool ok = meter.device_busy(&busy);
+          if (first) p.first_refused = !ok;
+          first = false;
+          p.figure += ok ? busy : 0;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      p.truth = device_busy(0) - before;
+      return p;
+    };
+    const Phase asked = phase(1500, true), skipped = phase(1000, false), again = phase(1500, true);
+    kill(load, SIGKILL);
+    waitpid(load, nullptr, 0);
+    std::remove(state.c_str());
+    std::ostringstream text;
+    text << asked.figure << " " << asked.truth << " " << asked.first_refused << " " << skipped.truth << " "
+         << again.figure << " " << again.truth << " " << again.first_refused;
+    return text.str();
+  });
+  std::istringstream in(out);
+  uint64_t figure1 = 0, truth1 = 0, skipped = 0, figure3 = 0, truth3 = 0;
+  bool refused1 = false, refused3 = false;
+  ASSERT_TRUE(in >> figure1 >> truth1 >> refused1 >> skipped >> figure3 >> truth3 >> refused3) << out;
+  printf("device figure %.3f s for %.3f s busy; skipped %.3f s busy; then %.3f s for %.3f s\n", figure1 / 1e9,
+         truth1 / 1e9, skipped / 1e9, figure3 / 1e9, truth3 / 1e9);
+  EXPECT_TRUE(refused1) << "the first answer only sets where the next begins";
+  EXPECT_TRUE(refused3) << "asked after readings it was not asked at: afresh";
+  ASSERT_GT(truth1, 500'000'000u) << "the load kept the GPU busy";
+  ASSERT_GT(skipped, 300'000'000u);
+  // A phase's ends and the sampled periods' ends differ by up to a period
+  // (20 ms) each, the first answer's period is not counted, and whole
+  // percent truncates.
+  EXPECT_NEAR(static_cast<double>(figure1), static_cast<double>(truth1), 0.06 * static_cast<double>(truth1));
+  EXPECT_NEAR(static_cast<double>(figure3), static_cast<double>(truth3), 0.06 * static_cast<double>(truth3))
+      << "not the skipped spell's " << skipped << " ns too";
 }
 
 // ---- Config keys ----

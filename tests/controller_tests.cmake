@@ -50,8 +50,9 @@ foreach(name controller_nvml_test controller_control_test)
     FRACGPU_LIB="$<TARGET_FILE:fracgpu>"
     PROBE_PATH="$<TARGET_FILE:fracgpu_probe>"
     SIMCUDA_DIR="$<TARGET_FILE_DIR:simcuda>"
-    SIMNVML_DIR="$<TARGET_FILE_DIR:simnvml>")
-  add_dependencies(${name} fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda simnvml)
+    SIMNVML_DIR="$<TARGET_FILE_DIR:simnvml>"
+    LOAD_PATH="$<TARGET_FILE:gputime_load>")
+  add_dependencies(${name} fracgpud fracgpu_cli fracgpu fracgpu_probe simcuda simnvml gputime_load)
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 30 PROPERTIES TIMEOUT 120)
 endforeach()
 
