@@ -453,13 +453,13 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_EQ(keys, (std::vector<std::string>{"achieved_1s_ppm", "achieved_10s_ppm", "used_ns", "charging", "audited",
                                             "sample_period_ns", "measured_ns", "out_of_grant_ns",
                                             "out_of_grant_samples", "held_ns", "throttled_ns", "slices", "holding", "waiting_processes",
-                                            "tenants_sharing", "missed_deadlines", "blocked", "side_by_side", "yields",
-                                            "priority"}));
+                                            "tenants_sharing", "gated", "missed_deadlines", "blocked", "side_by_side",
+                                            "yields", "priority"}));
   EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
       "used_ns": 754000000000, "charging": "measured", "audited": false, "sample_period_ns": 0,
       "measured_ns": 700000000000, "out_of_grant_ns": 0, "out_of_grant_samples": 0, "held_ns": 943000000000,
       "throttled_ns": 2500000000, "slices": 42, "holding": true,
-      "waiting_processes": 1, "tenants_sharing": 2, "missed_deadlines": 0, "blocked": false,
+      "waiting_processes": 1, "tenants_sharing": 2, "gated": true, "missed_deadlines": 0, "blocked": false,
       "side_by_side": false, "yields": false, "priority": "normal"})"));
   EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);

@@ -514,6 +514,7 @@ class GpuTimeTest : public ::testing::Test {
       const nlohmann::json time = status_by_tenant()["whole"]["gpu_time"];
       *at = sample(1);
       EXPECT_EQ(time["slices"], 0) << "it was never granted the GPU: ungated";
+      EXPECT_EQ(time["gated"], false);
       return time["used_ns"].get<double>();
     };
     Sample a, b;
@@ -1218,6 +1219,7 @@ TEST_F(GpuTimeTest, StatusShowsAchievedSharesAndThrottledTime) {
   EXPECT_NEAR(b["gpu_time"]["achieved_1s_ppm"].get<double>(), 700000, 40000) << b.dump(2);
   EXPECT_GT(a["gpu_time"]["throttled_ns"].get<uint64_t>(), 500'000'000u) << "a waited most of the time";
   EXPECT_EQ(a["gpu_time"]["tenants_sharing"], 2);
+  EXPECT_EQ(a["gpu_time"]["gated"], true);
   const std::string text = run_cli(false);
   EXPECT_NE(text.find("LIMIT"), std::string::npos) << text;
   EXPECT_NE(text.find("THROTTLED"), std::string::npos) << text;
@@ -1231,6 +1233,8 @@ TEST_F(GpuTimeTest, ATenantAloneOnAWholeGpuShowsTheGpuTimeItUses) {
   const auto [shown, truth] = alone_and_ungated();
   EXPECT_GT(truth, 0.3);
   EXPECT_NEAR(shown, truth, 0.03);
+  const std::string text = run_cli(false);
+  EXPECT_NE(text.find("unshared"), std::string::npos) << text;
 }
 
 // A driver whose device samples are in another unit than whole percent

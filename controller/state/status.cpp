@@ -123,6 +123,8 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
   g.tenants_sharing = seg.daemon.active_tenants.load(std::memory_order_relaxed);
+  // As the tenant's processes decide it (the interposer's launch gate).
+  g.gated = g.tenants_sharing > 1 || t.limit_ppm.load(std::memory_order_relaxed) < gputime::kPpm;
   g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
   g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
@@ -492,6 +494,7 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
                                 {"holding", t.holding},
                                 {"waiting_processes", t.waiting_processes},
                                 {"tenants_sharing", t.tenants_sharing},
+                                {"gated", t.gated},
                                 {"missed_deadlines", t.missed_deadlines},
                                 {"blocked", t.blocked},
                                 {"side_by_side", t.side_by_side},
@@ -612,6 +615,7 @@ std::string status_to_text(const StatusReport& report) {
             : time->holding    ? "holding"
             : time->blocked    ? "blocked"
             : time->yields     ? "giving way"
+            : !time->gated     ? "unshared"
             : time->waiting_processes > 0 ? "waiting" : "idle";
     // Only a priority other than normal stands out.
     std::string tenant = r.tenant->name;

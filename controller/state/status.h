@@ -49,6 +49,9 @@ struct GpuTimeStatus {
   bool holding = false;           // it holds the GPU now (or is giving it back)
   uint32_t waiting_processes = 0; // its live processes asking for the GPU (the scheduler's last pass)
   uint32_t tenants_sharing = 0;   // tenants with a share of this GPU (the arbiter's active tenants)
+  // Its processes ask for grants: false for a tenant alone on the GPU with
+  // no limit below a whole one, whose processes run unshared there.
+  bool gated = true;
   uint32_t missed_deadlines = 0;  // revocations its processes did not drain in time, total
   bool blocked = false;           // not granted again until a process that missed the deadline drains
   bool side_by_side = false;      // holds the GPU beside others, shared by the driver's time slices
