@@ -166,7 +166,7 @@ uint32_t my_limit(int gpu) {
 
 bool compute_metered(int gpu) {
   const GpuTimeSegment& seg = *g_gpus[gpu].arbiter.seg;
-  return seg.daemon.active_tenants.load(std::memory_order_acquire) > 1 || my_limit(gpu) < kPpm;
+  return gputime::gated(seg.daemon.active_tenants.load(std::memory_order_acquire), my_limit(gpu));
 }
 
 // True once the daemon's heartbeat has looked dead (gputime::daemon_alive)

@@ -51,6 +51,12 @@ int bind_tenant(GpuTimeSegment& seg, const char* name);
 
 // ---- Policy arithmetic (the daemon's scheduler; here so tests and docs share it) ----
 
+// Whether a tenant's processes ask for grants of a GPU: when another tenant
+// has a share of it too (`active_tenants`, DaemonSection), or the tenant's
+// limit is below a whole GPU. Alone there with no limit, they run unshared.
+// The interposer decides by it; the daemon and `fracgpu status` follow it.
+constexpr bool gated(uint32_t active_tenants, uint32_t limit_ppm) { return active_tenants > 1 || limit_ppm < kPpm; }
+
 // The limit: a tenant may be granted the GPU while its GCRA arrival time is
 // at most this far ahead of now, i.e. it may burst this long above its
 // limit after idling.

@@ -1010,7 +1010,7 @@ void GpuScheduler::charge_ungated(Row& r, uint64_t ns) {
   r.measured = gputime::saturating_add(r.measured, ns);
 }
 
-bool GpuScheduler::gated(const Row& r) const { return active_count_ > 1 || r.limit < kPpm; }
+bool GpuScheduler::gated(const Row& r) const { return gputime::gated(active_count_, r.limit); }
 
 void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;

@@ -123,8 +123,7 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.throttled_ns = t.throttled_ns.load(std::memory_order_relaxed);
   g.slices = t.slices.load(std::memory_order_relaxed);
   g.tenants_sharing = seg.daemon.active_tenants.load(std::memory_order_relaxed);
-  // As the tenant's processes decide it (the interposer's launch gate).
-  g.gated = g.tenants_sharing > 1 || t.limit_ppm.load(std::memory_order_relaxed) < gputime::kPpm;
+  g.gated = gputime::gated(g.tenants_sharing, t.limit_ppm.load(std::memory_order_relaxed));
   g.waiting_processes = t.waiting_processes.load(std::memory_order_relaxed);
   g.missed_deadlines = t.missed_deadlines.load(std::memory_order_relaxed);
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
