@@ -79,7 +79,7 @@ static_assert(std::atomic<int32_t>::is_always_lock_free);
 static_assert(sizeof(U64) == sizeof(uint64_t), "atomics must have the plain layout in the mapping");
 
 inline constexpr uint64_t kMagic = 0x3130414455434d53ull;  // "SMCUDA01"
-inline constexpr uint32_t kLayoutVersion = 7;
+inline constexpr uint32_t kLayoutVersion = 8;
 // Kernel log entries kept per device (a ring: older ones are overwritten).
 inline constexpr uint64_t kKernelLogEntries = 16384;
 // Busy-time bins per device for the stand-in NVML's sampling (a ring of 1 ms
@@ -147,6 +147,10 @@ struct SharedSlot {
   U64 used[kMaxDevices];        // device bytes held by the process (counted while live)
   U64 busy_ns[kMaxDevices];     // device time of its kernels (kept after death)
   U64 launches[kMaxDevices];
+  // Time-slice model: the slice this process set on its own contexts (0: the
+  // device's). A real process can, through the driver's channel-group control
+  // (README.md, "Time"); the stand-in takes it from SIMCUDA_OWN_TIMESLICE_US.
+  U64 own_slice_ns;
 };
 
 // Who ran on a device when. Queue model: one kernel (or graph launch) as it
@@ -571,6 +575,9 @@ struct SchedParams {
   uint64_t switch_ns = 40000;
 };
 SchedParams sched_params_from_env();
+// The slice this process sets on its own contexts (SIMCUDA_OWN_TIMESLICE_US;
+// 0: the device's).
+uint64_t own_slice_from_env();
 // Shared with state.cpp's bins and kernel log.
 void record_residency(int dev, int32_t pid, int32_t slot, uint64_t start, uint64_t end, uint64_t pos0, uint64_t now);
 bool state_file_lock(off_t byte);

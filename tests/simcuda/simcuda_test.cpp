@@ -2668,6 +2668,24 @@ std::vector<simcuda_kernel_record> residency_since(uint64_t first) {
   return out;
 }
 
+// Two children made by kernels_then_sync, released at once: the residency
+// stretches from then until both have finished (empty, with a failure, if
+// either did not get there).
+std::vector<simcuda_kernel_record> residency_of_pair(Child& a, Child& b) {
+  if (a.recv() != std::optional<uint64_t>(1) || b.recv() != std::optional<uint64_t>(1)) {
+    ADD_FAILURE() << a.report() << b.report();
+    return {};
+  }
+  const uint64_t first = simcuda_kernel_log_next(0);
+  a.release();
+  b.release();
+  if (!a.recv() || !b.recv()) {
+    ADD_FAILURE() << a.report() << b.report();
+    return {};
+  }
+  return residency_since(first);
+}
+
 TEST_F(Timeline, TwoSaturatingProcessesAlternateSlices) {
   constexpr int kKernels = 4;  // of 20 ms each, launched at once
   auto body = kernels_then_sync("sleep_20000us", kKernels);
@@ -2773,6 +2791,38 @@ TEST_F(Timeline, AProcessThatDrainsHandsOverAtOnce) {
   EXPECT_CHILD_PASSED(lite);
 }
 
+// A process may set its own contexts' slice (the driver's channel-group
+// control needs no privilege): it then keeps the device that much longer
+// at each of its turns, and the other gets the driver's turn as before.
+TEST_F(Timeline, AProcessThatSetsItsOwnSliceKeepsTheDeviceLongerAtEachTurn) {
+  constexpr int kKernels = 3;  // of 20 ms each, launched at once
+  constexpr uint64_t kOwnSlice = 3 * kSlice;
+  auto plain = kernels_then_sync("sleep_20000us", kKernels);
+  auto own_slice = [plain](Child& me) {
+    setenv("SIMCUDA_OWN_TIMESLICE_US", std::to_string(kOwnSlice / 1000).c_str(), 1);
+    plain(me);
+  };
+  Child a(own_slice), b(plain);
+  const auto runs = residency_of_pair(a, b);
+  ASSERT_GE(runs.size(), 10u);
+  // While both have work (all but the last two stretches), each turn is its
+  // process's slice: three of the device's for a, one for b.
+  uint64_t ran_a = 0, ran_b = 0;
+  for (size_t i = 1; i + 2 < runs.size(); ++i) {
+    const uint64_t len = runs[i].end_ns - runs[i].start_ns;
+    EXPECT_EQ(len, runs[i].pid == a.pid() ? kOwnSlice : kSlice) << "stretch " << i;
+    (runs[i].pid == a.pid() ? ran_a : ran_b) += len;
+  }
+  // Turns alternate, so their counts differ by one at most: a had three
+  // quarters of the device while both asked.
+  EXPECT_LE(ran_a, 3 * ran_b + kOwnSlice);
+  EXPECT_GE(ran_a + kOwnSlice, 3 * ran_b);
+  a.release();
+  b.release();
+  EXPECT_CHILD_PASSED(a);
+  EXPECT_CHILD_PASSED(b);
+}
+
 TEST(Config, TimeSliceKnobsAreTakenFromTheEnvironment) {
   SelfResult r = run_self("Knobs", {{"SIMCUDA_TIMESLICE_US", "200"}, {"SIMCUDA_SWITCH_US", "0"},
                                     {"SIMCUDA_STATE", g_state + ".knobs"}});
@@ -2785,14 +2835,7 @@ TEST(InChild, Knobs) {
   ASSERT_CU(cuInit(0));
   auto body = kernels_then_sync("sleep_5000us", 1);
   Child a(body), b(body);
-  ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
-  ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
-  const uint64_t first = simcuda_kernel_log_next(0);
-  a.release();
-  b.release();
-  ASSERT_TRUE(a.recv()) << a.report();
-  ASSERT_TRUE(b.recv()) << b.report();
-  const auto runs = residency_since(first);
+  const auto runs = residency_of_pair(a, b);
   ASSERT_GE(runs.size(), 10u);
   for (size_t i = 1; i + 1 < runs.size(); ++i) {
     EXPECT_EQ(runs[i].end_ns - runs[i].start_ns, 200000u);

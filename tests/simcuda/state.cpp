@@ -401,6 +401,7 @@ bool claim_slot_locked() {
   sl.pid.store(P.pid, std::memory_order_relaxed);
   sl.start_time.store(process_start_time(), std::memory_order_relaxed);
   sl.seq.store(s->next_seq.fetch_add(1) + 1, std::memory_order_relaxed);
+  sl.own_slice_ns.store(own_slice_from_env(), std::memory_order_relaxed);
   timeslice_forget_slot(P.slot);
   sl.state.store(kSlotLive, std::memory_order_release);
   set_va_ranges();

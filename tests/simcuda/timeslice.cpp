@@ -71,6 +71,13 @@ void commit(DevSched& d, const SchedState& next) {
 struct Params {
   uint64_t slice;
   uint64_t switch_cost;
+  // The slice of slot r's context: its own where its process set one (the
+  // driver lets a process set its own channel groups' slice), else the
+  // device's.
+  uint64_t slice_of(int r) const {
+    const uint64_t own = S()->slots[r].own_slice_ns.load(std::memory_order_relaxed);
+    return own != 0 ? std::max<uint64_t>(own, 1000) : slice;
+  }
 };
 
 Params params() {
@@ -163,8 +170,9 @@ uint64_t run(SchedState& s, Pending& p, const Params& k, uint64_t until, Ran&& r
     if (others) {
       // Alone, the resident's slice renews at each expiry; a context that
       // has work waits at most until the current slice ends.
-      if (t >= s.slice_start + k.slice) s.slice_start += (t - s.slice_start) / k.slice * k.slice;
-      slice_end = s.slice_start + k.slice;
+      const uint64_t slice = k.slice_of(r);
+      if (t >= s.slice_start + slice) s.slice_start += (t - s.slice_start) / slice * slice;
+      slice_end = s.slice_start + slice;
       end = std::min(end, slice_end);
     }
     end = std::min(end, until);
@@ -254,6 +262,20 @@ SchedParams sched_params_from_env() {
   micros("SIMCUDA_TIMESLICE_US", p.timeslice_ns, 1, 1000000);
   micros("SIMCUDA_SWITCH_US", p.switch_ns, 0, 100000);
   return p;
+}
+
+uint64_t own_slice_from_env() {
+  const char* v = std::getenv("SIMCUDA_OWN_TIMESLICE_US");
+  if (v == nullptr || *v == 0) return 0;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long us = std::strtoull(v, &end, 10);
+  if (errno != 0 || end == v || *end != 0 || us < 1 || us > 1000000) {
+    std::fprintf(stderr, "simcuda: SIMCUDA_OWN_TIMESLICE_US=%s is not a whole number of microseconds in [1, 1000000]; "
+                 "using the device's slice\n", v);
+    return 0;
+  }
+  return us * 1000;
 }
 
 bool timeslice_model() { return S()->model == kModelTimeslice; }
