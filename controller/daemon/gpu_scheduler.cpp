@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <climits>
 #include <cstring>
 #include <ctime>
@@ -860,6 +861,7 @@ void GpuScheduler::read_meter(uint64_t now) {
     (side_ ? side_phase_ : turns_).add(at, busy);
     if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end() && names_then(u.pid, at)) {
       file_split_use(u.pid, it->second, busy, at, now);
+      if (side_ && at >= side_phase_.from) check_side_shares(it->second, now);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];
       if (un.since == 0) un.since = now;
@@ -936,7 +938,15 @@ void GpuScheduler::charge(uint64_t now) {
     for (const Row& r : rows_) overdue += r.pays_late() ? 1 : 0;
   const uint64_t drainers = holders(gputime::kGrantRevoking) + overdue;
   const bool draining = !measured && !side_ && drainers > 0;
-  const uint64_t overlap_payers = draining && driver_slices_ ? drainers + holders(gputime::kGranted) : 0;
+  // A drainer found taking more than the driver's equal turns
+  // (check_side_shares(): it set its own contexts' slice longer) does not
+  // share the GPU equally with the holders beside it either: it pays the
+  // overlap alone, as on a driver without compute preemption.
+  bool unequal_drainer = false;
+  for (const Row& r : rows_)
+    unequal_drainer |= (r.gstate == gputime::kGrantRevoking || (overdue > 0 && r.pays_late())) && r.side_barred_until > now;
+  const uint64_t overlap_payers =
+      draining && driver_slices_ && !unequal_drainer ? drainers + holders(gputime::kGranted) : 0;
   // Side by side, the holders share each interval in proportion to their
   // shares (equal parts: side_by_side_fits()), which is how the driver's
   // time slices divide it between them when each has work.
@@ -1368,6 +1378,8 @@ bool GpuScheduler::side_by_side_fits(uint64_t now, bool starting) const {
     // none outside the gate, ordinary priority (latency and batch tenants
     // are served by turns), and equal shares (the driver's turns are equal).
     if (r.gpu_contexts > 1 || r.outside || r.priority != gputime::kPriorityNormal || r.blocked) return false;
+    // Named more than its part while another was kept short (check_side_shares()).
+    if (r.side_barred_until > now) return false;
     if (share == 0) share = r.share;
     if (r.share > share + share / 200 || r.share + share / 200 < share) return false;
     ++members;
@@ -1438,6 +1450,7 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
     side_ = false;
     phase_since_ = now;
     turns_.restart(now + period);
+    turns_held_taken_ = false;
   };
   // The tenants changed: what they did before says nothing.
   auto forget = [&] {
@@ -1466,6 +1479,12 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
     for (uint32_t t = 0; t < gputime::kMaxTenants; ++t)
       if (rows_[t].gstate == gputime::kGranted && static_cast<int>(t) != keep) start_revoke(t, now);
     return;
+  }
+  if (!turns_held_taken_ && now >= turns_.from) {
+    // What each holds from here on is measured with the GPU's busy share.
+    turns_held_taken_ = true;
+    turns_held_at_ = now;
+    for (Row& r : rows_) r.turns_held0 = r.held;
   }
   if (phase_since_ == 0 || !side_by_side_fits(now, false)) {
     // A tenant that must not share: turns, measured afresh once it is gone.
@@ -1496,10 +1515,92 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
     if (covered(turns_, now) > 0) side_rounds_ = 0;
     return;
   }
+  set_side_least_shares(now);
   side_ = true;
   phase_since_ = now;
   side_phase_.restart(now + period);
   side_rounds_ = std::min<uint32_t>(side_rounds_ + 1, 3);
+}
+
+// Side by side the driver shares the GPU by its own turns, which are equal
+// only while every context keeps the driver's slice: a process may set its
+// own contexts' slice (the channel-group control needs no privilege), and
+// one ten times longer takes ten turns' worth of the GPU to another's one,
+// while both pay equal parts. Turns through the daemon do not depend on it.
+// So each tenant should be named by the driver's samples side by side at
+// least as often as it used the GPU in the turns before: at most the time
+// it held them, and at most the GPU's busy share over them (its own and
+// the others' work: a neighbour idling in its own turns cannot hide what
+// this one used), less kSideShortfallPpm for the idle moments inside its
+// turns that side by side gives the others.
+void GpuScheduler::set_side_least_shares(uint64_t now) {
+  const int64_t busy = busy_ppm(turns_, now);
+  const uint64_t span = turns_held_taken_ && now > turns_held_at_ ? now - turns_held_at_ : 0;
+  uint64_t members = 0;
+  for (const Row& r : rows_) members += contends(r) ? 1 : 0;
+  for (Row& r : rows_) {
+    r.side_least_ppm = 0;
+    if (!contends(r) || busy < 0 || span == 0) continue;
+    const uint64_t held = r.held > r.turns_held0 ? r.held - r.turns_held0 : 0;
+    const uint64_t held_ppm = std::min<uint64_t>(static_cast<unsigned __int128>(held) * kPpm / span, kPpm);
+    // No more than its part: the driver's equal turns give each that much
+    // while all have work, and a tenant that had the GPU to itself in turns
+    // while the others were idle cannot expect it beside them.
+    const uint64_t used_ppm = std::min({held_ppm, static_cast<uint64_t>(busy), kPpm / members});
+    r.side_least_ppm = used_ppm > kSideShortfallPpm ? static_cast<uint32_t>(used_ppm - kSideShortfallPpm) : 0;
+  }
+}
+
+// Each sample side by side names one process; over many, a tenant kept to
+// a shorter share of the driver's turns than its least share is named
+// fewer times than those shares expect, well beyond chance (a binomial
+// count, kSideShortfallSigmas standard deviations). The sums run over the
+// phases (each with its own least shares), so that a tenant cannot wipe
+// them by changing what it asks for; a tenant named at least its part
+// pays off an earlier shortfall. The tenants named more than their part
+// take turns for kSideBarNs; the others may still share.
+void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, uint64_t now) {
+  uint32_t members = 0;
+  for (const Row& r : rows_) members += contends(r) ? 1 : 0;
+  // Only samples that name one of them: another tenant's process at work
+  // (outside its grant) is the audit's business, not evidence of the turns.
+  const bool names_member =
+      std::any_of(named_rows.begin(), named_rows.end(), [&](uint32_t t) { return t < rows_.size() && contends(rows_[t]); });
+  if (members < 2 || !names_member) return;
+  std::vector<uint32_t> short_of;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    Row& r = rows_[t];
+    if (!contends(r)) continue;
+    const double least = r.side_least_ppm / static_cast<double>(kPpm);
+    const bool named = std::find(named_rows.begin(), named_rows.end(), t) != named_rows.end();
+    r.side_named += named ? 1 : 0;
+    r.side_expected += least;
+    r.side_variance += least * (1 - least);
+    const double shortfall = r.side_expected - r.side_named;
+    if (r.side_expected >= kSideShortfallMinSamples * least && shortfall > 0 &&
+        shortfall > kSideShortfallSigmas * std::sqrt(r.side_variance) && r.side_variance > 0)
+      short_of.push_back(t);
+  }
+  if (short_of.empty()) return;
+  // Those named more often than their part of the samples the members had.
+  double all_named = 0;
+  for (const Row& r : rows_)
+    if (contends(r)) all_named += r.side_named;
+  std::string barred;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    Row& r = rows_[t];
+    if (!contends(r) || std::find(short_of.begin(), short_of.end(), t) != short_of.end()) continue;
+    if (r.side_named * members <= all_named) continue;
+    r.side_barred_until = now + kSideBarNs;
+    barred += (barred.empty() ? "\"" : ", \"") + r.name + "\"";
+  }
+  const Row& kept = rows_[short_of.front()];
+  if (!barred.empty())
+    note(true, fmt::format("{}: side by side, the driver's samples named tenant \"{}\" {:.0f} times where what it "
+                           "used in turns called for {:.0f} at least: the driver's turns kept it short; {} take(s) "
+                           "turns for {} s",
+                           label_, kept.name, kept.side_named, kept.side_expected, barred, kSideBarNs / kSecond));
+  for (Row& r : rows_) r.side_named = r.side_expected = r.side_variance = 0;
 }
 
 // The GPU has room for another tenant: measured busy (every process on it)

@@ -149,6 +149,20 @@ class GpuScheduler {
   static constexpr uint64_t kSidePhasePeriods = 20;
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
   static constexpr uint64_t kMaxSidePhaseNs = 16'000'000'000;
+  // Side by side must leave each tenant no less of the GPU than it used in
+  // the turns before: what it used there is at most the time it held them
+  // and at most the GPU's busy share over them. A tenant named by the
+  // driver's samples side by side in fewer than that less
+  // kSideShortfallPpm (its idle moments inside its turns), beyond
+  // kSideShortfallSigmas standard deviations over kSideShortfallMinSamples
+  // samples at least, is kept off its turns by another (one that set its
+  // own contexts' time slice longer than the driver's: docs/sm-time.md,
+  // "Side by side"); the tenants named more than their part take turns for
+  // kSideBarNs.
+  static constexpr uint32_t kSideShortfallPpm = 100'000;
+  static constexpr double kSideShortfallSigmas = 3.0;
+  static constexpr uint32_t kSideShortfallMinSamples = 20;
+  static constexpr uint64_t kSideBarNs = 600'000'000'000;
   // Turns are measured while at least two tenants ask; alone longer than
   // this, the measure starts afresh.
   static constexpr uint64_t kAloneResetNs = 100'000'000;
@@ -301,6 +315,17 @@ class GpuScheduler {
     // the daemon found a process of it outside the gate.
     uint32_t gpu_contexts = 0;
     bool outside = false;
+    // Side by side, what the driver's samples said of it against what it
+    // used in the turns before (kSideShortfallPpm): its time held when
+    // those turns' measure began; the least share of the samples it should
+    // have in this phase (ppm); and over the phases, the samples naming it,
+    // the count the least shares expect, and that count's variance. Until
+    // when it takes turns for having been named more than its part while
+    // another was kept short (0: never).
+    uint64_t turns_held0 = 0;
+    uint32_t side_least_ppm = 0;
+    double side_named = 0, side_expected = 0, side_variance = 0;
+    uint64_t side_barred_until = 0;
     uint32_t listed_outside_milli = 0;  // set_listed_outside()
     // When a sample last found a process of it outside the gate at work
     // (our clock; 0: never), and when a yield of it was last logged.
@@ -424,6 +449,13 @@ class GpuScheduler {
   // The turns keep the GPU no busier than the last side-by-side phase of
   // the same tenants did (within kSideGainPpm).
   bool turns_no_busier(uint64_t now) const;
+  // Side by side: the least share of the samples each tenant should have
+  // in the phase starting now, from the turns just measured.
+  void set_side_least_shares(uint64_t now);
+  // Side by side: counts a sample (naming `named_rows`, empty: no member)
+  // against each member's least share; bars the members named more than
+  // their part where another was named too seldom.
+  void check_side_shares(const std::vector<uint32_t>& named_rows, uint64_t now);
   void step_side_by_side(uint64_t now);
   void read_meter(uint64_t now);
   void charge(uint64_t now);
@@ -504,6 +536,8 @@ class GpuScheduler {
   uint64_t phase_since_ = 0;
   PhaseBusy turns_, side_phase_;
   int64_t side_busy_ppm_ = -1;
+  bool turns_held_taken_ = false;  // the rows' turns_held0 are taken (at turns_.from)
+  uint64_t turns_held_at_ = 0;
   uint64_t contended_ns_ = 0;  // the last pass that saw two tenants or more ask or hold
   // Side-by-side phases begun since the tenants last changed (one that did
   // not fit asked, one was alone too long) or a measure found no room.
