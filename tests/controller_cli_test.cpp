@@ -209,7 +209,7 @@ class CliTest : public ::testing::Test {
     bob.throttled_ns.store(1'234'000'000);  // 1.2 s
     bob.slices.store(7);
     bob.missed_deadlines.store(3);
-    bob.flags.store(gputime::kTenantBlocked | gputime::kTenantYields);
+    bob.flags.store(gputime::kTenantBlocked | gputime::kTenantYields | gputime::kTenantTakesTurns);
     {
       const auto row = static_cast<uint32_t>(gputime::find_tenant(*arbiter_.seg, "alice"));
       arbiter_.seg->tenants[row].grant.store(gputime::grant_word(77, row, gputime::kGranted));
@@ -423,6 +423,8 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
   EXPECT_TRUE(bob.gpu_time->blocked);
   EXPECT_TRUE(bob.gpu_time->yields);
   EXPECT_FALSE(alice.gpu_time->yields);
+  EXPECT_TRUE(bob.gpu_time->takes_turns);
+  EXPECT_FALSE(alice.gpu_time->takes_turns);
   // Per process: its slot's requests in the tenant's usage file.
   const std::vector<ProcessStatus>& procs = report.tenants[0].processes;
   ASSERT_EQ(procs.size(), 4u);
@@ -454,17 +456,18 @@ TEST_F(CliTest, GpuTimeFromTheArbiter) {
                                             "sample_period_ns", "measured_ns", "out_of_grant_ns",
                                             "out_of_grant_samples", "held_ns", "throttled_ns", "slices", "holding", "waiting_processes",
                                             "tenants_sharing", "gated", "missed_deadlines", "blocked", "side_by_side",
-                                            "yields", "priority"}));
+                                            "yields", "takes_turns", "priority"}));
   EXPECT_EQ(time, nlohmann::ordered_json::parse(R"({"achieved_1s_ppm": 300000, "achieved_10s_ppm": 287000,
       "used_ns": 754000000000, "charging": "measured", "audited": false, "sample_period_ns": 0,
       "measured_ns": 700000000000, "out_of_grant_ns": 0, "out_of_grant_samples": 0, "held_ns": 943000000000,
       "throttled_ns": 2500000000, "slices": 42, "holding": true,
       "waiting_processes": 1, "tenants_sharing": 2, "gated": true, "missed_deadlines": 0, "blocked": false,
-      "side_by_side": false, "yields": false, "priority": "normal"})"));
+      "side_by_side": false, "yields": false, "takes_turns": false, "priority": "normal"})"));
   EXPECT_TRUE(ordered["tenants"][0]["gpus"][0]["gpu_time_error"].is_null());
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["used_ns"], 7'560'000'000'000u);
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["holding"], false);
   EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["yields"], true);
+  EXPECT_EQ(ordered["tenants"][1]["gpus"][0]["gpu_time"]["takes_turns"], true);
   const nlohmann::ordered_json& proc_time = ordered["tenants"][0]["processes"][1]["gpu_time"];
   ASSERT_EQ(proc_time.size(), 1u);
   keys.clear();

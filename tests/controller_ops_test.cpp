@@ -230,6 +230,7 @@ TEST_F(OpsTest, MetricsScrapeMatchesTheLedger) {
   EXPECT_EQ(value("fracgpu_gpu_time_missed_drain_deadlines_total" + a), 0.0);
   EXPECT_EQ(value("fracgpu_gpu_time_blocked" + a), 0.0);
   EXPECT_EQ(value("fracgpu_gpu_time_yields" + a), 0.0);
+  EXPECT_EQ(value("fracgpu_gpu_time_takes_turns" + a), 0.0);
   EXPECT_EQ(value("fracgpu_gpu_time_gated" + a), 1.0) << "a limit below a whole GPU";
   EXPECT_EQ(value("fracgpu_gpu_time_priority{gpu=\"" + kUuid0 + "\",tenant=\"alice\",priority=\"normal\"}"), 1.0);
   // bob: a memory quota on GPU 1, no share, nothing used.

@@ -2074,8 +2074,11 @@ TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTur
   a_share_ = 0.9;
   ms_while(false, 2000);
   ASSERT_TRUE(together());
+  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns);
   EXPECT_LT(ms_while(true, 30'000), static_cast<int>(GpuScheduler::kMinSidePhaseNs / kMs))
       << "found before the phase's end";
+  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns) << "fracgpu status shows it";
+  EXPECT_FALSE(row(1).flags.load() & gputime::kTenantTakesTurns) << "the one kept short is not barred";
   for (int i = 0; i < 20; ++i) {
     run(100);
     EXPECT_FALSE(together()) << i << ": a takes turns";

@@ -1670,7 +1670,8 @@ void GpuScheduler::publish(uint64_t now) {
     store_if_changed(f.flags, (r.active && r.wants ? uint32_t{gputime::kTenantWants} : 0u) |
                                   (r.blocked ? uint32_t{gputime::kTenantBlocked} : 0u) |
                                   (side_ && r.gstate == gputime::kGranted ? uint32_t{gputime::kTenantSideBySide} : 0u) |
-                                  (r.active && yields(r, now) ? uint32_t{gputime::kTenantYields} : 0u));
+                                  (r.active && yields(r, now) ? uint32_t{gputime::kTenantYields} : 0u) |
+                                  (r.active && r.side_barred_until > now ? uint32_t{gputime::kTenantTakesTurns} : 0u));
     // The state last (release): a reader that sees the row active sees its configuration.
     store_if_changed(f.state, uint32_t{r.active ? gputime::kTenantActive : gputime::kTenantRetired});
   }

@@ -142,6 +142,8 @@ std::string render_metrics(const StatusReport& report) {
              "1 while the tenant is not granted the GPU until a process that missed a drain deadline reports it");
   m.describe("fracgpu_gpu_time_yields", "gauge",
              "1 while a process of the tenant runs work outside the gate and the tenant gives way to the others");
+  m.describe("fracgpu_gpu_time_takes_turns", "gauge",
+             "1 while the tenant takes turns for having taken more than its part of the driver's turns side by side");
   m.describe("fracgpu_gpu_time_gated", "gauge",
              "1 while the tenant's processes ask for grants of the GPU; 0 while it is alone there with no limit below "
              "a whole GPU and they run unshared");
@@ -200,6 +202,7 @@ std::string render_metrics(const StatusReport& report) {
         m.sample("fracgpu_gpu_time_missed_drain_deadlines_total", labels, uint64_t{g.gpu_time->missed_deadlines});
         m.sample("fracgpu_gpu_time_blocked", labels, uint64_t{g.gpu_time->blocked ? 1u : 0u});
         m.sample("fracgpu_gpu_time_yields", labels, uint64_t{g.gpu_time->yields ? 1u : 0u});
+        m.sample("fracgpu_gpu_time_takes_turns", labels, uint64_t{g.gpu_time->takes_turns ? 1u : 0u});
         m.sample("fracgpu_gpu_time_gated", labels, uint64_t{g.gpu_time->gated ? 1u : 0u});
         // status.cpp has already read an unknown stored value as normal.
         m.sample("fracgpu_gpu_time_priority", fmt::format("{},priority=\"{}\"", labels, g.gpu_time->priority),

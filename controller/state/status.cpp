@@ -129,6 +129,7 @@ ArbiterView read_gpu_time(const std::string& dir, const ledger::PolicySegment& p
   g.blocked = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantBlocked) != 0;
   g.side_by_side = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantSideBySide) != 0;
   g.yields = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantYields) != 0;
+  g.takes_turns = (t.flags.load(std::memory_order_relaxed) & gputime::kTenantTakesTurns) != 0;
   const Priority priority = priority_of_stored(t.priority.load(std::memory_order_relaxed));
   g.priority = std::string(priority_name(priority));
   if (priority == Priority::kLatency) {
@@ -498,6 +499,7 @@ nlohmann::ordered_json gpu_time_json(const std::optional<GpuTimeStatus>& time) {
                                 {"blocked", t.blocked},
                                 {"side_by_side", t.side_by_side},
                                 {"yields", t.yields},
+                                {"takes_turns", t.takes_turns},
                                 {"priority", t.priority}};
   // What a latency tenant is for: how long it waits for the GPU.
   if (t.priority == priority_name(Priority::kLatency)) {

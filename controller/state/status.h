@@ -56,6 +56,7 @@ struct GpuTimeStatus {
   bool blocked = false;           // not granted again until a process that missed the deadline drains
   bool side_by_side = false;      // holds the GPU beside others, shared by the driver's time slices
   bool yields = false;            // a process of it runs outside the gate: it gives way to every tenant that asks
+  bool takes_turns = false;       // found taking more than its part of the driver's turns side by side: it takes turns
   // "latency", "normal" or "batch", as the daemon configured the row (an
   // unknown value, from a stale or damaged file, reads as normal).
   std::string priority = "normal";

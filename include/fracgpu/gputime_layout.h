@@ -162,6 +162,7 @@ enum TenantTimeFlags : uint32_t {
   kTenantBlocked = 1u << 1,  // missed a drain deadline: not granted again until it shows progress
   kTenantSideBySide = 1u << 2,  // holds the GPU beside others, sharing it through the driver's time slices
   kTenantYields = 1u << 3,  // a process of it outside the gate was found at work lately: it gives way to the others
+  kTenantTakesTurns = 1u << 4,  // found taking more than its part of the driver's turns side by side: it takes turns
 };
 
 // One tenant's standing on this GPU. A row is bound to a tenant name for
