@@ -2097,6 +2097,23 @@ TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTur
   EXPECT_GE(row(0).used_ns.load() - used_a, 50 * kMs) << "a pays it (less what the audit owed it from before)";
 }
 
+// A restarted daemon finds the bar in the arbiter it adopts: the pair that
+// would share at once (as in TenantsThatLeaveRoomInTurnsHoldTheGpuSideBySide)
+// keeps taking turns.
+TEST_F(SideBySideTest, ARestartedDaemonKeepsTheBar) {
+  sched_.reset();
+  arbiter_.seg->tenants[0].flags.store(gputime::kTenantTakesTurns);
+  sched_ = std::make_unique<GpuScheduler>(*arbiter_.seg, kUuid, "GPU 0");
+  sched_->adopt(now_);
+  configure(500'000, 500'000);
+  start(0.6);
+  for (int i = 0; i < 30; ++i) {
+    run(100);
+    EXPECT_FALSE(together()) << i;
+  }
+  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns);
+}
+
 // The driver's equal turns, as the samples show them side by side, bar
 // nobody: a tenant named a little less than its half (its own idle moments)
 // stays side by side phase after phase.

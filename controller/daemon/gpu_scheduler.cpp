@@ -111,6 +111,11 @@ void GpuScheduler::adopt(uint64_t now) {
       r.missed_deadlines = 0;
     }
     if (r.cap_tat > now + 60 * kSecond) r.cap_tat = now;
+    // A bar from side by side (check_side_shares()) outlives a restart: the
+    // file keeps the flag, not the bar's end, so it runs its whole length
+    // again from here.
+    if ((f.flags.load(std::memory_order_relaxed) & gputime::kTenantTakesTurns) != 0)
+      r.side_barred_until = now + kSideBarNs;
     least = std::min(least, r.vtime);
   }
   // Virtual times only matter relative to each other: a damaged one far
