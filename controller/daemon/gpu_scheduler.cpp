@@ -943,15 +943,7 @@ void GpuScheduler::charge(uint64_t now) {
     for (const Row& r : rows_) overdue += r.pays_late() ? 1 : 0;
   const uint64_t drainers = holders(gputime::kGrantRevoking) + overdue;
   const bool draining = !measured && !side_ && drainers > 0;
-  // A drainer found taking more than the driver's equal turns
-  // (check_side_shares(): it set its own contexts' slice longer) does not
-  // share the GPU equally with the holders beside it either: it pays the
-  // overlap alone, as on a driver without compute preemption.
-  bool unequal_drainer = false;
-  for (const Row& r : rows_)
-    unequal_drainer |= (r.gstate == gputime::kGrantRevoking || (overdue > 0 && r.pays_late())) && r.side_barred_until > now;
-  const uint64_t overlap_payers =
-      draining && driver_slices_ && !unequal_drainer ? drainers + holders(gputime::kGranted) : 0;
+  const uint64_t overlap_payers = draining && driver_slices_ ? drainers + holders(gputime::kGranted) : 0;
   // Side by side, the holders share each interval in proportion to their
   // shares (equal parts: side_by_side_fits()), which is how the driver's
   // time slices divide it between them when each has work.
@@ -1086,6 +1078,18 @@ void GpuScheduler::account_waits(uint64_t now) {
   }
 }
 
+// A tenant taking turns for having taken more than its part of the
+// driver's turns side by side (check_side_shares(): a process of it set its
+// own contexts' slice longer) would take more than the equal half of the
+// GPU while its late work ran beside the next holder's grant, and pay half.
+// So the next holder waits for its drain longer, while it pays alone. Only
+// its own drain waits: a tenant barred unjustly (a neighbour that dodged
+// the sampling instants made it look greedy) pays for no more than the
+// GPU time its queue takes, alone on the GPU.
+uint64_t GpuScheduler::drain_deadline(const Row& r, uint64_t now) const {
+  return r.side_barred_until > now ? kBarredDrainDeadlineNs : gputime::kDrainDeadlineNs;
+}
+
 // A tenant that missed a drain deadline is granted again only once one of
 // the processes that missed it reports the drain, or all of them are gone
 // (dead, or their slot taken by a new process, which clears its requests).
@@ -1205,7 +1209,7 @@ void GpuScheduler::complete_revoke(uint32_t t, uint64_t now, bool missed, const 
     h.overdue_since = now;
     note(true, fmt::format("{}: tenant \"{}\": {} process(es) did not drain grant {} within {} ms; the GPU goes on "
                            "without them, and the tenant waits until they report it",
-                           label_, h.name, pending.count(), h.gseq, gputime::kDrainDeadlineNs / 1'000'000));
+                           label_, h.name, pending.count(), h.gseq, drain_deadline(h, now) / 1'000'000));
   }
   end_grant(t, now);
   // Its work still runs: it pays for it from here (charge()), and the hold
@@ -1244,7 +1248,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
     const std::bitset<kMaxSlots> pending = pending_drains(h, now);
     if (pending.none()) {
       complete_revoke(t, now, false, pending);
-    } else if (now - h.revoke_ns >= gputime::kDrainDeadlineNs) {
+    } else if (now - h.revoke_ns >= drain_deadline(h, now)) {
       complete_revoke(t, now, true, pending);
     }
   }
@@ -1723,7 +1727,7 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   for (const Row& r : rows_) {
     if (r.gstate == gputime::kGranted) sleep = std::min(sleep, kBusyPassNs);
     if (r.gstate == gputime::kGrantRevoking)
-      sleep = std::min(sleep, std::min(kBusyPassNs, std::max<uint64_t>(r.revoke_ns + gputime::kDrainDeadlineNs - now,
+      sleep = std::min(sleep, std::min(kBusyPassNs, std::max<uint64_t>(r.revoke_ns + drain_deadline(r, now) - now,
                                                                       kMinPassIntervalNs)));
   }
   return sleep;

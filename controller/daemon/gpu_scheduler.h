@@ -163,6 +163,9 @@ class GpuScheduler {
   static constexpr double kSideShortfallSigmas = 3.0;
   static constexpr uint32_t kSideShortfallMinSamples = 20;
   static constexpr uint64_t kSideBarNs = 600'000'000'000;
+  // A tenant so barred has this long to drain a revoked grant before the
+  // next holder is granted beside its queue (drain_deadline()).
+  static constexpr uint64_t kBarredDrainDeadlineNs = 1'000'000'000;
   // Turns are measured while at least two tenants ask; alone longer than
   // this, the measure starts afresh.
   static constexpr uint64_t kAloneResetNs = 100'000'000;
@@ -475,6 +478,8 @@ class GpuScheduler {
   bool contended(uint32_t self) const;
   void account_waits(uint64_t now);
   void check_blocked(Row& r, uint64_t now);
+  // How long the row's processes have to drain a revoked grant.
+  uint64_t drain_deadline(const Row& r, uint64_t now) const;
   void end_overdue(Row& r, uint64_t now);
   void step(uint64_t now);
   void step_row(uint32_t t, uint64_t now);
