@@ -1020,6 +1020,10 @@ void GpuScheduler::charge_ungated(Row& r, uint64_t ns) {
 
 bool GpuScheduler::gated(const Row& r) const { return gputime::gated(active_count_, r.limit); }
 
+uint32_t GpuScheduler::contenders() const {
+  return static_cast<uint32_t>(std::count_if(rows_.begin(), rows_.end(), [](const Row& r) { return contends(r); }));
+}
+
 void GpuScheduler::charge_row(Row& r, uint64_t ns, uint64_t now, bool contended) {
   r.used += ns;
   r.vtime = gputime::saturating_add(r.vtime, gputime::scale(ns, r.share));
@@ -1548,8 +1552,7 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
 void GpuScheduler::set_side_least_shares(uint64_t now) {
   const int64_t busy = busy_ppm(turns_, now);
   const uint64_t span = turns_held_taken_ && now > turns_held_at_ ? now - turns_held_at_ : 0;
-  uint64_t members = 0;
-  for (const Row& r : rows_) members += contends(r) ? 1 : 0;
+  const uint64_t members = contenders();
   for (Row& r : rows_) {
     r.side_least_ppm = 0;
     if (!contends(r) || busy < 0 || span == 0) continue;
@@ -1560,8 +1563,7 @@ void GpuScheduler::set_side_least_shares(uint64_t now) {
 }
 
 void GpuScheduler::count_turns_sample(const std::vector<uint32_t>& named_rows) {
-  uint32_t members = 0;
-  for (const Row& r : rows_) members += contends(r) ? 1 : 0;
+  const uint32_t members = contenders();
   if (members < 2) return;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
@@ -1599,8 +1601,7 @@ double GpuScheduler::least_side_share(const Row& r, uint32_t members) const {
 }
 
 void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, uint64_t now) {
-  uint32_t members = 0;
-  for (const Row& r : rows_) members += contends(r) ? 1 : 0;
+  const uint32_t members = contenders();
   // Only samples that name one of them: another tenant's process at work
   // (outside its grant) is the audit's business, not evidence of the turns.
   const bool names_member =

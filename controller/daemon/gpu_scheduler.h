@@ -150,15 +150,14 @@ class GpuScheduler {
   static constexpr uint64_t kMinSidePhaseNs = 4'000'000'000;
   static constexpr uint64_t kMaxSidePhaseNs = 16'000'000'000;
   // Side by side must leave each tenant no less of the GPU than it used in
-  // the turns before: what it used there is at most the time it held them
-  // and at most the GPU's busy share over them. A tenant named by the
-  // driver's samples side by side in fewer than that less
-  // kSideShortfallPpm (its idle moments inside its turns), beyond
+  // the turns before (check_side_shares() says how that is bounded). A
+  // tenant named by the driver's samples side by side in fewer than that
+  // less kSideShortfallPpm (its idle moments inside its turns), beyond
   // kSideShortfallSigmas standard deviations over kSideShortfallMinSamples
   // samples at least, is kept off its turns by another (one that set its
   // own contexts' time slice longer than the driver's: docs/sm-time.md,
-  // "Side by side"); the tenants named more than their part take turns for
-  // kSideBarNs.
+  // "A tenant that lengthens its own slice"); the tenants named more than
+  // their part take turns for kSideBarNs.
   static constexpr uint32_t kSideShortfallPpm = 100'000;
   static constexpr double kSideShortfallSigmas = 3.0;
   static constexpr uint32_t kSideShortfallMinSamples = 20;
@@ -489,6 +488,8 @@ class GpuScheduler {
   void charge_ungated(Row& r, uint64_t ns);
   // The row asks for the GPU (and is not blocked) or holds it.
   static bool contends(const Row& r);
+  // How many rows contend.
+  uint32_t contenders() const;
   // True if a tenant other than `self` asks for the GPU (and may be
   // granted) or holds it, as this pass saw them.
   bool contended(uint32_t self) const;

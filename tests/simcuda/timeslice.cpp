@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "sim_internal.h"
@@ -233,6 +234,23 @@ SchedState snapshot_advanced(int dev) {
 
 }  // namespace
 
+// The environment variable `name` as a whole number of microseconds in
+// [lo, hi], in ns; nothing where it is unset, or where it is not such a
+// number (then `bad` says why).
+static std::optional<uint64_t> env_micros_ns(const char* name, uint64_t lo, uint64_t hi, std::string* bad) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long us = std::strtoull(v, &end, 10);
+  if (errno != 0 || end == v || *end != 0 || us < lo || us > hi) {
+    *bad = std::string(name) + "=" + v + " is not a whole number of microseconds in [" + std::to_string(lo) + ", " +
+           std::to_string(hi) + "]";
+    return std::nullopt;
+  }
+  return us * 1000;
+}
+
 SchedParams sched_params_from_env() {
   SchedParams p;
   static std::atomic<bool> warned{false};
@@ -247,17 +265,9 @@ SchedParams sched_params_from_env() {
     }
   }
   const auto micros = [&](const char* name, uint64_t& out, uint64_t lo, uint64_t hi) {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == 0) return;
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long us = std::strtoull(v, &end, 10);
-    if (errno != 0 || end == v || *end != 0 || us < lo || us > hi) {
-      warn(std::string(name) + "=" + v + " is not a whole number of microseconds in [" + std::to_string(lo) + ", " +
-           std::to_string(hi) + "]; using the default");
-      return;
-    }
-    out = us * 1000;
+    std::string bad;
+    if (const std::optional<uint64_t> ns = env_micros_ns(name, lo, hi, &bad)) out = *ns;
+    if (!bad.empty()) warn(bad + "; using the default");
   };
   micros("SIMCUDA_TIMESLICE_US", p.timeslice_ns, 1, 1000000);
   micros("SIMCUDA_SWITCH_US", p.switch_ns, 0, 100000);
@@ -265,17 +275,10 @@ SchedParams sched_params_from_env() {
 }
 
 uint64_t own_slice_from_env() {
-  const char* v = std::getenv("SIMCUDA_OWN_TIMESLICE_US");
-  if (v == nullptr || *v == 0) return 0;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long us = std::strtoull(v, &end, 10);
-  if (errno != 0 || end == v || *end != 0 || us < 1 || us > 1000000) {
-    std::fprintf(stderr, "simcuda: SIMCUDA_OWN_TIMESLICE_US=%s is not a whole number of microseconds in [1, 1000000]; "
-                 "using the device's slice\n", v);
-    return 0;
-  }
-  return us * 1000;
+  std::string bad;
+  const std::optional<uint64_t> ns = env_micros_ns("SIMCUDA_OWN_TIMESLICE_US", 1, 1000000, &bad);
+  if (!bad.empty()) std::fprintf(stderr, "simcuda: %s; using the device's slice\n", bad.c_str());
+  return ns.value_or(0);
 }
 
 bool timeslice_model() { return S()->model == kModelTimeslice; }
