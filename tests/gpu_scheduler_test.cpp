@@ -1922,12 +1922,13 @@ class SideBySideTest : public SchedulerTest {
           pid = side_named_a_ >= 1 ? pa_ : pb_;
           if (side_named_a_ >= 1) side_named_a_ -= 1;
         }
-        // A dodger is never on the GPU at an instant: the other is named
-        // where it has the GPU too, and in the dodger's own turns the GPU
-        // is idle then (no sample).
-        const bool skip = dodger_ >= 0 && pid == (dodger_ == 0 ? pa_ : pb_) && !together();
-        if (dodger_ >= 0 && together()) pid = dodger_ == 0 ? pb_ : pa_;
-        if (skip) continue;
+        // A dodger is never on the GPU at an instant: side by side the other
+        // is named, and in the dodger's own turns the GPU is idle then (no
+        // sample).
+        if (dodger_ >= 0 && pid == (dodger_ == 0 ? pa_ : pb_)) {
+          if (!together()) continue;
+          pid = dodger_ == 0 ? pb_ : pa_;
+        }
         const double util = side_util_ >= 0 && holds(0) && holds(1) ? side_util_ : util_;
         meter_.samples.push_back({pid, static_cast<uint64_t>(util * 100 * kMs), now_});
       }
