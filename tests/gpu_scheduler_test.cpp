@@ -2118,6 +2118,26 @@ TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTur
   EXPECT_EQ(row(0).missed_deadlines.load(), missed) << "a missed no deadline";
 }
 
+// The bar lasts kSideBarNs, not for good: a tenant that shows its part again
+// shares again once it ends (after the measuring turns), and its flag goes.
+TEST_F(SideBySideTest, TheBarEndsAfterItsTimeAndThePairSharesAgain) {
+  start(0.6);
+  a_share_ = 0.9;
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  ms_while(true, 30'000);
+  ASSERT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns);
+  const uint64_t barred_at = now_;
+  a_share_ = 0.5;
+  const int bar_ms = static_cast<int>(GpuScheduler::kSideBarNs / kMs);
+  EXPECT_EQ(ms_while(false, bar_ms - 1000), bar_ms - 1000) << "side by side before the bar's end";
+  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns) << "a second before the end";
+  ms_while(false, 5000);
+  ASSERT_TRUE(together()) << "still taking turns " << (now_ - barred_at) / kMs << " ms after the bar";
+  EXPECT_GE(now_ - barred_at, GpuScheduler::kSideBarNs);
+  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns) << "fracgpu status no longer shows it";
+}
+
 // A tenant that keeps off the GPU at the sampling instants, in turns as side
 // by side (the phase-locked cheat), is named seldom side by side by its own
 // doing: that is no evidence against its neighbour, who is named at the
