@@ -2085,8 +2085,8 @@ TEST_F(SideBySideTest, ATenantMissingItsDrainDeadlinesIsNoTenantLeftAlone) {
 // other short of what it used in turns, and the one named more takes
 // turns from then on, though the turns leave room; the other is not
 // barred. The other waits for its drains longer (1 s) before being granted
-// beside its queue, of which it would take nine tenths. (The bar's end,
-// kSideBarNs later, is not run here.)
+// beside its queue, of which it would take nine tenths. (The bar's end:
+// TheBarEndsAfterItsTimeAndThePairSharesAgain.)
 TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTurns) {
   start(0.6);
   a_share_ = 0.9;

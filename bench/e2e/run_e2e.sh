@@ -51,7 +51,9 @@
 #     before the next instant, waited for) beside `honest` (1 ms kernels);
 #   - flood: two light step loops (50 us kernels, 60 us of host work, 3.2 ms
 #     queued at most), `light` and `flood`; from 2 s on, `flood` launches
-#     20 ms kernels back to back, 100 ms queued ahead.
+#     20 ms kernels back to back, 100 ms queued ahead;
+#   - slice (not in --smoke): `flood` as above, its contexts' time slice
+#     lengthened to 10 ms (SIMCUDA_OWN_TIMESLICE_US), beside `light`.
 # And the cheat beside a light step50 tenant `light` (dodge; not in --smoke):
 # a pair that may hold the GPU side by side. And (not in --smoke) a hostile
 # tenant `cheat` whose container runs a load of 1 ms kernels and an attack
@@ -111,8 +113,8 @@
 # --only runs one set: workloads (everything above the latency set),
 # latency, or hostile (the cheats of the workloads set alone: the
 # phase-locked cheat beside a compute-bound and a light tenant, the long
-# kernel timed between samples, the light tenant beside a flood, and the
-# hostile containers; their tables are the workloads set's). Exit 0 when
+# kernel timed between samples, the light tenant beside a flood and beside
+# a flood of a lengthened slice, and the hostile containers; their tables are the workloads set's). Exit 0 when
 # every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -266,6 +268,9 @@ load_args() {
 # or for attack-KIND a hostile tenant's load and attack (tenant_attack.sh).
 workload_command() {
   case $1 in
+    # A process may set its own contexts' time slice (docs/sm-time.md, "A
+    # tenant that lengthens its own slice"): on the simulated driver, this.
+    load-slice) echo "env SIMCUDA_OWN_TIMESLICE_US=10000 $load $(load_args load-flood)" ;;
     load-*) echo "$load $(load_args "$1")" ;;
     attack-*) echo "bash $here/tenant_attack.sh ${1#attack-} $build $cheat_period_ms $guard_ms" ;;
     *) echo "$workload $(workload_args "$1")" ;;
@@ -396,6 +401,8 @@ if [[ $only != latency ]]; then
   if ((!smoke)); then
     run flood-native-2 flood native light::load-light flood::load-flood
     run flood-fracgpu-0.5-0.5 flood fracgpu light:0.5:load-light flood:0.5:load-flood
+    run slice-native-2 slice native light::load-light flood::load-slice
+    run slice-fracgpu-0.5-0.5 slice fracgpu light:0.5:load-light flood:0.5:load-slice
     # The phase-locked cheat beside a light tenant: a pair that may hold the
     # GPU side by side, where the cheat's timing must buy nothing either.
     run dodge-native-2 dodge native cheat::cheat light::step50
