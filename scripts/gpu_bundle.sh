@@ -22,6 +22,12 @@
 #                     ($FRACGPU_GPU_WORKLOAD).
 #   timeslice_probe   bench/gpu/timeslice_probe.cu, nvcc --arch ARCH
 #                     (tests/gpu/run_timeslice.sh).
+#   cupti/libcupti.so.13  CUPTI 13.1 from PyPI's nvidia-cuda-cupti (pip
+#                     download, ~7 MB): the context-switch records
+#                     run_timeslice.sh asks for came with CUPTI 13.1, newer
+#                     than this project's toolkit (the oldest that has them,
+#                     for the widest range of drivers). Left out, with a
+#                     message, where PyPI cannot be reached.
 # and into DIR/tests/, from a second build with the tests (DIR-probes/, only
 # these two targets), the loads of tests/gpu/run_hostile.sh, which cannot be
 # built on the GPU machine without the build's packages:
@@ -65,6 +71,25 @@ for b in "${binaries[@]}" "$dir/interpose/libfracgpu.so"; do
     *) [[ $runpath == *'$ORIGIN/../lib'* ]] || { echo "gpu_bundle: $b has no \$ORIGIN/../lib runpath ($runpath)" >&2; exit 1; } ;;
   esac
 done
+# CUPTI 13.1's library from PyPI into DIR (nothing but a message where it
+# cannot be had).
+fetch_cupti_13_1() {
+  local into=$1 tmp whl
+  tmp=$(mktemp -d)
+  if timeout 120 python3 -m pip download --quiet --no-deps --dest "$tmp" "nvidia-cuda-cupti>=13.1,<13.2" >/dev/null 2>&1 &&
+    whl=$(ls "$tmp"/nvidia_cuda_cupti-*.whl 2>/dev/null | head -n 1) && [[ -n $whl ]] &&
+    python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+name = next(n for n in z.namelist() if n.endswith("/libcupti.so.13"))
+open(sys.argv[2], "wb").write(z.read(name))' "$whl" "$tmp/libcupti.so.13"; then
+    mkdir -p "$into"
+    mv "$tmp/libcupti.so.13" "$into/"
+    echo "gpu bundle: CUPTI $(basename "$whl" | cut -d- -f2) from PyPI in $into"
+  else
+    echo "gpu bundle: PyPI's nvidia-cuda-cupti could not be had: run_timeslice.sh will use the GPU machine's CUPTI"
+  fi
+  rm -rf "$tmp"
+}
 instrument_files=()
 if ((instruments)); then
   mkdir -p "$dir/bench/gpu"
@@ -76,6 +101,7 @@ if ((instruments)); then
   for f in nvml_sampler libfracgpu_cupti_meter.so gpu_workload timeslice_probe; do
     [[ ! -e $dir/bench/gpu/$f ]] || instrument_files+=("$dir/bench/gpu/$f")
   done
+  fetch_cupti_13_1 "$dir/bench/gpu/cupti"
   probes=${dir%/}-probes
   cmake -S . -B "$probes" -DCMAKE_BUILD_TYPE=Release -DCUDAToolkit_ROOT=/usr/local/cuda \
     "-DCMAKE_BUILD_RPATH=\$ORIGIN/../lib" >/dev/null

@@ -22,6 +22,17 @@
 //   "final": true only in the file written at exit; "error" when CUPTI
 //   refused to start (the process itself runs on regardless).
 //
+// With FRACGPU_CUPTI_CTX_SWITCH=1 it also asks for CUPTI 13.1's records of the
+// compute engine switching contexts (CUPTI_ACTIVITY_KIND_COMPUTE_ENGINE_CTX_SWITCH)
+// and for the process's own contexts (CUPTI_ACTIVITY_KIND_CONTEXT), and adds
+// "ctx_switch": whether the kind was enabled (else CUPTI's error: a CUPTI
+// older than 13.1 does not know it), how many records came, per context ID
+// how many starts and ends, the process's own context IDs, and the first
+// kCtxSwitchEventsKept records as [CLOCK_MONOTONIC ns, context ID,
+// operation (1 start, 2 end)]. What tests/gpu/run_timeslice.sh asks of them:
+// whether they come at all on this driver, and whether a process that runs
+// nothing receives other processes' switches (docs/gpu-results.md).
+//
 // What it measures: a kernel's start-end includes time in which another
 // process's context held the GPU (the driver's time-slicing) or ran beside it
 // (MPS). So it is a process's GPU time only where one process's kernels run
@@ -48,6 +59,20 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+// CUPTI 13.1's context-switch record, as its documentation gives it, for
+// toolkits whose header predates it (this project builds with 13.0's): the
+// library found at run time decides whether it knows the kind.
+constexpr CUpti_ActivityKind kCtxSwitchKind = static_cast<CUpti_ActivityKind>(57);
+struct CtxSwitchRecord {
+  CUpti_ActivityKind kind;
+  uint32_t context_id;
+  uint64_t timestamp;
+  uint32_t operation;  // 1: the switch starts; 2: it ends
+  uint32_t padding;
+};
+static_assert(sizeof(CtxSwitchRecord) == 24 && offsetof(CtxSwitchRecord, timestamp) == 8, "CUPTI 13.1 record layout");
+static_assert(offsetof(CUpti_ActivityContext, contextId) == 4, "CUPTI context record layout");
 
 // start and end sit at the same place in every kernel record version (the
 // newer ones only add fields at the end): read them through the oldest that
@@ -82,6 +107,21 @@ uint64_t g_committed_ns = 0, g_horizon = 0;  // union committed; everything comm
 uint64_t g_kernels = 0, g_sum_ns = 0, g_dropped = 0, g_zero = 0, g_late = 0;
 uint64_t g_first = UINT64_MAX, g_last = 0;
 std::set<uint32_t>& g_devices = *new std::set<uint32_t>;
+// Context switches (FRACGPU_CUPTI_CTX_SWITCH=1).
+constexpr size_t kCtxSwitchEventsKept = 20000;
+struct SwitchCounts {
+  uint64_t starts = 0, ends = 0, other = 0;
+};
+bool g_ctx_switch_asked = false;
+std::string& g_ctx_switch_error = *new std::string;  // empty: enabled
+uint64_t g_ctx_switch_records = 0;
+std::map<uint32_t, SwitchCounts>& g_switches = *new std::map<uint32_t, SwitchCounts>;
+std::set<uint32_t>& g_own_contexts = *new std::set<uint32_t>;
+struct SwitchEvent {
+  uint64_t mono_ns;
+  uint32_t context_id, operation;
+};
+std::vector<SwitchEvent>& g_switch_events = *new std::vector<SwitchEvent>;
 std::atomic<bool> g_stop{false}, g_flusher_done{false};
 std::mutex g_write_mutex;
 
@@ -164,6 +204,20 @@ void CUPTIAPI buffer_completed(CUcontext context, uint32_t stream_id, uint8_t* b
     std::lock_guard<std::mutex> lock(g_mutex);
     CUpti_Activity* record = nullptr;
     while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+      if (record->kind == kCtxSwitchKind) {
+        const auto* c = reinterpret_cast<const CtxSwitchRecord*>(record);
+        ++g_ctx_switch_records;
+        SwitchCounts& counts = g_switches[c->context_id];
+        (c->operation == 1 ? counts.starts : c->operation == 2 ? counts.ends : counts.other) += 1;
+        if (g_switch_events.size() < kCtxSwitchEventsKept)
+          g_switch_events.push_back(
+              {static_cast<uint64_t>(static_cast<long long>(c->timestamp) + g_offset), c->context_id, c->operation});
+        continue;
+      }
+      if (record->kind == CUPTI_ACTIVITY_KIND_CONTEXT) {
+        g_own_contexts.insert(reinterpret_cast<const CUpti_ActivityContext*>(record)->contextId);
+        continue;
+      }
       if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && record->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel4*>(record);
       if (k->start == 0 || k->end <= k->start) {
@@ -199,6 +253,33 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// The "ctx_switch" object of the file. Caller holds g_mutex.
+std::string ctx_switch_json() {
+  std::string text = "{\"enabled\": " + std::string(g_ctx_switch_error.empty() ? "true" : "false");
+  if (!g_ctx_switch_error.empty()) text += ", \"error\": " + json_string(g_ctx_switch_error);
+  text += ", \"records\": " + std::to_string(g_ctx_switch_records) + ", \"own_contexts\": [";
+  bool first = true;
+  for (uint32_t id : g_own_contexts) {
+    text += (first ? "" : ", ") + std::to_string(id);
+    first = false;
+  }
+  text += "], \"contexts\": {";
+  first = true;
+  for (const auto& [id, counts] : g_switches) {
+    text += (first ? "\"" : ", \"") + std::to_string(id) + "\": {\"starts\": " + std::to_string(counts.starts) +
+            ", \"ends\": " + std::to_string(counts.ends) + ", \"other\": " + std::to_string(counts.other) + "}";
+    first = false;
+  }
+  text += "}, \"events\": [";
+  first = true;
+  for (const SwitchEvent& e : g_switch_events) {
+    text += (first ? "[" : ", [") + std::to_string(e.mono_ns) + ", " + std::to_string(e.context_id) + ", " +
+            std::to_string(e.operation) + "]";
+    first = false;
+  }
+  return text + "]}";
 }
 
 // Writes the file (tmp + rename). Only the process that started the meter
@@ -258,6 +339,7 @@ void write_out(bool final) {
       }
     }
     text += "]";
+    if (g_ctx_switch_asked) text += ", \"ctx_switch\": " + ctx_switch_json();
     if (!g_error.empty()) text += ", \"error\": " + json_string(g_error);
     text += "}\n";
   }
@@ -322,6 +404,19 @@ extern "C" __attribute__((visibility("default"))) int InitializeInjection(void) 
       fprintf(stderr, "cupti_meter: %s\n", g_error.c_str());
       write_out(true);
       return;
+    }
+    if (const char* ctx = getenv("FRACGPU_CUPTI_CTX_SWITCH"); ctx != nullptr && strcmp(ctx, "1") == 0) {
+      // Kernel records go on whatever CUPTI says to these.
+      g_ctx_switch_asked = true;
+      uint32_t version = 0;
+      cuptiGetVersion(&version);
+      CUptiResult c = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONTEXT);
+      if (c == CUPTI_SUCCESS) c = cuptiActivityEnable(kCtxSwitchKind);
+      if (c != CUPTI_SUCCESS) {
+        g_ctx_switch_error = std::string("CUPTI (API version ") + std::to_string(version) +
+                             ") refused the context-switch records: " + cupti_error(c);
+        fprintf(stderr, "cupti_meter: %s\n", g_ctx_switch_error.c_str());
+      }
     }
     atexit(at_exit);
     std::thread(flusher).detach();

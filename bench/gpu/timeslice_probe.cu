@@ -7,11 +7,15 @@
 // bench/gpu/timeslice_report.py lines their logs up into the slice length and
 // the switch gap (tests/gpu/run_timeslice.sh does both).
 //
-//   timeslice_probe [--seconds S] [--gap-ns N] [--max-gaps K]
+//   timeslice_probe [--seconds S] [--gap-ns N] [--max-gaps K] [--idle]
 //
 // Prints one JSON line: {"pid", "start_ns", "end_ns", "gap_ns", "gaps": [[from,
 // to], ...], "overflow"} on the global timer's clock. Exit 0, or 1 with a
 // message when CUDA fails.
+// --idle: a process with a context on the GPU that runs nothing for S
+// seconds (after the warm-up launch), and prints {"pid", "idle": true}: the
+// observer of run_timeslice.sh's CUPTI run, which asks whether a process
+// receives other processes' context switches.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -66,7 +70,12 @@ bool check(cudaError_t e, const char* what) {
 int main(int argc, char** argv) {
   double seconds = 2.0;
   unsigned long long gap_ns = 3000, max_gaps = 1 << 18;
+  bool idle = false;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--idle") == 0) {
+      idle = true;
+      continue;
+    }
     const auto value = [&](const char* name) -> const char* {
       if (std::strcmp(argv[i], name) != 0) return nullptr;
       if (i + 1 >= argc) {
@@ -82,7 +91,7 @@ int main(int argc, char** argv) {
     } else if (const char* v = value("--max-gaps")) {
       max_gaps = std::strtoull(v, nullptr, 10);
     } else {
-      std::fprintf(stderr, "usage: timeslice_probe [--seconds S] [--gap-ns N] [--max-gaps K]\n");
+      std::fprintf(stderr, "usage: timeslice_probe [--seconds S] [--gap-ns N] [--max-gaps K] [--idle]\n");
       return 64;
     }
   }
@@ -99,6 +108,11 @@ int main(int argc, char** argv) {
   // measured spin starts.
   spin<<<1, 1>>>(1000000, gap_ns, d_gaps, max_gaps, d_log);
   if (!check(cudaDeviceSynchronize(), "warm-up")) return 1;
+  if (idle) {
+    usleep(static_cast<useconds_t>(seconds * 1e6));
+    std::printf("{\"pid\": %d, \"idle\": true}\n", static_cast<int>(getpid()));
+    return 0;
+  }
   spin<<<1, 1>>>(static_cast<uint64_t>(seconds * 1e9), gap_ns, d_gaps, max_gaps, d_log);
   if (!check(cudaGetLastError(), "launch") || !check(cudaDeviceSynchronize(), "spin")) return 1;
   Log log{};

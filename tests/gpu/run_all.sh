@@ -18,8 +18,9 @@
 #   timeslice tests/gpu/run_timeslice.sh: the driver's own slice length and
 #             context-switch gap (two, then three processes spinning on the
 #             GPU's global timer), the simulated driver's time-slice model's
-#             settings. 2 runs of 2 s, ~5 s of nvcc without the bundle's probe
-#                                                                20 s |  20 s
+#             settings; then whether CUPTI's context-switch records show a
+#             process the others' switches. 3 runs of 2 s, ~5 s of nvcc
+#             without the bundle's probe                         25 s |  25 s
 #   memory    tests/gpu/run_memory_checks.sh: memory quotas under PyTorch and
 #             JAX, the cheapest whole test of the interposer on a real driver.
 #             9 short processes, one after another                50 s |  50 s
@@ -44,7 +45,7 @@
 #             0.25/0.75, 0.1/0.9, MPS). Last: the longest, and its figures
 #             mean little where the checks before it fail.
 #             39 runs of 15 s | 12 runs of 4 s                   750 s |  90 s
-#   In all: about 30 minutes in full; about 9.4 minutes (565 s) with --quick.
+#   In all: about 30 minutes in full; about 9.5 minutes (570 s) with --quick.
 # How the estimates are made (on an idle H100/H200, warm page cache; none has
 # been timed yet): a run is its window plus the start of its processes, which
 # start in parallel (PyTorch: import, CUDA context, cuBLAS, ~5 s; a CUDA
@@ -111,9 +112,9 @@ checks=("${args[@]:2}")
 [[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=450 [hostile]=250 [nvml]=35 [latency]=185
+declare -A estimate_full=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=450 [hostile]=250 [nvml]=35 [latency]=185
   [bench]=750)
-declare -A estimate_quick=([calibrate]=100 [timeslice]=20 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
+declare -A estimate_quick=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
   [bench]=90)
 
 # command_for CHECK: sets cmd to the check's command line.

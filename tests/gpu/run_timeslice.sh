@@ -15,8 +15,20 @@
 # ./timeslice-results): probe-<n>-<i>.json (each probe's log),
 # timeslice-<n>.json (the figures) and prints, per run, the slice and switch
 # gap (p10/p50/p90) and the matching SIMCUDA_* settings. No fracgpu in it:
-# the driver alone. Exit 0 when both runs gave figures; 1 otherwise; 2
-# without a GPU or a way to build the probe.
+# the driver alone.
+# Then, where the CUPTI meter is at hand (BUILD_DIR/bench/gpu, else
+# $FRACGPU_CUPTI_METER, else built by bench/gpu/build_tools.sh), a third run:
+# two spinning probes and one that runs nothing (--idle), each with the
+# meter asking for CUPTI 13.1's context-switch records
+# (FRACGPU_CUPTI_CTX_SWITCH=1); bench/gpu/ctxswitch_report.py says whether
+# they come on this driver and whether a process receives other processes'
+# switches (ctxswitch.json, meter-*.json). CUPTI is the one the meter finds
+# (its RUNPATH: the toolkit's), unless a directory with a newer
+# libcupti.so.13 is named by $FRACGPU_CUPTI_LIB_DIR or is BUILD_DIR/bench/gpu/
+# cupti (scripts/gpu_bundle.sh --with-instruments puts PyPI's newest there).
+# Without a meter, or with a CUPTI older than 13.1, that run says so and
+# does not fail. Exit 0 when the two timing runs gave figures; 1 otherwise;
+# 2 without a GPU or a way to build the probe.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -66,4 +78,43 @@ for n in 2 3; do
   echo "== $n probes at once"
   python3 "$root/bench/gpu/timeslice_report.py" --json "$out/timeslice-$n.json" "$out"/probe-"$n"-*.json || rc=1
 done
+
+# CUPTI's context-switch records (see the top).
+links() { ! ldd "$1" 2>/dev/null | grep -q 'not found'; }
+meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
+if [[ ! -e $meter ]] || ! links "$meter"; then
+  bash "$root/bench/gpu/build_tools.sh" "$out/bin" 2>"$out/build_tools.log" || true
+  meter=$out/bin/libfracgpu_cupti_meter.so
+fi
+echo "== CUPTI's context-switch records: two probes spinning, one idle"
+if [[ ! -e $meter ]] || ! links "$meter"; then
+  echo "no CUPTI meter here (build dir, \$FRACGPU_CUPTI_METER, build_tools.sh): not measured"
+  exit "$rc"
+fi
+cupti_dir=${FRACGPU_CUPTI_LIB_DIR:-$build/bench/gpu/cupti}
+libpath=${LD_LIBRARY_PATH:-}
+if [[ -e $cupti_dir/libcupti.so.13 ]]; then
+  libpath=$cupti_dir${libpath:+:$libpath}
+  echo "CUPTI from $cupti_dir"
+fi
+rm -f "$out"/ctx-*.json "$out"/meter-*.json
+pids=()
+for role in spin-0 spin-1 idle; do
+  args=(--seconds "$seconds")
+  [[ $role != idle ]] || args+=(--idle)
+  env LD_LIBRARY_PATH="$libpath" CUDA_INJECTION64_PATH="$meter" FRACGPU_CUPTI_CTX_SWITCH=1 \
+    FRACGPU_CUPTI_OUT="$out/meter-$role" "$probe" "${args[@]}" >"$out/ctx-$role.json" 2>"$out/ctx-$role.err" &
+  pids+=($!)
+done
+ok=1
+for p in "${pids[@]}"; do wait "$p" || ok=0; done
+meter_of() { ls "$out"/meter-"$1".*.json 2>/dev/null | grep -v '\.tmp$' | head -n 1; }
+if ((!ok)) || [[ -z $(meter_of spin-0) || -z $(meter_of spin-1) || -z $(meter_of idle) ]]; then
+  echo "a process of the CUPTI run failed, or a meter wrote nothing:"
+  cat "$out"/ctx-*.err
+  exit "$rc"
+fi
+python3 "$root/bench/gpu/ctxswitch_report.py" --json "$out/ctxswitch.json" \
+  --spinner "$out/ctx-spin-0.json" "$(meter_of spin-0)" --spinner "$out/ctx-spin-1.json" "$(meter_of spin-1)" \
+  --idle "$(meter_of idle)" || true
 exit "$rc"
