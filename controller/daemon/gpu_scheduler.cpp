@@ -867,7 +867,6 @@ void GpuScheduler::read_meter(uint64_t now) {
     if (auto it = pid_rows_.find(u.pid); it != pid_rows_.end() && names_then(u.pid, at)) {
       file_split_use(u.pid, it->second, busy, at, now);
       if (side_ && at >= side_phase_.from) check_side_shares(it->second, now);
-      if (!side_ && at >= turns_.from) count_turns_sample(it->second);
     } else if (unattributed_.size() < 4096 || unattributed_.count(u.pid) != 0) {
       Unattributed& un = unattributed_[u.pid];
       if (un.since == 0) un.since = now;
@@ -1548,7 +1547,6 @@ void GpuScheduler::step_side_by_side(uint64_t now) {
 // this one used), and no more than its part (the driver's equal turns give
 // each that much while all have work; one that had the GPU to itself in
 // turns while the others were idle cannot expect that beside them).
-// check_side_shares() bounds it further by the samples in turns.
 void GpuScheduler::set_side_least_shares(uint64_t now) {
   const int64_t busy = busy_ppm(turns_, now);
   const uint64_t span = turns_held_taken_ && now > turns_held_at_ ? now - turns_held_at_ : 0;
@@ -1562,42 +1560,25 @@ void GpuScheduler::set_side_least_shares(uint64_t now) {
   }
 }
 
-void GpuScheduler::count_turns_sample(const std::vector<uint32_t>& named_rows) {
-  const uint32_t members = contenders();
-  if (members < 2) return;
-  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
-    Row& r = rows_[t];
-    if (!contends(r)) continue;
-    if (r.turns_samples >= kTurnsSamplesKept) {
-      r.turns_samples /= 2;
-      r.turns_named /= 2;
-    }
-    r.turns_samples += 1;
-    r.turns_named += std::find(named_rows.begin(), named_rows.end(), t) != named_rows.end() ? 1 : 0;
-  }
-}
-
 // Each sample side by side names one process; over many, a tenant kept to
 // a shorter share of the driver's turns than its least share is named
 // fewer times than that share expects, well beyond chance (a binomial
 // count, kSideShortfallSigmas standard deviations). Its least share: what
-// it used in the last turns measured (set_side_least_shares()), and no
-// more than the share of the samples in turns that named it (one that
-// keeps off the GPU at the sampling instants is named seldom side by side
-// by its own doing, and must not make its neighbour look greedy for it;
-// one that does so only side by side still can, and could send them to
-// turns anyway, by reporting a second context), less kSideShortfallPpm
-// for the idle moments inside its turns that side by side gives the
-// others. The share is taken as it stands now, over all the samples since
-// the last bar, so that what the turns have said since corrects an early
-// guess; the counts run over the phases, so that a tenant cannot wipe them
-// by changing what it asks for. The tenants named more than their part
-// take turns for kSideBarNs; the others may still share.
-double GpuScheduler::least_side_share(const Row& r, uint32_t members) const {
-  const double part = 1.0 / static_cast<double>(members);
-  const double named_in_turns = (r.turns_named + kTurnsPriorSamples * part) / (r.turns_samples + kTurnsPriorSamples);
-  return std::min(r.side_least_ppm / static_cast<double>(kPpm), named_in_turns) -
-         kSideShortfallPpm / static_cast<double>(kPpm);
+// it used in the last turns measured (set_side_least_shares()), less
+// kSideShortfallPpm for the idle moments inside its turns that side by
+// side gives the others. The counts run over the phases since the last
+// bar, so that a tenant cannot wipe them by changing what it asks for. The
+// tenants named more than their part take turns for kSideBarNs; the others
+// may still share.
+// Nothing here bounds the least share by how often the samples in turns
+// named a tenant: a flooder's queue, running on past its revocations beside
+// the next holder's grant, keeps the samples in turns off its light
+// neighbour, and the check then missed it in one run of two or three. So a
+// tenant that keeps off the GPU at the instants side by side (by its own
+// doing) gets its neighbour barred: that costs the neighbour side by side,
+// which any tenant can take from all by reporting a second context.
+double GpuScheduler::least_side_share(const Row& r) {
+  return r.side_least_ppm / static_cast<double>(kPpm) - kSideShortfallPpm / static_cast<double>(kPpm);
 }
 
 void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, uint64_t now) {
@@ -1614,7 +1595,7 @@ void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, ui
     const bool named = std::find(named_rows.begin(), named_rows.end(), t) != named_rows.end();
     r.side_named += named ? 1 : 0;
     r.side_samples += 1;
-    const double least = least_side_share(r, members);
+    const double least = least_side_share(r);
     if (least <= 0 || r.side_samples < kSideShortfallMinSamples) continue;
     const double shortfall = r.side_samples * least - r.side_named;
     if (shortfall > kSideShortfallSigmas * std::sqrt(r.side_samples * least * (1 - least))) short_of.push_back(t);
@@ -1637,7 +1618,7 @@ void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, ui
     note(true, fmt::format("{}: side by side, the driver's samples named tenant \"{}\" {:.0f} times where what it "
                            "used in turns called for {:.0f} at least: the driver's turns kept it short; {} take(s) "
                            "turns for {} s",
-                           label_, kept.name, kept.side_named, kept.side_samples * least_side_share(kept, members),
+                           label_, kept.name, kept.side_named, kept.side_samples * least_side_share(kept),
                            barred, kSideBarNs / kSecond));
   for (Row& r : rows_) r.side_named = r.side_samples = 0;
 }

@@ -165,13 +165,6 @@ class GpuScheduler {
   // A tenant so barred has this long to drain a revoked grant before the
   // next holder is granted beside its queue (drain_deadline()).
   static constexpr uint64_t kBarredDrainDeadlineNs = 1'000'000'000;
-  // What a tenant used in turns is also bounded by how often the samples
-  // named it there (a tenant that keeps off the GPU at the sampling instants
-  // expects as little side by side), over about the last kTurnsSamplesKept,
-  // counted from kTurnsPriorSamples that named it in its part's proportion
-  // (so that the first few say little either way).
-  static constexpr double kTurnsSamplesKept = 200;
-  static constexpr double kTurnsPriorSamples = 2;
   // Turns are measured while at least two tenants ask; alone longer than
   // this, the measure starts afresh.
   static constexpr uint64_t kAloneResetNs = 100'000'000;
@@ -333,9 +326,6 @@ class GpuScheduler {
     // (0: never).
     uint64_t turns_held0 = 0;
     uint32_t side_least_ppm = 0;
-    // In turns, the samples that named it and those taken while it asked
-    // or held (halved past kTurnsSamplesKept, so they follow what it does).
-    double turns_named = 0, turns_samples = 0;
     double side_named = 0, side_samples = 0;
     uint64_t side_barred_until = 0;
     uint32_t listed_outside_milli = 0;  // set_listed_outside()
@@ -468,12 +458,9 @@ class GpuScheduler {
   // against each member's least share; bars the members named more than
   // their part where another was named too seldom.
   void check_side_shares(const std::vector<uint32_t>& named_rows, uint64_t now);
-  // The least share of the samples side by side the row should have, of
-  // `members` sharing (check_side_shares()); 0 or less: none.
-  double least_side_share(const Row& r, uint32_t members) const;
-  // In turns: counts a sample (naming `named_rows`) for each tenant asking or
-  // holding.
-  void count_turns_sample(const std::vector<uint32_t>& named_rows);
+  // The least share of the samples side by side the row should have
+  // (check_side_shares()); 0 or less: none.
+  static double least_side_share(const Row& r);
   void step_side_by_side(uint64_t now);
   void read_meter(uint64_t now);
   void charge(uint64_t now);
