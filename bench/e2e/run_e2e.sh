@@ -114,8 +114,8 @@
 # latency, or hostile (the cheats of the workloads set alone: the
 # phase-locked cheat beside a compute-bound and a light tenant, the long
 # kernel timed between samples, the light tenant beside a flood and beside
-# a flood of a lengthened slice, and the hostile containers; their tables are the workloads set's). Exit 0 when
-# every run succeeded.
+# a flood of a lengthened slice, and the hostile containers; their tables
+# are the workloads set's). Exit 0 when every run succeeded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 

@@ -25,7 +25,7 @@
 # switches (ctxswitch.json, meter-*.json). CUPTI is the one the meter finds
 # (its RUNPATH: the toolkit's), unless a directory with a newer
 # libcupti.so.13 is named by $FRACGPU_CUPTI_LIB_DIR or is BUILD_DIR/bench/gpu/
-# cupti (scripts/gpu_bundle.sh --with-instruments puts PyPI's newest there).
+# cupti (scripts/gpu_bundle.sh --with-instruments puts PyPI's 13.1 there).
 # Without a meter, or with a CUPTI older than 13.1, that run says so and
 # does not fail. Exit 0 when the two timing runs gave figures; 1 otherwise;
 # 2 without a GPU or a way to build the probe.
@@ -108,7 +108,8 @@ for role in spin-0 spin-1 idle; do
 done
 ok=1
 for p in "${pids[@]}"; do wait "$p" || ok=0; done
-meter_of() { ls "$out"/meter-"$1".*.json 2>/dev/null | grep -v '\.tmp$' | head -n 1; }
+# The meter writes FRACGPU_CUPTI_OUT.<pid>.json (through a .json.tmp).
+meter_of() { ls "$out"/meter-"$1".*.json 2>/dev/null | head -n 1; }
 if ((!ok)) || [[ -z $(meter_of spin-0) || -z $(meter_of spin-1) || -z $(meter_of idle) ]]; then
   echo "a process of the CUPTI run failed, or a meter wrote nothing:"
   cat "$out"/ctx-*.err
