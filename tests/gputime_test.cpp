@@ -60,6 +60,25 @@ bool wait_for(const std::function<bool()>& done, int ms) {
   return done();
 }
 
+// Every thread of `pid` is stopped. kill(SIGSTOP) returns once the signal is
+// queued; a thread running on another CPU (or on a virtual CPU the host has
+// descheduled) goes on until it next enters the kernel, so a test that must
+// not race the daemon waits for this.
+bool all_threads_stopped(pid_t pid) {
+  const fs::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  std::error_code ec;
+  int seen = 0;
+  for (const auto& task : fs::directory_iterator(tasks, ec)) {
+    std::ifstream in(task.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // The state follows the command name, which ends at the last ')'.
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos || close + 2 >= stat.size() || stat[close + 2] != 'T') return false;
+    ++seen;
+  }
+  return !ec && seen > 0;
+}
+
 struct TenantSpec {
   std::string name;
   std::string gpus;          // as written in the config: "0.5", "2.5"
@@ -1066,6 +1085,7 @@ TEST_F(GpuTimeTest, ACorruptArbiterIsRefusedWithoutCrashingOrBlocking) {
   start_daemon();
   const std::string arbiter = root_ + "/tenants/a/gputime-0";
   ASSERT_EQ(kill(daemon_, SIGSTOP), 0);
+  ASSERT_TRUE(wait_for([&] { return all_threads_stopped(daemon_); }, 2000)) << "the daemon did not stop";
   const int fd = open(arbiter.c_str(), O_WRONLY);
   ASSERT_GE(fd, 0) << arbiter;
   const char junk[64] = "not an arbiter";
