@@ -1945,6 +1945,13 @@ class SideBySideTest : public SchedulerTest {
     }
   }
   bool together() { return holds(0) && holds(1); }
+  bool takes_turns(int t) const { return (row(t).flags.load() & gputime::kTenantTakesTurns) != 0; }
+  // What the scheduler said since this was last asked, a line each.
+  std::string messages() {
+    std::string all;
+    for (const SchedulerMessage& m : sched_->take_messages()) all += m.text + "\n";
+    return all;
+  }
   // Runs while the pair is (`side`) or is not side by side, `most` ms at
   // most; returns how long that was.
   int ms_while(bool side, int most) {
@@ -2136,6 +2143,61 @@ TEST_F(SideBySideTest, TheBarEndsAfterItsTimeAndThePairSharesAgain) {
   ASSERT_TRUE(together()) << "still taking turns " << (now_ - barred_at) / kMs << " ms after the bar";
   EXPECT_GE(now_ - barred_at, GpuScheduler::kSideBarNs);
   EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns) << "fracgpu status no longer shows it";
+}
+
+// A tenant found again soon after its bar ends takes turns twice as long as
+// before. (30 minutes of the fixture's clock, 9 s.)
+TEST_F(SideBySideTest, ATenantFoundAgainSoonAfterItsBarTakesTurnsTwiceAsLong) {
+  start(0.6);
+  a_share_ = 0.9;
+  const int bar_ms = static_cast<int>(GpuScheduler::kSideBarNs / kMs);
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  ms_while(true, 30'000);
+  ASSERT_TRUE(takes_turns(0));
+  std::string said = messages();
+  EXPECT_NE(said.find("taking turns: \"a\" for 600 s\n"), std::string::npos) << said;
+  // Still taking nine tenths: shares once the bar ends, and is found again.
+  ms_while(false, bar_ms + 5000);
+  ASSERT_TRUE(together()) << "the first bar did not end";
+  ms_while(true, 30'000);
+  ASSERT_TRUE(takes_turns(0));
+  said = messages();
+  EXPECT_NE(said.find("taking turns: \"a\" for 1200 s (found again within 3600 s of its last bar)\n"),
+            std::string::npos)
+      << said;
+  a_share_ = 0.5;
+  EXPECT_EQ(ms_while(false, 2 * bar_ms - 1000), 2 * bar_ms - 1000) << "turns for twice the first bar";
+  EXPECT_TRUE(takes_turns(0));
+  ms_while(false, 5000);
+  EXPECT_TRUE(together()) << "the second bar did not end";
+}
+
+// A tenant that shares fairly for an hour after its bar, then takes nine
+// tenths again, is found within the thousand samples the counts keep (58 s
+// here), where counts that only grew made the hour's record a credit to
+// spend: unfound for 30 minutes. And the hour past its bar, it is barred
+// for the first bar's length again. (73 minutes of the fixture's clock,
+// 23 s.)
+TEST_F(SideBySideTest, AnHourOfFairSharingHidesNoLaterTakingAndClearsTheRecord) {
+  start(0.6);
+  a_share_ = 0.9;
+  ms_while(false, 2000);
+  ASSERT_TRUE(together());
+  ms_while(true, 30'000);
+  ASSERT_TRUE(takes_turns(0));
+  const uint64_t barred_at = now_;
+  a_share_ = 0.5;
+  run(static_cast<int>((GpuScheduler::kSideBarNs + GpuScheduler::kSideBarMemoryNs) / kMs));
+  EXPECT_FALSE(takes_turns(0)) << "barred while taking its part";
+  (void)messages();
+  a_share_ = 0.9;
+  const uint64_t taking_from = now_;
+  while (!takes_turns(0) && now_ - taking_from < 300 * (1000 * kMs)) run(100);
+  ASSERT_TRUE(takes_turns(0)) << "not found in 300 s, " << (now_ - barred_at) / (1000 * kMs) << " s after the first bar";
+  EXPECT_LT(now_ - taking_from, 120 * (1000 * kMs)) << "found in " << (now_ - taking_from) / kMs << " ms";
+  const std::string said = messages();
+  EXPECT_NE(said.find("taking turns: \"a\" for 600 s\n"), std::string::npos) << said;
 }
 
 // A tenant that keeps off the GPU at the sampling instants side by side

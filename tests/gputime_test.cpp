@@ -2186,7 +2186,7 @@ TEST_F(GpuTimeTest, ATenantThatLengthensItsOwnSliceIsFoundAndTakesTurns) {
   start_load("honest", light);
   start_load_with("cheat", flood, long_slice(true));
   const uint64_t started = now_ns();
-  const std::string note = "the driver's turns kept it short; \"cheat\" take(s) turns";
+  const std::string note = "the driver's turns kept it short; taking turns: \"cheat\" for 600 s";
   ASSERT_TRUE(wait_for([&] { return read_file(root_ + "/daemon.log").find(note) != std::string::npos; }, 30000))
       << read_file(root_ + "/daemon.log");
   const double found_after = static_cast<double>(now_ns() - started) / kSecond;

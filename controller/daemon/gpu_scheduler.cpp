@@ -112,10 +112,12 @@ void GpuScheduler::adopt(uint64_t now) {
     }
     if (r.cap_tat > now + 60 * kSecond) r.cap_tat = now;
     // A bar from side by side (check_side_shares()) outlives a restart: the
-    // file keeps the flag, not the bar's end, so it runs its whole length
-    // again from here.
-    if ((f.flags.load(std::memory_order_relaxed) & gputime::kTenantTakesTurns) != 0)
+    // file keeps the flag, not the bar's end nor its length, so it runs the
+    // first bar's length again from here.
+    if ((f.flags.load(std::memory_order_relaxed) & gputime::kTenantTakesTurns) != 0) {
+      r.side_bar_ns = kSideBarNs;
       r.side_barred_until = now + kSideBarNs;
+    }
     least = std::min(least, r.vtime);
   }
   // Virtual times only matter relative to each other: a damaged one far
@@ -1568,8 +1570,9 @@ void GpuScheduler::set_side_least_shares(uint64_t now) {
 // kSideShortfallPpm for the idle moments inside its turns that side by
 // side gives the others. The counts run over the phases since the last
 // bar, so that a tenant cannot wipe them by changing what it asks for. The
-// tenants named more than their part take turns for kSideBarNs; the others
-// may still share.
+// tenants named more than their part take turns for kSideBarNs (twice the
+// last bar for one found again within kSideBarMemoryNs); the others may
+// still share.
 // Nothing here bounds the least share by how often the samples in turns
 // named a tenant: a flooder's queue, running on past its revocations beside
 // the next holder's grant, keeps the samples in turns off its light
@@ -1588,13 +1591,28 @@ void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, ui
   const bool names_member =
       std::any_of(named_rows.begin(), named_rows.end(), [&](uint32_t t) { return t < rows_.size() && contends(rows_[t]); });
   if (members < 2 || !names_member) return;
-  std::vector<uint32_t> short_of;
+  double most = 0;
   for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
     Row& r = rows_[t];
     if (!contends(r)) continue;
     const bool named = std::find(named_rows.begin(), named_rows.end(), t) != named_rows.end();
     r.side_named += named ? 1 : 0;
     r.side_samples += 1;
+    most = std::max(most, r.side_samples);
+  }
+  // Beyond kSideSamplesKept the counts forget at the rate they grow, all by
+  // the same factor: a tenant that shared fairly for hours has no credit of
+  // samples to spend unseen on taking more, as it would with counts that
+  // only grow (an hour's record hid ten minutes of it).
+  if (most > kSideSamplesKept)
+    for (Row& r : rows_) {
+      r.side_named *= kSideSamplesKept / most;
+      r.side_samples *= kSideSamplesKept / most;
+    }
+  std::vector<uint32_t> short_of;
+  for (uint32_t t = 0; t < gputime::kMaxTenants; ++t) {
+    Row& r = rows_[t];
+    if (!contends(r)) continue;
     const double least = least_side_share(r);
     if (least <= 0 || r.side_samples < kSideShortfallMinSamples) continue;
     const double shortfall = r.side_samples * least - r.side_named;
@@ -1610,16 +1628,18 @@ void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, ui
     Row& r = rows_[t];
     if (!contends(r) || std::find(short_of.begin(), short_of.end(), t) != short_of.end()) continue;
     if (r.side_named * members <= all_named) continue;
-    r.side_barred_until = now + kSideBarNs;
-    barred += (barred.empty() ? "\"" : ", \"") + r.name + "\"";
+    const bool again = r.side_bar_ns != 0 && now < r.side_barred_until + kSideBarMemoryNs;
+    r.side_bar_ns = again ? std::min(2 * r.side_bar_ns, kSideBarMaxNs) : kSideBarNs;
+    r.side_barred_until = now + r.side_bar_ns;
+    barred += fmt::format("{}\"{}\" for {} s", barred.empty() ? "" : ", ", r.name, r.side_bar_ns / kSecond);
+    if (again) barred += fmt::format(" (found again within {} s of its last bar)", kSideBarMemoryNs / kSecond);
   }
   const Row& kept = rows_[short_of.front()];
   if (!barred.empty())
     note(true, fmt::format("{}: side by side, the driver's samples named tenant \"{}\" {:.0f} times where what it "
-                           "used in turns called for {:.0f} at least: the driver's turns kept it short; {} take(s) "
-                           "turns for {} s",
-                           label_, kept.name, kept.side_named, kept.side_samples * least_side_share(kept),
-                           barred, kSideBarNs / kSecond));
+                           "used in turns called for {:.0f} at least: the driver's turns kept it short; "
+                           "taking turns: {}",
+                           label_, kept.name, kept.side_named, kept.side_samples * least_side_share(kept), barred));
   for (Row& r : rows_) r.side_named = r.side_samples = 0;
 }
 

@@ -157,11 +157,22 @@ class GpuScheduler {
   // samples at least, is kept off its turns by another (one that set its
   // own contexts' time slice longer than the driver's: docs/sm-time.md,
   // "A tenant that lengthens its own slice"); the tenants named more than
-  // their part take turns for kSideBarNs.
+  // their part take turns for kSideBarNs. One barred again within
+  // kSideBarMemoryNs of its last bar's end takes turns twice as long as it
+  // did then, up to kSideBarMaxNs: each time it shares again it takes what
+  // it takes until it is found (seconds to tens of seconds), so a tenant
+  // that does it again and again must do it ever more seldom.
   static constexpr uint32_t kSideShortfallPpm = 100'000;
   static constexpr double kSideShortfallSigmas = 3.0;
   static constexpr uint32_t kSideShortfallMinSamples = 20;
+  // The counts keep about this many samples (check_side_shares()): enough
+  // to find a tenant kept 0.05 below its least share (three standard
+  // deviations; a slice twice the driver's keeps the other 0.07 below),
+  // few enough that a long fair record hides a flood for about half of them.
+  static constexpr double kSideSamplesKept = 1000;
   static constexpr uint64_t kSideBarNs = 600'000'000'000;
+  static constexpr uint64_t kSideBarMaxNs = 8 * kSideBarNs;
+  static constexpr uint64_t kSideBarMemoryNs = 3'600'000'000'000;
   // A tenant so barred has this long to drain a revoked grant before the
   // next holder is granted beside its queue (drain_deadline()).
   static constexpr uint64_t kBarredDrainDeadlineNs = 1'000'000'000;
@@ -323,11 +334,11 @@ class GpuScheduler {
     // GPU (ppm; at most its part); and over the phases, the samples naming
     // it and those taken while it shared. Until when it takes turns for
     // having been named more than its part while another was kept short
-    // (0: never).
+    // (0: never), and how long that bar was.
     uint64_t turns_held0 = 0;
     uint32_t side_least_ppm = 0;
     double side_named = 0, side_samples = 0;
-    uint64_t side_barred_until = 0;
+    uint64_t side_barred_until = 0, side_bar_ns = 0;
     uint32_t listed_outside_milli = 0;  // set_listed_outside()
     // When a sample last found a process of it outside the gate at work
     // (our clock; 0: never), and when a yield of it was last logged.
