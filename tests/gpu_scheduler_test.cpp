@@ -1946,6 +1946,16 @@ class SideBySideTest : public SchedulerTest {
   }
   bool together() { return holds(0) && holds(1); }
   bool takes_turns(int t) const { return (row(t).flags.load() & gputime::kTenantTakesTurns) != 0; }
+  // a named at nine of ten instants side by side: found within the first
+  // phase, it takes turns (and stays named so).
+  void bar_a() {
+    start(0.6);
+    a_share_ = 0.9;
+    ms_while(false, 2000);
+    ASSERT_TRUE(together());
+    ms_while(true, 30'000);
+    ASSERT_TRUE(takes_turns(0));
+  }
   // What the scheduler said since this was last asked, a line each.
   std::string messages() {
     std::string all;
@@ -2128,12 +2138,7 @@ TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTur
 // The bar lasts kSideBarNs, not for good: a tenant that shows its part again
 // shares again once it ends (after the measuring turns), and its flag goes.
 TEST_F(SideBySideTest, TheBarEndsAfterItsTimeAndThePairSharesAgain) {
-  start(0.6);
-  a_share_ = 0.9;
-  ms_while(false, 2000);
-  ASSERT_TRUE(together());
-  ms_while(true, 30'000);
-  ASSERT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns);
+  ASSERT_NO_FATAL_FAILURE(bar_a());
   const uint64_t barred_at = now_;
   a_share_ = 0.5;
   const int bar_ms = static_cast<int>(GpuScheduler::kSideBarNs / kMs);
@@ -2148,13 +2153,8 @@ TEST_F(SideBySideTest, TheBarEndsAfterItsTimeAndThePairSharesAgain) {
 // A tenant found again soon after its bar ends takes turns twice as long as
 // before. (30 minutes of the fixture's clock, 9 s.)
 TEST_F(SideBySideTest, ATenantFoundAgainSoonAfterItsBarTakesTurnsTwiceAsLong) {
-  start(0.6);
-  a_share_ = 0.9;
   const int bar_ms = static_cast<int>(GpuScheduler::kSideBarNs / kMs);
-  ms_while(false, 2000);
-  ASSERT_TRUE(together());
-  ms_while(true, 30'000);
-  ASSERT_TRUE(takes_turns(0));
+  ASSERT_NO_FATAL_FAILURE(bar_a());
   std::string said = messages();
   EXPECT_NE(said.find("taking turns: \"a\" for 600 s\n"), std::string::npos) << said;
   // Still taking nine tenths: shares once the bar ends, and is found again.
@@ -2180,12 +2180,7 @@ TEST_F(SideBySideTest, ATenantFoundAgainSoonAfterItsBarTakesTurnsTwiceAsLong) {
 // for the first bar's length again. (73 minutes of the fixture's clock,
 // 23 s.)
 TEST_F(SideBySideTest, AnHourOfFairSharingHidesNoLaterTakingAndClearsTheRecord) {
-  start(0.6);
-  a_share_ = 0.9;
-  ms_while(false, 2000);
-  ASSERT_TRUE(together());
-  ms_while(true, 30'000);
-  ASSERT_TRUE(takes_turns(0));
+  ASSERT_NO_FATAL_FAILURE(bar_a());
   const uint64_t barred_at = now_;
   a_share_ = 0.5;
   run(static_cast<int>((GpuScheduler::kSideBarNs + GpuScheduler::kSideBarMemoryNs) / kMs));
@@ -2194,7 +2189,8 @@ TEST_F(SideBySideTest, AnHourOfFairSharingHidesNoLaterTakingAndClearsTheRecord) 
   a_share_ = 0.9;
   const uint64_t taking_from = now_;
   while (!takes_turns(0) && now_ - taking_from < 300 * (1000 * kMs)) run(100);
-  ASSERT_TRUE(takes_turns(0)) << "not found in 300 s, " << (now_ - barred_at) / (1000 * kMs) << " s after the first bar";
+  ASSERT_TRUE(takes_turns(0)) << "not found in 300 s, " << (now_ - barred_at) / (1000 * kMs)
+                               << " s after the first bar";
   EXPECT_LT(now_ - taking_from, 120 * (1000 * kMs)) << "found in " << (now_ - taking_from) / kMs << " ms";
   const std::string said = messages();
   EXPECT_NE(said.find("taking turns: \"a\" for 600 s\n"), std::string::npos) << said;
