@@ -59,6 +59,9 @@
 //                       on only the last, back to back (no host work), flood_ahead_us
 //                       queued ahead
 //     flood_ahead_us=100000  (with flood_after_ms) how much to queue ahead while flooding
+//     flood_slice_us=S  (with flood_after_ms; simulated driver only) when the flood starts,
+//                       set the process's own time slice to S us (a real process may at
+//                       any time: the driver's channel-group control needs no privilege)
 //     kernels=sim       sim: the simulated driver's sleep_<N>us kernels; ptx: on a real GPU,
 //                       one spin kernel of fixed work (a dependent integer chain, not a
 //                       clock: cut by another context's slice, it takes the same GPU time),
@@ -101,6 +104,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "fracgpu/nvml_abi.h"
@@ -128,6 +132,7 @@ struct Options {
   unsigned exit_after_ms = 2;
   unsigned flood_after_ms = 0;
   unsigned flood_ahead_us = 100000;
+  unsigned flood_slice_us = 0;
   std::vector<unsigned> burst;  // N, P us, J us
   bool ptx_kernels = false;  // kernels=ptx
   double spin_per_us = 0;    // kernels=ptx: 0, measure
@@ -517,6 +522,7 @@ struct Launcher {
   uint64_t batch_us = 0;
   size_t next = 0;
   uint64_t flood_at_ns = 0;  // flood_after_ms: when the light phase ends
+  bool slice_set = false;    // flood_slice_us: set at the flood's start
   bool have_older = false;
 
   bool begin() {
@@ -565,6 +571,15 @@ struct Launcher {
   bool step() {
     if (o.timed_ms != 0) return timed_step();
     const bool flooding = flood_at_ns != 0 && now_ns() >= flood_at_ns;
+    if (flooding && o.flood_slice_us != 0 && !std::exchange(slice_set, true)) {
+      // The stand-in's control for the driver's own (an ioctl it does not model).
+      using SetSlice = int (*)(uint64_t);
+      const auto set_slice = reinterpret_cast<SetSlice>(dlsym(RTLD_DEFAULT, "simcuda_set_own_timeslice_us"));
+      if (set_slice == nullptr || set_slice(o.flood_slice_us) != 0) {
+        fprintf(stderr, "gputime_load: flood_slice_us: the driver cannot set this process's slice\n");
+        return false;
+      }
+    }
     if (flood_at_ns != 0) next = flooding ? functions.size() - 1 : 0;
     const unsigned host_us = flooding ? 0 : o.host_us, ahead_us = flooding ? o.flood_ahead_us : o.ahead_us;
     if (!dodge()) return false;
@@ -827,6 +842,7 @@ int main(int argc, char** argv) {
     else if (key == "burst") o.burst = parse_list(value);
     else if (key == "flood_after_ms") o.flood_after_ms = static_cast<unsigned>(atoi(value));
     else if (key == "flood_ahead_us") o.flood_ahead_us = static_cast<unsigned>(atoi(value));
+    else if (key == "flood_slice_us") o.flood_slice_us = static_cast<unsigned>(atoi(value));
     else if (key == "kernels" && (strcmp(value, "sim") == 0 || strcmp(value, "ptx") == 0))
       o.ptx_kernels = strcmp(value, "ptx") == 0;
     else if (key == "spin_per_us") o.spin_per_us = atof(value);

@@ -90,6 +90,15 @@ int simcuda_live_process_count(void) {
 
 uint64_t simcuda_now_ns(void) { return now_ns(); }
 
+int simcuda_set_own_timeslice_us(uint64_t us) {
+  Guard guard;
+  if (!attach() || us > 1000000 || proc().slot < 0) return -1;
+  // The residency so far was under the old slice: record it before the change.
+  for (int d = 0; d < device_count(); ++d) advance_device(d);
+  S()->slots[proc().slot].own_slice_ns.store(us * 1000, std::memory_order_relaxed);
+  return 0;
+}
+
 uint64_t simcuda_busy_ns(int ordinal, int pid) {
   Guard guard;
   if (!attached_device(ordinal)) return 0;

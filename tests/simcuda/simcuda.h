@@ -93,6 +93,12 @@ SIMCUDA_API uint64_t simcuda_device_busy_ns(int ordinal);
 /* Instant (simcuda_now_ns clock) at which the device finishes the work
  * enqueued so far if nobody launches more; <= now when idle. */
 SIMCUDA_API uint64_t simcuda_device_busy_until_ns(int ordinal);
+/* Time-slice model: the slice of this process's contexts from now on, in us
+ * (0: the device's), as a real process may set it at any time through the
+ * driver's channel-group control (README.md, "Time"); what ran before ran
+ * under the old one. SIMCUDA_OWN_TIMESLICE_US sets it when the process first
+ * calls the driver. Returns 0, or -1 above 1,000,000 us or before cuInit. */
+SIMCUDA_API int simcuda_set_own_timeslice_us(uint64_t us);
 /* Simulated duration of a function (default: from its name, see README). */
 SIMCUDA_API void simcuda_set_function_duration_ns(CUfunction f, uint64_t ns);
 SIMCUDA_API uint64_t simcuda_function_duration_ns(CUfunction f);

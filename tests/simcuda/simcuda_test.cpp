@@ -2823,6 +2823,63 @@ TEST_F(Timeline, AProcessThatSetsItsOwnSliceKeepsTheDeviceLongerAtEachTurn) {
   EXPECT_CHILD_PASSED(b);
 }
 
+// The control may come at any time: a process that sets its slice while
+// its work runs keeps the driver's turns until then and its own after (a
+// tenant that looks fair, then lengthens its turns).
+TEST_F(Timeline, AProcessMaySetItsOwnSliceWhileItsWorkRuns) {
+  constexpr int kKernels = 3;  // of 20 ms each, launched at once
+  constexpr uint64_t kOwnSlice = 3 * kSlice;
+  auto setter = [](Child& me) {
+    CUcontext ctx = nullptr;
+    CHECK_CU(cuCtxCreate_v2(&ctx, 0, 0));
+    CUfunction f = get_function("sleep_20000us");
+    CHECK(f != nullptr);
+    me.send(1);
+    me.wait_parent();
+    for (int i = 0; i < kKernels; ++i) CHECK_CU(launch(f));
+    const uint64_t launched = simcuda_now_ns();
+    while (simcuda_now_ns() < launched + 10 * kMs) usleep(500);
+    const uint64_t set_at = simcuda_now_ns();
+    CHECK(simcuda_set_own_timeslice_us(kOwnSlice / 1000) == 0);
+    CHECK(simcuda_set_own_timeslice_us(1000001) == -1);
+    CHECK_CU(cuCtxSynchronize());
+    me.send(set_at);
+    me.wait_parent();
+  };
+  Child a(setter), b(kernels_then_sync("sleep_20000us", kKernels));
+  ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
+  ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
+  const uint64_t first = simcuda_kernel_log_next(0);
+  a.release();
+  b.release();
+  const std::optional<uint64_t> set_at = a.recv();
+  ASSERT_TRUE(set_at) << a.report();
+  ASSERT_TRUE(b.recv()) << b.report();
+  const auto runs = residency_since(first);
+  ASSERT_GE(runs.size(), 10u);
+  // While both have work (all but the last two stretches): b's turns are the
+  // driver's; a's too until the call, and its own once it began after it.
+  size_t before = 0, after = 0;
+  for (size_t i = 1; i + 2 < runs.size(); ++i) {
+    const uint64_t len = runs[i].end_ns - runs[i].start_ns;
+    if (runs[i].pid != a.pid()) {
+      EXPECT_EQ(len, kSlice) << "stretch " << i;
+    } else if (runs[i].end_ns <= *set_at) {
+      EXPECT_EQ(len, kSlice) << "stretch " << i << ", before the call";
+      ++before;
+    } else if (runs[i].start_ns >= *set_at) {
+      EXPECT_EQ(len, kOwnSlice) << "stretch " << i << ", after the call";
+      ++after;
+    }
+  }
+  EXPECT_GE(before, 3u);
+  EXPECT_GE(after, 3u);
+  a.release();
+  b.release();
+  EXPECT_CHILD_PASSED(a);
+  EXPECT_CHILD_PASSED(b);
+}
+
 TEST(Config, TimeSliceKnobsAreTakenFromTheEnvironment) {
   SelfResult r = run_self("Knobs", {{"SIMCUDA_TIMESLICE_US", "200"}, {"SIMCUDA_SWITCH_US", "0"},
                                     {"SIMCUDA_STATE", g_state + ".knobs"}});
