@@ -2668,10 +2668,11 @@ std::vector<simcuda_kernel_record> residency_since(uint64_t first) {
   return out;
 }
 
-// Two children made by kernels_then_sync, released at once: the residency
-// stretches from then until both have finished (empty, with a failure, if
-// either did not get there).
-std::vector<simcuda_kernel_record> residency_of_pair(Child& a, Child& b) {
+// Two children made by kernels_then_sync (or sending as it does), released
+// at once: the residency stretches from then until both have finished
+// (empty, with a failure, if either did not get there), and what `a` sent
+// when it finished.
+std::vector<simcuda_kernel_record> residency_of_pair(Child& a, Child& b, uint64_t* a_said = nullptr) {
   if (a.recv() != std::optional<uint64_t>(1) || b.recv() != std::optional<uint64_t>(1)) {
     ADD_FAILURE() << a.report() << b.report();
     return {};
@@ -2679,10 +2680,12 @@ std::vector<simcuda_kernel_record> residency_of_pair(Child& a, Child& b) {
   const uint64_t first = simcuda_kernel_log_next(0);
   a.release();
   b.release();
-  if (!a.recv() || !b.recv()) {
+  const std::optional<uint64_t> said = a.recv();
+  if (!said || !b.recv()) {
     ADD_FAILURE() << a.report() << b.report();
     return {};
   }
+  if (a_said != nullptr) *a_said = *said;
   return residency_since(first);
 }
 
@@ -2847,15 +2850,8 @@ TEST_F(Timeline, AProcessMaySetItsOwnSliceWhileItsWorkRuns) {
     me.wait_parent();
   };
   Child a(setter), b(kernels_then_sync("sleep_20000us", kKernels));
-  ASSERT_EQ(a.recv(), std::optional<uint64_t>(1)) << a.report();
-  ASSERT_EQ(b.recv(), std::optional<uint64_t>(1)) << b.report();
-  const uint64_t first = simcuda_kernel_log_next(0);
-  a.release();
-  b.release();
-  const std::optional<uint64_t> set_at = a.recv();
-  ASSERT_TRUE(set_at) << a.report();
-  ASSERT_TRUE(b.recv()) << b.report();
-  const auto runs = residency_since(first);
+  uint64_t set_at = 0;
+  const auto runs = residency_of_pair(a, b, &set_at);
   ASSERT_GE(runs.size(), 10u);
   // While both have work (all but the last two stretches): b's turns are the
   // driver's; a's too until the call, and its own once it began after it.
@@ -2864,10 +2860,10 @@ TEST_F(Timeline, AProcessMaySetItsOwnSliceWhileItsWorkRuns) {
     const uint64_t len = runs[i].end_ns - runs[i].start_ns;
     if (runs[i].pid != a.pid()) {
       EXPECT_EQ(len, kSlice) << "stretch " << i;
-    } else if (runs[i].end_ns <= *set_at) {
+    } else if (runs[i].end_ns <= set_at) {
       EXPECT_EQ(len, kSlice) << "stretch " << i << ", before the call";
       ++before;
-    } else if (runs[i].start_ns >= *set_at) {
+    } else if (runs[i].start_ns >= set_at) {
       EXPECT_EQ(len, kOwnSlice) << "stretch " << i << ", after the call";
       ++after;
     }
