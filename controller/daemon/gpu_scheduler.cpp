@@ -1569,7 +1569,8 @@ void GpuScheduler::set_side_least_shares(uint64_t now) {
 // it used in the last turns measured (set_side_least_shares()), less
 // kSideShortfallPpm for the idle moments inside its turns that side by
 // side gives the others. The counts run over the phases since the last
-// bar, so that a tenant cannot wipe them by changing what it asks for. The
+// bar (the last kSideSamplesKept samples or so), so that a tenant cannot
+// wipe them by changing what it asks for. The
 // tenants named more than their part take turns for kSideBarNs (twice the
 // last bar for one found again within kSideBarMemoryNs); the others may
 // still share.
@@ -1603,7 +1604,8 @@ void GpuScheduler::check_side_shares(const std::vector<uint32_t>& named_rows, ui
   // Beyond kSideSamplesKept the counts forget at the rate they grow, all by
   // the same factor: a tenant that shared fairly for hours has no credit of
   // samples to spend unseen on taking more, as it would with counts that
-  // only grow (an hour's record hid ten minutes of it).
+  // only grow (on the scheduler's fixture, an hour's record hid thirty
+  // minutes of it).
   if (most > kSideSamplesKept)
     for (Row& r : rows_) {
       r.side_named *= kSideSamplesKept / most;
