@@ -52,8 +52,9 @@
 #   - flood: two light step loops (50 us kernels, 60 us of host work, 3.2 ms
 #     queued at most), `light` and `flood`; from 2 s on, `flood` launches
 #     20 ms kernels back to back, 100 ms queued ahead;
-#   - slice (not in --smoke): `flood` as above, its contexts' time slice
-#     lengthened to 10 ms (SIMCUDA_OWN_TIMESLICE_US), beside `light`.
+#   - slice (not in --smoke): `flood` as above, lengthening its contexts'
+#     time slice to 10 ms when its flood starts (gputime_load
+#     flood_slice_us), beside `light`.
 # And the cheat beside a light step50 tenant `light` (dodge; not in --smoke):
 # a pair that may hold the GPU side by side. And (not in --smoke) a hostile
 # tenant `cheat` whose container runs a load of 1 ms kernels and an attack
@@ -268,9 +269,10 @@ load_args() {
 # or for attack-KIND a hostile tenant's load and attack (tenant_attack.sh).
 workload_command() {
   case $1 in
-    # A process may set its own contexts' time slice (docs/sm-time.md, "A
-    # tenant that lengthens its own slice"): on the simulated driver, this.
-    load-slice) echo "env SIMCUDA_OWN_TIMESLICE_US=10000 $load $(load_args load-flood)" ;;
+    # A process may set its own contexts' time slice whenever it likes
+    # (docs/sm-time.md, "A tenant that lengthens its own slice"): this one
+    # does when its flood starts, so that nothing before gives it away.
+    load-slice) echo "$load $(load_args load-flood) flood_slice_us=10000" ;;
     load-*) echo "$load $(load_args "$1")" ;;
     attack-*) echo "bash $here/tenant_attack.sh ${1#attack-} $build $cheat_period_ms $guard_ms" ;;
     *) echo "$workload $(workload_args "$1")" ;;
