@@ -305,10 +305,11 @@ class Instants {
 
 Instants g_instants;
 
-// The deprecated launches, found at run time as an old application's loader
-// would (through the interposer's dlsym when it is preloaded).
+// A driver function found at run time, as an old application's loader
+// finds the deprecated launches (through the interposer's dlsym when it is
+// preloaded); also the stand-in's own controls. Exits if the driver has none.
 template <class Fn>
-Fn legacy(const char* name) {
+Fn driver_symbol(const char* name) {
   static void* symbol = dlsym(RTLD_DEFAULT, name);
   if (symbol == nullptr) {
     fprintf(stderr, "gputime_load: the driver has no %s\n", name);
@@ -501,9 +502,9 @@ struct Launcher {
       CHECK(cuLaunchCooperativeKernelMultiDevice(&params, 1, 0));
     } else if (p == "graph" || p == "graph_mem") CHECK(cuGraphLaunch(graphs[i], stream));
     else if (p == "graph_ptsz") CHECK(cuGraphLaunch_ptsz(graphs[i], stream));
-    else if (p == "legacy") CHECK(legacy<decltype(&cuLaunch)>("cuLaunch")(f));
-    else if (p == "legacy_grid") CHECK(legacy<decltype(&cuLaunchGrid)>("cuLaunchGrid")(f, 1, 1));
-    else if (p == "legacy_async") CHECK(legacy<decltype(&cuLaunchGridAsync)>("cuLaunchGridAsync")(f, 1, 1, stream));
+    else if (p == "legacy") CHECK(driver_symbol<decltype(&cuLaunch)>("cuLaunch")(f));
+    else if (p == "legacy_grid") CHECK(driver_symbol<decltype(&cuLaunchGrid)>("cuLaunchGrid")(f, 1, 1));
+    else if (p == "legacy_async") CHECK(driver_symbol<decltype(&cuLaunchGridAsync)>("cuLaunchGridAsync")(f, 1, 1, stream));
     else if (p == "capture") {
       if (!launch_captured(f)) return false;
     } else {
@@ -571,14 +572,11 @@ struct Launcher {
   bool step() {
     if (o.timed_ms != 0) return timed_step();
     const bool flooding = flood_at_ns != 0 && now_ns() >= flood_at_ns;
-    if (flooding && o.flood_slice_us != 0 && !std::exchange(slice_set, true)) {
-      // The stand-in's control for the driver's own (an ioctl it does not model).
-      using SetSlice = int (*)(uint64_t);
-      const auto set_slice = reinterpret_cast<SetSlice>(dlsym(RTLD_DEFAULT, "simcuda_set_own_timeslice_us"));
-      if (set_slice == nullptr || set_slice(o.flood_slice_us) != 0) {
-        fprintf(stderr, "gputime_load: flood_slice_us: the driver cannot set this process's slice\n");
-        return false;
-      }
+    // The stand-in's control for the driver's own (an ioctl it does not model).
+    if (flooding && o.flood_slice_us != 0 && !std::exchange(slice_set, true) &&
+        driver_symbol<int (*)(uint64_t)>("simcuda_set_own_timeslice_us")(o.flood_slice_us) != 0) {
+      fprintf(stderr, "gputime_load: flood_slice_us=%u: the stand-in refused it\n", o.flood_slice_us);
+      return false;
     }
     if (flood_at_ns != 0) next = flooding ? functions.size() - 1 : 0;
     const unsigned host_us = flooding ? 0 : o.host_us, ahead_us = flooding ? o.flood_ahead_us : o.ahead_us;
