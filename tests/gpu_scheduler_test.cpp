@@ -2109,11 +2109,11 @@ TEST_F(SideBySideTest, ATenantNamedBeyondItsPartWhileTheOtherIsKeptShortTakesTur
   a_share_ = 0.9;
   ms_while(false, 2000);
   ASSERT_TRUE(together());
-  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns);
+  EXPECT_FALSE(takes_turns(0));
   EXPECT_LT(ms_while(true, 30'000), static_cast<int>(GpuScheduler::kMinSidePhaseNs / kMs))
       << "found before the phase's end";
-  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns) << "fracgpu status shows it";
-  EXPECT_FALSE(row(1).flags.load() & gputime::kTenantTakesTurns) << "the one kept short is not barred";
+  EXPECT_TRUE(takes_turns(0)) << "fracgpu status shows it";
+  EXPECT_FALSE(takes_turns(1)) << "the one kept short is not barred";
   for (int i = 0; i < 20; ++i) {
     run(100);
     EXPECT_FALSE(together()) << i << ": a takes turns";
@@ -2143,11 +2143,11 @@ TEST_F(SideBySideTest, TheBarEndsAfterItsTimeAndThePairSharesAgain) {
   a_share_ = 0.5;
   const int bar_ms = static_cast<int>(GpuScheduler::kSideBarNs / kMs);
   EXPECT_EQ(ms_while(false, bar_ms - 1000), bar_ms - 1000) << "side by side before the bar's end";
-  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns) << "a second before the end";
+  EXPECT_TRUE(takes_turns(0)) << "a second before the end";
   ms_while(false, 5000);
   ASSERT_TRUE(together()) << "still taking turns " << (now_ - barred_at) / kMs << " ms after the bar";
   EXPECT_GE(now_ - barred_at, GpuScheduler::kSideBarNs);
-  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns) << "fracgpu status no longer shows it";
+  EXPECT_FALSE(takes_turns(0)) << "fracgpu status no longer shows it";
 }
 
 // A tenant found again soon after its bar ends takes turns twice as long as
@@ -2210,8 +2210,8 @@ TEST_F(SideBySideTest, ATenantDodgingTheInstantsGetsItsNeighbourTurnsAndNothingM
   ms_while(false, 2000);
   ASSERT_TRUE(together());
   EXPECT_LT(ms_while(true, 30'000), static_cast<int>(GpuScheduler::kMinSidePhaseNs / kMs));
-  EXPECT_TRUE(row(1).flags.load() & gputime::kTenantTakesTurns) << "the neighbour named at every instant";
-  EXPECT_FALSE(row(0).flags.load() & gputime::kTenantTakesTurns);
+  EXPECT_TRUE(takes_turns(1)) << "the neighbour named at every instant";
+  EXPECT_FALSE(takes_turns(0));
   const uint64_t used_a = row(0).used_ns.load(), used_b = row(1).used_ns.load();
   for (int i = 0; i < 30; ++i) {
     run(100);
@@ -2236,7 +2236,7 @@ TEST_F(SideBySideTest, ARestartedDaemonKeepsTheBar) {
     run(100);
     EXPECT_FALSE(together()) << i;
   }
-  EXPECT_TRUE(row(0).flags.load() & gputime::kTenantTakesTurns);
+  EXPECT_TRUE(takes_turns(0));
 }
 
 // The driver's equal turns, as the samples show them side by side, bar
