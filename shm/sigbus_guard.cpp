@@ -28,7 +28,10 @@ void install_sigbus_guard() {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_sigbus;
-  sa.sa_flags = SA_SIGINFO;
+  // SA_NODEFER: SIGBUS stays deliverable while the handler runs, so the
+  // jump out of it (which does not restore a mask) leaves it unblocked for
+  // the next guard. sigbus_guarded() relies on this.
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGBUS, &sa, nullptr);
   g_installed.store(true, std::memory_order_release);

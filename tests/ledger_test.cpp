@@ -554,10 +554,16 @@ TEST(SigbusGuard, AShrunkMappingFailsTheGuardedReadInsteadOfKillingTheProcess) {
   EXPECT_TRUE(fracgpu::shm::sigbus_guarded([&] { seen = map[bytes / 8 - 1]; }));
   EXPECT_EQ(seen, 7u);
   ASSERT_EQ(ftruncate(fd, 0), 0);
+  sigset_t mask_before;
+  ASSERT_EQ(pthread_sigmask(SIG_SETMASK, nullptr, &mask_before), 0);
   for (int round = 0; round < 3; ++round) {  // the guard re-arms after each jump
     seen = 1;
     EXPECT_FALSE(fracgpu::shm::sigbus_guarded([&] { seen = map[bytes / 8 - 1]; }));
     EXPECT_EQ(seen, 1u);
+    // The jump leaves the thread's signal mask as it found it.
+    sigset_t mask_after;
+    ASSERT_EQ(pthread_sigmask(SIG_SETMASK, nullptr, &mask_after), 0);
+    for (int sig = 1; sig < NSIG; ++sig) EXPECT_EQ(sigismember(&mask_after, sig), sigismember(&mask_before, sig)) << sig;
   }
   // Nested guards: the inner one catches, the outer body goes on.
   bool inner = true;
