@@ -27,6 +27,12 @@
 //   nvmlDeviceGetProcessesUtilizationInfo) and accounting records
 //   (nvmlDeviceGetAccountingPids/Stats): NVML's own, filtered to the tenant's
 //   processes and renumbered to this namespace's PIDs (see keep_own).
+// - Device utilization (nvmlDeviceGetUtilizationRates): the tenant's own
+//   GPU time over the last second, as the daemon publishes it in the GPU's
+//   arbiter (what `fracgpu status` shows), not the device's, which counts
+//   every tenant's work; memory: the device's figure in the same proportion.
+//   The device's rings of utilization samples (nvmlDeviceGetSamples, GPU
+//   and memory) have nothing of the tenant's alone: no samples.
 //
 // The NVML device is matched to the GPU entry of the tenant granting it by
 // UUID (the real nvmlDeviceGetUUID), never by index; "the tenant" is that
@@ -40,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gputime.h"
 #include "log.h"
 #include "memory_hooks.h"
 #include "tenant.h"
@@ -463,6 +470,81 @@ nvmlReturn_t nvml_processes_utilization_info(nvmlDevice_t device, nvmlProcessesU
   unsigned& count = info->processSamplesCount;
   count = q.gpu >= 0 ? keep_own(q.gpu, info->procUtilArray, count, [](auto& r) -> unsigned& { return r.pid; }) : 0;
   return count > 0 ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+}
+
+namespace {
+
+// The tenant's GPU time on GPU entry `gpu` over the last second (ppm of the
+// device's time), from the arbiter the daemon links into the tenant
+// directory; false where none answers: no arbiter (the daemon does not
+// schedule this GPU's time), one refused, no row for the tenant, or a daemon
+// that stopped (its figure would be stale). Opened per call: NVML callers
+// ask about once a second, and a process that only reads NVML (nvidia-smi)
+// has no launch gate with the arbiter mapped.
+bool tenant_gpu_time_ppm(int gpu, uint32_t* ppm) {
+  const TenantState& tenant = tenant_of(gpu);
+  char path[1100];
+  snprintf(path, sizeof path, "%s/gputime-%u", tenant.dir, entry_of(gpu));
+  const ledger::GpuEntry policy = gpu_policy(gpu);
+  gputime::Arbiter arbiter;
+  char err[256];
+  if (gputime::open_arbiter(path, false, true, policy.uuid, &arbiter, err, sizeof err) != ledger::LedgerError::kOk)
+    return false;
+  const int row = gputime::find_tenant(*arbiter.seg, tenant.ledger.policy->tenant);
+  const bool fresh = row >= 0 && gputime::daemon_alive(*arbiter.seg, gputime::monotonic_ns());
+  if (fresh) *ppm = std::min(arbiter.seg->tenants[row].achieved_1s_ppm.load(std::memory_order_relaxed), gputime::kPpm);
+  gputime::close_arbiter(&arbiter);
+  return fresh;
+}
+
+}  // namespace
+
+// What nvidia-smi shows as GPU-Util: the tenant's part of the GPU, in whole
+// percent of the device's time (a 0.5 tenant using all of its share reads
+// 50 %), never its neighbours' work. The memory figure (time the device's
+// memory was read or written) has no per-tenant measure: the device's,
+// scaled by the tenant's part of the device's busy time.
+template <NvmlHookId id>
+nvmlReturn_t nvml_utilization_rates(nvmlDevice_t device, nvmlUtilization_t* utilization) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  const nvmlReturn_t result = q.real(device, utilization);
+  if (q.scope == Scope::kReal || result != NVML_SUCCESS) return result;
+  uint32_t ppm = 0;
+  if (q.gpu >= 0 && !tenant_gpu_time_ppm(q.gpu, &ppm)) {
+    FRACGPU_LOG_ONCE(LogLevel::kInfo,
+                     "nvmlDeviceGetUtilizationRates: fracgpud publishes no GPU time for this tenant (no arbiter, "
+                     "or the daemon is down): not supported, rather than the whole device's figure");
+    return NVML_ERROR_NOT_SUPPORTED;
+  }
+  const uint64_t device_gpu = std::min(utilization->gpu, 100u);
+  const uint64_t device_memory = std::min(utilization->memory, 100u);
+  const uint64_t tenant_gpu = (uint64_t{ppm} * 100 + gputime::kPpm / 2) / gputime::kPpm;
+  utilization->gpu = static_cast<unsigned>(tenant_gpu);
+  // Scaled in ppm, not whole percent: a tenant at 0.4 % of a busy device
+  // still shows its share of the memory traffic.
+  utilization->memory =
+      device_gpu == 0 ? 0
+                      : static_cast<unsigned>(std::min<uint64_t>(device_memory, (device_memory * ppm + device_gpu * 5'000) /
+                                                                                    (device_gpu * 10'000)));
+  return NVML_SUCCESS;
+}
+
+// The device's rings of GPU and memory utilization: every tenant's work, so
+// none of it is shown inside a tenant (NVML's "no samples", which callers
+// handle). The other rings (power, clocks, encoder...) are NVML's own.
+template <NvmlHookId id>
+nvmlReturn_t nvml_samples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned long long last_seen,
+                          nvmlValueType_t* value_type, unsigned int* count, nvmlSample_t* samples) {
+  const Query<id> q = query<id>(device);
+  if (q.scope == Scope::kRefused) return q.error;
+  const nvmlReturn_t result = q.real(device, type, last_seen, value_type, count, samples);
+  const bool device_busy = type == NVML_GPU_UTILIZATION_SAMPLES || type == NVML_MEMORY_UTILIZATION_SAMPLES;
+  // A size query (no array) keeps NVML's answer: the ring's depth.
+  if (q.scope == Scope::kReal || !device_busy || samples == nullptr) return result;
+  if (result != NVML_SUCCESS && result != NVML_ERROR_INSUFFICIENT_SIZE) return result;
+  *count = 0;
+  return NVML_ERROR_NOT_FOUND;
 }
 
 // Accounting records (what `nvidia-smi --query-accounted-apps` reads while

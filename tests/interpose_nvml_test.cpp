@@ -8,13 +8,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "controller_test_util.h"
+#include "gputime.h"
 #include "ledger.h"
 #include "policy_util.h"
 
@@ -374,6 +377,102 @@ TEST_F(NvmlInTenantTest, AccountingShowsOnlyTheTenantsOwnProcesses) {
 // A GPU not granted is not there: not counted, no handle by index, UUID or
 // PCI bus ID, so neither its memory nor its processes can be asked for
 // (visible_devices_test covers the enumeration in full).
+// GPU-Util inside a tenant is the tenant's own GPU time, as the daemon
+// publishes it in the GPU's arbiter, never the device's (every tenant's
+// work); the device's utilization rings show nothing.
+TEST_F(NvmlInTenantTest, UtilizationShowsTheTenantsOwnGpuTimeNotTheDevices) {
+  grant("alice", 0, 1 * kGiB);
+  grant("bob", 0, kUnlimited);
+  // The device's figures, as NVML would give them: 80 % busy, memory 40 %.
+  const std::string faults = root_ / "nvml-faults";
+  fracgpu::testing::write_file(faults, "0 utilization_gpu=80\n0 utilization_memory=40\n");
+  auto env_of = [&](const std::string& tenant, bool preload = true) {
+    std::vector<std::string> e = env(tenant, preload);
+    e.push_back("SIMNVML_FAULTS=" + faults);
+    return e;
+  };
+  std::vector<std::string> rates = {"init"};
+  for (const auto& path : kPaths) rates.insert(rates.end(), {"rates", "0", path});
+  const Values device = nvml(rates, env_of(""));
+  EXPECT_EQ(get(device, "rates_direct_0_gpu"), "80");
+  EXPECT_EQ(get(device, "rates_direct_0_memory"), "40");
+  // No arbiter: nothing says what the tenant used, and the device's figure
+  // would show its neighbours' work.
+  for (const auto& path : kPaths) EXPECT_EQ(get(nvml(rates, env_of("alice")), "rates_" + path + "_0_rc"), "3") << path;
+
+  // Play the daemon: alice's row, 30 % of the GPU over the last second.
+  const std::string arbiter_path = tenant_dir("alice") + "/gputime-0";
+  uint8_t uuid[16];
+  ASSERT_TRUE(parse_gpu_uuid_text(kUuids[0], uuid));
+  fracgpu::gputime::Arbiter arbiter;
+  char err[256];
+  ASSERT_EQ(fracgpu::gputime::open_arbiter(arbiter_path.c_str(), true, false, uuid, &arbiter, err, sizeof err),
+            LedgerError::kOk)
+      << err;
+  const int row = fracgpu::gputime::bind_tenant(*arbiter.seg, "alice");
+  ASSERT_GE(row, 0);
+  fracgpu::gputime::TenantTime& alice = arbiter.seg->tenants[row];
+  alice.share_ppm.store(500'000);
+  alice.state.store(fracgpu::gputime::kTenantActive);
+  alice.achieved_1s_ppm.store(300'000);
+  std::atomic<bool> beating{true};
+  std::thread heartbeat([&] {
+    while (beating) {
+      arbiter.seg->daemon.daemon_heartbeat_ns.store(fracgpu::gputime::monotonic_ns());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  const Values own = nvml(rates, env_of("alice"));
+  for (const auto& path : kPaths) {
+    SCOPED_TRACE(path);
+    EXPECT_EQ(get(own, "rates_" + path + "_0_rc"), "0");
+    EXPECT_EQ(get(own, "rates_" + path + "_0_gpu"), "30");
+    // Memory in the tenant's proportion of the busy time: 40 * 30 / 80.
+    EXPECT_EQ(get(own, "rates_" + path + "_0_memory"), "15");
+  }
+  // More than the device's own figure over its (shorter) period: memory
+  // never shows more than the device's.
+  alice.achieved_1s_ppm.store(950'000);
+  const Values most = nvml(rates, env_of("alice"));
+  EXPECT_EQ(get(most, "rates_direct_0_gpu"), "95");
+  EXPECT_EQ(get(most, "rates_direct_0_memory"), "40");
+  // Without the interposer: the device's.
+  EXPECT_EQ(get(nvml(rates, env_of("alice", false)), "rates_dlsym_0_gpu"), "80");
+  // A stopped daemon's figure is stale: not shown.
+  beating = false;
+  heartbeat.join();
+  arbiter.seg->daemon.daemon_heartbeat_ns.store(fracgpu::gputime::monotonic_ns() - 5'000'000'000ull);
+  EXPECT_EQ(get(nvml(rates, env_of("alice")), "rates_direct_0_rc"), "3");
+
+  // The device's ring of GPU utilization samples, with a process at work on
+  // GPU 0 (bob's, without the interposer): NVML has samples, alice sees none.
+  int load_out = -1;
+  const pid_t load = start(GPUTIME_LOAD_PATH, {"devices=0", "kernels_us=500", "seconds=20"}, env(""), &load_out);
+  holders_.push_back(load);
+  std::vector<std::string> samples = {"init"};
+  for (const auto& path : kPaths) samples.insert(samples.end(), {"samples", "0", "1", path, "samples", "0", "0", path});
+  Values everyone;
+  for (int tries = 0; tries < 200 && get(everyone, "samples_direct_0_1_rc") != "0"; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    everyone = nvml(samples, env(""));
+  }
+  ASSERT_EQ(get(everyone, "samples_direct_0_1_rc"), "0") << "the load never showed in the device's ring";
+  EXPECT_NE(get(everyone, "samples_direct_0_1_count"), "0");
+  const Values seen = nvml(samples, env("alice"));
+  for (const auto& path : kPaths) {
+    const std::string p = "samples_" + path + "_0_";
+    SCOPED_TRACE(p);
+    EXPECT_EQ(get(seen, p + "1_sized_rc"), "0");  // a size query keeps NVML's answer: the ring's depth
+    EXPECT_EQ(get(seen, p + "1_sized_count"), get(everyone, p + "1_sized_count"));
+    EXPECT_EQ(get(seen, p + "1_rc"), "6");  // NVML's "no samples"
+    EXPECT_EQ(get(seen, p + "1_count"), "0");
+    // Other rings are NVML's own answer (the stand-in has none of power).
+    EXPECT_EQ(get(seen, p + "0_rc"), get(everyone, p + "0_rc"));
+  }
+  close(load_out);
+  fracgpu::gputime::close_arbiter(&arbiter);
+}
+
 TEST_F(NvmlInTenantTest, AGpuNotGrantedIsNotShown) {
   two_tenants();  // alice has no grant on GPU 1; bob runs a process there
   const Values v = nvml({"init", "gpus", "dlsym", "gpus", "direct", "byuuid", kUuids[1], "dlsym", "bypci",

@@ -175,6 +175,14 @@ static_assert(__builtin_offsetof(nvmlProcessesUtilizationInfo_v1_t, procUtilArra
 static_assert(nvmlProcessesUtilizationInfo_v1 == 0x1000018u, "nvmlProcessesUtilizationInfo_v1 value");
 #endif
 
+/* nvmlDeviceGetUtilizationRates: percent of the last sampling period (1/6 s
+ * to 1 s by product) in which a kernel ran (gpu), and in which device memory
+ * was read or written (memory). */
+typedef struct nvmlUtilization_st {
+  unsigned int gpu;
+  unsigned int memory;
+} nvmlUtilization_t;
+
 /* nvmlDeviceGetSamples: a device's ring buffers of sampled values. */
 typedef enum nvmlSamplingType_enum {
   NVML_TOTAL_POWER_SAMPLES = 0,
@@ -219,6 +227,7 @@ typedef struct nvmlSample_st {
 #ifdef __cplusplus
 static_assert(sizeof(nvmlValue_t) == 8, "nvmlValue_t layout");
 static_assert(sizeof(nvmlSample_t) == 16, "nvmlSample_t layout");
+static_assert(sizeof(nvmlUtilization_t) == 8, "nvmlUtilization_t layout");
 #endif
 
 typedef enum nvmlTemperatureSensors_enum { NVML_TEMPERATURE_GPU = 0 } nvmlTemperatureSensors_t;
@@ -274,6 +283,7 @@ nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
                                                    nvmlProcessesUtilizationInfo_t* procesesUtilInfo);
 nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned long long lastSeenTimeStamp,
                                   nvmlValueType_t* sampleValType, unsigned int* sampleCount, nvmlSample_t* samples);
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t* utilization);
 nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t device, unsigned int* count, unsigned int* pids);
 nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t* stats);
 

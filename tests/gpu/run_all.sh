@@ -35,7 +35,7 @@
 #             (gputime_load, usage_attacker); root for the bypasses.
 #             19 runs of 10 s | 5 runs of 5 s                    250 s |  45 s
 #   nvml      tests/gpu/run_nvml_checks.sh: nvidia-smi inside a tenant.
-#             4 PyTorch processes, ~8 nvidia-smi calls            35 s |  35 s
+#             5 PyTorch processes, ~11 nvidia-smi calls           45 s |  45 s
 #   latency   tests/gpu/run_sm_share.sh latency: a decode tenant beside
 #             training, natively and under fracgpu.
 #             6 runs of 20 s | 10 s                              185 s | 120 s
@@ -45,7 +45,7 @@
 #             0.25/0.75, 0.1/0.9, MPS). Last: the longest, and its figures
 #             mean little where the checks before it fail.
 #             39 runs of 15 s | 12 runs of 4 s                   750 s |  90 s
-#   In all: about 30 minutes in full; about 9.5 minutes (570 s) with --quick.
+#   In all: about 30 minutes in full; about 9.7 minutes (580 s) with --quick.
 # How the estimates are made (on an idle H100/H200, warm page cache; none has
 # been timed yet): a run is its window plus the start of its processes, which
 # start in parallel (PyTorch: import, CUDA context, cuBLAS, ~5 s; a CUDA
@@ -112,9 +112,9 @@ checks=("${args[@]:2}")
 [[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
 # Estimated wall time per check, in seconds (derived in the header).
-declare -A estimate_full=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=450 [hostile]=250 [nvml]=35 [latency]=185
+declare -A estimate_full=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=450 [hostile]=250 [nvml]=45 [latency]=185
   [bench]=750)
-declare -A estimate_quick=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=105 [hostile]=45 [nvml]=35 [latency]=120
+declare -A estimate_quick=([calibrate]=100 [timeslice]=25 [memory]=50 [share]=105 [hostile]=45 [nvml]=45 [latency]=120
   [bench]=90)
 
 # command_for CHECK: sets cmd to the check's command line.

@@ -6,11 +6,14 @@
 # without the interposer must show everyone (the sanity check). With root and
 # unshare(1), it also runs alice's process and nvidia-smi inside a new PID
 # namespace (what a container is) and checks the listed PID is the one
-# inside it, not the host's.
+# inside it, not the host's. Last, with bob's load running and alice idle:
+# nvidia-smi's utilization.gpu as alice is about 0 (not the device's), and as
+# bob about what `fracgpu status` says he used.
 # Needs the project built (scripts/build.sh) and PyTorch. Prints a report;
 # record it in docs/gpu-results.md with date, GPU and driver.
-# Time (estimated; never timed on a GPU): about 35 s, mostly the start of its
-# four PyTorch processes (~5 s each) and nvidia-smi's calls (~0.5 s each).
+# Time (estimated; never timed on a GPU): about 45 s, mostly the start of its
+# five PyTorch processes (~5 s each), nvidia-smi's calls (~0.5 s each) and
+# the 6 s of bob's load before the utilization is read.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
@@ -155,6 +158,30 @@ elif [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
   else fail "inside the namespace: listed [$listed], expected [$h ] (alice's processes outside are counted in used, not listed)"; fi
 else
   echo "== PID namespace check skipped (needs root and unshare)"
+fi
+
+# GPU-Util inside a tenant is the tenant's own GPU time (docs/architecture.md,
+# "NVML inside the tenant"): with bob's load running and alice's processes
+# idle, alice reads about 0 and bob about what `fracgpu status` says he used.
+echo "== utilization.gpu: alice idle, bob saturating"
+workload=$(dirname "$check")/sm_share_workload.py
+now_ns=$(python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTONIC))')
+as bob python3 "$workload" run --seconds 10 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
+holders+=("$!")
+sleep 6
+util() { nvidia-smi -i 0 --query-gpu=utilization.gpu,utilization.memory --format=csv,noheader,nounits | tr -d ' '; }
+device_util=$(util); alice_util=$(as alice util); bob_util=$(as bob util)
+bob_ppm=$(tenant_field bob "t['gpus'][0]['gpu_time']['achieved_1s_ppm'] if t['gpus'][0]['gpu_time'] else -1")
+echo "device $device_util, alice $alice_util, bob $bob_util (gpu,memory %); bob used ${bob_ppm} ppm over 1 s"
+if ((${device_util%%,*} < 50)); then
+  echo "SKIPPED (not counted): bob's load did not show in the device's figure: $(cat "$run_dir/bob-load.out")"
+else
+  if ((${alice_util%%,*} <= 2)); then ok "alice reads her own ${alice_util%%,*} %, not the device's ${device_util%%,*} %"
+  else fail "alice reads ${alice_util%%,*} % with her processes idle (device ${device_util%%,*} %)"; fi
+  bob_pct=$(((bob_ppm + 5000) / 10000))
+  if ((bob_ppm >= 0)) && (( ${bob_util%%,*} >= bob_pct - 10 && ${bob_util%%,*} <= bob_pct + 10 )); then
+    ok "bob reads ${bob_util%%,*} %, fracgpu status $bob_pct %"
+  else fail "bob reads ${bob_util%%,*} %, fracgpu status $bob_pct % (${bob_ppm} ppm)"; fi
 fi
 
 echo "== daemon log"; cat "$run_dir/fracgpud.log"

@@ -20,6 +20,9 @@
 //                                (util lists are pid:smUtil,...; sized_rc: the call with no array)
 //   acct DEV PATH                nvmlDeviceGetAccountingPids -> acct_PATH_DEV_{rc,count,list} (list: pid:0,...)
 //   acctstats DEV PID PATH       nvmlDeviceGetAccountingStats -> acctstats_PATH_DEV_PID_{rc,mem}
+//   rates DEV PATH               nvmlDeviceGetUtilizationRates -> rates_PATH_DEV_{rc,gpu,memory}
+//   samples DEV TYPE PATH        nvmlDeviceGetSamples of sampling type TYPE (a number), all of them ->
+//                                samples_PATH_DEV_TYPE_{sized_rc,sized_count,rc,count}
 //   which NAME                   which library dlsym(NVML handle, NAME) lands in -> which_NAME=<file>
 //   gpus PATH                    nvmlDeviceGetCount_v2, then each index's handle (nvmlDeviceGetHandleByIndex_v2),
 //                                UUID and nvmlDeviceGetIndex -> gpus_PATH_{rc,count,past_end_rc},
@@ -233,6 +236,30 @@ int main(int argc, char** argv) {
       print(p + "_count", info.processSamplesCount);
       print_list(p, rc == NVML_SUCCESS ? info.processSamplesCount : 0, samples.data(),
                  [](const nvmlProcessUtilizationInfo_v1_t& r) { return r.smUtil; });
+    } else if (cmd == "rates") {
+      const char* index = arg();
+      const std::string path = arg();
+      const std::string p = "rates_" + path + "_" + index;
+      auto fn = pick(path, &nvmlDeviceGetUtilizationRates, "nvmlDeviceGetUtilizationRates");
+      nvmlUtilization_t u{777, 777};  // values the callee must overwrite
+      print(p + "_rc", fn(device(index), &u));
+      print(p + "_gpu", u.gpu);
+      print(p + "_memory", u.memory);
+    } else if (cmd == "samples") {
+      const char* index = arg();
+      const std::string type = arg();
+      const std::string path = arg();
+      const std::string p = "samples_" + path + "_" + index + "_" + type;
+      auto fn = pick(path, &nvmlDeviceGetSamples, "nvmlDeviceGetSamples");
+      const auto sampling = static_cast<nvmlSamplingType_t>(atoi(type.c_str()));
+      nvmlValueType_t value_type{};
+      unsigned count = 0;
+      print(p + "_sized_rc", fn(device(index), sampling, 0, &value_type, &count, nullptr));
+      print(p + "_sized_count", count);
+      std::vector<nvmlSample_t> samples(count + 8);
+      count = static_cast<unsigned>(samples.size());
+      print(p + "_rc", fn(device(index), sampling, 0, &value_type, &count, samples.data()));
+      print(p + "_count", count);
     } else if (cmd == "graphics") {
       const char* index = arg();
       using Fn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);

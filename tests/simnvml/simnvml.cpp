@@ -50,6 +50,9 @@ struct Faults {
   bool no_temperature[kMaxDevices] = {};
   bool no_power[kMaxDevices] = {};
   unsigned long long device_samples_scale[kMaxDevices] = {};  // 0: as measured (whole percent)
+  // nvmlDeviceGetUtilizationRates' figures, percent + 1 (0: as measured).
+  unsigned long long utilization_gpu[kMaxDevices] = {};
+  unsigned long long utilization_memory[kMaxDevices] = {};
   unsigned long long ecc[kMaxDevices] = {};
   std::vector<unsigned long long> xids[kMaxDevices];  // in file order
 };
@@ -101,6 +104,8 @@ Faults read_faults() {
     else if (fault == "no_temperature") f.no_temperature[dev] = true;
     else if (fault == "no_power") f.no_power[dev] = true;
     else if (fault == "device_samples_scale") f.device_samples_scale[dev] = number;
+    else if (fault == "utilization_gpu") f.utilization_gpu[dev] = number + 1;
+    else if (fault == "utilization_memory") f.utilization_memory[dev] = number + 1;
     else if (fault == "ecc") f.ecc[dev] = number;
     else if (fault == "xid") f.xids[dev].push_back(number);
     else std::fprintf(stderr, "simnvml: %s:%d: unknown fault '%s'\n", path, lineno, fault.c_str());
@@ -732,6 +737,25 @@ nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingType_t type, 
     samples[i].sampleValue.uiVal =
         ring[i].busy_pct * static_cast<unsigned>(faults.device_samples_scale[dev] != 0 ? faults.device_samples_scale[dev] : 1);
   }
+  return NVML_SUCCESS;
+}
+
+// The device's busy percent over the newest settled sampling period (the
+// ring's period; 1 s in exact mode, NVML's longest), and a memory figure.
+// The sim has no memory traffic: it reports half the busy percent, so the
+// figure follows the load without claiming to model it.
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t* utilization) {
+  const Faults faults = read_faults();
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
+  if (utilization == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+  SamplingMode mode = sampling_mode();
+  if (mode.period_ms == 0) mode.period_ms = std::min<uint64_t>(1000, kMaxSampleMs);
+  const std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution, 0);
+  const unsigned busy = ring.empty() ? 0 : std::min(ring.back().busy_pct, 100u);
+  utilization->gpu = faults.utilization_gpu[dev] != 0 ? static_cast<unsigned>(faults.utilization_gpu[dev] - 1) : busy;
+  utilization->memory =
+      faults.utilization_memory[dev] != 0 ? static_cast<unsigned>(faults.utilization_memory[dev] - 1) : busy / 2;
   return NVML_SUCCESS;
 }
 
