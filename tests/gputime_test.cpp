@@ -452,9 +452,18 @@ class GpuTimeTest : public ::testing::Test {
     expect_shares(samples, 0, {{"a", 0.5}, {"b", 0.5}}, kSecond, 10 * kSecond, 0.02);
     if (!sample_ms_.empty()) {
       expect_timeline_shares(samples, 0, {{"a", 0.5}, {"b", 0.5}}, kSecond, kSecond, 0.10);
+      // nvidia-smi's GPU-Util inside tenant a (NVML through the interposer)
+      // is a's own GPU time as the daemon publishes it, not the device's.
+      const std::map<std::string, int> util = {{"a", nvml_gpu_util("a")}, {"", nvml_gpu_util("")}};
       // What `fracgpu status` says each achieved over its last 10 s, against
       // the simulated driver's record of the same 10 s (to a tick).
       auto status = status_by_tenant();
+      const double a_1s = status["a"]["gpu_time"]["achieved_1s_ppm"].get<double>() / 1e4;
+      printf("GPU-Util inside tenant a: %d %%, fracgpu status %.1f %% over 1 s; the device's: %d %%\n", util.at("a"),
+             a_1s, util.at(""));
+      EXPECT_NEAR(util.at("a"), a_1s, 10);
+      EXPECT_GE(util.at(""), 90);
+      EXPECT_LE(util.at("a"), 70);
       const Sample end = sample(1);
       const Sample* start = &samples.front();
       for (const Sample& x : samples)
@@ -904,6 +913,24 @@ class GpuTimeTest : public ::testing::Test {
     int status = 0;
     waitpid(pid, &status, 0);
     return read_file(out_path);
+  }
+
+  // nvmlDeviceGetUtilizationRates' GPU figure for GPU 0 as `tenant`'s
+  // process sees it through the interposer (tenant "": NVML's own, without
+  // it), with the stand-in NVML sampling as the daemon's does; -1 on error.
+  int nvml_gpu_util(const std::string& tenant) const {
+    std::vector<std::string> env = environment(tenant, !tenant.empty());
+    for (std::string& e : env)
+      if (e.starts_with("LD_LIBRARY_PATH=")) e = std::string("LD_LIBRARY_PATH=") + SIMNVML_DIR ":" SIMCUDA_DIR;
+    if (!sample_ms_.empty()) env.push_back("SIMNVML_SAMPLE_MS=" + sample_ms_);
+    const std::string out_path = root_ + "/nvml.out";
+    const pid_t pid = spawn(NVML_PROBE_PATH, {"init", "rates", "0", "direct"}, env, nullptr, out_path);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const std::string out = read_file(out_path);
+    const size_t rc = out.find("rates_direct_0_rc=0\n"), gpu = out.find("rates_direct_0_gpu=");
+    EXPECT_TRUE(rc != std::string::npos && gpu != std::string::npos) << out;
+    return rc == std::string::npos || gpu == std::string::npos ? -1 : std::atoi(out.c_str() + gpu + 19);
   }
 
   // `fracgpu status --json`: each tenant's first GPU entry, by name.
