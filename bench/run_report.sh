@@ -9,6 +9,8 @@
 #   micro/  the driver-call microbenchmarks (bench/micro/run_micro.sh), if present,
 #           with --callgrind where valgrind is installed (not with --smoke);
 #   e2e/    the end-to-end workloads on the simulated driver (bench/e2e/run_e2e.sh);
+#   daemon/ fracgpud's own CPU time, idle to 32 tenant processes
+#           (bench/e2e/daemon_cpu.sh);
 #   gpu/    the real-GPU benchmark (bench/gpu/run_gpu.sh), only where
 #           `nvidia-smi -L` finds a GPU.
 # --smoke makes every part as short as it goes (what CI's smoke runs).
@@ -44,7 +46,8 @@ else
   # Only what the report runs; cmake rebuilds what changed, fast when up to date.
   # simnvml: the stand-in NVML fracgpud meters with in the e2e runs (the
   # latency set's sampling one included); without it they would run without.
-  targets=(e2e_workload fracgpud fracgpu_cli fracgpu simcuda simnvml)
+  # gputime_load: the hostile shapes' and daemon_cpu.sh's tenant load.
+  targets=(e2e_workload gputime_load fracgpud fracgpu_cli fracgpu simcuda simnvml)
   if [[ ! -f $build/CMakeCache.txt ]]; then
     echo "== building into $build (scripts/build.sh)" >&2
     FRACGPU_BUILD_DIR=$build bash scripts/build.sh
@@ -93,6 +96,7 @@ else
   part "driver-call microbenchmarks (simulated driver)" bash bench/micro/run_micro.sh "$build" "$out/micro" "${micro_args[@]}"
 fi
 ((gpu_only)) || part "end-to-end workloads (simulated driver)" bash bench/e2e/run_e2e.sh "$build" "$out/e2e" "${smoke[@]}"
+((gpu_only)) || part "the daemon's own CPU time (simulated driver)" bash bench/e2e/daemon_cpu.sh "$build" "$out/daemon" "${smoke[@]}"
 if nvidia-smi -L >/dev/null 2>&1; then
   gpu_args=()
   ((${#smoke[@]} == 0)) || gpu_args=(--seconds 3 --repeats 1)
@@ -101,5 +105,5 @@ else
   echo "== no NVIDIA GPU (nvidia-smi -L failed): real-GPU part skipped" >&2
   ((gpu_only == 0)) || status=2
 fi
-echo "== report written to $out (machine.txt; micro/, e2e/, gpu/ where run)" >&2
+echo "== report written to $out (machine.txt; micro/, e2e/, daemon/, gpu/ where run)" >&2
 exit "$status"

@@ -58,6 +58,21 @@ stop() {
   done
 }
 
+# end_runs_on_exit: when the caller exits (INT: status 130, TERM: 143), stops
+# what it started, its processes $pids and its daemon $daemon_pid, and
+# removes its $work directory.
+end_runs_on_exit() {
+  trap stop_runs_and_remove_work EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+}
+# shellcheck disable=SC2317 # reached through the EXIT trap
+stop_runs_and_remove_work() {
+  stop "${pids[@]}"
+  [[ -z $daemon_pid ]] || stop "$daemon_pid"
+  rm -rf "$work"
+}
+
 # write_fracgpud_config RUN_DIR GPU_TABLE TENANT:SHARE[:PRIORITY[:LIMIT]]...: the
 # config start_fracgpud runs with, on stdout.
 write_fracgpud_config() {

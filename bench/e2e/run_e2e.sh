@@ -224,16 +224,7 @@ export SIMCUDA_DEVICES="uuid=$uuid,name=Simulated H100,mem=16GiB,ctx=64MiB"
 
 daemon_pid=""
 pids=()
-# Ends only what this script started.
-# shellcheck disable=SC2317 # reached through the EXIT trap
-cleanup() {
-  stop "${pids[@]}"
-  [[ -z $daemon_pid ]] || stop "$daemon_pid"
-  rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+end_runs_on_exit
 
 # The e2e_workload arguments of a workload name: stepN is mode=step with N us
 # kernels; cheat dodges the sampling instants of $cheat_period_ms; training-a
