@@ -16,7 +16,9 @@
 # Every load is gputime_load kernels=ptx: 1 ms kernels of fixed work (a spin
 # kernel measured once alone, first), 2 ms queued ahead; the attacks that
 # time their work learn the driver's sampling instants from NVML's sample
-# timestamps (instants=nvml), as a tenant's container can. For each KIND
+# timestamps (instants=nvml), as a tenant's container can (through a helper
+# process without the interposer, which shows a tenant none of the device's
+# samples). For each KIND
 # (default: all, in this order; root is needed for those with processes
 # without the interposer, which run in a mount namespace holding the
 # tenant's directory, as a container does; without root they are skipped):

@@ -75,7 +75,10 @@
 //                       period and phase from the timestamps of the device's utilization
 //                       samples (nvmlDeviceGetSamples), read again every second (the clock's
 //                       until a sample is there). Prints instants_period_us= and
-//                       instants_phase_us= (of CLOCK_MONOTONIC) once learned
+//                       instants_phase_us= (of CLOCK_MONOTONIC) once learned. Under
+//                       the interposer (which shows a tenant none of the device's
+//                       samples) a helper process started without it reads them:
+//                       gputime_load nvml_stamps=BUS prints the ring's timestamps
 //     burst=N,P,J       an inference service (device 0, path=kernel): bursts of N kernels
 //                       (kernels_us), the k-th arriving at k*P us + uniform(-J, +J) us
 //                       after the start (seed 1); a burst whose arrival is past starts at
@@ -97,6 +100,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -207,23 +211,16 @@ END:
 }
 )";
 
-// Where the driver's sampling instants are. clock: multiples of the given
-// period of CLOCK_MONOTONIC (the stand-in NVML's). nvml: learned from the
-// timestamps of the device's utilization samples, as a tenant on a real GPU
-// can (its container has NVML): the period from the span of the samples in
-// the ring, the phase from the newest, read again every second.
-class Instants {
+// NVML's ring of GPU-utilization samples of one device, read in this
+// process.
+class NvmlRing {
  public:
-  void use_nvml(int cuda_device) {
-    char bus[32] = {};
-    if (cuDeviceGetPCIBusId(bus, sizeof bus, cuda_device) != CUDA_SUCCESS) {
-      fprintf(stderr, "gputime_load: instants=nvml: no PCI bus id of device %d; the clock's instants\n", cuda_device);
-      return;
-    }
+  // False (and says why) where NVML or the device at PCI bus id `bus` is not there.
+  bool open(const char* bus) {
     void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       fprintf(stderr, "gputime_load: instants=nvml: no libnvidia-ml.so.1 (%s); the clock's instants\n", dlerror());
-      return;
+      return false;
     }
     auto init = reinterpret_cast<decltype(&nvmlInit_v2)>(dlsym(lib, "nvmlInit_v2"));
     auto by_bus = reinterpret_cast<decltype(&nvmlDeviceGetHandleByPciBusId_v2)>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
@@ -233,6 +230,62 @@ class Instants {
       fprintf(stderr, "gputime_load: instants=nvml: NVML has no device %s; the clock's instants\n", bus);
       get_samples_ = nullptr;
     }
+    return get_samples_ != nullptr;
+  }
+
+  // The timestamps (us, CPU time) of the samples now in the ring; empty
+  // when there are none.
+  std::vector<unsigned long long> stamps() const {
+    nvmlValueType_t type{};
+    unsigned count = 0;
+    if (get_samples_ == nullptr ||
+        get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, nullptr) != NVML_SUCCESS || count == 0)
+      return {};
+    std::vector<nvmlSample_t> ring(count);
+    if (get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, ring.data()) != NVML_SUCCESS) return {};
+    std::vector<unsigned long long> out;
+    for (unsigned i = 0; i < count && i < ring.size(); ++i) out.push_back(ring[i].timeStamp);
+    return out;
+  }
+
+ private:
+  decltype(&nvmlDeviceGetSamples) get_samples_ = nullptr;
+  nvmlDevice_t device_ = nullptr;
+};
+
+// Where the driver's sampling instants are. clock: multiples of the given
+// period of CLOCK_MONOTONIC (the stand-in NVML's). nvml: learned from the
+// timestamps of the device's utilization samples, as a tenant on a real GPU
+// can (its container has NVML): the period from the span of the samples in
+// the ring, the phase from the newest, read again every second. Under the
+// interposer a tenant's NVML shows none of the device's samples, so the
+// ring is read as a hostile tenant would: by a process of its container
+// started without the interposer (this program again, nvml_stamps=BUS), in
+// a thread of its own so that no launch waits for it.
+class Instants {
+ public:
+  void use_nvml(int cuda_device) {
+    if (cuDeviceGetPCIBusId(bus_, sizeof bus_, cuda_device) != CUDA_SUCCESS) {
+      fprintf(stderr, "gputime_load: instants=nvml: no PCI bus id of device %d; the clock's instants\n", cuda_device);
+      return;
+    }
+    const char* preload = getenv("LD_PRELOAD");
+    if (preload == nullptr || *preload == 0) {
+      in_process_ = ring_.open(bus_);
+      return;
+    }
+    std::thread([this] {
+      while (true) {
+        std::vector<unsigned long long> stamps = helper_stamps();
+        bool learned = false;
+        {
+          std::lock_guard<std::mutex> hold(mutex_);
+          learn(std::move(stamps));
+          learned = learned_;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(learned ? 1000 : 100));
+      }
+    }).detach();
   }
 
   // The last instant at or before t and the first one after it (given_ns:
@@ -242,29 +295,33 @@ class Instants {
   };
   Around around(uint64_t t, uint64_t given_ns) {
     std::lock_guard<std::mutex> hold(mutex_);
-    refresh(t);
+    // Read here: at most every 100 ms until learned, then every second.
+    if (in_process_ && (read_ns_ == 0 || t - read_ns_ >= (learned_ ? 1'000'000'000ull : 100'000'000ull))) {
+      read_ns_ = t;
+      learn(ring_.stamps());
+    }
     const uint64_t period = learned_ ? period_ns_ : given_ns, phase = learned_ ? phase_ns_ : 0;
     const uint64_t last = t - (t % period + period - phase) % period;
     return {last, last + period};
   }
 
  private:
-  // Reads the ring at most every 100 ms until learned, then every second.
-  void refresh(uint64_t now) {
-    if (get_samples_ == nullptr || (read_ns_ != 0 && now - read_ns_ < (learned_ ? 1'000'000'000ull : 100'000'000ull)))
-      return;
-    read_ns_ = now;
-    nvmlValueType_t type{};
-    unsigned count = 0;
-    if (get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, nullptr) != NVML_SUCCESS || count == 0)
-      return;
-    std::vector<nvmlSample_t> ring(count);
-    if (get_samples_(device_, NVML_GPU_UTILIZATION_SAMPLES, 0, &type, &count, ring.data()) != NVML_SUCCESS ||
-        count < 2)
-      return;
-    ring.resize(count);
+  // The ring as a process of the same container without the interposer reads it.
+  std::vector<unsigned long long> helper_stamps() const {
+    char self[4096] = {};
+    if (readlink("/proc/self/exe", self, sizeof self - 1) <= 0) return {};
+    const std::string command = std::string("env -u LD_PRELOAD '") + self + "' nvml_stamps=" + bus_ + " 2>/dev/null";
+    FILE* out = popen(command.c_str(), "r");
+    if (out == nullptr) return {};
     std::vector<unsigned long long> stamps;
-    for (const nvmlSample_t& s : ring) stamps.push_back(s.timeStamp);
+    unsigned long long stamp = 0;
+    while (fscanf(out, "%llu", &stamp) == 1) stamps.push_back(stamp);
+    pclose(out);
+    return stamps;
+  }
+
+  // Period and phase from the ring's stamps, read just now (under mutex_).
+  void learn(std::vector<unsigned long long> stamps) {
     std::sort(stamps.begin(), stamps.end());
     stamps.erase(std::unique(stamps.begin(), stamps.end()), stamps.end());
     if (stamps.size() < 2) return;
@@ -295,8 +352,9 @@ class Instants {
     learned_ = true;
   }
 
-  decltype(&nvmlDeviceGetSamples) get_samples_ = nullptr;
-  nvmlDevice_t device_ = nullptr;
+  char bus_[32] = {};
+  NvmlRing ring_;
+  bool in_process_ = false;  // the ring is read in this process
   std::mutex mutex_;
   uint64_t read_ns_ = 0;
   bool learned_ = false;
@@ -806,6 +864,13 @@ int run_all(const Options& o, double seconds) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The helper of instants=nvml under the interposer: the ring's stamps, one a line.
+  if (argc == 2 && strncmp(argv[1], "nvml_stamps=", 12) == 0) {
+    NvmlRing ring;
+    if (!ring.open(argv[1] + 12)) return 1;
+    for (unsigned long long stamp : ring.stamps()) printf("%llu\n", stamp);
+    return 0;
+  }
   Options o;
   for (int i = 1; i < argc; ++i) {
     const char* eq = strchr(argv[i], '=');

@@ -6,7 +6,10 @@
 # the true period and a phase of 0 (within 2 ms), while another load keeps
 # the simulated GPU busy so the ring holds samples; and from then on no
 # per-process sample names it (nvmlDeviceGetProcessUtilization), while the
-# other load's are there.
+# other load's are there. Then the same learning under the interposer, whose
+# NVML shows a tenant none of the device's samples: the load reads them
+# through a helper process started without it, as a hostile tenant's
+# container can.
 #
 #   instants_test.sh BUILD_DIR
 set -euo pipefail
@@ -56,3 +59,16 @@ phase=$(sed -n 's/^instants_phase_us=//p' <<<"$out")
 ((phase <= 2000 || phase >= period - 2000)) || { echo "FAIL: phase $phase us, not 0" >&2; exit 1; }
 grep -q '^launches_0=[1-9]' <<<"$out" || { echo "FAIL: the dodging load launched nothing" >&2; exit 1; }
 echo "PASS: period $period us, phase $phase us"
+
+# Under the interposer (no tenant: it passes every call through, but the load
+# cannot know that and reads the ring through its helper all the same).
+out=$(LD_PRELOAD="$build/interpose/libfracgpu.so" FRACGPU_UNMANAGED=passthrough "$build/tests/gputime_load" devices=0 \
+  kernels_us=1000 dodge_ms=167 guard_ms=8 instants=nvml seconds=1.5 2>&1) ||
+  { echo "$out" >&2; echo "FAIL: the dodging load under the interposer failed" >&2; exit 1; }
+echo "$out"
+period=$(sed -n 's/^instants_period_us=//p' <<<"$out")
+phase=$(sed -n 's/^instants_phase_us=//p' <<<"$out")
+[[ -n $period && -n $phase ]] || { echo "FAIL: no instants learned under the interposer" >&2; exit 1; }
+((period >= 297000 && period <= 303000)) || { echo "FAIL: under the interposer, period $period us" >&2; exit 1; }
+((phase <= 2000 || phase >= period - 2000)) || { echo "FAIL: under the interposer, phase $phase us" >&2; exit 1; }
+echo "PASS under the interposer: period $period us, phase $phase us"
