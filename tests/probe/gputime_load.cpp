@@ -283,7 +283,7 @@ class Instants {
           learn(std::move(stamps));
           learned = learned_;
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(learned ? 1000 : 100));
+        std::this_thread::sleep_for(std::chrono::nanoseconds(read_interval_ns(learned)));
       }
     }).detach();
   }
@@ -295,8 +295,7 @@ class Instants {
   };
   Around around(uint64_t t, uint64_t given_ns) {
     std::lock_guard<std::mutex> hold(mutex_);
-    // Read here: at most every 100 ms until learned, then every second.
-    if (in_process_ && (read_ns_ == 0 || t - read_ns_ >= (learned_ ? 1'000'000'000ull : 100'000'000ull))) {
+    if (in_process_ && (read_ns_ == 0 || t - read_ns_ >= read_interval_ns(learned_))) {
       read_ns_ = t;
       learn(ring_.stamps());
     }
@@ -306,6 +305,9 @@ class Instants {
   }
 
  private:
+  // How often the ring is read: every 100 ms until learned, then every second.
+  static uint64_t read_interval_ns(bool learned) { return learned ? 1'000'000'000ull : 100'000'000ull; }
+
   // The ring as a process of the same container without the interposer reads it.
   std::vector<unsigned long long> helper_stamps() const {
     char self[4096] = {};

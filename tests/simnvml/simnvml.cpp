@@ -751,7 +751,12 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
   if (utilization == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   SamplingMode mode = sampling_mode();
   if (mode.period_ms == 0) mode.period_ms = std::min<uint64_t>(1000, kMaxSampleMs);
-  const std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution, 0);
+  // Only the newest one or two samples: those stamped in the last two periods.
+  struct timespec real {};
+  clock_gettime(CLOCK_REALTIME, &real);
+  const unsigned long long now_us =
+      static_cast<unsigned long long>(real.tv_sec) * 1'000'000ull + static_cast<unsigned long long>(real.tv_nsec) / 1000;
+  const std::vector<RingSample> ring = ring_samples(dev, mode.period_ms, mode.attribution, now_us - 2 * mode.period_ms * 1000);
   const unsigned busy = ring.empty() ? 0 : std::min(ring.back().busy_pct, 100u);
   utilization->gpu = faults.utilization_gpu[dev] != 0 ? static_cast<unsigned>(faults.utilization_gpu[dev] - 1) : busy;
   utilization->memory =
