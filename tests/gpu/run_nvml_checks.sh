@@ -169,8 +169,11 @@ now_ns=$(python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTON
 as bob python3 "$workload" run --seconds 10 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
 holders+=("$!")
 sleep 6
-util() { nvidia-smi -i 0 --query-gpu=utilization.gpu,utilization.memory --format=csv,noheader,nounits | tr -d ' '; }
-device_util=$(util); alice_util=$(as alice util); bob_util=$(as bob util)
+# An argument list, not a shell function: `as` runs its command through env(1).
+# shellcheck disable=SC2054 # the commas belong to nvidia-smi's arguments
+util=(nvidia-smi -i 0 --query-gpu=utilization.gpu,utilization.memory --format=csv,noheader,nounits)
+device_util=$("${util[@]}" | tr -d ' '); alice_util=$(as alice "${util[@]}" | tr -d ' ')
+bob_util=$(as bob "${util[@]}" | tr -d ' ')
 bob_ppm=$(tenant_field bob "t['gpus'][0]['gpu_time']['achieved_1s_ppm'] if t['gpus'][0]['gpu_time'] else -1")
 echo "device $device_util, alice $alice_util, bob $bob_util (gpu,memory %); bob used ${bob_ppm} ppm over 1 s"
 if ((${device_util%%,*} < 50)); then
