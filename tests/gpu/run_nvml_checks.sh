@@ -13,7 +13,7 @@
 # record it in docs/gpu-results.md with date, GPU and driver.
 # Time (estimated; never timed on a GPU): about 45 s, mostly the start of its
 # five PyTorch processes (~5 s each), nvidia-smi's calls (~0.5 s each) and
-# the 6 s of bob's load before the utilization is read.
+# the 8 s of bob's load (and its start) before the utilization is read.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 build=$(realpath "${FRACGPU_BUILD_DIR:-build}")
@@ -166,9 +166,10 @@ fi
 echo "== utilization.gpu: alice idle, bob saturating"
 workload=$(dirname "$check")/sm_share_workload.py
 now_ns=$(python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTONIC))')
-as bob python3 "$workload" run --seconds 10 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
+as bob python3 "$workload" run --seconds 12 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
 holders+=("$!")
-sleep 6
+# PyTorch takes ~5 s to start; the figures are read with ~3 s of load behind them.
+sleep 8
 # An argument list, not a shell function: `as` runs its command through env(1).
 # shellcheck disable=SC2054 # the commas belong to nvidia-smi's arguments
 util=(nvidia-smi -i 0 --query-gpu=utilization.gpu,utilization.memory --format=csv,noheader,nounits)
