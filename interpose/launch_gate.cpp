@@ -53,6 +53,13 @@ using gputime::kPpm;
 constexpr uint64_t kGateUnset = 1;
 constexpr uint64_t kTickNs = 1'000'000;              // pacer period while asking for or holding a GPU
 constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
+// A process that has launched nothing for kRestAfterNs has no use for the
+// quiet tick (reloads and the daemon matter to its next launch, not before):
+// its pacer rests, up to kRestTickNs at a time, woken by that launch. An
+// idle process (a notebook between cells, a server between requests) then
+// costs the host one wake-up a second instead of fifty.
+constexpr uint64_t kRestAfterNs = 1'000'000'000;
+constexpr uint64_t kRestTickNs = 1'000'000'000;
 constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
 constexpr uint64_t kRestateNs = 1'000'000'000;       // a waiter restates its slot's drain words this often
 // A latency tenant's process gives its grant back once it has been idle
@@ -125,6 +132,11 @@ GpuTime g_gpus[kMaxTenantGpus];
 // The pacer sleeps on this (a private futex) while it holds a latency
 // tenant's grant, so that a synchronization's return wakes it at once.
 std::atomic<uint32_t> g_pacer_kick{0};
+// A launch took the slow path since the pacer last looked.
+std::atomic<bool> g_launched{false};
+// The pacer rests (kRestAfterNs). It set this, then changed the gate word,
+// so every thread's next launch takes the slow path and wakes it.
+std::atomic<bool> g_pacer_resting{false};
 pthread_mutex_t g_setup_lock = PTHREAD_MUTEX_INITIALIZER;   // setting up GPU entries, starting the pacer
 pthread_mutex_t g_context_lock = PTHREAD_MUTEX_INITIALIZER; // contexts lists vs draining them
 std::atomic<bool> g_pacer_started{false};
@@ -474,6 +486,8 @@ void on_fork_child() {
   pthread_mutex_init(&g_setup_lock, nullptr);
   pthread_mutex_init(&g_context_lock, nullptr);
   g_pacer_started.store(false, std::memory_order_relaxed);
+  g_pacer_resting.store(false, std::memory_order_relaxed);
+  g_launched.store(false, std::memory_order_relaxed);
   g_launch_gate.store(kGateUnset, std::memory_order_release);
 }
 
@@ -675,6 +689,7 @@ void* pacer_main(void*) {
     g_driver.cuThreadExchangeStreamCaptureMode(&mode);
   }
   uint64_t next_refresh = 0;
+  uint64_t last_launch = gputime::monotonic_ns();  // or grant held, or thread waiting
   for (;;) {
     // Read before looking at the GPUs: a kick after this (a grant entered by
     // a launching thread, a synchronization's return) ends the sleep below.
@@ -721,8 +736,19 @@ void* pacer_main(void*) {
     // Each tick ends every thread's pass: the next launch shows it is active.
     if (busy) bump_gate();
     g_latency_held.store(latency_grant, std::memory_order_relaxed);
+    if (busy || g_launched.exchange(false, std::memory_order_acq_rel)) last_launch = now;
     if (sleep_on != nullptr && !latency_grant) {
       gputime::wait_for_turn(*sleep_on, sleep_turn, kTickNs);
+    } else if (!busy && now - last_launch >= kRestAfterNs) {
+      // Rest. The flag first, then the gate word: a thread whose pass
+      // outlives the change read the word after it, and so finds the flag
+      // set (wait_for_gpu wakes us on its way out).
+      g_pacer_resting.store(true, std::memory_order_seq_cst);
+      bump_gate();
+      struct timespec ts {static_cast<time_t>(kRestTickNs / 1'000'000'000), static_cast<long>(kRestTickNs % 1'000'000'000)};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
+      g_pacer_resting.store(false, std::memory_order_relaxed);
+      next_refresh = 0;  // what changed while we rested, the launch that woke us must see
     } else {
       // On our own futex, so that a kick (kick_pacer: a grant entered, a
       // synchronization's return) wakes us. Holding a latency tenant's
@@ -748,12 +774,32 @@ __attribute__((destructor)) void release_on_exit() {
 
 }  // namespace
 
+namespace {
+
+// A resting pacer is woken by the first launch: on the way in (it must
+// follow a grant, reloads, the daemon) and on the way out, where a pass
+// made from the gate word the pacer changed when it went to rest finds the
+// flag it set before.
+void wake_resting_pacer() {
+  if (g_pacer_resting.load(std::memory_order_seq_cst) && g_pacer_resting.exchange(false, std::memory_order_acq_rel))
+    kick_pacer();
+}
+
+struct WakeRestingPacerOnExit {
+  ~WakeRestingPacerOnExit() { wake_resting_pacer(); }
+};
+
+}  // namespace
+
 CUresult wait_for_gpu(CUstream stream, bool* paced, const void* kernel) {
   if (!load_real_driver() || tenant_mode() != TenantMode::kManaged) {
     g_launch_gate.store(0, std::memory_order_release);  // nothing is metered in this process
     t_launch_pass = 0;
     return CUDA_SUCCESS;
   }
+  if (!g_launched.load(std::memory_order_relaxed)) g_launched.store(true, std::memory_order_relaxed);
+  wake_resting_pacer();
+  const WakeRestingPacerOnExit wake_on_exit;
   if (g_launch_gate.load(std::memory_order_acquire) == kGateUnset) {
     // First launch in the process: nothing metered until a GPU says so.
     uint64_t unset = kGateUnset;

@@ -1625,6 +1625,56 @@ TEST_F(GpuTimeTest, AnIdleHolderGivesTheGpuBackAtOnce) {
   EXPECT_LT(idles.back(), 20.0) << "a slice is 20 ms: an idle holder must not keep the GPU that long";
 }
 
+// How often the threads of `pid` have slept and woken (voluntary context
+// switches, summed over its threads).
+uint64_t wakeups_of(pid_t pid) {
+  uint64_t sum = 0;
+  std::error_code ec;
+  for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) sum += std::strtoull(line.c_str() + 24, nullptr, 10);
+  }
+  return sum;
+}
+
+// A process that launches nothing costs the host next to nothing: its
+// pacer rests (it ticked 50 times a second, watching for reloads and the
+// daemon, which matter only to its next launch). That launch wakes it, so
+// a change made meanwhile governs the launches at once: here a reload that
+// caps the tenant, alone on its GPU, at its share a moment before the
+// process launches again. (A resting pacer also looks once a second by
+// itself: the reload comes within that second.)
+TEST_F(GpuTimeTest, AnIdleProcessRestsAndItsNextLaunchesFollowAReloadMadeMeanwhile) {
+  write_config({{"a", "0.3", "[0]", "1.0"}});
+  start_daemon();
+  // 0.3 s of launches (alone and uncapped: ungated), 4 s idle, 3 s again.
+  start_load("a", {"devices=0", "kernels_us=1000", "seconds=0.3", "pause_ms=4000,3000"});
+  const pid_t pid = loads_.back().pid;
+  ASSERT_TRUE(wait_for([&] { return busy_ns_(0, pid) > 0; }, 10000)) << "a never launched";
+  const auto first = std::chrono::steady_clock::now();
+  std::this_thread::sleep_until(first + std::chrono::milliseconds(1800));  // idle for 1.5 s or more
+  const uint64_t before = wakeups_of(pid);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const uint64_t woke = wakeups_of(pid) - before;
+  printf("an idle process woke %llu times in 1 s\n", static_cast<unsigned long long>(woke));
+  EXPECT_LE(woke, 5u) << "its pacer ticks while the process launches nothing";
+  // Still idle (its launches resume 4.3 s after they began): capped now.
+  std::this_thread::sleep_until(first + std::chrono::milliseconds(4000));
+  write_config({{"a", "0.3", "[0]", ""}});
+  kill(daemon_, SIGHUP);
+  const uint64_t idle_busy = busy_ns_(0, pid);
+  ASSERT_TRUE(wait_for([&] { return busy_ns_(0, pid) > idle_busy; }, 5000)) << "a never launched again";
+  // Over 1.5 s from its first launch after the rest: the cap, and the
+  // 50 ms burst a limit allows. Not woken, its pacer would have let it run
+  // uncapped until it looked by itself (about 0.6 of the GPU here).
+  const double used = measure("a", 0, 1500);
+  printf("after the reload, its launches used %.3f of the GPU (limit 0.3)\n", used);
+  EXPECT_LE(used, 0.37) << "the launches after the rest ran ungoverned";
+  EXPECT_GE(used, 0.2);
+  finish_loads();
+}
+
 // A holder that exits normally hands the GPU on from its exit path: the
 // other tenant's next kernel follows its last one within a millisecond or
 // so, not after the 10 ms a waiter takes to notice a dead holder.
