@@ -736,6 +736,45 @@ TEST(GpuTimeDoorbell, AWakeThroughAReadOnlyMappingWakesTheDaemon) {
   gputime::close_arbiter(&rw);
 }
 
+// A GPU nobody has asked for, held or (by the meter) used for a second is
+// looked at every 100 ms instead of every 20 (every millisecond while
+// someone asks): an idle node's scheduler threads wake ten times a second.
+// The heartbeat, from which tenants tell the daemon is alive, stays well
+// within kDaemonDownNs.
+TEST_F(SchedulerTest, AGpuUnusedForASecondIsLookedAtLessOften) {
+  configure(gputime::kPpm, gputime::kPpm);
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));
+  meter_.last = now_;
+  uint32_t pa = 0;
+  const int a = spawn_attributed(0, &pa);
+  static_assert(GpuScheduler::kQuietPassNs * 5 <= gputime::kDaemonDownNs);
+  EXPECT_EQ(sched_->pass(now_), GpuScheduler::kIdlePassNs);
+  now_ += GpuScheduler::kQuietAfterNs - kMs;
+  EXPECT_EQ(sched_->pass(now_), GpuScheduler::kIdlePassNs) << "not a second yet";
+  now_ += kMs;
+  EXPECT_EQ(sched_->pass(now_), GpuScheduler::kQuietPassNs);
+  // a's process asks, holds and gives the GPU back: a second from then.
+  want(0, a);
+  pass();
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kBusyPassNs);
+  request(0, a).want_since_ns.store(0);
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  for (int i = 0; i < 100 && state_of(0) != gputime::kGrantIdle; ++i) sched_->pass(now_ += kMs);
+  ASSERT_EQ(state_of(0), gputime::kGrantIdle) << "a kept the GPU";
+  const uint64_t released = now_;
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kIdlePassNs);
+  // Work the meter finds (a process outside the gate, an ungated tenant)
+  // counts as use too.
+  meter_.duty[pa] = 0.5;
+  EXPECT_EQ(sched_->pass(now_ = released + GpuScheduler::kQuietAfterNs), GpuScheduler::kIdlePassNs);
+  meter_.duty.clear();
+  EXPECT_EQ(sched_->pass(now_ += GpuScheduler::kQuietAfterNs / 2), GpuScheduler::kIdlePassNs);
+  EXPECT_EQ(sched_->pass(now_ += GpuScheduler::kQuietAfterNs / 2), GpuScheduler::kQuietPassNs);
+  EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), now_);
+}
+
 // Tenants ringing the doorbell as fast as they can make the scheduler run
 // more passes, never more than one per 100 us.
 TEST_F(SchedulerTest, RingingTheDoorbellCannotMakePassesMoreFrequentThanTheBound) {

@@ -22,7 +22,8 @@
 //    it, tenants whose turns leave room may hold it side by side
 //    (step_side_by_side()). It runs on a
 // thread of its own, asleep on the arbiter's doorbell futex between passes
-// (1 ms while someone holds or waits, kIdlePassNs otherwise); tenant
+// (1 ms while someone holds or waits, kIdlePassNs otherwise, kQuietPassNs
+// once the GPU has gone unused for a second); tenant
 // processes ring the doorbell, which can only make it run a pass sooner,
 // never more than once per kMinPassIntervalNs.
 //
@@ -75,6 +76,11 @@ class GpuScheduler {
  public:
   static constexpr uint64_t kBusyPassNs = 1'000'000;         // between passes while someone holds or waits
   static constexpr uint64_t kIdlePassNs = 20'000'000;        // ... otherwise
+  // ... and once nobody has asked, held or (by the meter) used the GPU for
+  // kQuietAfterNs: then only a doorbell can bring work, and the heartbeat
+  // (kDaemonDownNs) is all a pass must keep fresh.
+  static constexpr uint64_t kQuietPassNs = 100'000'000;
+  static constexpr uint64_t kQuietAfterNs = 1'000'000'000;
   static constexpr uint64_t kMinPassIntervalNs = 100'000;    // doorbells cannot make passes more frequent
   // Measured mode.
   static constexpr uint64_t kMeterIntervalNs = 2'000'000;    // between meter readings
@@ -583,6 +589,7 @@ class GpuScheduler {
   bool latency_configured_ = false;
   uint64_t latency_arrival_ns_ = 0;
   bool anyone_wants_ = false;
+  uint64_t last_used_ns_ = 0;  // the last pass someone asked, held, or the meter found the GPU busy
   std::vector<std::pair<uint64_t, std::array<uint64_t, gputime::kMaxTenants>>> samples_;
   std::vector<SchedulerMessage> messages_;
 
