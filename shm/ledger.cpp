@@ -756,7 +756,7 @@ void find_lock_holders(int fd, int32_t* holders) {
 
 }  // namespace
 
-void record_host_pids(TenantLedger& ledger, int32_t* verified) {
+void record_host_pids(TenantLedger& ledger, int32_t* verified, HostPidMemo* memo) {
   UsageSegment& usage = *ledger.usage;
   int32_t holders[kMaxSlots];
   find_lock_holders(ledger.usage_fd, holders);
@@ -774,10 +774,21 @@ void record_host_pids(TenantLedger& ledger, int32_t* verified) {
       // The lock holder, as our namespace numbers it, is the owner only if it
       // started when the owner did: the slot may have changed hands since.
       const int32_t holder = holders[s];
-      ProcessIdentity seen{};
-      if (read_process_identity(holder, &seen) &&
-          seen.start_time == slot.start_time.load(std::memory_order_relaxed))
+      const uint64_t start_time = slot.start_time.load(std::memory_order_relaxed);
+      if (memo != nullptr && holder > 0 && memo->host_pid[s] == holder && memo->start_time[s] == start_time) {
+        // Found to be the owner before, and the same PID holds the lock: the
+        // process checked then, or one that took its PID and the slot since
+        // and wrote the old start time into it (a new owner writes its
+        // own). Either way the PID names the process that holds the slot.
         host_pid = holder;
+      } else {
+        ProcessIdentity seen{};
+        if (read_process_identity(holder, &seen) && seen.start_time == start_time) host_pid = holder;
+        if (memo != nullptr) {
+          memo->start_time[s] = start_time;
+          memo->host_pid[s] = host_pid;
+        }
+      }
     }
     if (slot.host_pid.load(std::memory_order_relaxed) != host_pid)
       slot.host_pid.store(host_pid, std::memory_order_relaxed);

@@ -355,15 +355,24 @@ ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot);
 // process cannot see its own locks this way.
 int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 
+// The owners record_host_pids has checked: each slot's host PID (0: none)
+// and the start time the slot said when it was checked.
+struct HostPidMemo {
+  uint64_t start_time[kMaxSlots] = {};
+  int32_t host_pid[kMaxSlots] = {};
+};
+
 // Daemon: writes each live slot's host_pid (its owner's PID in the caller's
 // namespace, checked against the slot's start time) and zeroes the others'.
-// Two F_GETLK per slot lock held (plus one), one /proc read per live slot.
+// Two F_GETLK per slot lock held (plus one), one /proc read per live slot
+// (with `memo`: only where the lock holder or the slot's start time is not
+// one an earlier call with it found to be the owner).
 // The slot's copy is for the tenant's own NVML view; a tenant can overwrite
 // it, so anything that acts on other parties (the audits) uses `verified`
 // instead: if given (kMaxSlots entries), the PID of each slot's record-lock
 // holder, 0 where none, found by the locks alone (every slot, whatever its
 // state, start time or the high-water mark say: a process holding a lock on
 // the tenant's usage file is the tenant's).
-void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr);
+void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr, HostPidMemo* memo = nullptr);
 
 }  // namespace fracgpu::ledger

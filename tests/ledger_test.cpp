@@ -470,8 +470,16 @@ TEST_F(LedgerTest, KilledProcessChargesAreReclaimedAndLiveOnesAreNot) {
 }
 
 // The daemon's record of each live slot's host PID: the lock holder, only if
-// it started when the slot's owner did; cleared once the owner is gone.
-TEST_F(LedgerTest, HostPidsAreRecordedForLiveProcessesOnly) {
+// it started when the slot's owner did; cleared once the owner is gone. The
+// same with the daemon's memo of owners it checked (which spares it a read
+// of /proc per live process and tick): nothing of this is remembered past a
+// change.
+class HostPidsTest : public LedgerTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HostPidsTest, AreRecordedForLiveProcessesOnly) {
+  HostPidMemo memo_storage;
+  HostPidMemo* memo = GetParam() ? &memo_storage : nullptr;
+  const auto record_host_pids = [&](TenantLedger& l) { fracgpu::ledger::record_host_pids(l, nullptr, memo); };
   TenantLedger d = make_daemon(1 << 30);
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
@@ -486,6 +494,12 @@ TEST_F(LedgerTest, HostPidsAreRecordedForLiveProcessesOnly) {
   EXPECT_EQ(d.usage->slots[slot].host_pid.load(), 0);  // nothing recorded yet
   record_host_pids(d);
   EXPECT_EQ(d.usage->slots[slot].host_pid.load(), child);
+  if (memo != nullptr) {
+    EXPECT_EQ(memo->host_pid[slot], child) << "the owner found is remembered";
+  }
+  d.usage->slots[slot].host_pid.store(0);  // the tenant's copy, overwritten
+  record_host_pids(d);
+  EXPECT_EQ(d.usage->slots[slot].host_pid.load(), child) << "rewritten from what the daemon found";
   // A slot whose start time is not the lock holder's (the slot changed hands
   // between the two reads) gets no host PID.
   const uint64_t start = d.usage->slots[slot].start_time.load();
@@ -503,6 +517,9 @@ TEST_F(LedgerTest, HostPidsAreRecordedForLiveProcessesOnly) {
   close(ready[0]);
   close(ready[1]);
 }
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithoutMemo, HostPidsTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Memo" : "NoMemo"; });
 
 TEST_F(LedgerTest, SlotsRunOutCleanly) {
   TenantLedger d = make_daemon(1);

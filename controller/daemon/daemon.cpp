@@ -1087,7 +1087,7 @@ void Daemon::reap(const std::string& name, OpenLedger& open) {
     result = ledger::reclaim_dead_slots(open.ledger, -1);
     for (uint32_t s = 0; s < high; ++s)
       held[s].freed = usage.slots[s].state.load(std::memory_order_acquire) == ledger::kSlotFree;
-    ledger::record_host_pids(open.ledger, open.host_pids.data());
+    ledger::record_host_pids(open.ledger, open.host_pids.data(), &open.owners_checked);
   });
   if (!ok) {
     // Closing the file also drops any slot lock the fault left us holding.

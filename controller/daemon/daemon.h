@@ -119,6 +119,7 @@ class Daemon {
     // slot's start time), 0 where none: the audits act on these, never on
     // the copy in the tenant-writable usage file.
     std::array<int32_t, ledger::kMaxSlots> host_pids{};
+    ledger::HostPidMemo owners_checked;  // so that each owner costs one read of /proc, not one a tick
     // Non-empty: why the usage file is unusable (shrunk, faulted, replaced).
     // It is unmapped (ledger.usage is null) and re-validated every pass;
     // nothing is reclaimed in it meanwhile.
