@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -155,7 +156,7 @@ unsigned long long start_time_of(const std::string& pid) {
 // namespace (the host's, for a daemon run as documented). The same process
 // is the one that started at the same time and whose innermost PID
 // (NSpid's last field) is the recorded one. Unknown: the recorded PID.
-unsigned caller_pid(int32_t recorded, unsigned long long start_time) {
+unsigned find_caller_pid(int32_t recorded, unsigned long long start_time) {
   if (start_time_of(std::to_string(recorded)) == start_time) return static_cast<unsigned>(recorded);
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
@@ -171,7 +172,28 @@ unsigned caller_pid(int32_t recorded, unsigned long long start_time) {
         return static_cast<unsigned>(std::atoi(name.c_str()));
     }
   }
-  return static_cast<unsigned>(recorded);
+  return 0;
+}
+
+// A process's PID as the caller numbers it does not change while it lives,
+// and (recorded PID, start time) names one process: each is looked up in
+// /proc once. (Without this the stand-in's reads of /proc, once per listed
+// process and call, were most of the CPU time of a daemon watching 200
+// processes: a cost of the stand-in, not of the real NVML, which asks the
+// kernel driver.) Not found: the recorded PID, looked up again next time.
+unsigned caller_pid(int32_t recorded, unsigned long long start_time) {
+  static std::mutex mutex;
+  static std::map<std::pair<int32_t, unsigned long long>, unsigned> found;
+  {
+    std::lock_guard lock(mutex);
+    if (auto it = found.find({recorded, start_time}); it != found.end()) return it->second;
+  }
+  const unsigned pid = find_caller_pid(recorded, start_time);
+  if (pid == 0) return static_cast<unsigned>(recorded);
+  std::lock_guard lock(mutex);
+  if (found.size() >= 4096) found.clear();  // mostly processes long gone
+  found[{recorded, start_time}] = pid;
+  return pid;
 }
 
 // Live processes holding memory on the device, with their bytes. Sweeps dead
