@@ -322,6 +322,65 @@ def compare(what, plain, pre, hooked, tally):
         tally.check(what, a, b, hooked)
 
 
+# The report's paths a row of the documentation's matrix stands for, by the
+# row's "lookup path" text: several paths where the doc gives one count for
+# each of them.
+MATRIX_PATHS = [
+    ("`cuGetProcAddress`, `_v2`", ("v1", "v2", "v2-nostatus")),
+    ("`cuGetProcAddress`", ("v1",)),
+    ("`dlsym` (CUDA)", ("dlsym",)),
+    ("`dlsym` (NVML)", ("nvml dlsym",)),
+    ("CUDA 12 runtime", ("cudart lookups",)),
+    ("CUDA 13.0 runtime", ("cudart13 lookups",)),
+]
+
+
+def stale_matrix_rows(doc, rows):
+    """What in the doc's matrix ("## Matrix (last run)") disagrees with this
+    run, for the releases it names at the version fetched here (a release
+    Debian has moved on from is said, not failed: its counts may differ)."""
+    problems = []
+    fetched = {}
+    for tag, suite, version, init, runtimes, tallies in rows:
+        m = re.search(r"_(\d+\.\d+(?:\.\d+)?)-", version)
+        fetched["simulated" if tag == "sim" else (m.group(1) if m else version)] = (tag, tallies, runtimes)
+    in_matrix = False
+    doc_releases = set()
+    for n, line in enumerate(open(doc).read().splitlines(), 1):
+        if line.startswith("## "):
+            in_matrix = line.startswith("## Matrix")
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if in_matrix and line.startswith("|") else []
+        if len(cells) != 5 or not cells[2].isdigit():
+            continue
+        release, path_text, counts = cells[0], cells[1], tuple(int(c) for c in cells[2:5])
+        doc_releases.add(release)
+        if release not in fetched:
+            continue
+        paths = next((p for prefix, p in MATRIX_PATHS if path_text.startswith(prefix)), None)
+        if paths is None:
+            problems.append(f"{doc}:{n}: matrix row for {release}: unknown lookup path {path_text!r}")
+            continue
+        tag, tallies, runtimes = fetched[release]
+        # A runtime row names how many lookups its runtime made: a runtime of
+        # another release (pip fetches the newest) is noted, not compared.
+        made = re.search(r"\+ (\d+) lookups", path_text)
+        soname = {"cudart lookups": "libcudart.so.12", "cudart13 lookups": "libcudart.so.13"}.get(paths[0])
+        if made and soname and runtimes.get(soname, (None, None))[1] != int(made.group(1)) + 1:
+            print(f"NOTE: {doc}:{n}: the matrix's {path_text} is of another runtime than this run's "
+                  f"({soname}: {runtimes.get(soname, (None, 'no'))[1]} lookups): not compared")
+            continue
+        for path in paths:
+            t = tallies.get(path)
+            got = (t.hooked, t.passed, t.refused) if t else None
+            if got != counts:
+                problems.append(f"{doc}:{n}: the matrix says {counts} (hook, untouched, refused) for {release} "
+                                f"{path_text}, this run found {got} ({tag} {path}): update the matrix")
+    for release in sorted(set(fetched) - doc_releases):
+        print(f"NOTE: {doc}'s matrix has no rows for {release} (fetched here): not compared")
+    return problems
+
+
 def main():
     ap = argparse.ArgumentParser()
     for name in ("--probe", "--recorder", "--interposer", "--hooks", "--nvml-hooks"):
@@ -331,6 +390,9 @@ def main():
     ap.add_argument("--sim-cuda")
     ap.add_argument("--sim-nvml")
     ap.add_argument("--report")
+    # docs/compatibility.md: its matrix must carry this run's counts for
+    # every release it names (fetched here at that very version).
+    ap.add_argument("--doc")
     args = ap.parse_args()
     cache = os.environ.get("FRACGPU_CONFORMANCE_CACHE") or os.path.expanduser("~/.cache/fracgpu-conformance")
     os.makedirs(cache, exist_ok=True)
@@ -436,6 +498,10 @@ def main():
                 print(f"FAIL {failure}")
             if len(t.failures) > 20:
                 print(f"FAIL ... and {len(t.failures) - 20} more in {tag} {path}")
+    if args.doc:
+        for problem in stale_matrix_rows(args.doc, rows):
+            print(f"FAIL {problem}")
+            failed = True
     if failed:
         return 1
     if why is not None:
