@@ -699,8 +699,9 @@ void* pacer_main(void*) {
     const bool refresh = now >= next_refresh;
     if (refresh) next_refresh = now + kQuietTickNs;
     bool metering_changed = false;
-    // The futex to sleep on: the first busy GPU's turn, read before its
-    // grant, so that a revocation wakes us at once rather than at the tick.
+    // The futex to sleep on: the turn of the first GPU whose grant we
+    // entered, read before its grant, so that a revocation wakes us at once
+    // rather than at the tick.
     const GpuTimeSegment* sleep_on = nullptr;
     uint32_t sleep_turn = 0;
     bool latency_grant = false;  // a latency tenant's grant entered: look again soon, to give it back
@@ -725,8 +726,9 @@ void* pacer_main(void*) {
       const uint32_t turn = g.arbiter.seg->grant.turn.load(std::memory_order_acquire);
       if (pace_gpu(gpu, gputime::monotonic_ns())) {
         busy = true;
-        latency_grant |= g.entered.load(std::memory_order_relaxed) != 0 && latency_tenant(g);
-        if (sleep_on == nullptr) {
+        const bool entered = g.entered.load(std::memory_order_relaxed) != 0;
+        latency_grant |= entered && latency_tenant(g);
+        if (entered && sleep_on == nullptr) {
           sleep_on = g.arbiter.seg;
           sleep_turn = turn;
         }
@@ -752,8 +754,12 @@ void* pacer_main(void*) {
     } else {
       // On our own futex, so that a kick (kick_pacer: a grant entered, a
       // synchronization's return) wakes us. Holding a latency tenant's
-      // grant: short ticks, and a revocation is seen at the next one.
-      struct timespec ts {0, static_cast<long>(latency_grant ? kLatencyTickNs : kQuietTickNs)};
+      // grant: short ticks, and a revocation is seen at the next one. Only
+      // waiting for a grant: the threads that wait ask, renew their asking
+      // and enter by themselves, and the grant they enter kicks us; our
+      // tick (as long as theirs) is a fallback.
+      const uint64_t tick = latency_grant ? kLatencyTickNs : busy ? kWaitSliceNs : kQuietTickNs;
+      struct timespec ts {0, static_cast<long>(tick)};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&g_pacer_kick), FUTEX_WAIT_PRIVATE, kick, &ts, nullptr, 0);
     }
   }
