@@ -9,8 +9,10 @@
 #   micro/  the driver-call microbenchmarks (bench/micro/run_micro.sh), if present,
 #           with --callgrind where valgrind is installed (not with --smoke);
 #   e2e/    the end-to-end workloads on the simulated driver (bench/e2e/run_e2e.sh);
-#   daemon/ fracgpud's own CPU time, idle to 32 tenant processes
-#           (bench/e2e/daemon_cpu.sh);
+#   daemon/ fracgpud's own CPU time, idle to 32 tenant processes, and 64
+#           asleep (bench/e2e/daemon_cpu.sh);
+#   many/   200 processes at once: started, run, exited, and killed
+#           (bench/e2e/many_processes.sh);
 #   gpu/    the real-GPU benchmark (bench/gpu/run_gpu.sh), only where
 #           `nvidia-smi -L` finds a GPU.
 # --smoke makes every part as short as it goes (what CI's smoke runs).
@@ -97,6 +99,7 @@ else
 fi
 ((gpu_only)) || part "end-to-end workloads (simulated driver)" bash bench/e2e/run_e2e.sh "$build" "$out/e2e" "${smoke[@]}"
 ((gpu_only)) || part "the daemon's own CPU time (simulated driver)" bash bench/e2e/daemon_cpu.sh "$build" "$out/daemon" "${smoke[@]}"
+((gpu_only)) || part "many processes at once (simulated driver)" bash bench/e2e/many_processes.sh "$build" "$out/many" "${smoke[@]}"
 if nvidia-smi -L >/dev/null 2>&1; then
   gpu_args=()
   ((${#smoke[@]} == 0)) || gpu_args=(--seconds 3 --repeats 1)
@@ -105,5 +108,5 @@ else
   echo "== no NVIDIA GPU (nvidia-smi -L failed): real-GPU part skipped" >&2
   ((gpu_only == 0)) || status=2
 fi
-echo "== report written to $out (machine.txt; micro/, e2e/, daemon/, gpu/ where run)" >&2
+echo "== report written to $out (machine.txt; micro/, e2e/, daemon/, many/, gpu/ where run)" >&2
 exit "$status"

@@ -1,6 +1,25 @@
-# shellcheck shell=bash disable=SC2154,SC2034 # $fracgpud, $out, $work, $seconds, $pids, $tenants, $shares, $fracgpud_daemon_keys come from the caller; $daemon_pid, $name, $dir, $run_dir go to it
+# shellcheck shell=bash disable=SC2154,SC2034 # $fracgpud, $build, $out, $work, $seconds, $pids, $tenants, $shares, $fracgpud_daemon_keys come from the caller; $daemon_pid, $name, $dir, $run_dir go to it
 # Shell functions shared by the benchmark drivers (bench/e2e/run_e2e.sh,
 # bench/gpu/run_gpu.sh). Source it; it expects $fracgpud to be set.
+
+# require_built FILE...: each exists, or the caller's die() says to build.
+require_built() {
+  local f
+  for f in "$@"; do
+    [[ -e $f ]] || die "$f not found: build first (bash scripts/build.sh, with tests: the simulated driver)"
+  done
+}
+
+# begin_simulated_work PREFIX: makes $out and makes it absolute, sets $work to
+# a new directory /tmp/PREFIX-XXXXXX, puts the simulated driver of $build on
+# LD_LIBRARY_PATH and its state (SIMCUDA_STATE) in $work.
+begin_simulated_work() {
+  mkdir -p "$out"
+  out=$(realpath "$out")
+  work=$(mktemp -d "/tmp/$1-XXXXXX")
+  export LD_LIBRARY_PATH="$build/simcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export SIMCUDA_STATE=$work/simulated-gpu
+}
 
 # begin_run LABEL WORKLOAD MODE: the next run, numbered so that reports keep
 # the order runs were made in. Sets the caller's $name, $dir (its results,
