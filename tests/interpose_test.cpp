@@ -953,6 +953,66 @@ TEST_F(InterposeTest, WithoutTenantStateTheProcessPassesThroughOrIsDenied) {
   (void)g;
 }
 
+// A tenant runs at most kMaxSlots processes that use a GPU at once (each
+// holds a slot of its usage file, by a record lock). One more is denied with
+// a line that says why, and gets CUDA_ERROR_NOT_PERMITTED, never a hang or
+// a crash; once a slot is free again, a new process takes it.
+TEST_F(InterposeTest, AProcessBeyondItsTenantsSlotsIsDeniedUntilOneIsFree) {
+  grant(kUuid0, 256 * kMiB);
+  const std::string usage = tenant_dir_ + "/usage";
+  int ready[2], go[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(go), 0);
+  // One process holding every slot's lock stands for kMaxSlots live ones.
+  const pid_t holder = fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    const int fd = open(usage.c_str(), O_RDWR | O_CLOEXEC);
+    bool all = fd >= 0;
+    for (uint32_t s = 0; all && s < kMaxSlots; ++s) {
+      struct flock fl {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;
+      fl.l_start = slot_lock_offset(s);
+      fl.l_len = 1;
+      all = fcntl(fd, F_SETLK, &fl) == 0;
+    }
+    char c = all ? 'y' : 'n';
+    if (write(ready[1], &c, 1) != 1 || read(go[0], &c, 1) != 1 || c != 'f') _exit(1);
+    struct flock fl {};  // free the last slot, then hold the rest until told
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = slot_lock_offset(kMaxSlots - 1);
+    fl.l_len = 1;
+    c = fcntl(fd, F_SETLK, &fl) == 0 ? 'y' : 'n';
+    if (write(ready[1], &c, 1) != 1 || read(go[0], &c, 1) != 1) _exit(1);
+    _exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 'y') << "could not lock every slot";
+  const std::vector<std::string> work = {"init", "primary", "0", "alloc", "64MiB"};
+  ProbeResult r = probe(work);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r["init"], kNotPermitted);
+  EXPECT_EQ(r["alloc"], kNotPermitted);
+  EXPECT_NE(r.err.find(tenant_dir_ + ": no free process slot (full); GPU access denied"), std::string::npos)
+      << r.err;
+  c = 'f';
+  ASSERT_EQ(write(go[1], &c, 1), 1);
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 'y');
+  r = probe(work);
+  EXPECT_EQ(r["init"], kSuccess) << r.err;
+  EXPECT_EQ(r["alloc"], kSuccess) << r.err;
+  c = 'x';
+  ASSERT_EQ(write(go[1], &c, 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(holder, &status, 0), holder);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int fd : {ready[0], ready[1], go[0], go[1]}) close(fd);
+}
+
 // A tenant directory with a policy is a tenant: a usage file that is
 // missing, not a regular file, foreign or of the wrong size means its
 // charges cannot be counted, so GPU access is denied, never unlimited. Only
