@@ -30,12 +30,20 @@ t1 = time.monotonic_ns()
 if idle:
     print(json.dumps({"pid": pid, "idle": True}))
 else:
-    gaps = [[t0 + i * 2000000, t0 + i * 2000000 + 1000000] for i in range(20)]
-    print(json.dumps({"pid": pid, "start_ns": t0, "end_ns": t1, "gap_ns": 3000, "overflow": False, "gaps": gaps}))
+    # A window a second wider each side than the sleep, as the meter's below:
+    # probes that python starts tens of ms apart on a loaded host still share
+    # most of it (with the sleep's window alone, three sometimes shared too
+    # little for the report, which then failed the run).
+    start, end = t0 - 10**9, t1 + 10**9
+    gaps = [[start + i * 2000000, start + i * 2000000 + 1000000] for i in range((end - start) // 2000000)]
+    print(json.dumps({"pid": pid, "start_ns": start, "end_ns": end, "gap_ns": 3000, "overflow": False, "gaps": gaps}))
 out = os.environ.get("FRACGPU_CUPTI_OUT")
 if out and os.environ.get("FRACGPU_CUPTI_CTX_SWITCH") == "1" and os.environ.get("CUDA_INJECTION64_PATH"):
     refused = os.environ.get("STAND_IN_CUPTI_REFUSES") == "1"
-    events = [] if refused else [[t0 + 1000 + i * 1000, 9, 1 + i % 2] for i in range(40)]
+    # Two records (out, in) for each of a spinner's gaps: what a CUPTI that
+    # shows every process's switches gives the idle one.
+    switches = 2 * ((t1 - t0 + 2 * 10**9) // 2000000)
+    events = [] if refused else [[t0 + 1000 + i * 1000, 9, 1 + i % 2] for i in range(switches)]
     cs = {"enabled": not refused, "records": len(events), "own_contexts": [1], "contexts": {}, "events": events}
     if refused:
         cs["error"] = "CUPTI (API version 130001) refused the context-switch records: CUPTI_ERROR_INVALID_KIND"
