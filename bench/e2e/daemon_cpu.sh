@@ -17,7 +17,8 @@
 # stand-in NVML computes its samples inside the daemon's process, so the
 # difference is the meter's share, at the stand-in's cost, not the real
 # NVML's (unknown until a GPU). Each is
-# measured over N seconds (default 10) after 2 s of warm-up (6 s asleep), from
+# measured over N seconds (default 10) after 2 s of warm-up (asleep: 6 s and
+# a second per 32 processes, for all of them to have started), from
 # /proc/<fracgpud>/task/*/stat and status; the tenant processes' wakeups
 # (all their threads: the interposer's pacer among them) too. --smoke: idle and 2x1 only, 1 s
 # each (CTest bench_daemon_cpu_smoke: the harness works; no figure is
@@ -43,7 +44,7 @@ while (($#)); do
   esac
 done
 [[ $seconds =~ ^[1-9][0-9]*$ ]] || die "--seconds takes a whole number of seconds, not $seconds"
-[[ $asleep =~ ^[1-9][0-9]*$ && $asleep -le 512 ]] || die "--asleep takes 1 to 512 processes, not $asleep"
+[[ $asleep =~ ^[1-9][0-9]*$ && $asleep -ge 2 && $asleep -le 512 ]] || die "--asleep takes 2 to 512 processes, not $asleep"
 
 fracgpud=$build/controller/fracgpud
 load=$build/tests/gputime_load
