@@ -78,12 +78,10 @@ cpu_of() {
 
 # wakeups_of PID...: voluntary context switches of all their threads.
 wakeups_of() {
-  local pid task n total=0
+  local pid wakes total=0
   for pid in "$@"; do
-    for task in /proc/"$pid"/task/*; do
-      n=$(awk '/^voluntary_ctxt_switches/ {print $2}' "$task/status" 2>/dev/null) || n=0
-      total=$((total + ${n:-0}))
-    done
+    read -r _ _ wakes < <(cpu_of "$pid")
+    total=$((total + wakes))
   done
   echo "$total"
 }

@@ -1756,10 +1756,10 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   step(now);
   publish(now);
   last_pass_ns_ = now;
-  if (anyone_wants_ || pass_busy_ != 0 || last_used_ns_ == 0) last_used_ns_ = now;
+  const bool held = holders(gputime::kGranted) + holders(gputime::kGrantRevoking) != 0;
+  if (anyone_wants_ || held || pass_busy_ != 0 || last_used_ns_ == 0) last_used_ns_ = now;
   uint64_t sleep = anyone_wants_ ? kBusyPassNs : now - last_used_ns_ >= kQuietAfterNs ? kQuietPassNs : kIdlePassNs;
   for (const Row& r : rows_) {
-    if (r.gstate != gputime::kGrantIdle) last_used_ns_ = now;
     if (r.gstate == gputime::kGranted) sleep = std::min(sleep, kBusyPassNs);
     if (r.gstate == gputime::kGrantRevoking)
       sleep = std::min(sleep, std::min(kBusyPassNs, std::max<uint64_t>(r.revoke_ns + drain_deadline(r, now) - now,

@@ -366,9 +366,10 @@ def stale_matrix_rows(doc, rows):
         # another release (pip fetches the newest) is noted, not compared.
         made = re.search(r"\+ (\d+) lookups", path_text)
         soname = {"cudart lookups": "libcudart.so.12", "cudart13 lookups": "libcudart.so.13"}.get(paths[0])
-        if made and soname and runtimes.get(soname, (None, None))[1] != int(made.group(1)) + 1:
+        made_here = runtimes.get(soname, (None, None))[1]
+        if made and soname and made_here != int(made.group(1)) + 1:
             print(f"NOTE: {doc}:{n}: the matrix's {path_text} is of another runtime than this run's "
-                  f"({soname}: {runtimes.get(soname, (None, 'no'))[1]} lookups): not compared")
+                  f"({soname}: {made_here if made_here is not None else 'no'} lookups): not compared")
             continue
         for path in paths:
             t = tallies.get(path)

@@ -155,7 +155,7 @@ unsigned long long start_time_of(const std::string& pid) {
 // that namespace's number; the real driver reports the PID of the caller's
 // namespace (the host's, for a daemon run as documented). The same process
 // is the one that started at the same time and whose innermost PID
-// (NSpid's last field) is the recorded one. Unknown: the recorded PID.
+// (NSpid's last field) is the recorded one. Unknown: 0.
 unsigned find_caller_pid(int32_t recorded, unsigned long long start_time) {
   if (start_time_of(std::to_string(recorded)) == start_time) return static_cast<unsigned>(recorded);
   std::error_code ec;
