@@ -710,8 +710,10 @@ class GpuTimeTest : public ::testing::Test {
   // busy), and a load that runs it too until flood_after_ms, then 20 ms
   // kernels back to back with 100 ms queued.
   static std::pair<std::vector<std::string>, std::vector<std::string>> light_and_flood_args(double seconds,
-                                                                                          unsigned flood_after_ms) {
-    std::vector<std::string> light = {"devices=0", "host_us=60", "ahead_us=3200", "seconds=" + std::to_string(seconds)};
+                                                                                          unsigned flood_after_ms,
+                                                                                          int device = 0) {
+    std::vector<std::string> light = {"devices=" + std::to_string(device), "host_us=60", "ahead_us=3200",
+                                      "seconds=" + std::to_string(seconds)};
     std::vector<std::string> flood = light;
     light.push_back("kernels_us=50");
     flood.push_back("kernels_us=50,20000");
@@ -2175,51 +2177,60 @@ TEST_F(GpuTimeTest, SampledLaunchBoundPairOf50usKernelsKeepsTheGpuBusySideBySide
 // equal turns give it what it gets without fracgpu, and the GPU is busier:
 // so the pair goes back side by side after each measure in turns. Before
 // that rule the honest tenant kept 0.442 and 0.476 in two runs of three.
-// Seen since: 0.490-0.509 in seven runs (two beside a busy loop). At 300 ms
-// samples the measuring turns last longer and the honest tenant kept
-// 0.421, 0.452 and 0.505 in three runs (docs/sm-time.md, "Limits"); this
-// asserts the default period.
-// On the time-slice model (side by side needs a driver that time-slices);
-// judged against the same pair without fracgpu in the same test.
-// Disabled: in a full-suite run beside the other tests it gave 0.459 (in
-// the one before, a pass), so the target is not held on a loaded host and
-// the test would fail CI by chance. The rules it exercises are held by
-// SideBySideTest.TenantsAsBusySideBySideAsInTurnsGoBackSideBySide and
-// SideBySideTest.ATenantMissingItsDrainDeadlinesIsNoTenantLeftAlone. Run it
-// with --gtest_also_run_disabled_tests.
-TEST_F(GpuTimeTest, DISABLED_ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
+// At 300 ms samples the measuring turns last longer and the honest tenant
+// kept 0.421, 0.452 and 0.505 in three runs (docs/sm-time.md, "Limits");
+// this asserts the default period. On the time-slice model (side by side
+// needs a driver that time-slices).
+// Judged against the same pair without fracgpu on another GPU at the same
+// time: the light loop is CPU-bound, and on a loaded host it keeps less of
+// the GPU with or without fracgpu. Nothing else running: 0.477-0.496 in
+// eight runs against 0.500 without (the two light loops compete for the
+// two CPUs; with the pair without fracgpu run before, not beside, it kept
+// 0.489-0.509). Beside two busy loops on 2 cores: 0.384-0.397 against
+// 0.405-0.406 (fracgpu's own threads, the pacer and the daemon, take CPU
+// from the light loop there). So the bar is what the pair got without
+// fracgpu less 3 points, and the pair must hold the GPU side by side for
+// at least 0.3 of the window (0.59-0.96 seen): taking turns throughout
+// (side_by_side = false) left the light one 0.474-0.476 on an idle host,
+// over that bar, and 0.390 against 0.452 beside a busy loop.
+TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   meter_ = true;
   sample_ms_ = realistic_period();
   write_config({{"honest", "0.5", "[0]", ""}, {"flood", "0.5", "[0]", ""}});
   start_daemon();
-  auto honest_of_used = [&](const Sample& x, const Sample& y) { return share_of_used(x, y, "honest", "flood"); };
-  {
-    const auto [light, flood] = light_and_flood_args(5, 500);
-    start_load("honest", light, /*preload=*/false);
-    start_load("flood", flood, /*preload=*/false);
-    std::this_thread::sleep_for(std::chrono::seconds(1));
-    const Sample x = sample(1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(3500));
-    const Sample y = sample(1);
-    const double native = honest_of_used(x, y);
-    finish_loads();
-    loads_.clear();
-    printf("light beside a flood without fracgpu: the light one's share of the time used %.3f\n", native);
-  }
+  // The pair under fracgpu on GPU 0, and the same pair without it on GPU 1
+  // at the same time (no tenant has GPU 1): whatever else the host runs
+  // takes CPU from both light loops alike.
   const auto [light, flood] = light_and_flood_args(13, 2000);
+  const auto [native_light, native_flood] = light_and_flood_args(13, 2000, /*device=*/1);
   start_load("honest", light);
   start_load("flood", flood);
+  start_load("native-light", native_light, /*preload=*/false);
+  start_load("native-flood", native_flood, /*preload=*/false);
+  gputime::Arbiter arbiter = open_tenant_arbiter("honest", 0);
+  ASSERT_TRUE(arbiter.is_open());
+  const std::atomic<uint32_t>& flags = arbiter.seg->tenants[gputime::find_tenant(*arbiter.seg, "honest")].flags;
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-  const Sample x = sample(1);
-  std::this_thread::sleep_for(std::chrono::seconds(10));
-  const Sample y = sample(1);
-  const double honest = honest_of_used(x, y);
+  const Sample x = sample(2);
+  // How much of the window the light one held the GPU side by side: every
+  // 5 ms, its flag in the daemon's table.
+  int looks = 0, beside = 0;
+  for (const uint64_t end = now_ns() + 10 * kSecond; now_ns() < end; ++looks) {
+    beside += (flags.load(std::memory_order_acquire) & gputime::kTenantSideBySide) != 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const Sample y = sample(2);
+  const double side_by_side = looks > 0 ? static_cast<double>(beside) / looks : 0;
+  const double honest = share_of_used(x, y, "honest", "flood");
+  const double native = static_cast<double>(tenant_busy(x, y, "native-light", 1)) /
+                        static_cast<double>(tenant_busy(x, y, "native-light", 1) + tenant_busy(x, y, "native-flood", 1));
   const double busy = busy_share(x, y, "honest", 0) + busy_share(x, y, "flood", 0);
   finish_loads();
-  printf("light beside a flood with fracgpu: the light one's share of the time used %.3f, GPU busy %.3f\n", honest,
-         busy);
-  EXPECT_GE(honest, 0.48);
-  EXPECT_LE(1 - honest, 0.52);
+  printf("light beside a flood: the light one's share of the time used %.3f with fracgpu (GPU busy %.3f, side by "
+         "side %.2f of the time), %.3f without it at the same time\n",
+         honest, busy, side_by_side, native);
+  EXPECT_GE(honest, native - 0.03) << "without fracgpu: " << native;
+  EXPECT_GE(side_by_side, 0.3) << "the flood kept the pair in turns";
 }
 
 // A tenant that lengthens its own contexts' time slice (the driver's
