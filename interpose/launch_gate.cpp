@@ -562,7 +562,7 @@ void wait_for_turn(int gpu) {
   GpuTime& g = g_gpus[gpu];
   const GpuTimeSegment& seg = *g.arbiter.seg;
   g.waiting.fetch_add(1, std::memory_order_acq_rel);
-  bool asked = false;
+  uint64_t rang_ns = 0;  // when this thread last rang the doorbell; 0: it has not
   uint64_t restated_ns = gputime::monotonic_ns();
   for (;;) {
     if (g.open.load(std::memory_order_acquire) || !g.metered.load(std::memory_order_acquire)) break;
@@ -590,11 +590,15 @@ void wait_for_turn(int gpu) {
       // daemon (the doorbell's value never changes: only the wake matters).
       g.request->want_since_ns.store(now, std::memory_order_seq_cst);
       gputime::ring_doorbell(seg);
-      asked = true;
-    } else if (asked) {
-      // Still waiting a slice later: ring again, in case the daemon was
-      // between a pass and its sleep when we first rang.
+      rang_ns = gputime::monotonic_ns();
+    } else if (rang_ns != 0 && seg.daemon.daemon_heartbeat_ns.load(std::memory_order_acquire) < rang_ns) {
+      // Still waiting a slice later, and no pass has begun since we rang:
+      // the daemon may have been between a pass and its sleep then, and
+      // missed the wake. A pass that began after the ring read our want
+      // (it reads the requests after taking its time), so once one has,
+      // ringing again only costs the daemon a wake-up.
       gputime::ring_doorbell(seg);
+      rang_ns = gputime::monotonic_ns();
     }
     if (now - restated_ns >= kRestateNs && pthread_mutex_trylock(&g.transition) == 0) {
       if (g.entered.load(std::memory_order_relaxed) == 0) restate_nothing_entered_locked(g);
