@@ -51,7 +51,7 @@ using gputime::GpuTimeSegment;
 using gputime::kPpm;
 
 constexpr uint64_t kGateUnset = 1;
-constexpr uint64_t kTickNs = 1'000'000;              // pacer period while asking for or holding a GPU
+constexpr uint64_t kTickNs = 1'000'000;              // pacer period while holding a GPU
 constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching for reloads and the daemon)
 // A process that has launched nothing for kRestAfterNs has no use for the
 // quiet tick (reloads and the daemon matter to its next launch, not before):
@@ -60,7 +60,13 @@ constexpr uint64_t kQuietTickNs = 20'000'000;        // ... otherwise (watching 
 // costs the host one wake-up a second instead of fifty.
 constexpr uint64_t kRestAfterNs = 1'000'000'000;
 constexpr uint64_t kRestTickNs = 1'000'000'000;
-constexpr uint64_t kWaitSliceNs = 5'000'000;         // longest futex sleep of a waiter before it looks again
+// Longest futex sleep of a waiter (and of the pacer of a process that only
+// waits) before it looks again. What it must do on its own is renew its
+// ask (kWantFreshNs, 50 ms: two renewers, each at least every 20 ms), see
+// the daemon go down (1 s), and ring again when its first ring may have
+// been lost (a narrow race: the daemon passes every millisecond while
+// anyone asks or holds): a grant wakes it at once through `turn`.
+constexpr uint64_t kWaitSliceNs = 20'000'000;
 constexpr uint64_t kRestateNs = 1'000'000'000;       // a waiter restates its slot's drain words this often
 // A latency tenant's process gives its grant back once it has been idle
 // (no launch, no thread waiting for the GPU or synchronizing) for its hold
