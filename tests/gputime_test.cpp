@@ -2189,10 +2189,13 @@ TEST_F(GpuTimeTest, SampledLaunchBoundPairOf50usKernelsKeepsTheGpuBusySideBySide
 // 0.489-0.509). Beside two busy loops on 2 cores: 0.384-0.397 against
 // 0.405-0.406 (fracgpu's own threads, the pacer and the daemon, take CPU
 // from the light loop there). So the bar is what the pair got without
-// fracgpu less 3 points, and the pair must hold the GPU side by side for
-// at least 0.3 of the window (0.59-0.96 seen): taking turns throughout
-// (side_by_side = false) left the light one 0.474-0.476 on an idle host,
-// over that bar, and 0.390 against 0.452 beside a busy loop.
+// fracgpu less 3 points (taking turns throughout, side_by_side = false,
+// left the light one 0.474-0.476 on an idle host, and 0.390 against 0.452
+// beside a busy loop). And the pair must have held the GPU side by side in
+// the window, as the cheat needs to be let in: 0.59-0.96 of it in most
+// runs; 0.21 in one where the measuring turns came out busier than side by
+// side, so the pair kept taking turns (and the light one kept 0.473), as
+// the scheduler's rule says it should.
 TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   meter_ = true;
   sample_ms_ = realistic_period();
@@ -2230,7 +2233,7 @@ TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
          "side %.2f of the time), %.3f without it at the same time\n",
          honest, busy, side_by_side, native);
   EXPECT_GE(honest, native - 0.03) << "without fracgpu: " << native;
-  EXPECT_GE(side_by_side, 0.3) << "the flood kept the pair in turns";
+  EXPECT_GE(side_by_side, 0.1) << "the pair never held the GPU side by side";
 }
 
 // A tenant that lengthens its own contexts' time slice (the driver's
