@@ -758,7 +758,7 @@ TEST_F(SchedulerTest, AGpuUnusedForASecondIsLookedAtLessOften) {
   pass();
   ASSERT_TRUE(holds(0));
   ASSERT_TRUE(enter(0, a));
-  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kBusyPassNs);
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kLonePassNs);
   request(0, a).want_since_ns.store(0);
   gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
   for (int i = 0; i < 100 && state_of(0) != gputime::kGrantIdle; ++i) sched_->pass(now_ += kMs);
@@ -773,6 +773,32 @@ TEST_F(SchedulerTest, AGpuUnusedForASecondIsLookedAtLessOften) {
   EXPECT_EQ(sched_->pass(now_ += GpuScheduler::kQuietAfterNs / 2), GpuScheduler::kIdlePassNs);
   EXPECT_EQ(sched_->pass(now_ += GpuScheduler::kQuietAfterNs / 2), GpuScheduler::kQuietPassNs);
   EXPECT_EQ(arbiter_.seg->daemon.daemon_heartbeat_ns.load(), now_);
+}
+
+// A lone holder that nobody waits for, uncapped, is looked at every 5 ms:
+// the next tenant to ask rings the doorbell, and the scheduler looks every
+// millisecond again while it waits (a slice's end, the holder's idle rule);
+// so does a capped holder, whose limit is a rate the passes keep.
+TEST_F(SchedulerTest, ALoneUncappedHolderIsLookedAtEveryFiveMilliseconds) {
+  static_assert(GpuScheduler::kLonePassNs * 4 <= gputime::kLoneIdleNs);
+  configure(gputime::kPpm, 300'000);
+  const int a = spawn(0);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(holds(0));
+  ASSERT_TRUE(enter(0, a));
+  request(0, a).want_since_ns.store(0);
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kLonePassNs) << "a alone";
+  const int b = spawn(1);
+  want(1, b);
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kBusyPassNs) << "b waits";
+  // a gives the GPU back: b's turn, and its limit caps it.
+  gputime::report_drained(*arbiter_.seg, request(0, a), gputime::grant_seq(word_of(0)));
+  for (int i = 0; i < 20 && !holds(1); ++i) sched_->pass(now_ += kMs);
+  ASSERT_TRUE(holds(1)) << "b never got the GPU";
+  ASSERT_TRUE(enter(1, b));
+  request(1, b).want_since_ns.store(0);
+  EXPECT_EQ(sched_->pass(now_ += kMs), GpuScheduler::kBusyPassNs) << "b alone, capped";
 }
 
 // Tenants ringing the doorbell as fast as they can make the scheduler run

@@ -8,7 +8,9 @@
 #   bash bench/e2e/daemon_cpu.sh BUILD_DIR OUT_DIR [--seconds N] [--asleep N] [--smoke]
 #
 # Shapes (tenants x processes each, at equal shares): idle (2 tenants, no
-# process), 2x1, 4x2 and 8x4 saturating (2 ms kernels queued 2 ms ahead),
+# process), 1of2 (2 tenants with `limit = 1.0`, one saturating process of
+# the first: a GPU running one tenant's work, which may use all of it),
+# 2x1, 4x2 and 8x4 saturating (2 ms kernels queued 2 ms ahead),
 # 8x4 launch-bound (50 us kernels, 60 us of CPU work after each), 2x32
 # asleep (64 processes that launched for 0.2 s, then launch nothing: a
 # node's idle notebooks and servers; --asleep N: N processes, half each);
@@ -87,7 +89,7 @@ wakeups_of() {
 }
 
 if ((smoke)); then shapes=("idle 2 0 - yes" "2x1 2 1 saturating yes"); else
-  shapes=("idle 2 0 - yes" "2x1 2 1 saturating yes" "4x2 4 2 saturating yes" "8x4 8 4 saturating yes"
+  shapes=("idle 2 0 - yes" "1of2 2 1 alone yes" "2x1 2 1 saturating yes" "4x2 4 2 saturating yes" "8x4 8 4 saturating yes"
     "8x4 8 4 launch-bound yes" "2x$((asleep / 2)) 2 $((asleep / 2)) asleep yes" "idle 2 0 - no"
     "8x4 8 4 saturating no" "2x$((asleep / 2)) 2 $((asleep / 2)) asleep no")
 fi
@@ -99,10 +101,12 @@ for shape in "${shapes[@]}"; do
   if [[ $nvml == yes ]]; then fracgpud_env=("${with_nvml[@]}"); else fracgpud_env=(); fi
   specs=()
   share=$(awk -v n="$tenants" 'BEGIN { printf "%.4f", 1 / n }')
-  for t in $(seq "$tenants"); do specs+=("t$t:$share"); done
+  limit=""
+  [[ $kind != alone ]] || limit=1.0
+  for t in $(seq "$tenants"); do specs+=("t$t:$share${limit:+::$limit}"); done
   start_fracgpud "$dir" "$run_dir" "uuid = \"$uuid\""$'\n'"context_memory = \"64MiB\"" "${specs[@]}" || exit 1
   case $kind in
-    saturating) args=(kernels_us=2000 ahead_us=2000) ;;
+    saturating | alone) args=(kernels_us=2000 ahead_us=2000) ;;
     launch-bound) args=(kernels_us=50 host_us=60) ;;
     # 0.2 s of launches, then asleep past the measurement (pause_ms only
     # applies with something to resume: 1 ms of it, never reached).
@@ -113,7 +117,9 @@ for shape in "${shapes[@]}"; do
   # wait longer for all of them to be asleep before measuring.
   run_s=$((seconds + 4)) warm=2
   [[ $kind == asleep ]] && run_s=0.2 warm=$((6 + asleep / 32))
-  for t in $(seq "$tenants"); do
+  users=$tenants
+  [[ $kind != alone ]] || users=1  # one tenant at work, the others configured and away
+  for t in $(seq "$users"); do
     for _ in $(seq "$per"); do
       env FRACGPU_TENANT="t$t" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib" "$load" devices=0 "${args[@]}" \
         seconds="$run_s" >/dev/null 2>>"$dir/loads.err" &
@@ -132,7 +138,7 @@ for shape in "${shapes[@]}"; do
   pids=()
   stop "$daemon_pid"
   daemon_pid=""
-  awk -v l="$label" -v t="$tenants" -v p=$((tenants * per)) -v k="$kind" -v n="$nvml" -v hz="$hz" -v ns=$((t1 - t0)) \
+  awk -v l="$label" -v t="$tenants" -v p=$((users * per)) -v k="$kind" -v n="$nvml" -v hz="$hz" -v ns=$((t1 - t0)) \
     -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v w=$((w1 - w0)) -v tw=$((tw1 - tw0)) 'BEGIN {
       sec = ns / 1e9; user = u * 1000 / hz / sec; sys = s * 1000 / hz / sec
       printf "%s,%d,%d,%s,%s,%.1f,%.1f,%.1f,%.1f,%.0f,%.0f\n", l, t, p, k, n, sec, user, sys, (user + sys) / 10, w / sec, tw / sec }' \

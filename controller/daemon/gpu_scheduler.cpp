@@ -1759,8 +1759,13 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   const bool held = holders(gputime::kGranted) + holders(gputime::kGrantRevoking) != 0;
   if (anyone_wants_ || held || pass_busy_ != 0 || last_used_ns_ == 0) last_used_ns_ = now;
   uint64_t sleep = anyone_wants_ ? kBusyPassNs : now - last_used_ns_ >= kQuietAfterNs ? kQuietPassNs : kIdlePassNs;
+  const bool lone = !anyone_wants_ && !side_ && !measuring(now) && holders(gputime::kGranted) == 1 &&
+                    holders(gputime::kGrantRevoking) == 0 &&
+                    std::none_of(rows_.begin(), rows_.end(), [](const Row& r) {
+                      return r.pays_late() || (r.gstate == gputime::kGranted && r.limit < kPpm);
+                    });
   for (const Row& r : rows_) {
-    if (r.gstate == gputime::kGranted) sleep = std::min(sleep, kBusyPassNs);
+    if (r.gstate == gputime::kGranted) sleep = std::min(sleep, lone ? kLonePassNs : kBusyPassNs);
     if (r.gstate == gputime::kGrantRevoking)
       sleep = std::min(sleep, std::min(kBusyPassNs, std::max<uint64_t>(r.revoke_ns + drain_deadline(r, now) - now,
                                                                       kMinPassIntervalNs)));
