@@ -79,8 +79,8 @@ class GpuScheduler {
   // charging, no drain under way or overdue): what a pass must act on at
   // once then comes with a doorbell (another tenant asks, the holder gives
   // the GPU back), and the holder's idle limit is kLoneIdleNs. A GPU
-  // running one tenant's work, the most common case on a node, then costs
-  // 200 wake-ups a second instead of 1,000.
+  // running the work of one tenant that may use all of it (limit = 1.0)
+  // then costs 200 wake-ups a second instead of 1,000.
   static constexpr uint64_t kLonePassNs = 5'000'000;
   static constexpr uint64_t kIdlePassNs = 20'000'000;        // ... otherwise
   // ... and once nobody has asked, held or (by the meter) used the GPU for
