@@ -721,10 +721,11 @@ class GpuTimeTest : public ::testing::Test {
     return {light, flood};
   }
 
-  // Tenant a's part of the GPU time a and b used on GPU 0 between x and y.
-  double share_of_used(const Sample& x, const Sample& y, const std::string& a, const std::string& b) const {
-    const double used_a = static_cast<double>(tenant_busy(x, y, a, 0));
-    const double used_b = static_cast<double>(tenant_busy(x, y, b, 0));
+  // Tenant a's part of the GPU time a and b used on `device` between x and y.
+  double share_of_used(const Sample& x, const Sample& y, const std::string& a, const std::string& b,
+                       int device = 0) const {
+    const double used_a = static_cast<double>(tenant_busy(x, y, a, device));
+    const double used_b = static_cast<double>(tenant_busy(x, y, b, device));
     return used_a + used_b > 0 ? used_a / (used_a + used_b) : 0;
   }
 
@@ -2212,7 +2213,9 @@ TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   start_load("native-flood", native_flood, /*preload=*/false);
   gputime::Arbiter arbiter = open_tenant_arbiter("honest", 0);
   ASSERT_TRUE(arbiter.is_open());
-  const std::atomic<uint32_t>& flags = arbiter.seg->tenants[gputime::find_tenant(*arbiter.seg, "honest")].flags;
+  const int row = gputime::find_tenant(*arbiter.seg, "honest");
+  ASSERT_GE(row, 0);
+  const std::atomic<uint32_t>& flags = arbiter.seg->tenants[row].flags;
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   const Sample x = sample(2);
   // How much of the window the light one held the GPU side by side: every
@@ -2225,8 +2228,7 @@ TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   const Sample y = sample(2);
   const double side_by_side = looks > 0 ? static_cast<double>(beside) / looks : 0;
   const double honest = share_of_used(x, y, "honest", "flood");
-  const double native = static_cast<double>(tenant_busy(x, y, "native-light", 1)) /
-                        static_cast<double>(tenant_busy(x, y, "native-light", 1) + tenant_busy(x, y, "native-flood", 1));
+  const double native = share_of_used(x, y, "native-light", "native-flood", /*device=*/1);
   const double busy = busy_share(x, y, "honest", 0) + busy_share(x, y, "flood", 0);
   finish_loads();
   printf("light beside a flood: the light one's share of the time used %.3f with fracgpu (GPU busy %.3f, side by "
