@@ -2184,19 +2184,22 @@ TEST_F(GpuTimeTest, SampledLaunchBoundPairOf50usKernelsKeepsTheGpuBusySideBySide
 // needs a driver that time-slices).
 // Judged against the same pair without fracgpu on another GPU at the same
 // time: the light loop is CPU-bound, and on a loaded host it keeps less of
-// the GPU with or without fracgpu. Nothing else running: 0.477-0.496 in
-// eight runs against 0.500 without (the two light loops compete for the
+// the GPU with or without fracgpu. Nothing else running: 0.473-0.496 in
+// twenty runs against 0.500 without (the two light loops compete for the
 // two CPUs; with the pair without fracgpu run before, not beside, it kept
 // 0.489-0.509). Beside two busy loops on 2 cores: 0.384-0.397 against
 // 0.405-0.406 (fracgpu's own threads, the pacer and the daemon, take CPU
 // from the light loop there). So the bar is what the pair got without
-// fracgpu less 3 points (taking turns throughout, side_by_side = false,
-// left the light one 0.474-0.476 on an idle host, and 0.390 against 0.452
-// beside a busy loop). And the pair must have held the GPU side by side in
-// the window, as the cheat needs to be let in: 0.59-0.96 of it in most
-// runs; 0.21 in one where the measuring turns came out busier than side by
-// side, so the pair kept taking turns (and the light one kept 0.473), as
-// the scheduler's rule says it should.
+// fracgpu less 4 points: taking turns, which the scheduler may do after a
+// measure (below), left the light one 0.474-0.476 on an idle host, and a
+// slower host must not make that a failure; a light tenant starved in the
+// turns (0.44 before a late drainer paid its part of the next turns) is
+// still one. And the pair must have held the GPU side by side in the
+// window, as the cheat needs to be let in (turns throughout, side_by_side
+// = false, fail here): 0.59-0.96 of it in most runs; 0.21 and 0.30 in two
+// where the measuring turns came out busier than side by side, so the pair
+// kept taking turns (the light one kept 0.473 and 0.476), as the
+// scheduler's rule says it should.
 TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   meter_ = true;
   sample_ms_ = realistic_period();
@@ -2234,7 +2237,7 @@ TEST_F(GpuTimeTest, ATenantThatLooksLightThenFloodsLeavesTheLightOneItsHalf) {
   printf("light beside a flood: the light one's share of the time used %.3f with fracgpu (GPU busy %.3f, side by "
          "side %.2f of the time), %.3f without it at the same time\n",
          honest, busy, side_by_side, native);
-  EXPECT_GE(honest, native - 0.03) << "without fracgpu: " << native;
+  EXPECT_GE(honest, native - 0.04) << "without fracgpu: " << native;
   EXPECT_GE(side_by_side, 0.1) << "the pair never held the GPU side by side";
 }
 
