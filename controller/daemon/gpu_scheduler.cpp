@@ -1756,11 +1756,10 @@ uint64_t GpuScheduler::pass(uint64_t now) {
   step(now);
   publish(now);
   last_pass_ns_ = now;
-  const bool held = holders(gputime::kGranted) + holders(gputime::kGrantRevoking) != 0;
-  if (anyone_wants_ || held || pass_busy_ != 0 || last_used_ns_ == 0) last_used_ns_ = now;
+  const uint32_t granted = holders(gputime::kGranted), revoking = holders(gputime::kGrantRevoking);
+  if (anyone_wants_ || granted + revoking != 0 || pass_busy_ != 0 || last_used_ns_ == 0) last_used_ns_ = now;
   uint64_t sleep = anyone_wants_ ? kBusyPassNs : now - last_used_ns_ >= kQuietAfterNs ? kQuietPassNs : kIdlePassNs;
-  const bool lone = !anyone_wants_ && !side_ && !measuring(now) && holders(gputime::kGranted) == 1 &&
-                    holders(gputime::kGrantRevoking) == 0 &&
+  const bool lone = !anyone_wants_ && !side_ && !measuring(now) && granted == 1 && revoking == 0 &&
                     std::none_of(rows_.begin(), rows_.end(), [](const Row& r) {
                       return r.pays_late() || (r.gstate == gputime::kGranted && r.limit < kPpm);
                     });
