@@ -7,9 +7,12 @@
 #include <cstring>
 #include <ctime>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 namespace fracgpu::ledger {
@@ -754,6 +757,59 @@ void find_lock_holders(int fd, int32_t* holders) {
   }
 }
 
+// How many of a process's descriptors holds_lock_on looks at: the usage
+// file is opened when the interposer starts, so among the first.
+constexpr int kMaxFdsLookedAt = 16384;
+
+// Whether `pid`'s own descriptor table holds a POSIX lock on the file
+// `file` (its /proc/<pid>/fdinfo lock lines: the kernel lists there the
+// locks that table owns, with the file's device and inode). Reads /proc
+// only (no file system is asked anything, so no tenant's mount can stall
+// it) and allocates nothing. A lock's PID is its taker's, which the lock
+// outlives when another process shares the taker's descriptor table
+// (clone with CLONE_FILES): taker gone and its PID reused, F_GETLK names
+// whoever has that PID now.
+bool holds_lock_on(int32_t pid, const struct stat& file) {
+  char path[48];
+  snprintf(path, sizeof path, "/proc/%d/fdinfo", pid);
+  const int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return false;
+  bool found = false;
+  int looked = 0;
+  alignas(8) char entries[4096];
+  for (;;) {
+    const long n = syscall(SYS_getdents64, dir, entries, sizeof entries);
+    if (n <= 0) break;
+    for (long at = 0; at < n && !found && looked < kMaxFdsLookedAt;) {
+      const auto* e = reinterpret_cast<const struct dirent64*>(entries + at);
+      at += e->d_reclen;
+      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+      ++looked;
+      const int info = openat(dir, e->d_name, O_RDONLY | O_CLOEXEC);
+      if (info < 0) continue;
+      char text[4096];
+      const ssize_t got = read(info, text, sizeof text - 1);
+      close(info);
+      if (got <= 0) continue;
+      text[got] = '\0';
+      // "lock:\t1: POSIX  ADVISORY  WRITE 4242 00:2f:1234 100 100": the
+      // device in hex, the inode in decimal.
+      for (const char* line = strstr(text, "lock:"); line != nullptr && !found; line = strstr(line + 5, "lock:")) {
+        char kind[16] = {};
+        unsigned dev_major = 0, dev_minor = 0;
+        unsigned long long inode = 0;
+        if (sscanf(line, "lock: %*d: %15s %*s %*s %*d %x:%x:%llu", kind, &dev_major, &dev_minor, &inode) == 4 &&
+            strcmp(kind, "POSIX") == 0 && inode == file.st_ino && dev_major == major(file.st_dev) &&
+            dev_minor == minor(file.st_dev))
+          found = true;
+      }
+    }
+    if (found || looked >= kMaxFdsLookedAt) break;
+  }
+  close(dir);
+  return found;
+}
+
 }  // namespace
 
 void record_host_pids(TenantLedger& ledger, int32_t* verified, HostPidMemo* memo) {
@@ -764,6 +820,27 @@ void record_host_pids(TenantLedger& ledger, int32_t* verified, HostPidMemo* memo
   // tenant's usage file open for writing, so it is the tenant's, whatever
   // the slot's state, PID or start time say (a process that garbles them
   // must not pass for nobody's, whose GPU time the audit cannot charge).
+  // But the PID F_GETLK gives is the lock's taker's, which may have died
+  // with the lock kept by a process sharing its descriptors, and its PID
+  // gone to anybody's process since: a holder counts only once its own
+  // descriptors show the lock (checked again whenever its PID names a
+  // process that started at another time).
+  struct stat file {};
+  const bool file_known = fstat(ledger.usage_fd, &file) == 0;
+  for (uint32_t s = 0; s < kMaxSlots; ++s) {
+    const int32_t holder = holders[s];
+    if (holder <= 0) continue;
+    ProcessIdentity now{};
+    const bool alive = read_process_identity(holder, &now);
+    if (alive && memo != nullptr && memo->lock_pid[s] == holder && memo->lock_start_time[s] == now.start_time)
+      continue;
+    const bool holds = alive && file_known && holds_lock_on(holder, file);
+    if (memo != nullptr) {
+      memo->lock_pid[s] = holds ? holder : 0;
+      memo->lock_start_time[s] = holds ? now.start_time : 0;
+    }
+    if (!holds) holders[s] = 0;
+  }
   if (verified != nullptr)
     for (uint32_t s = 0; s < kMaxSlots; ++s) verified[s] = std::max(holders[s], 0);
   const uint32_t high = std::min(usage.slot_high_water.load(std::memory_order_acquire), kMaxSlots);

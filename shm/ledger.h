@@ -360,19 +360,27 @@ int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 struct HostPidMemo {
   uint64_t start_time[kMaxSlots] = {};
   int32_t host_pid[kMaxSlots] = {};
+  // Each slot's lock holder found to hold the lock in its own descriptors,
+  // and its start time then (0: none).
+  int32_t lock_pid[kMaxSlots] = {};
+  uint64_t lock_start_time[kMaxSlots] = {};
 };
 
 // Daemon: writes each live slot's host_pid (its owner's PID in the caller's
 // namespace, checked against the slot's start time) and zeroes the others'.
-// Two F_GETLK per slot lock held (plus one), one /proc read per live slot
-// (with `memo`: only where the lock holder or the slot's start time is not
-// one an earlier call with it found to be the owner).
+// Two F_GETLK per slot lock held (plus one), one /proc read per lock
+// holder and one per live slot (with `memo`: only where the lock holder or
+// the slot's start time is not one an earlier call with it found to be the
+// owner), and a look through a holder's /proc/<pid>/fdinfo where it has not
+// been found holding the lock before.
 // The slot's copy is for the tenant's own NVML view; a tenant can overwrite
 // it, so anything that acts on other parties (the audits) uses `verified`
 // instead: if given (kMaxSlots entries), the PID of each slot's record-lock
 // holder, 0 where none, found by the locks alone (every slot, whatever its
 // state, start time or the high-water mark say: a process holding a lock on
-// the tenant's usage file is the tenant's).
+// the tenant's usage file is the tenant's), and only where the process with
+// that PID holds the lock in its own descriptor table (the lock's PID is its
+// taker's, and outlives it where another process shares its descriptors).
 void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr, HostPidMemo* memo = nullptr);
 
 }  // namespace fracgpu::ledger

@@ -1,9 +1,11 @@
 // Ledger unit tests: layout validation, charging at the quota's edge from
 // threads and processes, process slots and their reclamation after SIGKILL.
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -66,17 +68,25 @@ class LedgerTest : public ::testing::Test {
   // A child process that claims a slot of the tenant's ledger, charges
   // `bytes` on GPU entry 0, writes a byte to the pipe `ready` and waits to be
   // killed. Returns once it is ready.
+  // In a forked child: opens the tenant's ledger and claims a slot (its
+  // record lock taken), or exits.
+  int claim_in_child(TenantLedger* t) {
+    char err[256];
+    if (open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, t, err, sizeof err) != LedgerError::kOk)
+      _exit(2);
+    ProcessIdentity self{};
+    read_self_identity(&self);
+    const int slot = claim_slot(*t, self, nullptr);
+    if (slot < 0) _exit(3);
+    return slot;
+  }
+
   pid_t spawn_holder(uint64_t bytes, int ready[2]) {
     const pid_t child = fork();
     if (child == 0) {
       TenantLedger t;
-      char err[256];
-      if (open_ledger(tenant_dir_.c_str(), AccessMode::kTenant, nullptr, &t, err, sizeof err) != LedgerError::kOk)
-        _exit(2);
-      ProcessIdentity self{};
-      read_self_identity(&self);
-      const int slot = claim_slot(t, self, nullptr);
-      if (slot < 0 || !try_charge(t, 0, slot, bytes)) _exit(3);
+      const int slot = claim_in_child(&t);
+      if (!try_charge(t, 0, slot, bytes)) _exit(3);
       char c = 1;
       if (write(ready[1], &c, 1) != 1) _exit(4);
       pause();
@@ -513,6 +523,58 @@ TEST_P(HostPidsTest, AreRecordedForLiveProcessesOnly) {
   waitpid(child, nullptr, 0);
   record_host_pids(d);  // the lock is gone with the process
   EXPECT_EQ(d.usage->slots[slot].host_pid.load(), 0);
+  close_ledger(&d);
+  close(ready[0]);
+  close(ready[1]);
+}
+
+// A slot's lock is its descriptor table's, and names the process that took
+// it: a second process sharing that table (clone with CLONE_FILES) keeps the
+// lock when the taker leaves it, and the PID the lock names may then belong
+// to a process that holds nothing (on a node, after the taker exits and its
+// PID is reused: any process at all). The taker here leaves the table by
+// unshare(CLONE_FILES) and lives on, so the PID it left in the lock names a
+// live process with no lock of its own: it is nobody the daemon verified.
+TEST_P(HostPidsTest, APidALockOutlivedVerifiesNothing) {
+  HostPidMemo memo_storage;
+  HostPidMemo* memo = GetParam() ? &memo_storage : nullptr;
+  TenantLedger d = make_daemon(1 << 30);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  // An honest holder beside it, verified as ever.
+  const pid_t honest = spawn_holder(100, ready);
+  const pid_t taker = fork();
+  if (taker == 0) {
+    TenantLedger t;
+    claim_in_child(&t);
+    const long keeper = syscall(SYS_clone, CLONE_FILES | SIGCHLD, nullptr, nullptr, nullptr, nullptr);
+    if (keeper == 0) {
+      pause();
+      _exit(0);
+    }
+    if (keeper < 0 || unshare(CLONE_FILES) != 0) _exit(4);
+    const int32_t keeper_pid = static_cast<int32_t>(keeper);
+    if (write(ready[1], &keeper_pid, sizeof keeper_pid) != sizeof keeper_pid) _exit(5);
+    pause();
+    _exit(0);
+  }
+  int32_t keeper = 0;
+  ASSERT_EQ(read(ready[0], &keeper, sizeof keeper), static_cast<ssize_t>(sizeof keeper));
+  int32_t verified[kMaxSlots];
+  for (int pass = 0; pass < 2; ++pass) {  // the second with what the first remembered
+    fracgpu::ledger::record_host_pids(d, verified, memo);
+    std::vector<int32_t> found;
+    for (const int32_t pid : verified)
+      if (pid != 0) found.push_back(pid);
+    EXPECT_EQ(found, std::vector<int32_t>{honest}) << "pass " << pass << "; the taker is " << taker;
+  }
+  // The lock is still there, naming the taker: F_GETLK alone would verify it.
+  bool named = false;
+  for (uint32_t s = 0; s < d.usage->slot_high_water.load(); ++s) named |= slot_owner_pid(d, s) == taker;
+  EXPECT_TRUE(named);
+  for (const pid_t pid : {honest, taker, static_cast<pid_t>(keeper)}) kill(pid, SIGKILL);
+  waitpid(honest, nullptr, 0);
+  waitpid(taker, nullptr, 0);
   close_ledger(&d);
   close(ready[0]);
   close(ready[1]);
