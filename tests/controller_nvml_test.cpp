@@ -6,6 +6,8 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -392,6 +394,94 @@ TEST(Attribution, ByCgroupPidNamespaceAndParentsNeverTheReverse) {
   EXPECT_EQ(v1_containers.tenants_of(602), Set{});
   // Gone: nobody's, and no crash.
   EXPECT_EQ(containers.tenants_of(999), Set{});
+}
+
+// What a process shows in /proc is its own to shape: its environment can
+// be any range of its address space (prctl PR_SET_MM_MAP, no privilege
+// needed), a terabyte of it for nothing. The audit reads a claim from the first MiB and no more: a
+// claim 4 MiB in is not read, one at the start still is.
+TEST(Attribution, AnEnvironmentOfAnySizeIsReadOnlyToItsFirstMebibyte) {
+  const auto claim_at = [](size_t offset, std::string* claimed) -> bool {
+    constexpr size_t kSize = 64 << 20;
+    int ready[2];
+    if (pipe(ready) != 0) return false;
+    const pid_t child = fork();
+    if (child == 0) {
+      auto* base = static_cast<char*>(mmap(nullptr, kSize, PROT_READ | PROT_WRITE,
+                                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+      char ok = 0;
+      // PR_SET_MM_MAP (no capability needed) takes the whole layout: the
+      // rest as /proc/self/stat has it, fields 26-28 and 45-49.
+      char stat[4096] = {};
+      const int fd = open("/proc/self/stat", O_RDONLY);
+      const ssize_t got = fd >= 0 ? read(fd, stat, sizeof stat - 1) : -1;
+      const char* rest = got > 0 ? strrchr(stat, ')') : nullptr;
+      if (base != MAP_FAILED && rest != nullptr) {
+        std::vector<unsigned long> field(3);  // fields 1 and 2 (pid, comm) before ')'
+        std::istringstream words(rest + 2);
+        for (std::string w; words >> w;) field.push_back(std::strtoul(w.c_str(), nullptr, 10));
+        memset(base, 'x', offset);  // one long variable, then the claim
+        if (offset > 0) base[offset - 1] = '\0';
+        strcpy(base + offset, "FRACGPU_TENANT=mallory");
+        if (field.size() > 49) {
+          prctl_mm_map map{};
+          map.start_code = field[26], map.end_code = field[27], map.start_stack = field[28];
+          map.start_data = field[45], map.end_data = field[46], map.start_brk = field[47];
+          map.brk = reinterpret_cast<unsigned long>(sbrk(0));
+          map.arg_start = field[48], map.arg_end = field[49];
+          map.env_start = reinterpret_cast<unsigned long>(base), map.env_end = map.env_start + kSize;
+          map.exe_fd = static_cast<uint32_t>(-1);
+          ok = prctl(PR_SET_MM, PR_SET_MM_MAP, reinterpret_cast<unsigned long>(&map), sizeof map, 0) == 0;
+        }
+      }
+      if (write(ready[1], &ok, 1) != 1) _exit(1);
+      pause();
+      _exit(0);
+    }
+    char ok = 0;
+    const bool read_back = read(ready[0], &ok, 1) == 1 && ok;
+    if (read_back) *claimed = controller::claimed_tenant_of_process(child, "/run/fracgpu");
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    close(ready[0]);
+    close(ready[1]);
+    return read_back;
+  };
+  std::string near, far;
+  if (!claim_at(0, &near)) GTEST_SKIP() << "prctl(PR_SET_MM_MAP) refused here (a kernel without CONFIG_CHECKPOINT_RESTORE)";
+  EXPECT_EQ(near, "mallory");
+  ASSERT_TRUE(claim_at(4 << 20, &far));
+  EXPECT_EQ(far, "");
+}
+
+// A daemon under systemd's sandboxing (PrivateTmp, ProtectSystem: the
+// shipped unit) runs in a mount namespace of its own. A tenant's verified
+// process on the host is then in PID 1's mount namespace, not the daemon's,
+// and is still on the host: neither that namespace nor its login session
+// ties anybody else's process to the tenant.
+TEST(Attribution, AHostProcessIsOnTheHostBesideADaemonWithItsOwnMounts) {
+  using controller::KernelTies;
+  FabricatedProc proc;
+  const std::string host_mnt = "mnt:[4026531840]";
+  proc.ties_[1] = KernelTies{"/init.scope", "", host_mnt, {}, 0};
+  proc.ties_[FabricatedProc::kDaemon] = KernelTies{"/system.slice/fracgpud.service", "", "mnt:[4026532500]", {}, 1};
+  // bob: verified, on the host, in a login session.
+  proc.ties_[300] = KernelTies{"/user.slice/session-1.scope", "", host_mnt, {}, 290};
+  // alice: a container.
+  proc.ties_[200] = KernelTies{"/kubepods/pod-a/ctr-a", "", "mnt:[2]", {20}, 150};
+  const std::map<int32_t, std::string> charged{{200, "alice"}, {300, "bob"}};
+  const controller::TenantContainers containers(charged, proc);
+  const auto tenants = [&](int32_t pid, KernelTies t) {
+    proc.ties_[pid] = std::move(t);
+    return containers.tenants_of(pid);
+  };
+  using Set = std::set<std::string>;
+  // A node agent on the host, another user's job in the same login session: nobody's.
+  EXPECT_EQ(tenants(401, {"/system.slice/dcgm.service", "", host_mnt, {}, 1}), Set{});
+  EXPECT_EQ(tenants(402, {"/user.slice/session-1.scope", "", host_mnt, {}, 1}), Set{});
+  // bob's own child is still bob's, and alice's container still ties.
+  EXPECT_EQ(tenants(403, {"/user.slice/session-1.scope", "", host_mnt, {}, 300}), Set{"bob"});
+  EXPECT_EQ(tenants(404, {"/elsewhere", "", "mnt:[2]", {}, 1}), Set{"alice"});
 }
 
 // ---- The daemon with NVML: health and audit ----

@@ -23,14 +23,40 @@ namespace fracgpu::controller {
 namespace fs = std::filesystem;
 namespace {
 
-std::string read_proc_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
+// What the audits read of /proc is the processes' to shape: a process can
+// point its environment at a terabyte of address space (prctl
+// PR_SET_MM_MAP needs no privilege) or, in a user namespace of its own,
+// mount until its mountinfo runs to hundreds of megabytes. So every read
+// stops at a bound well above what any real process shows.
+constexpr size_t kProcSmallBytes = 64 << 10;   // status, cgroup, comm
+constexpr size_t kEnvironBytes = 1 << 20;      // environ: a claim's variables are looked for in this much
+constexpr size_t kMountinfoBytes = 4 << 20;    // tens of thousands of mounts
+
+// At most `limit` bytes of `path`; `*cut` says whether there was more.
+std::string read_proc_text(const std::string& path, size_t limit, bool* cut = nullptr) {
+  std::string out;
+  if (cut != nullptr) *cut = false;
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buffer[16 << 10];
+  for (;;) {
+    const ssize_t n = read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    const size_t room = limit - out.size();
+    out.append(buffer, std::min(static_cast<size_t>(n), room));
+    if (static_cast<size_t>(n) >= room) {
+      if (cut != nullptr) *cut = static_cast<size_t>(n) > room || read(fd, buffer, 1) > 0;
+      break;
+    }
+  }
+  close(fd);
+  return out;
 }
 
-std::string read_proc(int32_t pid, const char* what) { return read_proc_text(fmt::format("/proc/{}/{}", pid, what)); }
+std::string read_proc(int32_t pid, const char* what, size_t limit = kProcSmallBytes) {
+  return read_proc_text(fmt::format("/proc/{}/{}", pid, what), limit);
+}
 
 }  // namespace
 
@@ -89,7 +115,10 @@ std::string unescape_mount_path(std::string_view text) {
 
 std::vector<MountEntry> read_mountinfo(const std::string& pid) {
   std::vector<MountEntry> entries;
-  std::istringstream in(read_proc_text("/proc/" + pid + "/mountinfo"));
+  bool cut = false;
+  std::string text = read_proc_text("/proc/" + pid + "/mountinfo", kMountinfoBytes, &cut);
+  if (cut) text.erase(text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1);  // no half line
+  std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
     std::istringstream fields(line);
@@ -248,7 +277,10 @@ std::set<std::string> ProcReader::mounted_tenants(int32_t pid) const {
 }
 
 TenantContainers::TenantContainers(const std::map<int32_t, std::string>& charged, const ProcessReader& proc)
-    : charged_(charged), proc_(proc), daemon_(proc.ties(proc.self()).value_or(KernelTies{})) {
+    : charged_(charged),
+      proc_(proc),
+      daemon_(proc.ties(proc.self()).value_or(KernelTies{})),
+      init_mount_ns_(proc.ties(1).value_or(KernelTies{}).mount_ns) {
   // A cgroup names a container only if it is neither the daemon's nor above
   // it (the root cgroup, a slice holding the daemon too).
   const auto names_a_container = [](const std::string& path, const std::string& daemons) {
@@ -257,7 +289,7 @@ TenantContainers::TenantContainers(const std::map<int32_t, std::string>& charged
   for (const auto& [pid, tenant] : charged) {
     const std::optional<KernelTies> t = proc.ties(pid);
     if (!t) continue;
-    const bool own_mounts = !t->mount_ns.empty() && t->mount_ns != daemon_.mount_ns;
+    const bool own_mounts = !t->mount_ns.empty() && t->mount_ns != daemon_.mount_ns && t->mount_ns != init_mount_ns_;
     const bool own_pids = !t->pid_namespaces.empty();
     if (!own_mounts && !own_pids) continue;  // on the host: ties only its descendants (tenants_of)
     if (own_mounts) mount_namespaces_[t->mount_ns].insert(tenant);
@@ -328,7 +360,7 @@ std::set<std::string> process_tenants(int32_t pid, const std::map<int32_t, std::
 }
 
 std::string claimed_tenant_of_process(int32_t pid, const std::string& run_dir) {
-  const std::string environ = read_proc(pid, "environ");
+  const std::string environ = read_proc(pid, "environ", kEnvironBytes);
   const std::string tenants = run_dir + "/tenants/";
   std::string tenant;
   size_t start = 0;

@@ -122,8 +122,8 @@ class ProcReader : public ProcessReader {
 // an uncharged process belongs to. Built once per audit pass: it reads each
 // verified process once.
 //
-// A verified process in the daemon's own mount and PID namespaces is on the
-// host, not in a container: its cgroup (a login session, a system service)
+// A verified process in the daemon's own PID namespace and in its mount
+// namespace or PID 1's is on the host, not in a container: its cgroup (a login session, a system service)
 // is shared with processes of nobody's, so it ties nothing but its own
 // descendants. A cgroup that holds the daemon itself, or is above it, ties
 // nothing either.
@@ -140,7 +140,7 @@ class TenantContainers {
   //  - its PID namespace: that of a tenant's containerized verified process,
   //    or a descendant of it;
   //  - its mount namespace: shared with a tenant's verified process outside
-  //    the daemon's own;
+  //    the daemon's own and PID 1's;
   //  - its parent chain: the nearest ancestor that is a tenant's verified
   //    process or has a tenant directory mounted.
   // Several tenants: one container with several claims. Empty: nobody's.
@@ -150,6 +150,11 @@ class TenantContainers {
   const std::map<int32_t, std::string>& charged_;
   const ProcessReader& proc_;
   KernelTies daemon_;
+  // PID 1's mount namespace: the host's where the daemon sees the host's
+  // PIDs. A daemon under systemd's sandboxing (PrivateTmp, ProtectSystem)
+  // runs in a mount namespace of its own, and a process in the host's is no
+  // more in a container than one in the daemon's.
+  std::string init_mount_ns_;
   std::vector<std::pair<std::string, std::string>> cgroups_;          // (cgroup v2 path, tenant)
   std::vector<std::pair<std::string, std::string>> systemd_cgroups_;  // (v1 name=systemd path, tenant)
   std::map<uint64_t, std::set<std::string>> pid_namespaces_;          // container PID namespace -> tenants
