@@ -4,7 +4,8 @@
 
 #include <sched.h>
 
-#include <vector>
+#include <cstdint>
+#include <cstdlib>
 
 #include "hook_table.h"
 #include "log.h"
@@ -140,10 +141,20 @@ Scan add_node_demand(CUgraph graph, int depth, Demand* demand) {
       g_driver.cuGraphGetNodes(graph, nullptr, &count) != CUDA_SUCCESS)
     return Scan::kUnreadable;
   if (count == 0) return Scan::kOk;
-  std::vector<CUgraphNode> nodes(count);
-  if (g_driver.cuGraphGetNodes(graph, nodes.data(), &count) != CUDA_SUCCESS) return Scan::kUnreadable;
-  nodes.resize(std::min(count, nodes.size()));
-  for (CUgraphNode node : nodes) {
+  // malloc, not a container: an allocation that fails must come back as an
+  // error, never as an exception through the application's call.
+  const size_t listed = count;
+  auto* nodes = count <= SIZE_MAX / sizeof(CUgraphNode)
+                    ? static_cast<CUgraphNode*>(malloc(count * sizeof(CUgraphNode)))
+                    : nullptr;
+  if (nodes == nullptr) return Scan::kUnreadable;
+  const struct FreeNodes {
+    CUgraphNode* nodes;
+    ~FreeNodes() { free(nodes); }
+  } free_nodes{nodes};
+  if (g_driver.cuGraphGetNodes(graph, nodes, &count) != CUDA_SUCCESS) return Scan::kUnreadable;
+  for (size_t i = 0; i < std::min(count, listed); ++i) {
+    const CUgraphNode node = nodes[i];
     CUgraphNodeType type;
     if (g_driver.cuGraphNodeGetType(node, &type) != CUDA_SUCCESS) return Scan::kUnreadable;
     if (type == CU_GRAPH_NODE_TYPE_GRAPH) {

@@ -245,7 +245,9 @@ CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
   CUdevice device;
   int gpu;
   CUmemoryPool pool = nullptr;
-  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || captures_graph_memory(stream))
+  // (A driver without the call: FRACGPU_PASS answers CUDA_ERROR_NOT_FOUND.)
+  if (real<id>() == nullptr || !current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 ||
+      captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, stream);
   // The pool the driver will allocate from: without it, nothing would say
   // what the allocation costs, so it is refused rather than let through.
@@ -270,8 +272,8 @@ CUresult mem_alloc_from_pool_async(CUdeviceptr* dptr, size_t bytes, CUmemoryPool
   CUcontext ctx;
   CUdevice device;
   int gpu;
-  if (!current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 || pool == nullptr ||
-      captures_graph_memory(stream))
+  if (real<id>() == nullptr || !current_gpu_entry(&ctx, &device, &gpu) || dptr == nullptr || bytes == 0 ||
+      pool == nullptr || captures_graph_memory(stream))
     return FRACGPU_PASS(id, dptr, bytes, pool, stream);
   // The driver has no query for a pool's location: we note it when the pool
   // is created, and fall back to the current device for pools we did not see
