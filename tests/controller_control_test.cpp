@@ -1066,6 +1066,39 @@ TEST_F(ControlTest, PipelinedChangesOnEveryConnectionCannotStopTheDaemonsTick) {
             static_cast<uint32_t>(std::lround(t0.body["tenant"]["gpus"][0]["share"].get<double>() * 1e6)));
 }
 
+// A client that pipelines requests and never reads a reply: the replies
+// fill its socket, its deadline passes with more requests queued behind
+// them. It is dropped at that deadline, as one that reads no reply is
+// (before, the requests queued kept it for ever, the daemon's loop polling
+// its past deadline without sleeping).
+TEST_F(ControlTest, AClientThatPipelinesAndNeverReadsIsDropped) {
+  start_daemon();
+  const int fd = connect_control(socket_path());
+  ASSERT_GE(fd, 0);
+  std::string batch;
+  while (batch.size() + 20 < 60'000) batch += "{\"op\":\"list\"}\n";
+  size_t sent = 0;
+  const auto connected = std::chrono::steady_clock::now();
+  while (sent < batch.size() && std::chrono::steady_clock::now() - connected < 2s) {
+    const ssize_t n = send(fd, batch.data() + sent, batch.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) sent += static_cast<size_t>(n);
+    else std::this_thread::sleep_for(10ms);
+  }
+  bool closed = false;
+  while (!closed && std::chrono::steady_clock::now() - connected < 12s) {
+    struct pollfd p {fd, 0, 0};
+    closed = poll(&p, 1, 100) > 0 && (p.revents & (POLLHUP | POLLERR)) != 0;
+  }
+  close(fd);
+  std::cout << "a client pipelining " << sent << " bytes of requests and reading nothing: "
+            << (closed ? "dropped" : "still open") << " after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - connected).count()
+            << " ms\n";
+  EXPECT_TRUE(closed);
+  // Still serving others.
+  EXPECT_TRUE(call({{"op", "list"}}, 5s).ok);
+}
+
 TEST_F(ControlTest, SlowClientsAreDroppedAndCannotKeepRootOut) {
   start_daemon();
   {  // One byte a second never makes a request: dropped 5 s after connecting all the same.

@@ -411,7 +411,10 @@ bool ControlServer::handle_requests(uint64_t now_ns, uint64_t stop_ns, const Han
 bool ControlServer::finish(Connection& c, uint64_t now_ns) {
   if (!flush(c, now_ns)) return false;
   if (c.closing) return (!c.out.empty() || c.has_request()) && now_ns < c.deadline_ns;
-  if (now_ns < c.deadline_ns || c.has_request()) return true;
+  // Past its deadline with a reply unread: dropped, whatever it has queued
+  // behind it (a client that pipelines requests and never reads would
+  // otherwise be kept for ever, its deadline past, the loop polling it).
+  if (now_ns < c.deadline_ns || (c.out.empty() && c.has_request())) return true;
   // Past its deadline, but its whole request may be waiting unread (the
   // pass ran out of time before reaching it): that waits for a later pass.
   return c.out.empty() && read_available(c) && c.has_request();
