@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -324,6 +325,42 @@ TEST_F(OpsTest, HealthzFailsWhileTheMainLoopIsStalled) {
   ASSERT_EQ(kill(daemon_, SIGCONT), 0);
   EXPECT_TRUE(eventually([&] { return http_get(port, "/healthz").rfind("HTTP/1.0 200 OK", 0) == 0; }, 3000ms))
       << http_get(port, "/healthz");
+}
+
+// Idle connections, from the prober's own address and another, hold the
+// endpoint no longer than it takes to answer the next client: the kubelet's
+// probe (1 s by default) is answered beside them. Served one at a time, 60
+// of them held each request for up to 2 s apiece, and the probe failed.
+TEST_F(OpsTest, IdleConnectionsDoNotStarveTheLivenessProbe) {
+  write_file(config_path_, daemon_section("metrics_address = \"127.0.0.1:0\"\n") + "[[tenant]]\nname = \"alice\"\ngpus = 0.5\n");
+  start_daemon("metrics: serving http://127.0.0.1:");
+  const uint16_t port = logged_metrics_port(read_file(log_path_));
+  ASSERT_GT(port, 0);
+  ASSERT_TRUE(eventually([&] { return http_get(port, "/healthz").rfind("HTTP/1.0 200 OK", 0) == 0; }));
+  std::vector<int> idle;
+  for (const char* from : {"127.0.0.2", "127.0.0.1"})
+    for (int i = 0; i < 30; ++i) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      struct sockaddr_in local {}, server {};
+      local.sin_family = server.sin_family = AF_INET;
+      inet_pton(AF_INET, from, &local.sin_addr);
+      inet_pton(AF_INET, "127.0.0.1", &server.sin_addr);
+      server.sin_port = htons(port);
+      ASSERT_EQ(bind(fd, reinterpret_cast<struct sockaddr*>(&local), sizeof local), 0) << strerror(errno);
+      ASSERT_EQ(connect(fd, reinterpret_cast<struct sockaddr*>(&server), sizeof server), 0) << strerror(errno);
+      idle.push_back(fd);  // sends nothing
+    }
+  std::chrono::milliseconds longest{0};
+  for (int i = 0; i < 3; ++i) {
+    const auto asked = std::chrono::steady_clock::now();
+    const std::string reply = http_get(port, "/healthz");
+    longest = std::max(longest, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    std::chrono::steady_clock::now() - asked));
+    EXPECT_EQ(reply.rfind("HTTP/1.0 200 OK", 0), 0u) << reply;
+  }
+  std::cout << "/healthz beside 60 idle connections: answered within " << longest.count() << " ms\n";
+  EXPECT_LT(longest, 1000ms);
+  for (const int fd : idle) close(fd);
 }
 
 TEST_F(OpsTest, ATakenMetricsPortDoesNotStopTheDaemon) {

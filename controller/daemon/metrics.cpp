@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -62,15 +64,14 @@ std::string http_response(std::string_view status, std::string_view type, std::s
                      type, body.size(), body);
 }
 
-// Writes all of `data` (the socket has a send timeout). False on error.
-bool send_all(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return true;
+// A client's address without its port: what one peer holds is bounded.
+std::string peer_address(const struct sockaddr_storage& address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET)
+    inet_ntop(AF_INET, &reinterpret_cast<const struct sockaddr_in&>(address).sin_addr, text, sizeof text);
+  else if (address.ss_family == AF_INET6)
+    inet_ntop(AF_INET6, &reinterpret_cast<const struct sockaddr_in6&>(address).sin6_addr, text, sizeof text);
+  return text;
 }
 
 }  // namespace
@@ -289,7 +290,7 @@ bool MetricsServer::start(const HostPort& address, std::string run_dir, std::sha
   listen_fd_ = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   const int on = 1;
   if (listen_fd_ < 0 || setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) != 0 ||
-      ::bind(listen_fd_, reinterpret_cast<struct sockaddr*>(&storage), length) != 0 || ::listen(listen_fd_, 16) != 0) {
+      ::bind(listen_fd_, reinterpret_cast<struct sockaddr*>(&storage), length) != 0 || ::listen(listen_fd_, 64) != 0) {
     *error = fmt::format("metrics: cannot listen on {}: {}", address_, std::strerror(errno));
     if (listen_fd_ >= 0) ::close(listen_fd_);
     listen_fd_ = -1;
@@ -350,43 +351,140 @@ bool MetricsServer::died(std::string* why) {
   return true;
 }
 
+// Serves every client at once, each bounded: 8 KiB of request head, and 2 s
+// from its connection for the whole exchange. One at a time, ten idle
+// connections held the endpoint for 20 s, and the kubelet's liveness probe
+// (1 s by default) failed behind them: anyone who can reach the port could
+// have the daemon restarted. A peer address holds at most kMaxPerPeer
+// connections and all peers kMaxClients; past either, the oldest one that
+// has not sent its whole request goes.
 void MetricsServer::serve() {
+  struct Client {
+    int fd = -1;
+    std::string peer;      // its address (port left out)
+    uint64_t deadline_ns = 0;
+    std::string request;   // the head so far
+    std::string response;  // once the head is whole: what is left to send
+    bool answered = false;
+  };
+  constexpr size_t kMaxClients = 64, kMaxPerPeer = 8;
+  constexpr uint64_t kExchangeNs = 2'000'000'000;
+  std::vector<Client> clients;
+  const auto drop = [&](size_t i) {
+    ::close(clients[i].fd);
+    clients.erase(clients.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  // The oldest client of `peer` (any peer if empty) still sending its head.
+  const auto oldest_unanswered = [&](const std::string* peer) -> std::optional<size_t> {
+    std::optional<size_t> found;
+    for (size_t i = 0; i < clients.size(); ++i)
+      if (!clients[i].answered && (peer == nullptr || clients[i].peer == *peer) &&
+          (!found || clients[i].deadline_ns < clients[*found].deadline_ns))
+        found = i;
+    return found;
+  };
+  // Reads what the client sent; once the head is whole (or at its bound, or
+  // at the end of what it sends), the response. False: drop it.
+  const auto read_head = [&](Client& c) {
+    char buf[2048];
+    for (;;) {
+      const ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (n > 0) c.request.append(buf, static_cast<size_t>(n));
+      if (n <= 0 || c.request.find("\r\n\r\n") != std::string::npos || c.request.find("\n\n") != std::string::npos ||
+          c.request.size() >= 8192) {
+        if (n < 0 && c.request.empty()) return false;
+        try {
+          c.response = respond(c.request);
+        } catch (const std::exception& e) {
+          // A scrape must never take the endpoint down.
+          log_->error("metrics: scrape failed: {}", e.what());
+          return false;
+        }
+        c.answered = true;
+        return true;
+      }
+    }
+  };
+  // Sends what it can. False: done or gone (drop it).
+  const auto send_some = [&](Client& c) {
+    while (!c.response.empty()) {
+      const ssize_t n = ::send(c.fd, c.response.data(), c.response.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (n <= 0) {
+        log_->debug("metrics: client went away: {}", std::strerror(errno));
+        return false;
+      }
+      c.response.erase(0, static_cast<size_t>(n));
+    }
+    return false;
+  };
+  std::vector<struct pollfd> polled;
   for (;;) {
-    struct pollfd pfd {listen_fd_, POLLIN, 0};
-    if (::poll(&pfd, 1, -1) < 0) {
+    uint64_t now = ledger::monotonic_ns();
+    for (size_t i = 0; i < clients.size();)
+      if (now >= clients[i].deadline_ns)
+        drop(i);
+      else
+        ++i;
+    polled.assign(1, {listen_fd_, POLLIN, 0});
+    int timeout_ms = -1;
+    for (const Client& c : clients) {
+      polled.push_back({c.fd, static_cast<short>(c.answered ? POLLOUT : POLLIN), 0});
+      const int left = static_cast<int>((c.deadline_ns - now + 999'999) / 1'000'000);
+      timeout_ms = timeout_ms < 0 ? left : std::min(timeout_ms, left);
+    }
+    if (::poll(polled.data(), polled.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       log_->error("metrics: poll: {}; the endpoint stops", std::strerror(errno));
       _exit(1);
     }
-    const int client = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (client < 0) continue;  // the client gave up, or EAGAIN: poll again
-    try {
-      handle(client);
-    } catch (const std::exception& e) {
-      // A scrape must never take the endpoint down.
-      log_->error("metrics: scrape failed: {}", e.what());
+    now = ledger::monotonic_ns();
+    // The clients first (their indices are the poll's), then new ones.
+    for (size_t i = clients.size(); i-- > 0;) {
+      const short events = polled[i + 1].revents;
+      if (events == 0) continue;
+      Client& c = clients[i];
+      const bool keep = c.answered ? send_some(c) : read_head(c) && (!c.answered || send_some(c));
+      if (!keep) drop(i);
     }
-    ::close(client);
+    if ((polled[0].revents & POLLIN) == 0) continue;
+    for (int accepted = 0; accepted < 16; ++accepted) {
+      struct sockaddr_storage address {};
+      socklen_t length = sizeof address;
+      const int fd = ::accept4(listen_fd_, reinterpret_cast<struct sockaddr*>(&address), &length,
+                               SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) break;  // none left, or the client gave up
+      Client c;
+      c.fd = fd;
+      c.peer = peer_address(address);
+      c.deadline_ns = now + kExchangeNs;
+      size_t of_peer = 0;
+      for (const Client& other : clients) of_peer += other.peer == c.peer;
+      if (of_peer >= kMaxPerPeer) {
+        if (const auto old = oldest_unanswered(&c.peer)) drop(*old);
+      }
+      if (clients.size() >= kMaxClients) {
+        if (const auto old = oldest_unanswered(nullptr)) drop(*old);
+      }
+      if (clients.size() >= kMaxClients) {  // all of them being answered: this one waits for the next
+        ::close(fd);
+        continue;
+      }
+      // Its request has usually come with it: answered now, if so.
+      if (!read_head(c) || (c.answered && !send_some(c))) {
+        ::close(fd);
+        continue;
+      }
+      clients.push_back(std::move(c));
+    }
   }
 }
 
-// One request per connection (HTTP/1.0 style). Bounded: 8 KiB of request
-// head and 2 s for the whole exchange, so a stuck client delays the next
-// scrape at most that long and never the daemon.
-void MetricsServer::handle(int client) {
-  const struct timeval timeout {2, 0};
-  setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  std::string request;
-  char buf[2048];
-  while (request.find("\r\n\r\n") == std::string::npos && request.find("\n\n") == std::string::npos &&
-         request.size() < 8192 && std::chrono::steady_clock::now() < deadline) {
-    const ssize_t n = ::recv(client, buf, sizeof buf, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    request.append(buf, static_cast<size_t>(n));
-  }
+// The response to one request head (HTTP/1.0 style: one per connection).
+std::string MetricsServer::respond(const std::string& request) {
   const std::string line = request.substr(0, request.find_first_of("\r\n"));
   const size_t sp1 = line.find(' ');
   const size_t sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
@@ -411,7 +509,7 @@ void MetricsServer::handle(int client) {
     response = http_response("404 Not Found", "text/plain", "not found; metrics at /metrics, liveness at /healthz\n");
   }
   if (method == "HEAD") response = response.substr(0, response.find("\r\n\r\n") + 4);
-  if (!send_all(client, response)) log_->debug("metrics: client went away: {}", std::strerror(errno));
+  return response;
 }
 
 }  // namespace fracgpu::controller

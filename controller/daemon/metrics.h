@@ -82,7 +82,7 @@ class MetricsServer {
 
  private:
   [[noreturn]] void serve();
-  void handle(int client);
+  std::string respond(const std::string& request);
   std::string healthz() const;
 
   // Shared with the children (MAP_SHARED | MAP_ANONYMOUS), made on first use.
