@@ -795,6 +795,28 @@ TEST_F(CliTest, ControlCharactersInAProcessNameAreEscaped) {
   EXPECT_EQ(comm, "\x1b]0;pwn\x07\x1b[2J\xef\xbf\xbd");  // JSON escapes controls; the bad byte is replaced
 }
 
+// C1 controls are valid UTF-8 (U+009B is CSI, U+009D OSC, U+009C ST) and
+// xterm-like terminals act on them: `status --json` prints ASCII only, so
+// they come out as \u escapes there too, and the parsed name is the same.
+TEST_F(CliTest, C1ControlsInAProcessNameReachNoTerminal) {
+  const char evil[] = "\xc2\x9b" "2J\xc2\x9d" "0;x\xc2\x9c";
+  const pid_t p = spawn_tenant_process(tenant_dir("bob"), 0, 1 << 20, evil);
+  ASSERT_GT(p, 0);
+  holders_.push_back(p);
+  const auto non_ascii = [](const std::string& text) {
+    return std::count_if(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; });
+  };
+  std::string out;
+  EXPECT_EQ(run_cli("status --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(out.find("\xc2\x9b"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("status --json --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(non_ascii(out), 0) << out;
+  const nlohmann::json j = nlohmann::json::parse(out);
+  std::string comm;
+  for (const auto& proc : j.at("tenants").at(1).at("processes")) comm = proc.at("comm").get<std::string>();
+  EXPECT_EQ(comm, evil);
+}
+
 // Status never waits on what a tenant may have planted in its directory: a
 // FIFO (an open for reading would block for ever), a link, a device.
 TEST_F(CliTest, AFifoLinkOrDeviceForAFileIsRefusedNotWaitedOn) {

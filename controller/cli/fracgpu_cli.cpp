@@ -42,8 +42,9 @@ int status_command(const std::string& run_dir, bool json) {
   }
   if (json)
     // A process's name need not be UTF-8: invalid bytes are replaced, never
-    // a reason to fail (control characters come out as \u00XX escapes).
-    fmt::print("{}\n", status_to_json(*report).dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    // a reason to fail. ASCII only: C0 and C1 controls (C1 ones are valid
+    // UTF-8, and terminals act on them) and all else come out as \uXXXX.
+    fmt::print("{}\n", status_to_json(*report).dump(2, ' ', true, nlohmann::ordered_json::error_handler_t::replace));
   else
     fmt::print("{}", status_to_text(*report));
   return report->all_ledgers_read() ? kStatusOk : kStatusBadLedger;

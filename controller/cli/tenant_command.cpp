@@ -213,7 +213,7 @@ int run_tenant_command(CLI::App& tenant, const TenantOptions& options) {
   const control::Reply reply = control::call(control::socket_path_in(options.run_dir), request, timeout);
   if (options.json && reply.code != proto::code::kUnreachable) {
     // The daemon's text, not a tenant's: annotations are printable ASCII.
-    fmt::print("{}\n", reply.body.dump(2, ' ', false, json::error_handler_t::replace));
+    fmt::print("{}\n", reply.body.dump(2, ' ', true, json::error_handler_t::replace));  // ASCII: no terminal controls
     return exit_code_of(reply);
   }
   if (!reply.ok) {
