@@ -44,12 +44,16 @@ std::string int128_to_string(__int128 v) {
   return negative ? "-" + digits : digits;
 }
 
-int64_t ceil_to(__int128 nano, __int128 per) {
-  __int128 q = div_ceil(nano, per);
+int64_t clamp_to_int64(__int128 q) {
   if (q > std::numeric_limits<int64_t>::max()) return std::numeric_limits<int64_t>::max();
   if (q < std::numeric_limits<int64_t>::min()) return std::numeric_limits<int64_t>::min();
   return static_cast<int64_t>(q);
 }
+
+int64_t ceil_to(__int128 nano, __int128 per) { return clamp_to_int64(div_ceil(nano, per)); }
+
+// Negated in 128 bits before the clamp: negating a clamped INT64_MIN would overflow.
+int64_t floor_to(__int128 nano, __int128 per) { return clamp_to_int64(-div_ceil(-nano, per)); }
 
 }  // namespace
 
@@ -167,7 +171,7 @@ int64_t Quantity::value() const { return ceil_to(nano_, kNanoPerUnit); }
 int64_t Quantity::milli_value() const { return ceil_to(nano_, 1'000'000); }
 int64_t Quantity::micro_value() const { return ceil_to(nano_, 1'000); }
 
-int64_t Quantity::micro_value_floor() const { return -ceil_to(-nano_, 1'000); }
+int64_t Quantity::micro_value_floor() const { return floor_to(nano_, 1'000); }
 
 std::string Quantity::decimal() const {
   __int128 whole = nano_ / kNanoPerUnit;

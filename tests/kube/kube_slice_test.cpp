@@ -3,6 +3,7 @@
 // publisher's create / update / no-op / delete against the stand-in API server.
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <regex>
 #include <set>
 #include <thread>
@@ -48,6 +49,9 @@ TEST(KubeQuantity, ParsesTheApiGrammar) {
   EXPECT_EQ(q("1500n").micro_value_floor(), 1);
   EXPECT_EQ(q("2000n").micro_value_floor(), 2);
   EXPECT_EQ(q("-1500n").micro_value_floor(), -2);
+  // Beyond 64 bits of millionths: clamped, never a negated INT64_MIN (undefined).
+  EXPECT_EQ(q("9e18").micro_value_floor(), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(q("-9e18").micro_value_floor(), std::numeric_limits<int64_t>::min());
   EXPECT_EQ(q("500m").value(), 1);
   EXPECT_EQ(q("0.0000000001").micro_value(), 1);  // finer than 1n: rounded up to 1n
   // Written differently, the same value.
