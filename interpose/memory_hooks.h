@@ -236,11 +236,38 @@ inline bool captures_graph_memory(CUstream stream) {
          status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
 }
 
+// The stream's context made current for a scope, where it is not already
+// (a stream created in another context): the driver serves an allocation
+// on a stream from the pool of the stream's device, not the current one's.
+class StreamContextScope {
+ public:
+  explicit StreamContextScope(CUstream stream) {
+    CUcontext current = nullptr, of_stream = nullptr;
+    if (stream == nullptr || g_driver.cuStreamGetCtx == nullptr || g_driver.cuCtxGetCurrent == nullptr ||
+        g_driver.cuCtxPushCurrent_v2 == nullptr || g_driver.cuCtxPopCurrent_v2 == nullptr ||
+        g_driver.cuStreamGetCtx(stream, &of_stream) != CUDA_SUCCESS || of_stream == nullptr ||
+        g_driver.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current == of_stream)
+      return;
+    pushed_ = g_driver.cuCtxPushCurrent_v2(of_stream) == CUDA_SUCCESS;
+  }
+  ~StreamContextScope() {
+    CUcontext popped = nullptr;
+    if (pushed_) g_driver.cuCtxPopCurrent_v2(&popped);
+  }
+  StreamContextScope(const StreamContextScope&) = delete;
+  StreamContextScope& operator=(const StreamContextScope&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
+
 template <HookId id>
 CUresult mem_alloc_async(CUdeviceptr* dptr, size_t bytes, CUstream stream) {
   TenantMode mode = gate();
   if (mode != TenantMode::kManaged) [[unlikely]]
     return mode == TenantMode::kDenied ? kDenied : FRACGPU_PASS(id, dptr, bytes, stream);
+  // Charged on the GPU whose pool serves it: the stream's.
+  const StreamContextScope on_the_streams_context(stream);
   CUcontext ctx;
   CUdevice device;
   int gpu;
@@ -369,6 +396,31 @@ CUresult graph_exec_destroy(CUgraphExec exec) {
   const ForgottenGraphExec forgotten = forget_graph_exec(exec);
   CUresult result = FRACGPU_PASS(id, exec);
   graph_exec_destroyed(exec, forgotten, result == CUDA_SUCCESS);
+  return result;
+}
+
+// CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD makes the driver upload the exec at
+// once, backing its allocation nodes before anything here reserved them:
+// the exec is instantiated without the flag, then uploaded as cuGraphUpload
+// is (reserved first; past the quota refused, and no exec is left).
+template <HookId id>
+CUresult graph_instantiate_with_params(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
+  if (params == nullptr || (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) == 0 || gate() != TenantMode::kManaged)
+    return graph_instantiate<id>(exec, graph, params);
+  CUDA_GRAPH_INSTANTIATE_PARAMS plain = *params;
+  plain.flags &= ~static_cast<cuuint64_t>(CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD);
+  CUresult result = graph_instantiate<id>(exec, graph, &plain);
+  params->hErrNode_out = plain.hErrNode_out;
+  params->result_out = plain.result_out;
+  if (result != CUDA_SUCCESS || exec == nullptr) return result;
+  constexpr HookId upload =
+      id == HookId::cuGraphInstantiateWithParams_ptsz ? HookId::cuGraphUpload_ptsz : HookId::cuGraphUpload;
+  result = graph_upload<upload>(*exec, params->hUploadStream);
+  if (result != CUDA_SUCCESS) {
+    graph_exec_destroy<HookId::cuGraphExecDestroy>(*exec);
+    *exec = nullptr;
+    params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR;
+  }
   return result;
 }
 

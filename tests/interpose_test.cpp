@@ -537,6 +537,50 @@ TEST_F(InterposeTest, PoolMemoryIsChargedToThePoolsOwnGpu) {
   kill_held(h);
 }
 
+// CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD uploads the exec as it is made, which
+// takes its graph memory there and then: charged as cuGraphUpload's is, and
+// past the quota refused with no exec left. (The flag once backed an 8 GiB
+// allocation node on a 1 GiB quota, uncharged.)
+TEST_F(InterposeTest, AGraphUploadedAtInstantiationIsCharged) {
+  const int g = grant(kUuid0, 1 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "graph-node-upload", "0", "100MiB"});
+  EXPECT_EQ(h.seen["graph_instantiate"], kSuccess);
+  EXPECT_EQ(used(g), kContextBytes + 100 * kMiB);
+  EXPECT_EQ(sim_used(0), used(g));
+  kill_held(h);
+  used(g);
+  h = probe_and_hold({"init", "primary", "0", "graph-node-upload", "0", "8GiB"});
+  EXPECT_EQ(h.seen["graph_instantiate"], kOutOfMemory);
+  EXPECT_EQ(h.seen["graph_exec_left"], "0");
+  EXPECT_EQ(used(g), kContextBytes);
+  EXPECT_EQ(sim_used(0), kContextBytes);
+  kill_held(h);
+}
+
+// cuMemAllocAsync on a stream of another device's context: the driver serves
+// it from the pool of the stream's device, and it is charged there. (It was
+// charged to the current context's device, whose pool did not grow: nothing
+// stayed charged, and four 900 MiB allocations held 3.6 GiB on a 1 GiB quota.)
+TEST_F(InterposeTest, AnAsyncAllocationOnAnotherDevicesStreamIsChargedToThatDevice) {
+  const int g0 = grant(kUuid0, 1 * kGiB);
+  const int g1 = grant(kUuid1, 1 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "stream-on", "1", "async-other", "600MiB"});
+  EXPECT_EQ(h.seen["stream_on"], kSuccess);
+  EXPECT_EQ(h.seen["async_other"], kSuccess);
+  EXPECT_EQ(used(g0), kContextBytes);
+  EXPECT_EQ(used(g1), kContextBytes + 600 * kMiB);
+  EXPECT_EQ(sim_used(1), used(g1));
+  kill_held(h);
+  used(g0);
+  used(g1);
+  // Past device 1's quota: refused, though device 0 has room.
+  h = probe_and_hold({"init", "primary", "0", "stream-on", "1", "async-other", "600MiB", "async-other", "600MiB"});
+  EXPECT_EQ(h.seen["async_other"], kOutOfMemory);
+  EXPECT_EQ(used(g1), kContextBytes + 600 * kMiB);
+  EXPECT_EQ(sim_used(1), used(g1));
+  kill_held(h);
+}
+
 // CUDA graphs' allocation nodes take device memory when the graph is launched
 // or uploaded, and the driver keeps it cached for graphs until trimmed.
 TEST_F(InterposeTest, GraphMemoryIsChargedWhenTheGraphTakesIt) {

@@ -46,6 +46,7 @@ std::vector<CUarray> g_arrays;
 std::vector<CUmipmappedArray> g_mipmaps;
 CUmemoryPool g_pool = nullptr;
 CUstream g_capture_stream = nullptr;
+CUstream g_other_stream = nullptr;  // stream-on: a stream of another context than the current one
 std::vector<CUgraphExec> g_graph_execs;
 
 [[noreturn]] void usage(const char* what) {
@@ -630,6 +631,20 @@ int main(int argc, char** argv) {
       CUresult r = cuMemAllocAsync(&p, parse_bytes(arg()), nullptr);
       if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
       print("async", r);
+    } else if (cmd == "stream-on") {  // stream-on DEV: a stream in DEV's primary context; the current one kept
+      CUcontext c = nullptr, popped = nullptr;
+      CUresult r = cuDevicePrimaryCtxRetain(&c, atoi(arg()));
+      if (r == CUDA_SUCCESS) r = cuCtxPushCurrent_v2(c);
+      if (r == CUDA_SUCCESS) {
+        r = cuStreamCreate(&g_other_stream, CU_STREAM_NON_BLOCKING);
+        cuCtxPopCurrent_v2(&popped);
+      }
+      print("stream_on", r);
+    } else if (cmd == "async-other") {  // async-other BYTES: cuMemAllocAsync on the stream-on stream
+      CUdeviceptr p = 0;
+      CUresult r = cuMemAllocAsync(&p, parse_bytes(arg()), g_other_stream);
+      if (r == CUDA_SUCCESS) g_async_ptrs.push_back(p);
+      print("async_other", r);
     } else if (cmd == "async-ptsz") {
       CUdeviceptr p = 0;
       CUresult r = cuMemAllocAsync_ptsz(&p, parse_bytes(arg()), nullptr);
@@ -675,9 +690,11 @@ int main(int argc, char** argv) {
       CUresult r = cuGraphInstantiateWithFlags(&exec, graph, 0);
       if (r == CUDA_SUCCESS) g_graph_execs.push_back(exec);
       print("graph_instantiate", r);
-    } else if (cmd == "graph-node") {
+    } else if (cmd == "graph-node" || cmd == "graph-node-upload") {
       // graph-node DEV BYTES: a graph with one allocation node on DEV that is
-      // not freed in the graph; instantiated with parameters.
+      // not freed in the graph; instantiated with parameters (graph-node-upload:
+      // with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD, on the null stream).
+      const bool upload = cmd == "graph-node-upload";
       CUDA_MEM_ALLOC_NODE_PARAMS params{};
       params.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
       params.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -688,10 +705,12 @@ int main(int argc, char** argv) {
       print("graph_create", cuGraphCreate(&graph, 0));
       print("graph_alloc_node", cuGraphAddMemAllocNode(&node, graph, nullptr, 0, &params));
       CUDA_GRAPH_INSTANTIATE_PARAMS instantiate{};
+      if (upload) instantiate.flags = CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
       CUgraphExec exec = nullptr;
       CUresult r = cuGraphInstantiateWithParams(&exec, graph, &instantiate);
       if (r == CUDA_SUCCESS) g_graph_execs.push_back(exec);
       print("graph_instantiate", r);
+      print("graph_exec_left", static_cast<long long>(r != CUDA_SUCCESS && exec != nullptr));
     } else if (cmd == "graph-launch") {
       print("graph_launch", cuGraphLaunch(g_graph_execs[index_arg(arg(), g_graph_execs.size())], nullptr));
     } else if (cmd == "graph-upload") {

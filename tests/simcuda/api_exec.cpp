@@ -226,11 +226,21 @@ CUresult graph_upload(CUgraphExec exec, CUstream stream, bool ptds) {
   return back_graph_exec(e);
 }
 
-CUresult instantiate_with_params(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
+CUresult instantiate_with_params(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params, bool ptds) {
   if (params == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  // Flags and the upload stream are ignored: an exec gets its memory at its
-  // first launch or cuGraphUpload either way.
+  // CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD uploads the exec on hUploadStream
+  // at once, as the real driver does: its graph memory is taken then (an
+  // upload that cannot have it fails the call, and no exec is left). The
+  // other flags change nothing here.
   CUresult r = instantiate(exec, graph);
+  if (r == CUDA_SUCCESS && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) != 0) {
+    r = graph_upload(*exec, params->hUploadStream, ptds);
+    if (r != CUDA_SUCCESS) {
+      if (GraphExec* e = find_exec(*exec)) unback_graph_exec(e);
+      proc().graph_execs.erase(key(*exec));
+      *exec = nullptr;
+    }
+  }
   params->hErrNode_out = nullptr;
   params->result_out = r == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
   return r;
@@ -774,12 +784,12 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned 
 
 CUresult cuGraphInstantiateWithParams(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
   SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithParams);
-  return instantiate_with_params(exec, graph, params);
+  return instantiate_with_params(exec, graph, params, false);
 }
 
 CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec* exec, CUgraph graph, CUDA_GRAPH_INSTANTIATE_PARAMS* params) {
   SIMCUDA_LOCKED_ENTRY(cuGraphInstantiateWithParams_ptsz);
-  return instantiate_with_params(exec, graph, params);
+  return instantiate_with_params(exec, graph, params, true);
 }
 
 CUresult cuGraphUpload(CUgraphExec exec, CUstream stream) {
