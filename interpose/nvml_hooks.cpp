@@ -406,6 +406,9 @@ unsigned keep_own(int gpu, Record* records, unsigned n, PidOf pid_of) {
     pid_of(records[kept]) = match->local;
     ++kept;
   }
+  // The others' records were written into the caller's array too: past the
+  // count it returns is still the caller's memory to read.
+  for (unsigned i = kept; i < n; ++i) records[i] = Record{};
   return kept;
 }
 
@@ -515,6 +518,7 @@ nvmlReturn_t nvml_utilization_rates(nvmlDevice_t device, nvmlUtilization_t* util
     FRACGPU_LOG_ONCE(LogLevel::kInfo,
                      "nvmlDeviceGetUtilizationRates: fracgpud publishes no GPU time for this tenant (no arbiter, "
                      "or the daemon is down): not supported, rather than the whole device's figure");
+    *utilization = nvmlUtilization_t{};  // the real call wrote the device's figures there
     return NVML_ERROR_NOT_SUPPORTED;
   }
   const uint64_t device_gpu = std::min(utilization->gpu, 100u);
@@ -538,11 +542,14 @@ nvmlReturn_t nvml_samples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned
                           nvmlValueType_t* value_type, unsigned int* count, nvmlSample_t* samples) {
   const Query<id> q = query<id>(device);
   if (q.scope == Scope::kRefused) return q.error;
+  const unsigned capacity = count != nullptr ? *count : 0;
   const nvmlReturn_t result = q.real(device, type, last_seen, value_type, count, samples);
   const bool device_busy = type == NVML_GPU_UTILIZATION_SAMPLES || type == NVML_MEMORY_UTILIZATION_SAMPLES;
   // A size query (no array) keeps NVML's answer: the ring's depth.
   if (q.scope == Scope::kReal || !device_busy || samples == nullptr) return result;
   if (result != NVML_SUCCESS && result != NVML_ERROR_INSUFFICIENT_SIZE) return result;
+  // Nothing shown, nothing left: the real call filled the caller's array.
+  for (unsigned i = 0; i < capacity; ++i) samples[i] = nvmlSample_t{};
   *count = 0;
   return NVML_ERROR_NOT_FOUND;
 }

@@ -328,6 +328,7 @@ TEST_F(NvmlInTenantTest, PerProcessUtilizationShowsOnlyTheTenantsOwnProcesses) {
       EXPECT_EQ(get(v, p + "_rc"), "0");
       EXPECT_EQ(get(v, p + "_count"), "2");
       EXPECT_EQ(get(v, p + "_list"), alices);
+      EXPECT_EQ(get(v, p + "_left_over"), "0") << "bob's record left in alice's buffer";
     }
   }
   // A GPU alice has no grant on is not shown, though bob runs there.
@@ -360,6 +361,7 @@ TEST_F(NvmlInTenantTest, AccountingShowsOnlyTheTenantsOwnProcesses) {
     SCOPED_TRACE(path);
     EXPECT_EQ(get(v, "acct_" + path + "_0_rc"), "0");
     EXPECT_EQ(get(v, "acct_" + path + "_0_list"), rows({{a1_, 0}, {a2_, 0}}));
+    EXPECT_EQ(get(v, "acct_" + path + "_0_left_over"), "0") << "bob's PID left in alice's buffer";
     EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + a1 + "_rc"), "0");
     EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + a1 + "_mem"), std::to_string(kContext + 100 * kMiB));
     EXPECT_EQ(get(v, "acctstats_" + path + "_0_" + b1 + "_rc"), "6");
@@ -398,7 +400,11 @@ TEST_F(NvmlInTenantTest, UtilizationShowsTheTenantsOwnGpuTimeNotTheDevices) {
   EXPECT_EQ(get(device, "rates_direct_0_memory"), "40");
   // No arbiter: nothing says what the tenant used, and the device's figure
   // would show its neighbours' work.
-  for (const auto& path : kPaths) EXPECT_EQ(get(nvml(rates, env_of("alice")), "rates_" + path + "_0_rc"), "3") << path;
+  const Values unpublished = nvml(rates, env_of("alice"));
+  for (const auto& path : kPaths) {
+    EXPECT_EQ(get(unpublished, "rates_" + path + "_0_rc"), "3") << path;
+    EXPECT_EQ(get(unpublished, "rates_" + path + "_0_gpu"), "0") << path << ": the device's figure left behind";
+  }
 
   // Play the daemon: alice's row, 30 % of the GPU over the last second.
   const std::string arbiter_path = tenant_dir("alice") + "/gputime-0";
@@ -466,6 +472,7 @@ TEST_F(NvmlInTenantTest, UtilizationShowsTheTenantsOwnGpuTimeNotTheDevices) {
     EXPECT_EQ(get(seen, p + "1_sized_count"), get(everyone, p + "1_sized_count"));
     EXPECT_EQ(get(seen, p + "1_rc"), "6");  // NVML's "no samples"
     EXPECT_EQ(get(seen, p + "1_count"), "0");
+    EXPECT_EQ(get(seen, p + "1_left_over"), "0") << "the device's samples left in the buffer";
     // Other rings are NVML's own answer (the stand-in has none of power).
     EXPECT_EQ(get(seen, p + "0_rc"), get(everyone, p + "0_rc"));
   }

@@ -84,6 +84,17 @@ void print_list(const std::string& prefix, unsigned n, const Record* records, Va
   fflush(stdout);
 }
 
+// How many records of the caller's whole buffer, past the `n` returned,
+// still hold something (`key`: a PID, or 1 for a filled sample): a filter
+// that moves the kept records forward must not leave the others behind.
+template <class Record, class Key>
+void print_left_over(const std::string& prefix, unsigned n, const std::vector<Record>& buffer, Key key) {
+  unsigned left = 0;
+  for (size_t i = n; i < buffer.size(); ++i) left += key(buffer[i]) != 0;
+  printf("%s_left_over=%u\n", prefix.c_str(), left);
+  fflush(stdout);
+}
+
 template <class Info>
 void processes(const std::string& prefix, nvmlDevice_t dev,
                nvmlReturn_t (*fn)(nvmlDevice_t, unsigned int*, Info*)) {
@@ -195,6 +206,7 @@ int main(int argc, char** argv) {
       print(p + "_count", count);
       print_list(p, rc == NVML_SUCCESS ? count : 0, samples.data(),
                  [](const nvmlProcessUtilizationSample_t& r) { return r.smUtil; });
+      print_left_over(p, rc == NVML_SUCCESS ? count : 0, samples, [](const auto& r) { return r.pid; });
     } else if (cmd == "acct") {
       const char* index = arg();
       const std::string path = arg();
@@ -211,6 +223,7 @@ int main(int argc, char** argv) {
       std::vector<Pid> records;
       for (unsigned i = 0; rc == NVML_SUCCESS && i < count; ++i) records.push_back({pids[i]});
       print_list(p, static_cast<unsigned>(records.size()), records.data(), [](const Pid&) { return 0u; });
+      print_left_over(p, static_cast<unsigned>(records.size()), pids, [](unsigned pid) { return pid; });
     } else if (cmd == "acctstats") {
       const char* index = arg();
       const std::string pid = arg();
@@ -236,6 +249,7 @@ int main(int argc, char** argv) {
       print(p + "_count", info.processSamplesCount);
       print_list(p, rc == NVML_SUCCESS ? info.processSamplesCount : 0, samples.data(),
                  [](const nvmlProcessUtilizationInfo_v1_t& r) { return r.smUtil; });
+      print_left_over(p, rc == NVML_SUCCESS ? info.processSamplesCount : 0, samples, [](const auto& r) { return r.pid; });
     } else if (cmd == "rates") {
       const char* index = arg();
       const std::string path = arg();
@@ -260,6 +274,7 @@ int main(int argc, char** argv) {
       count = static_cast<unsigned>(samples.size());
       print(p + "_rc", fn(device(index), sampling, 0, &value_type, &count, samples.data()));
       print(p + "_count", count);
+      print_left_over(p, count, samples, [](const nvmlSample_t& r) { return static_cast<unsigned>(r.timeStamp != 0); });
     } else if (cmd == "graphics") {
       const char* index = arg();
       using Fn = nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
