@@ -198,13 +198,17 @@ TEST(NvmlMeterTest, TheDevicesBusyTimeCoversOnlyTheSpellsItWasAskedFor) {
          truth1 / 1e9, skipped / 1e9, figure3 / 1e9, truth3 / 1e9);
   EXPECT_TRUE(refused1) << "the first answer only sets where the next begins";
   EXPECT_TRUE(refused3) << "asked after readings it was not asked at: afresh";
-  ASSERT_GT(truth1, 500'000'000u) << "the load kept the GPU busy";
-  ASSERT_GT(skipped, 300'000'000u);
+  // The load shares the host's CPUs with whatever else runs: a third of
+  // the phase busy is enough to tell the spells apart (one run beside the
+  // suite kept it 0.45 s busy of 1.5 s).
+  ASSERT_GT(truth1, 300'000'000u) << "the load kept the GPU busy";
+  ASSERT_GT(skipped, 200'000'000u);
   // A phase's ends and the sampled periods' ends differ by up to a period
   // (20 ms) each, the first answer's period is not counted, and whole
-  // percent truncates.
-  EXPECT_NEAR(static_cast<double>(figure1), static_cast<double>(truth1), 0.06 * static_cast<double>(truth1));
-  EXPECT_NEAR(static_cast<double>(figure3), static_cast<double>(truth3), 0.06 * static_cast<double>(truth3))
+  // percent truncates: 6 %, and never less than those two periods.
+  const auto bound = [](uint64_t truth) { return std::max(0.06 * static_cast<double>(truth), 40e6); };
+  EXPECT_NEAR(static_cast<double>(figure1), static_cast<double>(truth1), bound(truth1));
+  EXPECT_NEAR(static_cast<double>(figure3), static_cast<double>(truth3), bound(truth3))
       << "not the skipped spell's " << skipped << " ns too";
 }
 
