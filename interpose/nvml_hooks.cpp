@@ -177,7 +177,11 @@ nvmlReturn_t walk_tenant_devices(const Enumeration& e, Visit visit) {
 // The tenant's memory on GPU entry `gpu`; false: no quota, keep the real figures.
 bool tenant_memory(int gpu, uint64_t real_free, uint64_t real_total, uint64_t* total, uint64_t* free, uint64_t* used) {
   if (!tenant_memory_view(gpu, real_free, real_total, free, total)) return false;
-  *used = gpu < 0 || *total == 0 ? 0 : std::min(ledger::tenant_used(*tenant_of(gpu).ledger.usage, entry_of(gpu)), *total);
+  // Read again after `free` was: never more than total - free, so that a
+  // charge made between the two reads cannot make used + free exceed total.
+  *used = gpu < 0 || *total == 0
+              ? 0
+              : std::min(ledger::tenant_used(*tenant_of(gpu).ledger.usage, entry_of(gpu)), *total - std::min(*free, *total));
   return true;
 }
 
@@ -292,6 +296,49 @@ nvmlReturn_t nvml_handle_lookup(const char* key, nvmlDevice_t* device) {
   if (result != NVML_SUCCESS || tenant_mode() != TenantMode::kManaged || tenant_sees(*device)) return result;
   *device = nullptr;
   return NVML_ERROR_NOT_FOUND;
+}
+
+namespace {
+
+// A set of GPUs as NVML gives it (`ask(count, array)`: *count 0 asks how
+// many; else up to *count handles), in a tenant's process only the tenant's
+// GPUs: the whole set is read into a scratch array and filtered, so neither
+// the count nor the caller's array tells of the others.
+template <class Ask>
+nvmlReturn_t tenant_device_set(unsigned int* count, nvmlDevice_t* devices, Ask ask) {
+  constexpr unsigned kMaxDevices = 64;
+  nvmlDevice_t all[kMaxDevices] = {};
+  unsigned n = kMaxDevices;
+  if (const nvmlReturn_t r = ask(&n, all); r != NVML_SUCCESS) return r;
+  if (count == nullptr || (*count != 0 && devices == nullptr)) return NVML_ERROR_INVALID_ARGUMENT;
+  unsigned kept = 0;
+  for (unsigned i = 0; i < std::min(n, kMaxDevices); ++i) {
+    if (!tenant_sees(all[i])) continue;
+    if (*count != 0 && kept < *count) devices[kept] = all[i];
+    ++kept;
+  }
+  *count = *count == 0 ? kept : std::min(kept, *count);
+  return NVML_SUCCESS;
+}
+
+}  // namespace
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_nearest_gpus(nvmlDevice_t device, nvmlGpuTopologyLevel_t level, unsigned int* count,
+                               nvmlDevice_t* devices) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  if (tenant_mode() != TenantMode::kManaged) return real(device, level, count, devices);
+  if (!tenant_sees(device)) return NVML_ERROR_NOT_FOUND;  // no handle of another GPU is the tenant's to ask about
+  return tenant_device_set(count, devices, [&](unsigned* n, nvmlDevice_t* all) { return real(device, level, n, all); });
+}
+
+template <NvmlHookId id>
+nvmlReturn_t nvml_cpu_gpu_set(unsigned int cpu, unsigned int* count, nvmlDevice_t* devices) {
+  const auto real = nvml_real<id>();
+  if (real == nullptr) return no_real_function();
+  if (tenant_mode() != TenantMode::kManaged) return real(cpu, count, devices);
+  return tenant_device_set(count, devices, [&](unsigned* n, nvmlDevice_t* all) { return real(cpu, n, all); });
 }
 
 // A device's index among the tenant's devices (the index the count and the

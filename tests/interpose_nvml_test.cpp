@@ -498,6 +498,32 @@ TEST_F(NvmlInTenantTest, AGpuNotGrantedIsNotShown) {
   EXPECT_EQ(get(nvml({"init", "gpus", "direct"}, env("bob")), "gpus_direct_count"), "2");
 }
 
+// The topology calls hand out handles too: inside a tenant, only of its own
+// GPUs (the size query's count included), so no handle of another GPU can
+// be had through them; NVML's own answer (both GPUs on one system bus)
+// without the interposer.
+TEST_F(NvmlInTenantTest, TopologyCallsHandOutOnlyTheTenantsGpus) {
+  two_tenants();  // alice: GPU 0 only; bob: both
+  std::vector<std::string> args = {"init"};
+  for (const auto& path : kPaths) args.insert(args.end(), {"nearest", "0", path, "gpuset", path});
+  const Values alice = nvml(args, env("alice"));
+  const Values native = nvml(args, env(""));
+  for (const auto& path : kPaths) {
+    SCOPED_TRACE(path);
+    const std::string near = "nearest_" + path + "_0", set = "gpuset_" + path;
+    EXPECT_EQ(get(native, near + "_uuids"), kUuids[1]);
+    EXPECT_EQ(get(native, set + "_sized_count"), "2");
+    EXPECT_EQ(get(alice, near + "_rc"), "0");
+    EXPECT_EQ(get(alice, near + "_sized_count"), "0");
+    EXPECT_EQ(get(alice, near + "_count"), "0");
+    EXPECT_EQ(get(alice, near + "_uuids"), "");
+    EXPECT_EQ(get(alice, set + "_sized_count"), "1");
+    EXPECT_EQ(get(alice, set + "_uuids"), kUuids[0]);
+  }
+  // Bob sees GPU 1 near GPU 0, as without fracgpu.
+  EXPECT_EQ(get(nvml({"init", "nearest", "0", "direct"}, env("bob")), "nearest_direct_0_uuids"), kUuids[1]);
+}
+
 TEST_F(NvmlInTenantTest, GraphicsAndMpsListsAreNeverOtherTenants) {
   // The stand-in NVML has no graphics list: only the interposer's export
   // answers, and with the real function absent it says so.

@@ -29,6 +29,9 @@
 //                                gpus_PATH_I_{uuid,index}; past_end: the handle at index count
 //   byuuid UUID PATH             nvmlDeviceGetHandleByUUID -> byuuid_PATH_UUID_rc
 //   bypci BUSID PATH             nvmlDeviceGetHandleByPciBusId_v2 -> bypci_PATH_BUSID_rc
+//   nearest DEV PATH             nvmlDeviceGetTopologyNearestGpus at NVML_TOPOLOGY_SYSTEM, and
+//   gpuset PATH                  nvmlSystemGetTopologyGpuSet of CPU 0 -> nearest_PATH_DEV_... / gpuset_PATH_...
+//                                {sized_rc,sized_count,rc,count,uuids}: the size query, then the handles' UUIDs
 // PATH is "direct" or "dlsym"; DEV an NVML index. Bad usage exits 64.
 #include <dlfcn.h>
 
@@ -323,6 +326,33 @@ int main(int argc, char** argv) {
       auto fn = pick(path, &nvmlDeviceGetHandleByPciBusId_v2, "nvmlDeviceGetHandleByPciBusId_v2");
       nvmlDevice_t d = nullptr;
       print("bypci_" + path + "_" + bus + "_rc", fn(bus.c_str(), &d));
+    } else if (cmd == "nearest" || cmd == "gpuset") {
+      const bool nearest = cmd == "nearest";
+      const char* index = nearest ? arg() : nullptr;
+      const std::string path = arg();
+      const std::string p = cmd + "_" + path + (nearest ? std::string("_") + index : std::string());
+      auto near_fn = pick(path, &nvmlDeviceGetTopologyNearestGpus, "nvmlDeviceGetTopologyNearestGpus");
+      auto set_fn = pick(path, &nvmlSystemGetTopologyGpuSet, "nvmlSystemGetTopologyGpuSet");
+      const nvmlDevice_t dev = nearest ? device(index) : nullptr;
+      const auto ask = [&](unsigned* count, nvmlDevice_t* devices) {
+        return nearest ? near_fn(dev, NVML_TOPOLOGY_SYSTEM, count, devices) : set_fn(0, count, devices);
+      };
+      unsigned count = 0;
+      print(p + "_sized_rc", ask(&count, nullptr));
+      print(p + "_sized_count", count);
+      std::vector<nvmlDevice_t> devices(16);
+      count = static_cast<unsigned>(devices.size());
+      const nvmlReturn_t rc = ask(&count, devices.data());
+      print(p + "_rc", rc);
+      print(p + "_count", count);
+      std::string uuids;
+      for (unsigned i = 0; rc == NVML_SUCCESS && i < count && i < devices.size(); ++i) {
+        char uuid[96] = {};
+        nvmlDeviceGetUUID(devices[i], uuid, sizeof uuid);
+        uuids += (uuids.empty() ? "" : ",") + std::string(uuid);
+      }
+      printf("%s_uuids=%s\n", p.c_str(), uuids.c_str());
+      fflush(stdout);
     } else if (cmd == "which") {
       const char* name = arg();
       Dl_info info{};

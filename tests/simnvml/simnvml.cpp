@@ -643,6 +643,40 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char* uuid, unsigned int len
   return copy_string(uuid_text(dev), uuid, length);
 }
 
+// Topology: every simulated GPU sits on one system bus, so each is at
+// NVML_TOPOLOGY_SYSTEM from the others and near every CPU. The convention
+// NVML documents: *count 0 asks how many; else up to *count handles.
+namespace {
+nvmlReturn_t device_set(int exclude, unsigned int* count, nvmlDevice_t* devices) {
+  if (count == nullptr || (*count != 0 && devices == nullptr)) return NVML_ERROR_INVALID_ARGUMENT;
+  unsigned n = 0;
+  for (int d = 0; d < device_count(); ++d) {
+    if (d == exclude) continue;
+    if (*count != 0 && n < *count) devices[n] = reinterpret_cast<nvmlDevice_t>(&g_handles[d]);
+    ++n;
+  }
+  *count = *count == 0 ? n : std::min(n, *count);
+  return NVML_SUCCESS;
+}
+}  // namespace
+
+nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t device, nvmlGpuTopologyLevel_t level, unsigned int* count,
+                                              nvmlDevice_t* devices) {
+  int dev = 0;
+  if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
+  if (level < NVML_TOPOLOGY_SYSTEM) {  // nothing nearer than the system bus
+    if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
+    *count = 0;
+    return NVML_SUCCESS;
+  }
+  return device_set(dev, count, devices);
+}
+
+nvmlReturn_t nvmlSystemGetTopologyGpuSet(unsigned int /*cpuNumber*/, unsigned int* count, nvmlDevice_t* devices) {
+  if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+  return device_set(-1, count, devices);
+}
+
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char* name, unsigned int length) {
   int dev = 0;
   if (nvmlReturn_t rc = device_of(device, &dev, read_faults())) return rc;
