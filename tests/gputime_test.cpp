@@ -1365,10 +1365,14 @@ TEST_F(GpuTimeTest, AKilledHolderStallsNobodyAndTenantsRunUnsharedWithoutTheDaem
   loads_.clear();
 
   // Nobody schedules: processes run their GPU unshared (and say so), never blocked.
+  // They wait for grants until the heartbeat is kDaemonDownNs (1 s) old, and
+  // a waiter looks every 20 ms: measured from 1.5 s on, so that a window
+  // begun on the second they wait measures the waiting (20 ms of idle GPU,
+  // 0.935 busy instead of 0.955 in a third of the runs).
   stop_daemon(SIGKILL);
-  start_load("c", load_args("50,5000", 2.5, "0"));  // c and d: their one GPU, GPU 1
-  start_load("d", load_args("500", 2.5, "0"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  start_load("c", load_args("50,5000", 3, "0"));  // c and d: their one GPU, GPU 1
+  start_load("d", load_args("500", 3, "0"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   const Sample x = sample(2);
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   const Sample y = sample(2);
