@@ -595,8 +595,9 @@ nvmlReturn_t nvml_samples(nvmlDevice_t device, nvmlSamplingType_t type, unsigned
   // A size query (no array) keeps NVML's answer: the ring's depth.
   if (q.scope == Scope::kReal || !device_busy || samples == nullptr) return result;
   if (result != NVML_SUCCESS && result != NVML_ERROR_INSUFFICIENT_SIZE) return result;
-  // Nothing shown, nothing left: the real call filled the caller's array.
-  for (unsigned i = 0; i < capacity; ++i) samples[i] = nvmlSample_t{};
+  // Nothing shown, nothing left: the real call filled the caller's array
+  // (as many entries as it says, up to the array's size).
+  for (unsigned i = 0; i < std::min(capacity, *count); ++i) samples[i] = nvmlSample_t{};
   *count = 0;
   return NVML_ERROR_NOT_FOUND;
 }

@@ -756,7 +756,7 @@ TEST_F(NvmlDaemonTest, StartsWithoutNvmlAndSaysHealthAndAuditAreOff) {
   // Processes still start: nothing is marked.
   const pid_t p = probe("p", {"init", "primary", "0", "alloc", "16MiB", "hold"});
   EXPECT_TRUE(eventually([&] { return probe_says("p", "holding="); })) << probe_output("p");
-  EXPECT_TRUE(probe_says("p", "init=0\n"));
+  EXPECT_TRUE(probe_says("p", "init=0\n")) << probe_output("p");
   (void)p;
   const std::string text = status();
   EXPECT_NE(text.find("GPU health: off (no NVML: NVML is not available (libnvidia-ml.so.1)"), std::string::npos) << text;
