@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -374,7 +373,7 @@ void MetricsServer::serve() {
     ::close(clients[i].fd);
     clients.erase(clients.begin() + static_cast<std::ptrdiff_t>(i));
   };
-  // The oldest client of `peer` (any peer if empty) still sending its head.
+  // The oldest client of `*peer` (of any peer if null) still sending its head.
   const auto oldest_unanswered = [&](const std::string* peer) -> std::optional<size_t> {
     std::optional<size_t> found;
     for (size_t i = 0; i < clients.size(); ++i)
@@ -469,7 +468,7 @@ void MetricsServer::serve() {
       if (clients.size() >= kMaxClients) {
         if (const auto old = oldest_unanswered(nullptr)) drop(*old);
       }
-      if (clients.size() >= kMaxClients) {  // all of them being answered: this one waits for the next
+      if (clients.size() >= kMaxClients) {  // all of them being answered: this one is refused (closed)
         ::close(fd);
         continue;
       }
