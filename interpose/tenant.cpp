@@ -17,6 +17,7 @@
 #include "hook_table.h"
 #include "launch_gate.h"
 #include "log.h"
+#include "memory_held.h"
 
 namespace fracgpu::interpose {
 
@@ -70,9 +71,22 @@ uint64_t committed_generations() {
   return sum;
 }
 
+// Dead slots are reclaimed by taking their record locks, and a record lock
+// is the process's, not the thread's: two of our threads reclaiming at once
+// would both get a dead slot's lock, and the later could clear the slot
+// after the first had freed it and another process had claimed it (that
+// process's charges lost, its later uncharge wrapping). One at a time.
+std::atomic<bool> g_reclaiming{false};
+
+ledger::ReclaimResult reclaim_dead_slots_alone(ledger::TenantLedger& ledger, int own_slot) {
+  SpinGuard one_at_a_time(g_reclaiming);
+  return ledger::reclaim_dead_slots(ledger, own_slot);
+}
+
 // In a forked child the parent's slot lock is not ours (record locks are not
 // inherited) and its allocations are not usable: start over on next use.
 void on_fork_child() {
+  g_reclaiming.store(false, std::memory_order_relaxed);  // a thread the child does not have may have held it
   g_tenant_mode.store(static_cast<int>(TenantMode::kUnattached), std::memory_order_release);
   note_contexts_changed();
 }
@@ -506,13 +520,13 @@ bool reserve(int gpu, uint64_t bytes) {
     return true;
   // Refused. Charges of dead processes and slack held by our own pools may
   // be standing in the way: clear both, then ask once more.
-  ledger::ReclaimResult reclaim = ledger::reclaim_dead_slots(ledger, tenant.slot);
+  ledger::ReclaimResult reclaim = reclaim_dead_slots_alone(ledger, tenant.slot);
   if (reclaim.pending > 0) {
     // A neighbour just died and the driver may still be giving its memory
     // back: wait out the grace period once rather than refuse.
     struct timespec grace = {0, static_cast<long>(ledger::kReclaimGraceNs)};
     nanosleep(&grace, nullptr);
-    ledger::reclaim_dead_slots(ledger, tenant.slot);
+    reclaim_dead_slots_alone(ledger, tenant.slot);
   }
   settle_all_pools();
   if (ledger::try_charge(ledger, entry, static_cast<uint32_t>(tenant.slot), bytes))

@@ -7,11 +7,9 @@
 #include <cstring>
 #include <ctime>
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -757,57 +755,42 @@ void find_lock_holders(int fd, int32_t* holders) {
   }
 }
 
-// How many of a process's descriptors holds_lock_on looks at: the usage
-// file is opened when the interposer starts, so among the first.
-constexpr int kMaxFdsLookedAt = 16384;
-
-// Whether `pid`'s own descriptor table holds a POSIX lock on the file
-// `file` (its /proc/<pid>/fdinfo lock lines: the kernel lists there the
-// locks that table owns, with the file's device and inode). Reads /proc
-// only (no file system is asked anything, so no tenant's mount can stall
-// it) and allocates nothing. A lock's PID is its taker's, which the lock
-// outlives when another process shares the taker's descriptor table
-// (clone with CLONE_FILES): taker gone and its PID reused, F_GETLK names
-// whoever has that PID now.
-bool holds_lock_on(int32_t pid, const struct stat& file) {
-  char path[48];
-  snprintf(path, sizeof path, "/proc/%d/fdinfo", pid);
-  const int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir < 0) return false;
-  bool found = false;
-  int looked = 0;
-  alignas(8) char entries[4096];
-  for (;;) {
-    const long n = syscall(SYS_getdents64, dir, entries, sizeof entries);
-    if (n <= 0) break;
-    for (long at = 0; at < n && !found && looked < kMaxFdsLookedAt;) {
-      const auto* e = reinterpret_cast<const struct dirent64*>(entries + at);
-      at += e->d_reclen;
-      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-      ++looked;
-      const int info = openat(dir, e->d_name, O_RDONLY | O_CLOEXEC);
-      if (info < 0) continue;
-      char text[4096];
-      const ssize_t got = read(info, text, sizeof text - 1);
-      close(info);
-      if (got <= 0) continue;
-      text[got] = '\0';
-      // "lock:\t1: POSIX  ADVISORY  WRITE 4242 00:2f:1234 100 100": the
-      // device in hex, the inode in decimal.
-      for (const char* line = strstr(text, "lock:"); line != nullptr && !found; line = strstr(line + 5, "lock:")) {
-        char kind[16] = {};
-        unsigned dev_major = 0, dev_minor = 0;
-        unsigned long long inode = 0;
-        if (sscanf(line, "lock: %*d: %15s %*s %*s %*d %x:%x:%llu", kind, &dev_major, &dev_minor, &inode) == 4 &&
-            strcmp(kind, "POSIX") == 0 && inode == file.st_ino && dev_major == major(file.st_dev) &&
-            dev_minor == minor(file.st_dev))
-          found = true;
-      }
-    }
-    if (found || looked >= kMaxFdsLookedAt) break;
+// Whether `pid`'s own descriptor `fd` holds a POSIX write lock on the file
+// `file` (its /proc/<pid>/fdinfo/<fd> lock lines: the kernel lists there
+// the locks the process's descriptor table owns on that descriptor's file,
+// with the file's device and inode). A lock's PID is its taker's, which the
+// lock outlives when another process shares the taker's descriptors (clone
+// with CLONE_FILES): taker gone and its PID reused, F_GETLK names whoever
+// has that PID now. The descriptor is the one its slot names (lock_fd), not
+// found by a search: a process can hold its lock through a descriptor past
+// thousands of others, and looking through them all, for each lock it
+// holds, once a tick, is the daemon's time spent at the tenant's choosing.
+// Only a write lock counts: a read lock needs no write access to the file.
+// Reads /proc only (no file system is asked anything, so no tenant's mount
+// can stall it) and allocates nothing.
+bool holds_lock_on(int32_t pid, int32_t fd, const struct stat& file) {
+  if (fd < 0) return false;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fdinfo/%d", pid, fd);
+  const int info = open(path, O_RDONLY | O_CLOEXEC);
+  if (info < 0) return false;
+  char text[4096];
+  const ssize_t got = read(info, text, sizeof text - 1);
+  close(info);
+  if (got <= 0) return false;
+  text[got] = '\0';
+  // "lock:\t1: POSIX  ADVISORY  WRITE 4242 00:2f:1234 100 100": the device
+  // in hex, the inode in decimal.
+  for (const char* line = strstr(text, "lock:"); line != nullptr; line = strstr(line + 5, "lock:")) {
+    char kind[16] = {}, access[16] = {};
+    unsigned dev_major = 0, dev_minor = 0;
+    unsigned long long inode = 0;
+    if (sscanf(line, "lock: %*d: %15s %*s %15s %*d %x:%x:%llu", kind, access, &dev_major, &dev_minor, &inode) == 5 &&
+        strcmp(kind, "POSIX") == 0 && strcmp(access, "WRITE") == 0 && inode == file.st_ino &&
+        dev_major == major(file.st_dev) && dev_minor == minor(file.st_dev))
+      return true;
   }
-  close(dir);
-  return found;
+  return false;
 }
 
 }  // namespace
@@ -816,28 +799,35 @@ void record_host_pids(TenantLedger& ledger, int32_t* verified, HostPidMemo* memo
   UsageSegment& usage = *ledger.usage;
   int32_t holders[kMaxSlots];
   find_lock_holders(ledger.usage_fd, holders);
-  // Whose processes these are: every holder of a slot's lock has the
+  // Whose processes these are: every holder of a slot's write lock has the
   // tenant's usage file open for writing, so it is the tenant's, whatever
-  // the slot's state, PID or start time say (a process that garbles them
-  // must not pass for nobody's, whose GPU time the audit cannot charge).
-  // But the PID F_GETLK gives is the lock's taker's, which may have died
-  // with the lock kept by a process sharing its descriptors, and its PID
-  // gone to anybody's process since: a holder counts only once its own
-  // descriptors show the lock (checked again whenever its PID names a
-  // process that started at another time).
+  // the slot's state, PID or start time say. But the PID F_GETLK gives is
+  // the lock's taker's, which may have died with the lock kept by a process
+  // sharing its descriptors, and its PID gone to anybody's process since: a
+  // holder counts only once its own descriptor, the one the slot names,
+  // shows the lock. A process that names a wrong one is not verified, which
+  // makes it no more than a process that never attached: the audits find
+  // it by what the kernel ties it to, as they find those.
   struct stat file {};
   const bool file_known = fstat(ledger.usage_fd, &file) == 0;
   for (uint32_t s = 0; s < kMaxSlots; ++s) {
     const int32_t holder = holders[s];
     if (holder <= 0) continue;
+    const int32_t fd = usage.slots[s].lock_fd.load(std::memory_order_relaxed);
     ProcessIdentity now{};
     const bool alive = read_process_identity(holder, &now);
-    if (alive && memo != nullptr && memo->lock_pid[s] == holder && memo->lock_start_time[s] == now.start_time)
-      continue;
-    const bool holds = alive && file_known && holds_lock_on(holder, file);
-    if (memo != nullptr) {
-      memo->lock_pid[s] = holds ? holder : 0;
-      memo->lock_start_time[s] = holds ? now.start_time : 0;
+    bool holds = false;
+    if (alive && memo != nullptr && memo->lock_pid[s] == holder && memo->lock_start_time[s] == now.start_time &&
+        memo->lock_fd[s] == fd) {
+      holds = memo->lock_held[s];  // looked at before, and nothing it depends on changed
+    } else {
+      holds = alive && file_known && holds_lock_on(holder, fd, file);
+      if (memo != nullptr) {
+        memo->lock_pid[s] = alive ? holder : 0;
+        memo->lock_start_time[s] = alive ? now.start_time : 0;
+        memo->lock_fd[s] = fd;
+        memo->lock_held[s] = holds;
+      }
     }
     if (!holds) holders[s] = 0;
   }
@@ -898,6 +888,7 @@ int claim_slot(TenantLedger& ledger, const ProcessIdentity& self, LedgerError* e
     clear_slot_requests(usage, s);
     slot.orphaned_ns.store(0, std::memory_order_relaxed);
     slot.host_pid.store(0, std::memory_order_relaxed);  // the daemon fills it in
+    slot.lock_fd.store(ledger.usage_fd, std::memory_order_relaxed);
     slot.pid.store(self.pid, std::memory_order_relaxed);
     slot.start_time.store(self.start_time, std::memory_order_relaxed);
     struct timespec ts {};

@@ -346,7 +346,10 @@ struct ReclaimResult {
 // record lock (possible only if no live process holds it); the first time,
 // notes when; once kReclaimGraceNs have passed since, zeroes its charges and
 // marks it free. Skips `own_slot` (POSIX record locks never conflict with
-// the caller's own, so the caller must not probe its own slot).
+// the caller's own, so the caller must not probe its own slot). Never by two
+// threads of one process at once: the locks are the process's, so both
+// would get a dead slot's, and the later could clear it after another
+// process had claimed it.
 ReclaimResult reclaim_dead_slots(TenantLedger& ledger, int own_slot);
 
 // The PID (in the caller's PID namespace) of the process holding the slot's
@@ -360,10 +363,13 @@ int32_t slot_owner_pid(const TenantLedger& ledger, uint32_t slot);
 struct HostPidMemo {
   uint64_t start_time[kMaxSlots] = {};
   int32_t host_pid[kMaxSlots] = {};
-  // Each slot's lock holder found to hold the lock in its own descriptors,
-  // and its start time then (0: none).
+  // Each slot's lock holder as last looked at: its PID and start time (0:
+  // none), the descriptor its slot named, and whether that descriptor held
+  // the lock. Looked at again once any of the three changes.
   int32_t lock_pid[kMaxSlots] = {};
   uint64_t lock_start_time[kMaxSlots] = {};
+  int32_t lock_fd[kMaxSlots] = {};
+  bool lock_held[kMaxSlots] = {};
 };
 
 // Daemon: writes each live slot's host_pid (its owner's PID in the caller's
@@ -371,16 +377,18 @@ struct HostPidMemo {
 // Two F_GETLK per slot lock held (plus one), one /proc read per lock
 // holder and one per live slot (with `memo`: only where the lock holder or
 // the slot's start time is not one an earlier call with it found to be the
-// owner), and a look through a holder's /proc/<pid>/fdinfo where it has not
-// been found holding the lock before.
+// owner), and one read of /proc/<pid>/fdinfo/<lock_fd> per lock holder
+// (with `memo`: only where the holder, its start time or the slot's lock_fd
+// changed since).
 // The slot's copy is for the tenant's own NVML view; a tenant can overwrite
 // it, so anything that acts on other parties (the audits) uses `verified`
 // instead: if given (kMaxSlots entries), the PID of each slot's record-lock
 // holder, 0 where none, found by the locks alone (every slot, whatever its
 // state, start time or the high-water mark say: a process holding a lock on
 // the tenant's usage file is the tenant's), and only where the process with
-// that PID holds the lock in its own descriptor table (the lock's PID is its
-// taker's, and outlives it where another process shares its descriptors).
+// that PID holds a write lock on the file through the descriptor the slot
+// names (the lock's PID is its taker's, and outlives it where another
+// process shares its descriptors).
 void record_host_pids(TenantLedger& ledger, int32_t* verified = nullptr, HostPidMemo* memo = nullptr);
 
 }  // namespace fracgpu::ledger

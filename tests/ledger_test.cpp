@@ -580,6 +580,72 @@ TEST_P(HostPidsTest, APidALockOutlivedVerifiesNothing) {
   close(ready[1]);
 }
 
+// The daemon looks for a holder's lock only where its slot says: a process
+// holding its lock through a descriptor past thousands of others would
+// otherwise cost a look through them all, for each slot it locks, at each
+// tick. A slot that names the wrong descriptor leaves its holder unverified;
+// naming the right one again verifies it again. A read lock, which needs no
+// write access to the usage file, verifies nobody.
+TEST_P(HostPidsTest, AHolderIsVerifiedThroughTheDescriptorItsSlotNamesOnly) {
+  HostPidMemo memo_storage;
+  HostPidMemo* memo = GetParam() ? &memo_storage : nullptr;
+  TenantLedger d = make_daemon(1 << 30);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t holder = spawn_holder(100, ready);
+  int slot = -1;
+  for (uint32_t s = 0; s < d.usage->slot_high_water.load(); ++s)
+    if (d.usage->slots[s].pid.load() == holder) slot = static_cast<int>(s);
+  ASSERT_GE(slot, 0);
+  const int32_t fd = d.usage->slots[slot].lock_fd.load();
+  EXPECT_GE(fd, 0) << "claim_slot names the descriptor it locked through";
+  int32_t verified[kMaxSlots];
+  auto verified_pids = [&] {
+    fracgpu::ledger::record_host_pids(d, verified, memo);
+    std::vector<int32_t> found;
+    for (const int32_t pid : verified)
+      if (pid != 0) found.push_back(pid);
+    return found;
+  };
+  EXPECT_EQ(verified_pids(), std::vector<int32_t>{holder});
+  d.usage->slots[slot].lock_fd.store(fd + 7);  // the holder's word, wrong
+  EXPECT_EQ(verified_pids(), std::vector<int32_t>{}) << "looked for only where the slot says";
+  EXPECT_EQ(verified_pids(), std::vector<int32_t>{}) << "and again";
+  d.usage->slots[slot].lock_fd.store(fd);
+  EXPECT_EQ(verified_pids(), std::vector<int32_t>{holder}) << "a new word is looked at anew";
+
+  // A read lock on another slot's byte, through a read-only descriptor that
+  // slot names.
+  const int other = slot + 1;
+  int told[2];
+  ASSERT_EQ(pipe(told), 0);
+  const pid_t reader = fork();
+  if (reader == 0) {
+    const int rd = open((tenant_dir_ + "/usage").c_str(), O_RDONLY | O_CLOEXEC);
+    struct flock fl {};
+    fl.l_type = F_RDLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = slot_lock_offset(other);
+    fl.l_len = 1;
+    const int32_t said = rd >= 0 && fcntl(rd, F_SETLK, &fl) == 0 ? rd : -1;
+    if (write(told[1], &said, sizeof said) != sizeof said) _exit(1);
+    pause();
+    _exit(0);
+  }
+  int32_t reader_fd = -1;
+  ASSERT_EQ(read(told[0], &reader_fd, sizeof reader_fd), static_cast<ssize_t>(sizeof reader_fd));
+  ASSERT_GE(reader_fd, 0) << "could not take a read lock";
+  d.usage->slots[other].lock_fd.store(reader_fd);
+  EXPECT_EQ(slot_owner_pid(d, other), reader) << "F_GETLK alone names the reader";
+  EXPECT_EQ(verified_pids(), std::vector<int32_t>{holder});
+  for (const pid_t pid : {holder, reader}) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  close_ledger(&d);
+  for (const int p : {ready[0], ready[1], told[0], told[1]}) close(p);
+}
+
 INSTANTIATE_TEST_SUITE_P(WithAndWithoutMemo, HostPidsTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Memo" : "NoMemo"; });
 

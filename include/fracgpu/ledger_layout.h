@@ -192,11 +192,17 @@ struct alignas(64) ProcessSlot {
   // process tells its own tenant's among them. Was reserved (always 0), so
   // the layout version did not change.
   std::atomic<int32_t> host_pid;
-  uint32_t reserved;
+  // The descriptor, in the owner's own table, through which it holds the
+  // slot's lock: where the daemon looks (/proc/<pid>/fdinfo/<lock_fd>) to
+  // see that the lock's holder holds it itself. The owner's word, so only a
+  // place to look: a wrong one leaves its own process unverified. Was
+  // reserved (always 0), so the layout version did not change.
+  std::atomic<int32_t> lock_fd;
 };
 static_assert(sizeof(ProcessSlot) == 64);
 static_assert(offsetof(ProcessSlot, orphaned_ns) == 40);
 static_assert(offsetof(ProcessSlot, host_pid) == 48);
+static_assert(offsetof(ProcessSlot, lock_fd) == 52);
 
 // What one process asks of a GPU's time arbiter (gputime_layout.h), and
 // what it says it did: the only channel from a tenant process to the
