@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -53,6 +54,9 @@ struct FakeMeterState {
   // The device's own busy share (device_busy()); negative: no such figure.
   double device_duty = -1;
   uint64_t device_ns = 0;
+  // Run at each reading: what a tenant's process does while the daemon's
+  // pass waits on the driver.
+  std::function<void()> during_read;
 };
 
 class FakeMeter final : public UsageMeter {
@@ -60,6 +64,7 @@ class FakeMeter final : public UsageMeter {
   explicit FakeMeter(FakeMeterState* state) : state_(state) {}
   bool read(uint64_t now, std::vector<ProcessUse>* out) override {
     ++state_->reads;
+    if (state_->during_read) state_->during_read();
     if (state_->fail) return false;
     const uint64_t dt = state_->last == 0 ? 0 : now - state_->last;
     state_->last = now;
@@ -442,6 +447,112 @@ TEST_F(SchedulerTest, ASliceEndsWithADrainHandshake) {
   EXPECT_EQ(row(0).used_ns.load(), 26 * kMs) << "charged from grant to the end of its revocation";
   EXPECT_EQ(row(1).throttled_ns.load(), 26 * kMs);
   EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
+// A process that gave the grant back (its pacer found it idle, and reported
+// it drained) and enters it again before the daemon's next pass, as its
+// next launch does: its words then read entered G, drained G. That must not
+// read as done: the next tenant waits for this process's drain.
+TEST_F(SchedulerTest, AProcessThatEntersAGrantAgainAfterGivingItBackIsWaitedFor) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  pass(1 * kMs);
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);  // given back, idle
+  ASSERT_TRUE(enter(0, a)) << "the grant is still a's";
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_FALSE(holds(1)) << "b granted while a's process launches under grant " << seq;
+  EXPECT_TRUE(holds(0)) << "a's process works on: its slice goes on";
+  pass(20 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "the slice is over; a's process is to drain";
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
+// The holder's last process drains and nobody of it asks: the grant ends.
+// But a second process of the tenant may enter the grant (a granted word
+// needs no asking) after the pass has read the slots and before the word
+// changes: here, while the pass reads the driver's figures. It is waited
+// for, as if it had entered before the pass.
+TEST_F(SchedulerTest, AProcessThatEntersTheGrantDuringThePassIsWaitedFor) {
+  configure(gputime::kPpm, gputime::kPpm);
+  sched_->set_meter(std::make_unique<FakeMeter>(&meter_));  // held mode, the driver read each pass
+  meter_.period = 167 * kMs;
+  meter_.last = now_;
+  const int a1 = spawn(0), a2 = spawn(0), b = spawn(1);
+  want(0, a1);
+  pass(2 * kMs);
+  ASSERT_TRUE(enter(0, a1));
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  pass(2 * kMs);
+  ASSERT_TRUE(holds(0));
+  want(1, b);
+  gputime::report_drained(*arbiter_.seg, request(0, a1), seq);
+  bool entered = false;
+  meter_.during_read = [&] {
+    if (!entered) entered = gputime::enter_grant(*arbiter_.seg, request(0, a2), word_of(0));
+  };
+  pass(2 * kMs);
+  meter_.during_read = nullptr;
+  ASSERT_TRUE(entered) << "the pass reads the driver before it decides";
+  EXPECT_FALSE(holds(1)) << "b granted while a2 launches under grant " << seq;
+  gputime::report_drained(*arbiter_.seg, request(0, a2), seq);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
+}
+
+// A process of the holder exits, its slot is found dead, and a new process
+// takes the slot at once and enters the grant (a granted word needs no
+// asking): the slot's remembered "dead" must not hide it from the end of
+// the grant.
+TEST_F(SchedulerTest, ANewProcessInASlotJustFoundDeadIsWaitedFor) {
+  const int a1 = spawn(0), b = spawn(1);
+  want(0, a1);
+  pass();
+  ASSERT_TRUE(enter(0, a1));
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  const int a2 = spawn(0);
+  want(0, a2);
+  kill_and_reap(processes_.back());
+  processes_.pop_back();
+  pass(1 * kMs);  // a2's want is looked at: its slot is dead
+  const int a3 = spawn(0);
+  ASSERT_EQ(a3, a2) << "the new process takes the dead one's slot";
+  ASSERT_TRUE(enter(0, a3));
+  want(1, b);
+  gputime::report_drained(*arbiter_.seg, request(0, a1), seq);
+  pass(1 * kMs);
+  EXPECT_FALSE(holds(1)) << "b granted while the new process launches under grant " << seq;
+  gputime::report_drained(*arbiter_.seg, request(0, a3), seq);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
+}
+
+// A holder that truncates its usage file with its work still queued (its
+// process entered and never drained) does not end its grant by it: its
+// process is waited for to the deadline as before, and the tenant is then
+// blocked, as any holder that misses one.
+TEST_F(SchedulerTest, AHolderThatTruncatesItsUsageFileStillMissesItsDeadline) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  pass(5 * kMs);
+  want(1, b);
+  const std::string usage = tenants_[0].dir + "/" + ledger::kUsageFileName;
+  ASSERT_EQ(truncate(usage.c_str(), 0), 0);
+  pass(1 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "a's process is still to drain";
+  EXPECT_FALSE(holds(1));
+  pass(gputime::kDrainDeadlineNs);
+  EXPECT_TRUE(holds(1)) << "the deadline ends it";
+  EXPECT_EQ(row(0).missed_deadlines.load(), 1u);
+  EXPECT_NE(row(0).flags.load() & gputime::kTenantBlocked, 0u);
 }
 
 // A process that entered the grant and died (its record lock gone) is not

@@ -35,7 +35,8 @@ constexpr uint64_t kSecond = 1'000'000'000ull;
 // How long a record-lock probe of a slot stays good: a live answer for a
 // millisecond (deciding that a holder's process died a millisecond late is
 // harmless), a dead one for ten (a dead owner comes back only as a new
-// process, which must ask anew). And at most this many probes per tenant
+// process, which must ask anew, or enter a grant its tenant holds, which
+// changes the slot's words and so sends it to be probed again). And at most this many probes per tenant
 // per pass: a tenant that marks all 256 of its slots live and asking costs
 // the daemon a few system calls a pass, not 256; slots left unprobed keep
 // their last answer (alive if never probed), which can only delay that
@@ -462,16 +463,22 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
       v.want = q.want_since_ns.load(std::memory_order_seq_cst);
       v.poll = q.poll_ns.load(std::memory_order_relaxed);
       v.active = q.last_active_ns.load(std::memory_order_relaxed);
+      const uint64_t entered_before = v.entered;
       v.entered = q.entered_grant.load(std::memory_order_seq_cst);
       v.drained = q.drained_grant.load(std::memory_order_seq_cst);
+      // A slot found dead a moment ago may have a new owner that entered
+      // the grant since: its liveness is looked at again, not remembered.
+      if (v.entered != entered_before) r.probed_ns[s] = 0;
       v.contexts = q.contexts.load(std::memory_order_relaxed);
       fold = fold_request(fold, s, v.want, v.entered, v.drained);
     }
   });
   r.requests_seen = fold;
   if (!ok) {
+    // The slots as last read stay (r.high too): a holder's process seen
+    // entered and not drained is still waited for, to the deadline, rather
+    // than the truncation ending its grant with its work still queued.
     r.readable = false;
-    r.high = 0;
     if (!r.unreadable_reported)
       note(true, fmt::format("{}: tenant \"{}\": its usage file cannot be read (truncated?); it is treated as not "
                              "asking for the GPU until it can",
@@ -1232,8 +1239,11 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
       return;
     }
     // Nothing left to wait for: every process that entered the grant has
-    // drained it or died (an exit reports its drain), and none asks.
-    // The grant ends now, with no handshake.
+    // drained it or died (an exit reports its drain), and none asks. The
+    // grant ends now, still through the handshake: what this pass read came
+    // before the word changes, and a process of the tenant may enter the
+    // grant in between (a granted word needs no asking); start_revoke reads
+    // the slots again after its store and ends at once if none did.
     if (!h.wants && pending_drains(h, now).none()) {
       // A grant given up before kIdleNs costs kIdleNs: every hand-over
       // leaves the GPU idle while the next holder's processes wake, and a
@@ -1241,7 +1251,7 @@ void GpuScheduler::step_row(uint32_t t, uint64_t now) {
       // not done: the false drain) would otherwise make that idle time
       // everybody's, as often as it likes.
       if (now - h.grant_ns < gputime::kIdleNs) charge_row(h, gputime::kIdleNs - (now - h.grant_ns), now, true);
-      end_grant(t, now);
+      start_revoke(t, now);
       return;
     }
     const int other = contender(now, t);
