@@ -537,6 +537,49 @@ TEST_F(ControlTest, AStartWithAGoneGpuOrATakenNameComesUpAndTheApiRepairsIt) {
   EXPECT_EQ(policy_of("api1", kUuid0).share_ppm, 250'000u);
 }
 
+// A reload refused after the config was placed (here: it moves run_dir)
+// leaves which API tenants are placed as it was, with the config in force.
+// It once kept the refused config's list: an unplaced tenant then read as
+// not found, an identical create of it crashed the daemon, and another
+// create put it back on its GPU beside the tenants it did not fit beside.
+// A run_dir written with a trailing slash is no move.
+TEST_F(ControlTest, ARefusedReloadLeavesTheUnplacedAsTheyWere) {
+  start_daemon();
+  ASSERT_TRUE(create("api1", {gpu(kUuid0, 0.5)}).ok);
+  stop_daemon();
+  write_config("", "[[tenant]]\nname = \"alice\"\ngpus = 0.75\ndevices = [0]\n");
+  start_daemon();
+  ASSERT_EQ(call({{"op", "get"}, {"name", "api1"}}).body["tenant"]["state"], "unplaced");
+  const auto config_with_run_dir = [&](const std::string& run_dir) {
+    write_file(config_path_, "[daemon]\nrun_dir = \"" + run_dir +
+                                 "\"\nreap_interval_ms = 50\nlog_level = \"debug\"\nmetrics_address = \"off\"\n"
+                                 "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n[[gpu]]\nindex = 1\n"
+                                 "context_memory = \"64MiB\"\n" +
+                                 kAlice);  // alice back to 0.5: api1 would fit
+  };
+  config_with_run_dir(run_dir_ + "/elsewhere");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload rejected"); })) << read_file(log_path_);
+  const control::Reply got = call({{"op", "get"}, {"name", "api1"}});
+  ASSERT_TRUE(got.ok) << got.body.dump();
+  EXPECT_EQ(got.body["tenant"]["state"], "unplaced") << got.body.dump();
+  const control::Reply again = create("api1", {gpu(kUuid0, 0.5)});
+  EXPECT_EQ(again.code, "conflict") << again.body.dump();
+  ASSERT_TRUE(create("api2", {gpu(kUuid1, 0.1)}).ok);  // a change of the node: every API tenant looked at again
+  EXPECT_EQ(policy_of("alice", kUuid0).share_ppm, 750'000u);
+  EXPECT_EQ(policy_of("api2", kUuid1).state, ledger::kGpuGranted);
+  EXPECT_NE(policy_of("api1", kUuid0).state, ledger::kGpuGranted) << "not put back beside alice's 0.75";
+  EXPECT_EQ(waitpid(daemon_, nullptr, WNOHANG), 0) << "the daemon runs";
+
+  // The same directory, spelt with a trailing slash: the reload applies,
+  // and api1 now fits.
+  config_with_run_dir(run_dir_ + "/");
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload applied"); })) << read_file(log_path_);
+  EXPECT_EQ(policy_of("alice", kUuid0).share_ppm, 500'000u);
+  EXPECT_EQ(call({{"op", "get"}, {"name", "api1"}}).body["tenant"]["state"], "active");
+}
+
 // The admission budget's figures (control_ops.cpp: 4 descriptors a tenant,
 // 2 a granted GPU) must hold: 60 tenants, each on both GPUs, cost the daemon
 // no more than 60 x (4 + 2 x 2) descriptors.

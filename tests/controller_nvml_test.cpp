@@ -1486,6 +1486,86 @@ TEST_F(NvmlDaemonTest, XidFenceSurvivesARestartUntilClearedByTheCli) {
   EXPECT_EQ(rc, 3) << out;
 }
 
+// An operator lowers a quota in the config and restarts the daemon (a
+// package upgrade, `systemctl restart`) instead of reloading it: what the
+// tenant's processes hold stays theirs, as at a reload. The restarted
+// daemon used to see no lowering (it knew no quota from before) and its
+// memory audit killed the process at once.
+TEST_F(NvmlDaemonTest, AQuotaLoweredAcrossARestartKillsNothing) {
+  const std::string audit = "memory_audit_interval = \"50ms\"\nmemory_grace = \"200ms\"\nmemory_tolerance = \"128MiB\"\n";
+  write_config("report", audit);
+  set_faults("");
+  start_daemon();
+  const pid_t holder = probe("alice", {"init", "primary", "0", "alloc", "3GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("alice", "holding="); })) << probe_output("alice");
+  write_file(config_path_, read_file(config_path_) + "[tenant.memory]\n\"0\" = \"1GiB\"\n");
+  kill(daemon_, SIGTERM);
+  waitpid(daemon_, nullptr, 0);
+  daemon_ = -1;
+  start_daemon();
+  EXPECT_TRUE(eventually([&] { return log_contains("quota lowered from 8 GiB to 1 GiB"); })) << daemon_log();
+  std::this_thread::sleep_for(1000ms);  // many audits, each past the grace
+  EXPECT_EQ(waitpid(holder, nullptr, WNOHANG), 0) << "the holder lives\n" << daemon_log();
+  EXPECT_FALSE(log_contains("terminated process")) << daemon_log();
+}
+
+// NVML gives a process's memory as "not available" where it cannot tell:
+// the memory audit then cannot see what such a process holds, and says so
+// once for the GPU, rather than acting on a count of 0 in silence.
+TEST_F(NvmlDaemonTest, TheMemoryAuditSaysWhenNvmlCannotTellAProcesssMemory) {
+  write_config("report", "memory_audit_interval = \"50ms\"\n");
+  set_faults("0 memory_not_available\n");
+  start_daemon();
+  const pid_t holder = probe("alice", {"init", "primary", "0", "alloc", "1GiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return probe_says("alice", "holding="); })) << probe_output("alice");
+  const std::string said = "memory audit: NVML does not say how much memory process " + std::to_string(holder) +
+                           " holds on GPU 0 (" + kUuid + ")";
+  EXPECT_TRUE(eventually([&] { return log_contains(said); })) << daemon_log();
+  std::this_thread::sleep_for(300ms);  // many audits: said once
+  const std::string log = daemon_log();
+  EXPECT_EQ(log.find(said), log.rfind(said)) << log;
+}
+
+// A GPU failed, and the daemon restarts on a node whose NVML no longer
+// loads (a driver left half upgraded after the failure, say): the fence
+// holds as it does with NVML, through reloads, until the operator clears
+// it. Without NVML the health checks were off, and the first reload wrote
+// every GPU available again, fence file or not.
+TEST_F(NvmlDaemonTest, AnXidFenceHoldsAfterARestartWithoutNvml) {
+  start_with("report");
+  set_faults("0 xid=79\n");
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuXid; }, 2000ms)) << daemon_log();
+  kill_and_reap(daemon_);
+  set_faults("");
+  start_daemon(/*with_nvml=*/false);
+  // (The log holds the first daemon's lines too: wait for this one's.)
+  ASSERT_TRUE(eventually([&] { return log_contains("fracgpud " + std::to_string(daemon_) + " started"); })) << daemon_log();
+  kill(daemon_, SIGHUP);
+  ASSERT_TRUE(eventually([&] { return log_contains("reload applied"); })) << daemon_log();
+  std::this_thread::sleep_for(300ms);  // many health intervals
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuXid}) << daemon_log();
+  EXPECT_EQ(alice_mark().second, 79u);
+  const pid_t refused = probe("refused", {"init"});
+  EXPECT_EQ(wait_exit(refused, 5s), 0);
+  EXPECT_TRUE(probe_says("refused", "init=" + std::to_string(kDeviceUnavailable) + "\n")) << probe_output("refused");
+  auto [rc, out] = cli({"gpu", "clear", kUuid});
+  EXPECT_EQ(rc, 0) << out;
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 2000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("Xid fence cleared by the operator")) << daemon_log();
+}
+
+// A fence file edited by hand into fields of other types is still a fence,
+// and the daemon starts (it used to stop at the parse, at every start).
+TEST_F(NvmlDaemonTest, AFenceWithFieldsOfOtherTypesStillFencesAndTheDaemonStarts) {
+  start_with("report");
+  kill_and_reap(daemon_);
+  fs::create_directories(run_dir_ + "/fences");
+  write_file(run_dir_ + "/fences/" + kUuid, "{\"xid\": \"79\", \"why\": 42, \"since_unix\": -1}\n");
+  start_daemon();
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuXid; }, 2000ms)) << daemon_log();
+  EXPECT_TRUE(log_contains("stays fenced: critical Xid")) << daemon_log();
+}
+
 // The stand-in NVML's sensor faults: an unreadable temperature or power
 // reading marks the GPU (reason sensors) and clears when it reads again.
 TEST_F(NvmlDaemonTest, UnreadableSensorsMarkTheGpuUntilTheyReadAgain) {

@@ -104,8 +104,10 @@ nvmlReturn_t Nvml::compute_processes(nvmlDevice_t device, std::vector<Process>* 
     }
     if (rc != NVML_SUCCESS) return rc;
     out->clear();
-    for (unsigned i = 0; i < count && i < infos.size(); ++i)
-      out->push_back({infos[i].pid, infos[i].usedGpuMemory == NVML_VALUE_NOT_AVAILABLE ? 0 : infos[i].usedGpuMemory});
+    for (unsigned i = 0; i < count && i < infos.size(); ++i) {
+      const bool known = infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE;
+      out->push_back({infos[i].pid, known ? infos[i].usedGpuMemory : 0, known});
+    }
     return NVML_SUCCESS;
   }
   return NVML_ERROR_INSUFFICIENT_SIZE;

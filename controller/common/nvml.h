@@ -74,7 +74,8 @@ class Nvml {
 
   struct Process {
     uint32_t pid = 0;      // host PID (NVML reports the daemon's PID namespace view)
-    uint64_t used_bytes = 0;  // NVML_VALUE_NOT_AVAILABLE becomes 0
+    uint64_t used_bytes = 0;  // 0 where NVML cannot tell (used_known false)
+    bool used_known = true;   // false: NVML said NVML_VALUE_NOT_AVAILABLE
   };
   // The compute processes on a device (nvmlDeviceGetComputeRunningProcesses_v3,
   // growing the buffer as NVML asks). Returns NVML's code; *out only on success.

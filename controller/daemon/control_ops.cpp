@@ -288,15 +288,25 @@ json Daemon::create_tenant(const json& request, bool resize, const ControlPeer& 
                                name, unplaced->second));
   if (!resolve_api_tenant(&*tenant, *config_, &error)) return failure(error);
 
+  // An API tenant is placed (in the config in force) or unplaced, never
+  // neither; should that ever break, the request fails, the daemon stays.
+  const Tenant* placed = config_->find_tenant(name);
+  const auto lost = [&] {
+    log_->error("control: API tenant \"{}\" is neither placed nor unplaced; restart fracgpud to place it again", name);
+    return failure(proto::code::kInternal, "", fmt::format("tenant \"{}\" is in no state the daemon knows", name));
+  };
   if (!resize && held != api_tenants_.end()) {
     const std::string difference = spec_difference(*tenant, held->second);
     if (!difference.empty())
       return failure(proto::code::kExists, "name",
                      fmt::format("name: tenant \"{}\" exists with another spec: {}", name, difference));
-    return {{"ok", true}, {"created", false}, {"tenant", tenant_state(*config_->find_tenant(name))}};
+    if (placed == nullptr) return lost();
+    return {{"ok", true}, {"created", false}, {"tenant", tenant_state(*placed)}};
   }
-  if (resize && unplaced == unplaced_.end() && spec_difference(*tenant, held->second).empty())
-    return {{"ok", true}, {"tenant", tenant_state(*config_->find_tenant(name))}};
+  if (resize && unplaced == unplaced_.end() && spec_difference(*tenant, held->second).empty()) {
+    if (placed == nullptr) return lost();
+    return {{"ok", true}, {"tenant", tenant_state(*placed)}};
+  }
   if (!resize && health_ != nullptr) {
     for (size_t i = 0; i < tenant->gpus.size(); ++i) {
       const std::string uuid = format_gpu_uuid(tenant->gpus[i].uuid);

@@ -50,6 +50,18 @@ uint64_t start_on_monotonic_ns(uint64_t start_ticks) {
   return since_boot > suspended ? since_boot - suspended : 0;
 }
 
+// Whether two spellings of a run dir name the same path ("/run/fracgpu/"
+// and "/run/fracgpu" do), without asking the file system: the new one need
+// not exist.
+bool same_directory(const std::string& a, const std::string& b) {
+  const auto normal = [](const std::string& path) {
+    std::string p = fs::path(path).lexically_normal().string();
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  };
+  return normal(a) == normal(b);
+}
+
 // Stores and reports whether the value changed, so untouched arbiters keep
 // their generation (the pacer re-reads shares when it moves).
 template <typename T>
@@ -650,7 +662,6 @@ Daemon::OpenLedger* Daemon::adopt(const std::string& name, bool create) {
 }
 
 void Daemon::apply(const NodeConfig& config) {
-  note_shrinks(config);
   std::set<std::string> wanted;
   for (const Tenant& tenant : config.tenants) {
     wanted.insert(tenant.name);
@@ -666,6 +677,14 @@ void Daemon::apply(const NodeConfig& config) {
     if (!wanted.contains(name) && entry.is_directory(ec)) adopt(name, /*create=*/false);
   }
   if (ec) log_->warn("cannot list {}/{}: {}", config.daemon.run_dir, kTenantsDirName, ec.message());
+  // At start, the quotas in force are those the previous daemon applied, in
+  // the ledgers it left: a config that lowers one is a shrink as a reload's
+  // is, and what the tenant's processes hold stays theirs.
+  if (!quotas_in_force_read_) {
+    note_quotas_in_force(config);
+    quotas_in_force_read_ = true;
+  }
+  note_shrinks(config);
   for (auto& [name, open] : ledgers_) {
     if (wanted.contains(name)) continue;
     if (open.configured) log_->info("tenant \"{}\" is no longer configured: revoking its GPUs, keeping {}", name, open.dir);
@@ -1134,6 +1153,13 @@ bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
     mark_corrupt(name, open, "was removed or replaced");
     return false;
   }
+  // The file is the tenant's to write, and its owner (root) is the tenant's
+  // root where the container has no user namespace of its own, who can also
+  // change its mode: a setuid or executable bit would make it a program the
+  // tenant wrote, for the node's users to run. Put back the daemon's mode,
+  // through the descriptor, never the name.
+  if ((mapped.st_mode & 07777) != 0666 && fchmod(open.ledger.usage_fd, 0666) == 0)
+    log_->warn("tenant \"{}\": {} had mode {:04o}: set back to 0666", name, usage_path, mapped.st_mode & 07777);
   uint64_t bytes = 0;
   switch (ledger::enforce_usage_size(open.ledger, &bytes)) {
     case ledger::UsageSize::kOk: return true;
@@ -1229,8 +1255,21 @@ NodeChecks Daemon::node_checks() const {
 }
 
 void Daemon::check_gpus(uint64_t now) {
-  if (health_ == nullptr || nvml_ == nullptr) return;
+  if (health_ == nullptr) return;
   const auto ns = [](std::chrono::microseconds d) { return static_cast<uint64_t>(d.count()) * 1000; };
+  if (nvml_ == nullptr) {
+    // Nothing to probe or audit; but a GPU an earlier daemon fenced stays
+    // fenced, and is let go when the operator clears the fence.
+    if (now >= next_health_ns_) {
+      if (health_->probe()) {
+        apply_unavailable();
+        std::string error;
+        if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);
+      }
+      next_health_ns_ = now + ns(config_->daemon.health_interval);
+    }
+    return;
+  }
   bool ran = false;
   if (now >= next_health_ns_) {
     health_->probe();
@@ -1303,6 +1342,22 @@ uint64_t booked_memory(const Grant& grant, const ManagedGpu& gpu) {
   return grant.memory_quota == ledger::kUnlimited ? gpu.memory_bytes : grant.memory_quota;
 }
 }  // namespace
+
+void Daemon::note_quotas_in_force(const NodeConfig& config) {
+  for (auto& [name, open] : ledgers_) {
+    ledger::GpuTable table;
+    if (!ledger::read_gpu_table(open.ledger, &table)) continue;
+    for (const ledger::GpuEntry& e : table.gpus) {
+      if (e.state != ledger::kGpuGranted) continue;
+      GpuUuid uuid{};
+      memcpy(uuid.data(), e.uuid, uuid.size());
+      const ManagedGpu* gpu = config.find_gpu(uuid);
+      if (e.memory_quota == ledger::kUnlimited && gpu == nullptr) continue;
+      applied_quotas_[{name, format_gpu_uuid(e.uuid)}] =
+          e.memory_quota == ledger::kUnlimited ? gpu->memory_bytes : e.memory_quota;
+    }
+  }
+}
 
 void Daemon::note_shrinks(const NodeConfig& config) {
   std::map<std::pair<std::string, std::string>, uint64_t> next;
@@ -1421,7 +1476,8 @@ void Daemon::load_shrinks() {
   }
   const nlohmann::json doc = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   const auto held = doc.is_object() ? doc.find("held") : doc.end();
-  if (held == doc.end() || !held->is_array() || doc.value("version", 0) != 1) {
+  const auto version = doc.is_object() ? doc.find("version") : doc.end();  // of any type: compared, never converted
+  if (held == doc.end() || !held->is_array() || version == doc.end() || *version != 1) {
     log_->warn("{}/{}: not a file of shrunk quotas; ignored", config_->daemon.run_dir, kShrunkFileName);
     return;
   }
@@ -1493,16 +1549,21 @@ void Daemon::apply_unavailable() {
 
 bool Daemon::reload() {
   log_->info("SIGHUP: reloading {}", options_.config_path);
+  // Which API tenants are placed goes with the config in force: a reload
+  // refused below keeps both as they were.
+  const std::map<std::string, std::string> unplaced_before = unplaced_;
   ConfigResult result = load_placing_what_fits(api_tenants_, /*placed_stay=*/true);
-  if (result.ok() && result.config->daemon.run_dir != config_->daemon.run_dir)
+  if (result.ok() && !same_directory(result.config->daemon.run_dir, config_->daemon.run_dir))
     result.errors.push_back({options_.config_path, result.config->daemon.run_dir_line,
                              fmt::format("run_dir changed from {} to {}: restart fracgpud to move it",
                                          config_->daemon.run_dir, result.config->daemon.run_dir)});
   if (!result.errors.empty()) {
+    unplaced_ = unplaced_before;
     for (const ConfigError& e : result.errors) log_->error("{}", e.to_string());
     log_->error("reload rejected ({} error(s)): the previous policy stays in force", result.errors.size());
     return false;
   }
+  result.config->daemon.run_dir = config_->daemon.run_dir;  // the same directory, spelt as at start
   const std::string old_group = config_->daemon.control_group;
   config_ = std::move(result.config);
   if (std::string error; !control_.set_access(control_access(), &error))

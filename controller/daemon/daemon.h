@@ -295,6 +295,9 @@ class Daemon {
   std::map<TenantGpu, uint64_t> shrunk_;
   // Each tenant's quota per GPU as last applied, to see a shrink coming.
   std::map<TenantGpu, uint64_t> applied_quotas_;
+  bool quotas_in_force_read_ = false;
+  // applied_quotas_ from the ledgers' tables in force (at start).
+  void note_quotas_in_force(const NodeConfig& config);
   void note_shrinks(const NodeConfig& config);
   void settle_shrinks();
   // What the tenant holds on the GPU now: by the driver's count where the

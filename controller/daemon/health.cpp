@@ -34,17 +34,24 @@ HealthMonitor::HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus,
   registered_.assign(gpus_.size(), false);
   sticky_xid_.assign(gpus_.size(), std::string());
   fenced_on_disk_.assign(gpus_.size(), false);
-  if (nvml_ == nullptr) return;
-  // Fences left by an earlier daemon: the GPU stays unhealthy until cleared.
+  // Fences left by an earlier daemon: the GPU stays unhealthy until cleared,
+  // from the start, with NVML or without (a driver whose NVML no longer
+  // loads after a GPU's failure is no reason to trust that GPU again).
   for (size_t i = 0; i < gpus_.size() && !run_dir_.empty(); ++i) {
     const std::optional<XidFence> f = read_xid_fence(run_dir_, gpus_[i].uuid);
     if (!f) continue;
+    GpuHealth& g = gpus_[i];
     fenced_on_disk_[i] = true;
-    gpus_[i].last_xid = f->xid;
+    g.last_xid = f->xid;
     sticky_xid_[i] = fmt::format("{} (fenced since {}; clear with `fracgpu gpu clear {}`)", f->why, f->since_unix,
-                                 gpus_[i].uuid);
-    log_.warn("health: GPU {} ({}) stays fenced: {}", gpus_[i].index, gpus_[i].uuid, sticky_xid_[i]);
+                                 g.uuid);
+    g.healthy = false;
+    g.reason = ledger::kGpuXid;
+    g.detail = static_cast<uint32_t>(f->xid);
+    g.why = sticky_xid_[i];
+    log_.warn("health: GPU {} ({}) stays fenced: {}", g.index, g.uuid, sticky_xid_[i]);
   }
+  if (nvml_ == nullptr) return;
   const Nvml::Api& api = nvml_->api();
   if (api.event_set_create == nullptr || api.register_events == nullptr || api.event_wait == nullptr) {
     log_.warn("health: this NVML has no event API: Xid errors are not watched");
@@ -166,14 +173,14 @@ HealthMonitor::Probe HealthMonitor::probe_one(GpuHealth& gpu, nvmlDevice_t* hand
 }
 
 bool HealthMonitor::probe() {
-  if (nvml_ == nullptr) return false;
   check_fences_cleared();
   drain_xid_events();
   bool changed = false;
   const uint64_t now = static_cast<uint64_t>(time(nullptr));
   for (size_t i = 0; i < gpus_.size(); ++i) {
     GpuHealth& g = gpus_[i];
-    Probe p = probe_one(g, &handles_[i]);
+    // Without NVML only the fences are known.
+    Probe p = nvml_ != nullptr ? probe_one(g, &handles_[i]) : Probe{};
     if (p.reason == ledger::kGpuAvailable && !sticky_xid_[i].empty())
       p = {ledger::kGpuXid, static_cast<uint32_t>(g.last_xid), sticky_xid_[i]};
     if (p.reason == g.reason && p.detail == g.detail) {
@@ -298,9 +305,13 @@ std::optional<XidFence> read_xid_fence(const std::string& run_dir, const std::st
                      : fmt::format("Xid fence {} ({})", path, error);
     return fence;
   }
-  fence.xid = j.value("xid", uint64_t{0});
-  fence.why = j.value("why", std::string("critical Xid"));
-  fence.since_unix = j.value("since_unix", uint64_t{0});
+  // Fields of another type (hand-made) are left as unknown: still a fence.
+  const auto field = [&](const char* key) { return j.contains(key) ? &j.at(key) : nullptr; };
+  if (const auto* xid = field("xid"); xid != nullptr && xid->is_number_unsigned()) fence.xid = xid->get<uint64_t>();
+  fence.why = "critical Xid";
+  if (const auto* why = field("why"); why != nullptr && why->is_string()) fence.why = why->get<std::string>();
+  if (const auto* since = field("since_unix"); since != nullptr && since->is_number_unsigned())
+    fence.since_unix = since->get<uint64_t>();
   return fence;
 }
 

@@ -62,8 +62,9 @@ std::optional<XidFence> read_xid_fence(const std::string& run_dir, const std::st
 
 class HealthMonitor {
  public:
-  // `nvml` may be null (no NVML): then every GPU stays healthy and
-  // probe() does nothing; available() says so. `run_dir`: where Xid fences
+  // `nvml` may be null (no NVML): then nothing is probed and every GPU is
+  // healthy but those an Xid fence left on disk keeps fenced (until it is
+  // cleared); available() says NVML is missing. `run_dir`: where Xid fences
   // live (empty: not persisted, as before).
   HealthMonitor(Nvml* nvml, const std::vector<DiscoveredGpu>& gpus, spdlog::logger& log, std::string run_dir = {});
   ~HealthMonitor();

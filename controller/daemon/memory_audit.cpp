@@ -79,6 +79,13 @@ bool MemoryAuditor::check(const ProcessOwners& owners, const std::vector<TenantQ
         nvml_->compute_processes(handle, &processes) != NVML_SUCCESS)
       continue;
     read_.insert(gpu.uuid);
+    for (const Nvml::Process& p : processes) {
+      if (p.used_known || !blind_said_.insert(gpu.uuid).second) continue;
+      log_.warn("memory audit: NVML does not say how much memory process {} holds on GPU {} ({}): such processes "
+                "count as holding nothing there, so the audit cannot stop a tenant that holds more than its quota "
+                "through them",
+                p.pid, gpu.index, gpu.uuid);
+    }
     // Each process on this GPU, by tenant: verified owners first, then
     // uncharged processes in a tenant's container. Its start time is read
     // first: the process found to be the tenant's is the one (PID, start

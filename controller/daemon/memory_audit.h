@@ -144,6 +144,9 @@ class MemoryAuditor {
   std::vector<MemoryOveruse> overuses_;
   std::map<std::pair<std::string, std::string>, uint64_t> held_;
   std::set<std::string> read_;  // GPU uuids the last pass read
+  // GPUs on which NVML gave some process's memory as not available: said
+  // once each (the audit counts such a process as holding nothing).
+  std::set<std::string> blind_said_;
 };
 
 }  // namespace fracgpu::controller

@@ -50,6 +50,7 @@ struct Faults {
   bool lost[kMaxDevices] = {};
   bool no_temperature[kMaxDevices] = {};
   bool no_power[kMaxDevices] = {};
+  bool memory_not_available[kMaxDevices] = {};
   unsigned long long device_samples_scale[kMaxDevices] = {};  // 0: as measured (whole percent)
   // nvmlDeviceGetUtilizationRates' figures, percent + 1 (0: as measured).
   unsigned long long utilization_gpu[kMaxDevices] = {};
@@ -104,6 +105,7 @@ Faults read_faults() {
     if (fault == "lost") f.lost[dev] = true;
     else if (fault == "no_temperature") f.no_temperature[dev] = true;
     else if (fault == "no_power") f.no_power[dev] = true;
+    else if (fault == "memory_not_available") f.memory_not_available[dev] = true;
     else if (fault == "device_samples_scale") f.device_samples_scale[dev] = number;
     else if (fault == "utilization_gpu") f.utilization_gpu[dev] = number + 1;
     else if (fault == "utilization_memory") f.utilization_memory[dev] = number + 1;
@@ -229,6 +231,8 @@ nvmlReturn_t process_list(nvmlDevice_t device, unsigned int* count, unsigned* ca
   if (nvmlReturn_t rc = device_of(device, &dev, faults)) return rc;
   if (count == nullptr) return NVML_ERROR_INVALID_ARGUMENT;
   *list = processes(dev);
+  if (faults.memory_not_available[dev])
+    for (auto& [pid, used] : *list) used = NVML_VALUE_NOT_AVAILABLE;
   *capacity = *count;
   *count = static_cast<unsigned>(list->size());
   return NVML_SUCCESS;
