@@ -239,6 +239,24 @@ TEST(ConfigErrors, FractionsThatCannotBePlaced) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 17\n", 5, "above the 16 GPUs a tenant may hold");
 }
 
+// A pinned tenant that fits on its first GPU but not its second is not
+// placed, and holds nothing: the tenants after it are placed beside what is
+// really allocated, and the list of errors names the one cause.
+TEST(ConfigErrors, APinnedTenantThatDoesNotFitTakesNoCapacityFromTheRest) {
+  const ConfigResult r = parse(kGpu0 + "[[gpu]]\nindex = 1\n"
+                               "[[tenant]]\nname = \"z\"\ngpus = 0.6\ndevices = [1]\n"       // lines 5-8
+                               "[[tenant]]\nname = \"a\"\ngpus = 1.5\ndevices = [0, 1]\n"    // lines 9-12
+                               "[[tenant]]\nname = \"c\"\ngpus = 0.5\ndevices = [0]\n"       // lines 13-16
+                               "[[tenant]]\nname = \"d\"\ngpus = 0.5\n");                    // lines 17-19
+  std::string all;
+  for (const ConfigError& e : r.errors) all += e.to_string() + "\n";
+  ASSERT_EQ(r.errors.size(), 1u) << all;
+  EXPECT_EQ(r.errors[0].line, 12);
+  EXPECT_NE(r.errors[0].message.find("tenant \"a\": cannot place 0.5 of GPU 1: only 0.4 of it is unallocated"),
+            std::string::npos)
+      << all;
+}
+
 TEST(ConfigErrors, MemoryQuotasAboveTheGpuWithoutOvercommit) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.5\n[[tenant]]\nname = \"b\"\n[tenant.memory]\n\"0\" = \"41GiB\"\n",
                9, "tenant \"b\": memory quotas on GPU 0 add up to 81 GiB, above its 80 GiB (a 40 GiB, b 41 GiB)");
@@ -277,6 +295,15 @@ TEST(ConfigErrors, QuotaTooSmallForAContext) {
   expect_error(kGpu0 + "[[tenant]]\nname = \"a\"\ngpus = 0.001\n", 5,
                "memory quota 80 MiB on GPU 0 is below its context_memory (256 MiB): no CUDA context would fit");
   expect_error(kGpu0 + "[[tenant]]\nname = \"a\"\nmemory = { \"0\" = \"100MiB\" }\n", 5, "is below its context_memory");
+  // A memory override below the default context_memory: one error, at the
+  // override, none for the tenants on that GPU.
+  const ConfigResult r = parse(kGpu0 + "memory = \"128MiB\"\n[[tenant]]\nname = \"a\"\ngpus = 0.5\n");
+  ASSERT_EQ(r.errors.size(), 1u) << (r.errors.empty() ? "" : r.errors[0].to_string());
+  EXPECT_EQ(r.errors[0].line, 3);
+  EXPECT_NE(r.errors[0].message.find("memory 128 MiB is not above the context_memory of 256 MiB (the default"),
+            std::string::npos)
+      << r.errors[0].to_string();
+  EXPECT_TRUE(parse(kGpu0 + "memory = \"128MiB\"\ncontext_memory = \"64MiB\"\n").ok());
 }
 
 TEST(ConfigErrors, BadLogLevel) {

@@ -694,6 +694,14 @@ class Parser {
       } else {
         draft.gpu.context_memory = *bytes;
       }
+    } else if (const toml::node* m = t.get("memory"); ok && m != nullptr &&
+                                                        draft.gpu.context_memory >= draft.gpu.memory_bytes) {
+      // The default context_memory, under a memory override that lowered
+      // the GPU below it: said here, once, not by every tenant on the GPU.
+      error_in(where, line_of(*m),
+               fmt::format("memory {} is not above the context_memory of {} (the default; set context_memory lower)",
+                           format_size(draft.gpu.memory_bytes), format_size(draft.gpu.context_memory)));
+      ok = false;
     }
     draft.valid = ok;
     gpus_.push_back(std::move(draft));
@@ -1017,6 +1025,9 @@ class Parser {
     }
     for (size_t i = 0; i < pieces.size(); ++i) {
       if (free_[targets[i]] < pieces[i]) {
+        // The pieces granted before go back: a tenant that is not placed
+        // holds nothing, and the errors of the tenants after it name causes.
+        for (size_t j = 0; j < i; ++j) free_[targets[j]] += pieces[j];
         error_in(where, draft.devices_line,
                  fmt::format("cannot place {} of GPU {}: only {} of it is unallocated (sum of fractions on a GPU "
                              "cannot exceed 1.0){}",
