@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <atomic>
 #include <sstream>
 #include <string>
@@ -767,6 +768,41 @@ TEST(CliRunDir, MissingRunDirAndUsageErrors) {
   EXPECT_EQ(run_cli("status --bogus", &out), kStatusUsage) << out;
   EXPECT_EQ(run_cli("status --help", &out), 0) << out;
   EXPECT_NE(out.find("--run-dir"), std::string::npos);
+}
+
+// A live view whose reader goes away (`| head -1`) ends with exit 0, as
+// documented, not killed by SIGPIPE (141).
+TEST_F(CliTest, AWatchWhoseReaderLeavesExitsZero) {
+  const std::string pipeline = std::string("bash -c '") + FRACGPU_CLI_PATH + " status --watch 0.1 --count 1000 --run-dir " +
+                               run_dir_ + " | head -c 1 >/dev/null; exit ${PIPESTATUS[0]}'";
+  const int status = system(pipeline.c_str());
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << pipeline;
+}
+
+// `gpu clear` says "no fence" only after reading the fences: a run dir it
+// cannot read is an error (exit 1), never the all-clear. And an index that
+// two fences record (ordinals move between boots) clears neither.
+TEST_F(CliTest, GpuClearTellsAnUnreadableRunDirAndAnAmbiguousIndexApart) {
+  std::string out;
+  EXPECT_EQ(run_cli("gpu clear 0 --run-dir /nonexistent/fracgpu", &out), kStatusNoRunDir) << out;
+  EXPECT_EQ(out.find("has no Xid fence"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("gpu clear " + std::string(kUuid) + " --run-dir /nonexistent/fracgpu", &out), kStatusNoRunDir)
+      << out;
+  EXPECT_EQ(run_cli("gpu clear 0 --run-dir " + run_dir_, &out), kStatusNoFence) << out;  // readable, no fences/
+
+  const std::string fences = run_dir_ + "/fences";
+  ASSERT_TRUE(fs_mkdirs(fences));
+  const std::string other = "GPU-5a1c0de0-0000-4000-8000-0000000000b9";
+  for (const std::string& uuid : {std::string(kUuid), other})
+    write_file(fences + "/" + uuid, "{\"uuid\": \"" + uuid + "\", \"index\": 0, \"xid\": 79}\n");
+  EXPECT_EQ(run_cli("gpu clear 0 --run-dir " + run_dir_, &out), kStatusUsage) << out;
+  EXPECT_NE(out.find("several fences record GPU index 0"), std::string::npos) << out;
+  EXPECT_TRUE(std::filesystem::exists(fences + "/" + kUuid));
+  EXPECT_TRUE(std::filesystem::exists(fences + "/" + other));
+  EXPECT_EQ(run_cli("gpu clear " + other + " --run-dir " + run_dir_, &out), kStatusOk) << out;
+  EXPECT_EQ(run_cli("gpu clear 0 --run-dir " + run_dir_, &out), kStatusOk) << out;  // one left: that one
+  EXPECT_FALSE(std::filesystem::exists(fences + "/" + kUuid));
 }
 
 }  // namespace

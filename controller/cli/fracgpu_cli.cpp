@@ -56,11 +56,23 @@ int clear_command(const std::string& run_dir, const std::string& which) {
   const std::string dir = run_dir + "/" + kFencesDirName;
   std::string uuid;
   std::string listed;  // the fences there are, for the error message
+  int matches = 0;     // fences recording the index `which` (ordinals move: there may be several)
   std::string error;
-  if (const std::optional<RunDirView> view = open_run_dir_view(run_dir, &error)) {
+  // "No fence" is said only after a listing that was read: a run dir or
+  // fences directory that cannot be read is that, not the all-clear.
+  const std::optional<RunDirView> view = open_run_dir_view(run_dir, &error);
+  if (!view) {
+    fmt::print(stderr, "fracgpu: {}\n", error);
+    return kStatusNoRunDir;
+  }
+  {
     char err[512] = {};
     const shm::Opened fences =
         shm::open_dir_at(view->root.get(), kFencesDirName, view->owner, false, run_dir.c_str(), err, sizeof err);
+    if (!fences.ok() && fences.status != shm::FileStatus::kMissing) {
+      fmt::print(stderr, "fracgpu: {}\n", err);
+      return kStatusNoRunDir;
+    }
     DIR* listing = fences.ok() ? fdopendir(fences.fd) : nullptr;
     if (fences.ok() && listing == nullptr) ::close(fences.fd);
     while (const struct dirent* entry = listing != nullptr ? readdir(listing) : nullptr) {
@@ -73,9 +85,17 @@ int clear_command(const std::string& run_dir, const std::string& which) {
                                     : nlohmann::json();
       const std::string index = j.is_object() && j.contains("index") ? j["index"].dump() : "?";
       listed += fmt::format("{}{} (GPU {})", listed.empty() ? "" : ", ", name, index);
-      if (which == index) uuid = name;
+      if (which == index) {
+        uuid = name;
+        ++matches;
+      }
     }
     if (listing != nullptr) closedir(listing);
+  }
+  if (matches > 1) {
+    fmt::print(stderr, "fracgpu: several fences record GPU index {} (fenced: {}); clear one by its UUID\n",
+               escape_terminal(which), listed);
+    return kStatusUsage;
   }
   const bool digits = !which.empty() && which.find_first_not_of("0123456789") == std::string::npos;
   if (!digits) {

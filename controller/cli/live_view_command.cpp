@@ -170,6 +170,9 @@ int run_live_view(const LiveViewOptions& options) {
       std::max<uint64_t>(1, (interval_ns + kLiveMaxReadingPeriodNs - 1) / kLiveMaxReadingPeriodNs);
   const uint64_t tick_ns = interval_ns / per_frame;
 
+  // A reader that goes away (`| head`) ends the view with a write error,
+  // exit 0, as documented: not SIGPIPE's death (141).
+  signal(SIGPIPE, SIG_IGN);
   Signals signals(tty);
   Screen screen(tty);
   GpuTimeReadings readings;
