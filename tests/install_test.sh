@@ -30,6 +30,7 @@ unit=$prefix/lib/systemd/system/fracgpud.service
 grep -qx "ExecStart=$prefix/bin/fracgpud --config /etc/fracgpu/fracgpud.toml" "$unit" || fail "ExecStart in $unit"
 grep -qx "RuntimeDirectory=fracgpu" "$unit" || fail "the unit does not create /run/fracgpu"
 grep -qx "RuntimeDirectoryPreserve=yes" "$unit" || fail "the unit would delete the ledgers at every stop"
+! grep -q '^RestrictRealtime=yes' "$unit" || fail "the unit keeps the schedulers from real-time priority"
 ! grep -q '@' "$unit" || fail "unsubstituted @VAR@ in $unit"
 if command -v systemd-analyze >/dev/null && systemd-analyze --version >/dev/null 2>&1; then
   # Unknown keys and values systemd cannot parse (it only warns about them).

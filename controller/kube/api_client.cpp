@@ -337,6 +337,19 @@ std::unique_ptr<ApiClient> ApiClient::from_kubeconfig(const std::string& path, s
   return with_credentials(kubeconfig_credentials(path, error));
 }
 
+std::string ApiClient::transport_warning() const {
+  const Credentials& c = impl_->creds;
+  if (c.server.starts_with("http://"))
+    return fmt::format("{}: the API server {} is reached over plain HTTP: its credentials and the node's claims "
+                       "travel unencrypted, to whoever answers",
+                       c.origin, c.server);
+  if (c.insecure_skip_tls_verify)
+    return fmt::format("{}: insecure-skip-tls-verify: the API server {} is not verified; its credentials go to "
+                       "whoever answers",
+                       c.origin, c.server);
+  return {};
+}
+
 void ApiClient::set_logger(std::shared_ptr<spdlog::logger> log) {
   std::lock_guard lock(impl_->mutex);
   if (log) impl_->log = std::move(log);

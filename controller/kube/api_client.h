@@ -63,6 +63,11 @@ class ApiClient {
   // auth-provider, username/password) are refused, naming the field.
   static std::unique_ptr<ApiClient> from_kubeconfig(const std::string& path, std::string* error);
 
+  // What an operator must be told about how the client reaches the API
+  // server: TLS verification turned off, or plain HTTP (the bearer token
+  // then travels to whoever answers). Empty when neither.
+  std::string transport_warning() const;
+
   ~ApiClient();
   ApiClient(const ApiClient&) = delete;
   ApiClient& operator=(const ApiClient&) = delete;

@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   api->set_logger(log);
+  if (const std::string warning = api->transport_warning(); !warning.empty()) log->warn("{}", warning);
   // The kubelet gives a prepare 45 s: an API call (with its retries) must end well within it.
   kube::RetryPolicy retries;
   retries.total_timeout = std::chrono::seconds(30);

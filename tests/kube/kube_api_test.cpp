@@ -272,6 +272,21 @@ TEST(KubeApiClient, KubeconfigInsecureSkipTlsVerify) {
       &error);
   ASSERT_TRUE(client) << error;
   EXPECT_TRUE(client->get(kSlices).ok());
+  // Said, for the plugin's log: the token goes to whoever answers.
+  EXPECT_NE(client->transport_warning().find("insecure-skip-tls-verify: the API server " + server.url() +
+                                             " is not verified"),
+            std::string::npos)
+      << client->transport_warning();
+  auto plain = kubeconfig_client(dir, kubeconfig_yaml("      server: http://127.0.0.1:1\n", "      token: t\n"), &error,
+                                 "plain");
+  ASSERT_TRUE(plain) << error;
+  EXPECT_NE(plain->transport_warning().find("is reached over plain HTTP"), std::string::npos);
+  auto verified = kubeconfig_client(
+      dir, kubeconfig_yaml("      server: " + server.url() + "\n      certificate-authority: " + server.ca_file() + "\n",
+                           "      token: t\n"),
+      &error, "verified");
+  ASSERT_TRUE(verified) << error;
+  EXPECT_EQ(verified->transport_warning(), "");
 }
 
 TEST(KubeApiClient, KubeconfigErrorsNameTheFileAndField) {
