@@ -884,6 +884,17 @@ std::string code_of(const std::string& line) {
   return reply.is_object() ? reply.value("code", "") : "";
 }
 
+// A request too long for the daemon is refused by the client itself as a
+// bad request, never reported as a daemon out of reach (the CLI said "is it
+// running?" for an annotation too long).
+TEST(ControlClient, ARequestTooLongIsInvalidNotUnreachable) {
+  const json request = {{"op", "create"},
+                        {"tenant", {{"name", "t"}, {"annotations", {{"k", std::string(70 << 10, 'a')}}}}}};
+  const control::Reply r = control::call("/nonexistent/control.sock", request, 1s);
+  EXPECT_EQ(r.code, "invalid") << r.error;
+  EXPECT_NE(r.error.find("above the 65536 the daemon reads"), std::string::npos) << r.error;
+}
+
 TEST_F(ControlTest, HostileClientsAreBoundedAndNeverStallTheDaemon) {
   start_daemon();
   {  // More than 64 KiB without a newline: refused, connection closed.

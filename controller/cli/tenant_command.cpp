@@ -148,7 +148,9 @@ CLI::App* add_tenant_commands(CLI::App& app, TenantOptions& options) {
   for (const char* verb : {"create", "resize"}) {
     CLI::App* sub = tenant->add_subcommand(
         verb, std::string(verb) == "create" ? "Create a tenant (nothing changes if it exists with the same spec)"
-                                            : "Replace a tenant's GPUs, shares and quotas");
+                                            : "Replace a tenant's whole spec with the one given (GPUs, shares, "
+                                              "quotas, annotations, priority, --no-count-managed: what is left out "
+                                              "takes its default)");
     sub->add_option("name", options.name, "Tenant name")->required();
     sub->add_option("--gpu", options.gpus,
                     "UUID[:share=0.5][:memory=20GiB][:limit=1.0], once per GPU (share defaults to the whole GPU, "

@@ -186,7 +186,15 @@ Reply call(const std::string& socket_path, const nlohmann::json& request, std::c
     return unreachable(socket_path, std::string("cannot encode the request: ") + e.what());
   }
   payload += '\n';
-  if (payload.size() > kMaxRequestBytes) return unreachable(socket_path, "request longer than 64 KiB");
+  if (payload.size() > kMaxRequestBytes) {
+    // Refused here, the daemon never asked: a bad request, not a daemon away.
+    Reply reply;
+    reply.code = code::kInvalid;
+    reply.error = "the request is " + std::to_string(payload.size()) + " bytes, above the " +
+                  std::to_string(kMaxRequestBytes) + " the daemon reads (fewer or shorter annotations?)";
+    reply.body = nlohmann::json::object();
+    return reply;
+  }
   // Busy: refused before the request was read, so asked again, a little
   // later each time, and never before the daemon said to (it refuses a user
   // that comes back sooner at once), while the timeout allows.
