@@ -508,6 +508,44 @@ TEST_F(SchedulerTest, ANewProcessInASlotJustFoundDeadIsWaitedFor) {
   EXPECT_TRUE(holds(1));
 }
 
+// A tenant's garbage in the words of all its dead slots (grant numbers
+// from the future, nothing drained), rewritten every pass for a while: its
+// grants end at the deadline while it goes on, since every rewritten slot
+// is probed again and the probes a pass may make are few. Once it stops,
+// the probes go round all 256 slots, not always to the first few while the
+// last are never probed (and taken for alive): its next grant ends as soon
+// as its one real process drains, well before the deadline. (Before: every
+// grant of the tenant ran to the deadline for as long as it lived.)
+TEST_F(SchedulerTest, GarbageInEveryDeadSlotStopsCostingItsTenantOnceItStops) {
+  const int a = spawn(0), b = spawn(1);
+  ledger::UsageSegment& u = *tenants_[0].tenant.usage;
+  u.slot_high_water.store(ledger::kMaxSlots);
+  for (int round = 0; round < 20; ++round) {
+    for (uint32_t s = 0; s < ledger::kMaxSlots; ++s)
+      if (static_cast<int>(s) != a) {
+        u.gputime[0][s].entered_grant.store(uint64_t{1} << 40 | static_cast<uint64_t>(round));
+        u.gputime[0][s].drained_grant.store(0);
+      }
+    pass(1 * kMs);
+  }
+  want(0, a);
+  pass(1 * kMs);
+  ASSERT_TRUE(enter(0, a));
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  pass(1 * kMs);
+  want(1, b);
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  const uint64_t deadline = gputime::kDrainDeadlineNs;
+  uint64_t waited = 0;
+  while (!holds(1) && waited < deadline) {
+    pass(1 * kMs);
+    waited += kMs;
+  }
+  EXPECT_TRUE(holds(1));
+  EXPECT_LT(waited, deadline / 2) << "a's grant ran towards its deadline for slots no process holds";
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
 // A holder that truncates its usage file with its work still queued (its
 // process entered and never drained) does not end its grant by it: its
 // process is waited for to the deadline as before, and the tenant is then

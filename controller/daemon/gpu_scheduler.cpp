@@ -36,14 +36,17 @@ constexpr uint64_t kSecond = 1'000'000'000ull;
 // millisecond (deciding that a holder's process died a millisecond late is
 // harmless), a dead one for ten (a dead owner comes back only as a new
 // process, which must ask anew, or enter a grant its tenant holds, which
-// changes the slot's words and so sends it to be probed again). And at most this many probes per tenant
-// per pass: a tenant that marks all 256 of its slots live and asking costs
-// the daemon a few system calls a pass, not 256; slots left unprobed keep
-// their last answer (alive if never probed), which can only delay that
-// tenant's own revocations or count its own wants.
+// changes the slot's words and so sends it to be probed again).
+// And at most this many probes per tenant per millisecond since its last
+// pass (at least a millisecond's worth, at most one per slot): a tenant
+// that marks all 256 of its slots live and asking costs the daemon a few
+// system calls a millisecond, not 256 a pass; and a pass that comes after a
+// long sleep (a drain deadline) can still probe every slot it waits for.
+// Slots left unprobed keep their last answer (alive if never probed),
+// which can only delay that tenant's own revocations or count its own wants.
 constexpr uint64_t kProbeAliveValidNs = 1'000'000;
 constexpr uint64_t kProbeDeadValidNs = 10'000'000;
-constexpr uint32_t kProbesPerPass = 8;
+constexpr uint32_t kProbesPerMs = 8;
 // What a restarted daemon keeps of an earlier run's virtual times: none
 // more than this (of real time, at its share) ahead of the least.
 constexpr uint64_t kAdoptVtimeSpreadNs = 10 * kSecond;
@@ -291,6 +294,7 @@ void GpuScheduler::release_usage(Row& r) {
   r.readable = false;
   r.probed_ns.fill(0);
   r.alive.reset();
+  r.probe_from = 0;
   r.entered_seen.reset();
 }
 
@@ -404,7 +408,13 @@ void GpuScheduler::configure(const std::vector<SchedulerTenant>& tenants, uint64
 bool GpuScheduler::slot_alive(Row& r, uint32_t s, uint64_t now) {
   if (r.probed_ns[s] != 0 && now - r.probed_ns[s] < (r.alive[s] ? kProbeAliveValidNs : kProbeDeadValidNs))
     return r.alive[s];
-  if (r.probe_budget == 0) return r.probed_ns[s] == 0 || r.alive[s];
+  if (r.probe_budget == 0) {
+    // The first slot this pass could not probe: where the next pass's loops
+    // over the slots begin.
+    if (!r.probe_refused) r.probe_from = s;
+    r.probe_refused = true;
+    return r.probed_ns[s] == 0 || r.alive[s];
+  }
   --r.probe_budget;
   probes_.fetch_add(1, std::memory_order_relaxed);
   struct flock fl {};
@@ -433,7 +443,10 @@ uint64_t fold_request(uint64_t fold, uint32_t slot, uint64_t want, uint64_t ente
 }  // namespace
 
 void GpuScheduler::observe(Row& r, uint64_t now) {
-  r.probe_budget = kProbesPerPass;
+  const uint64_t since_ms = r.observed_ns == 0 || now < r.observed_ns ? 1 : (now - r.observed_ns) / 1'000'000;
+  r.probe_budget = static_cast<uint32_t>(std::clamp<uint64_t>(since_ms * kProbesPerMs, kProbesPerMs, kMaxSlots));
+  r.observed_ns = now;
+  r.probe_refused = false;
   r.wants = false;
   r.has_live = false;
   r.waiting = 0;
@@ -532,7 +545,13 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
 std::bitset<kMaxSlots> GpuScheduler::pending_drains(Row& r, uint64_t now) {
   std::bitset<kMaxSlots> pending;
   if (r.gseq == 0) return pending;
-  for (uint32_t s = 0; s < r.high; ++s) {
+  // From where the last pass ran out of probes: a tenant whose garbage
+  // marks every slot undone must not have its last slots never probed (taken
+  // for alive) while the first ones take the whole budget, or its grants end
+  // at the deadline long after its garbage is gone.
+  const uint32_t from = r.probe_from;
+  for (uint32_t i = 0; i < r.high; ++i) {
+    const uint32_t s = (from + i) % r.high;
     const SlotView& v = r.slots[s];
     if (r.entered_seen[s] ? v.drained == r.gseq : v.drained == v.entered && v.entered <= r.gseq) continue;
     if (slot_alive(r, s, now)) pending.set(s);
@@ -1111,7 +1130,9 @@ void GpuScheduler::check_blocked(Row& r, uint64_t now) {
     end_overdue(r, now);
   if (!r.blocked || !r.readable) return;
   bool progress = false;
-  for (uint32_t s = 0; s < kMaxSlots; ++s) {
+  const uint32_t from = r.probe_from;  // round the slots, as pending_drains
+  for (uint32_t i = 0; i < kMaxSlots; ++i) {
+    const uint32_t s = (from + i) % kMaxSlots;
     if (!r.missed[s]) continue;
     const SlotView& v = r.slots[s];
     if (s >= r.high || v.entered != r.blocked_seq || !slot_alive(r, s, now)) {

@@ -384,10 +384,17 @@ class GpuScheduler {
     uint64_t want_since = 0;  // earliest of its live wanting slots, clamped to our clock
     uint32_t waiting = 0;
     uint64_t last_active = 0;
-    // Record-lock probes, cached, and how many more this pass may make.
+    // Record-lock probes, cached, and how many more this pass may make
+    // (by the time since the last pass observed the row: observed_ns).
     std::array<uint64_t, ledger::kMaxSlots> probed_ns{};
     std::bitset<ledger::kMaxSlots> alive;
     uint32_t probe_budget = 0;
+    uint64_t observed_ns = 0;
+    // The first slot a pass had no probe left for: loops over the slots
+    // start there, so the budget goes round them all instead of always to
+    // the first few.
+    uint32_t probe_from = 0;
+    bool probe_refused = false;
   };
 
   void release_usage(Row& r);
