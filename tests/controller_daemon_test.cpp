@@ -778,6 +778,31 @@ TEST_F(DaemonTest, AUsageFileGrownTo100MBIsCutBack) {
   ledger::close_ledger(&alice);
 }
 
+// A tenant's root (the host's, without a user namespace) can change its
+// usage file's mode: setuid and executable, the file it writes would be a
+// program for the node's users. The daemon puts the mode back at its next
+// pass, and the file stays the tenant's ledger.
+TEST_F(DaemonTest, AUsageFileMadeSetuidGetsItsModeBack) {
+  write_config(config(run_dir_, "0.5"));
+  daemon_ = start_daemon();
+  keep_worker("alice", 1 * kGiB);
+  const std::string usage = tenant_dir("alice") + "/usage";
+  ASSERT_EQ(chmod(usage.c_str(), 04777), 0);
+  const auto mode = [&] {
+    struct stat st {};
+    return stat(usage.c_str(), &st) == 0 ? st.st_mode & 07777 : 0u;
+  };
+  EXPECT_TRUE(eventually([&] { return mode() == 0666; })) << std::oct << mode();
+  // (4777, or 0777 where a write by one without CAP_FSETID cleared the bit.)
+  EXPECT_TRUE(eventually([&] {
+    return log_contains("tenant \"alice\": " + usage + " had mode ") && log_contains("7: set back to 0666");
+  })) << read_file(log_path_);
+  ledger::TenantLedger alice = map_tenant("alice");
+  ASSERT_TRUE(alice.is_open());
+  EXPECT_EQ(ledger::tenant_used(*alice.usage, 0), 1 * kGiB);
+  ledger::close_ledger(&alice);
+}
+
 // The run dir holds every tenant's policy: a run dir others may write, or
 // that is not the daemon's, is refused at start, with a message that says
 // what to do. Directories the daemon makes in it get their modes back.

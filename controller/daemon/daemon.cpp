@@ -1153,6 +1153,13 @@ bool Daemon::usage_usable(const std::string& name, OpenLedger& open) {
     mark_corrupt(name, open, "was removed or replaced");
     return false;
   }
+  // The file is the tenant's to write, and its owner (root) is the tenant's
+  // root where the container has no user namespace of its own, who can also
+  // change its mode: a setuid or executable bit would make it a program the
+  // tenant wrote, for the node's users to run. Put back the daemon's mode,
+  // through the descriptor, never the name.
+  if ((mapped.st_mode & 07777) != 0666 && fchmod(open.ledger.usage_fd, 0666) == 0)
+    log_->warn("tenant \"{}\": {} had mode {:04o}: set back to 0666", name, usage_path, mapped.st_mode & 07777);
   uint64_t bytes = 0;
   switch (ledger::enforce_usage_size(open.ledger, &bytes)) {
     case ledger::UsageSize::kOk: return true;
