@@ -62,7 +62,7 @@ std::string config_text(const std::string& run_dir, int first, int last, const s
                      "\"\nreap_interval_ms = 1000\nmetrics_address = \"off\"\nlog_level = \"info\"\n"
                      "[[gpu]]\nindex = 0\n[[gpu]]\nindex = 1\ncontext_memory = \"128MiB\"\n";
   for (int i = first; i < last; ++i) {
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "t%02d", i);
     text += std::string("[[tenant]]\nname = \"") + name + "\"\ngpus = " + gpus + "\nlimit = " + limit +
             "\ndevices = [" + std::to_string(i % 2) + "]\n";

@@ -9,4 +9,9 @@ cd "${FRACGPU_BUILD_DIR:-build}"
 # The simulated driver reads CUDA_VISIBLE_DEVICES as the real one does; the
 # tests set it where they mean to, and expect every simulated GPU elsewhere.
 unset CUDA_VISIBLE_DEVICES
-ctest --output-on-failure --timeout 300 -j 2
+# The GPU-time and latency tests judge shares and latencies against margins,
+# each alone on the machine (RUN_SERIAL); on a shared CI machine another
+# tenant's burst can still push one past its margin once. A test that fails
+# is run once more, and the run fails if it fails again: a defect fails both
+# times, and the log keeps the first failure's output.
+ctest --output-on-failure --timeout 300 -j 2 --repeat until-pass:2
