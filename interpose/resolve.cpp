@@ -169,24 +169,28 @@ void* hook_for_lookup(RealTable& table, void* address) {
 using fracgpu::interpose::hook_for_lookup;
 using fracgpu::interpose::real_dlsym;
 
-// glibc resolves RTLD_NEXT relative to the object that called dlsym, which
-// it finds from the return address. So an RTLD_NEXT lookup must reach glibc
-// as a tail call from here, leaving the application's return address in
-// place: otherwise the search would start after libfracgpu.so, and a library
-// loaded after us that wraps a function could be handed itself. Forced even
-// in unoptimized builds; tests/interpose_test checks the result.
+// glibc resolves RTLD_NEXT and RTLD_DEFAULT relative to the object that
+// called dlsym, which it finds from the return address: RTLD_NEXT searches
+// after it, RTLD_DEFAULT in its scope (which, for a library loaded with
+// RTLD_LOCAL, holds that library's own dependencies). So such a lookup must
+// reach glibc as a tail call from here, leaving the application's return
+// address in place: otherwise the search would be libfracgpu.so's, a library
+// loaded after us that wraps a function could be handed itself, and a
+// library loaded with RTLD_LOCAL would not find its own dependency's
+// functions. Every name that cannot be ours goes the same way. Forced even
+// in unoptimized builds; tests/interpose_test checks the results.
 extern "C" __attribute__((visibility("default"), optimize("O2", "optimize-sibling-calls"))) void* dlsym(
     void* handle, const char* symbol) {
   auto sym = real_dlsym();
   if (sym == nullptr) return nullptr;
   if (handle == RTLD_NEXT) return sym(RTLD_NEXT, symbol);  // a sibling call: see above
+  // Only driver and NVML names can be ours. nvidia-smi and most NVML users
+  // dlopen libnvidia-ml.so.1 and reach every function this way, so NVML's
+  // hooks depend on this path as much as on their exports.
+  const bool driver = symbol[0] == 'c' && symbol[1] == 'u';
+  const bool nvml = strncmp(symbol, "nvml", 4) == 0;
+  if (!driver && !nvml) return sym(handle, symbol);  // a sibling call: see above
   void* address = sym(handle, symbol);
-  // Only driver and NVML names can be ours; everything else returns at once.
-  // nvidia-smi and most NVML users dlopen libnvidia-ml.so.1 and reach every
-  // function this way, so NVML's hooks depend on this path as much as on
-  // their exports.
   if (address == nullptr) return address;
-  if (symbol[0] == 'c' && symbol[1] == 'u') return hook_for_lookup(fracgpu::interpose::g_driver_table, address);
-  if (strncmp(symbol, "nvml", 4) == 0) return hook_for_lookup(fracgpu::interpose::g_nvml_table, address);
-  return address;
+  return hook_for_lookup(driver ? fracgpu::interpose::g_driver_table : fracgpu::interpose::g_nvml_table, address);
 }

@@ -816,6 +816,12 @@ TEST_F(InterposeTest, EveryPathEnforcesTheQuotaAndCallsTheRightVariant) {
   EXPECT_EQ(r["rtld_next_who"], "2");
   r = probe({"rtld-next"}, {}, /*preload=*/false);
   EXPECT_EQ(r["rtld_next_who"], "2");
+  // dlsym(RTLD_DEFAULT) too searches the caller's scope: from a library
+  // loaded with RTLD_LOCAL, it finds that library's own dependency.
+  r = probe({"rtld-default-local", RTLD_LOCAL_USER});
+  EXPECT_EQ(r["rtld_default_local"], "7");
+  r = probe({"rtld-default-local", RTLD_LOCAL_USER}, {}, /*preload=*/false);
+  EXPECT_EQ(r["rtld_default_local"], "7");
   r = probe({"init", "export-table", "simcount", "cuGetExportTable"});
   EXPECT_EQ(r["simcount_cuGetExportTable"], "1");  // passed through untouched
   (void)g;

@@ -896,6 +896,13 @@ int main(int argc, char** argv) {
       // rtld_next_a's dlsym(RTLD_NEXT) must find rtld_next_b's definition (2).
       auto fn = reinterpret_cast<int (*)()>(rtld_next_from_a());
       print("rtld_next_who", fn ? fn() : 0);
+    } else if (cmd == "rtld-default-local") {
+      // rtld-default-local LIB: LIB loaded with RTLD_LOCAL, its
+      // dlsym(RTLD_DEFAULT) must find its own dependency's function (7).
+      void* lib = dlopen(arg(), RTLD_NOW | RTLD_LOCAL);
+      auto from = lib ? reinterpret_cast<void* (*)()>(dlsym(lib, "rtld_default_from_local")) : nullptr;
+      auto fn = from ? reinterpret_cast<int (*)()>(from()) : nullptr;
+      print("rtld_default_local", fn ? fn() : 0);
     } else if (cmd == "free-at-exit") {
       atexit(free_at_exit);
     } else if (cmd == "hold") {
