@@ -18,6 +18,10 @@ namespace {
 constexpr int kMaxVisible = kMaxDevices;  // what a process may number (tenant.h)
 constexpr size_t kUuidText = 41;  // "GPU-", 32 hex digits, 4 dashes, NUL
 using UuidText = char[kUuidText];
+// Beside CUDA_VISIBLE_DEVICES, for the programs a process starts: the value
+// we set it to, and the user's own (absent: the user set none).
+constexpr const char* kSetByUsVar = "FRACGPU_VISIBLE_DEVICES_SET";
+constexpr const char* kAskedVar = "FRACGPU_VISIBLE_DEVICES_ASKED";
 
 std::atomic<bool> g_driver_initialized{false};
 pthread_mutex_t g_choosing = PTHREAD_MUTEX_INITIALIZER;
@@ -140,6 +144,12 @@ CUresult choose_locked() {
 
   Selection s;
   const char* user = getenv("CUDA_VISIBLE_DEVICES");
+  // A program started by one of ours inherits the value we set there: the
+  // GPUs granted then, which a resize may have changed since. That value is
+  // not the user's choice; the one we kept beside it is (none: the user set
+  // nothing), and it chooses again among the GPUs granted now.
+  const char* set_by_us = getenv(kSetByUsVar);
+  if (user != nullptr && set_by_us != nullptr && strcmp(user, set_by_us) == 0) user = getenv(kAskedVar);
   if (user == nullptr) {
     for (int g = 0; g < n; ++g) s.chosen[s.count++] = g;
   } else {
@@ -160,6 +170,20 @@ CUresult choose_locked() {
              user, static_cast<int>(s.stop_length > 100 ? 100 : s.stop_length), s.stop, n, who, theirs);
   char value[kMaxVisible * kUuidText];
   join(gpus, s.chosen, s.count, value, sizeof value);
+  // What the user asked for and what we set, for the programs this one
+  // starts (above). The user's value is copied first: setenv may replace
+  // the string it points to.
+  bool kept = true;
+  if (user == nullptr) {
+    unsetenv(kAskedVar);
+  } else {
+    char asked[kMaxVisible * kUuidText + 64];
+    kept = snprintf(asked, sizeof asked, "%s", user) < static_cast<int>(sizeof asked) &&
+           setenv(kAskedVar, asked, 1) == 0;
+  }
+  // Not kept (a value too long to copy): a program started by this one
+  // takes what it inherits for the user's choice, as before.
+  if (!kept || setenv(kSetByUsVar, value, 1) != 0) unsetenv(kSetByUsVar);
   const char* now = getenv("CUDA_VISIBLE_DEVICES");
   if (now == nullptr || strcmp(now, value) != 0) {
     // The driver reads the variable with getenv at its first cuInit, which

@@ -543,4 +543,37 @@ TEST_F(VisibleDevicesTest, ChildrenKeepTheNarrowedView) {
   EXPECT_EQ(again["device_0_uuid"], kUuids[1]);
 }
 
+// A program started after its parent's cuInit inherits the value the
+// interposer set there: the GPUs granted then. A resize may have changed
+// them since, so that value is not read as the user's choice: the user's
+// own, kept beside it, chooses again among the GPUs granted now (none kept:
+// all of them).
+TEST_F(VisibleDevicesTest, AProgramStartedLaterChoosesAgainAmongTheGpusGrantedNow) {
+  use_three_gpus(devices_);
+  grant("alice", 0, 1 * kGiB);
+  grant("alice", 2, 1 * kGiB);
+  // The parent: the user asked for its second GPU.
+  Output r = probe({"init", "getenv", "CUDA_VISIBLE_DEVICES", "getenv", "FRACGPU_VISIBLE_DEVICES_SET", "getenv",
+                    "FRACGPU_VISIBLE_DEVICES_ASKED"},
+                   env("alice", true, {"CUDA_VISIBLE_DEVICES=1"}));
+  EXPECT_EQ(r["env_CUDA_VISIBLE_DEVICES"], kUuids[2]);
+  EXPECT_EQ(r["env_FRACGPU_VISIBLE_DEVICES_SET"], kUuids[2]);
+  EXPECT_EQ(r["env_FRACGPU_VISIBLE_DEVICES_ASKED"], "1");
+  // Children of a parent granted GPU 1 only, which alice no longer is.
+  const std::string inherited = std::string("CUDA_VISIBLE_DEVICES=") + kUuids[1];
+  const std::string set = std::string("FRACGPU_VISIBLE_DEVICES_SET=") + kUuids[1];
+  r = probe({"init", "devices"}, env("alice", true, {inherited, set}));
+  EXPECT_EQ(r["init"], kSuccess) << r.err;
+  EXPECT_EQ(r["devices"], "2");
+  EXPECT_EQ(r["device_0_uuid"], kUuids[0]);
+  EXPECT_EQ(r["device_1_uuid"], kUuids[2]);
+  r = probe({"init", "devices"}, env("alice", true, {inherited, set, "FRACGPU_VISIBLE_DEVICES_ASKED=1"}));
+  EXPECT_EQ(r["devices"], "1");
+  EXPECT_EQ(r["device_0_uuid"], kUuids[2]);
+  // A value the user set in the child (not the one set for its parent) is
+  // the user's.
+  r = probe({"init", "devices"}, env("alice", true, {std::string("CUDA_VISIBLE_DEVICES=") + kUuids[1], "FRACGPU_VISIBLE_DEVICES_SET=0"}));
+  EXPECT_EQ(r["init"], kNoDevice);
+}
+
 }  // namespace
