@@ -49,10 +49,17 @@ env ${daemon_env[@]+"${daemon_env[@]}"} "$build/controller/fracgpud" --config ex
 daemon=$!
 trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
 for _ in $(seq 50); do [ -f "$run_dir/tenants/bob/usage" ] && break; sleep 0.1; done
+if ! kill -0 "$daemon" 2>/dev/null || [ ! -f "$run_dir/tenants/bob/usage" ]; then
+  echo "fracgpud did not start (its log, $run_dir/fracgpud.log, follows)" >&2
+  cat "$run_dir/fracgpud.log" >&2
+  exit 1
+fi
 
+# FRACGPU_UNMANAGED=deny: should a tenant's ledger be missing after all, its
+# processes are refused the GPU rather than run without limits.
 as_tenant() {  # as_tenant NAME COMMAND...
   local tenant=$1; shift
-  FRACGPU_TENANT=$tenant FRACGPU_RUN_DIR=$run_dir LD_PRELOAD="$build/interpose/libfracgpu.so" "$@"
+  FRACGPU_TENANT=$tenant FRACGPU_RUN_DIR=$run_dir FRACGPU_UNMANAGED=deny LD_PRELOAD="$build/interpose/libfracgpu.so" "$@"
 }
 
 echo "== alice (gpus = 0.25): one process fills its quota and holds it"
