@@ -138,8 +138,13 @@ class GpuTimeTest : public ::testing::Test {
     // The test reads the sim's ground truth through the same shared state.
     // The sim attaches once per process, so every test of this binary uses
     // one state file (tests measure per-process differences, so what earlier
-    // tests left on the timeline does not matter).
-    static const std::string state = "/tmp/fracgpu-gputime-sim-" + std::to_string(getpid());
+    // tests left on the timeline does not matter). The file (17 MB) goes
+    // when the process ends.
+    static const std::string state = [] {
+      static const std::string path = "/tmp/fracgpu-gputime-sim-" + std::to_string(getpid());
+      std::atexit([] { unlink(path.c_str()); });
+      return path;
+    }();
     sim_state_ = state;
     setenv("SIMCUDA_STATE", sim_state_.c_str(), 1);
     setenv("SIMCUDA_DEVICES", devices_.c_str(), 1);
