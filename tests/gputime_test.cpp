@@ -139,10 +139,13 @@ class GpuTimeTest : public ::testing::Test {
     // The sim attaches once per process, so every test of this binary uses
     // one state file (tests measure per-process differences, so what earlier
     // tests left on the timeline does not matter). The file (17 MB) goes
-    // when the process ends.
+    // when the process ends; a forked child that exits leaves it.
     static const std::string state = [] {
-      static const std::string path = "/tmp/fracgpu-gputime-sim-" + std::to_string(getpid());
-      std::atexit([] { unlink(path.c_str()); });
+      static const pid_t owner = getpid();
+      static const std::string path = "/tmp/fracgpu-gputime-sim-" + std::to_string(owner);
+      std::atexit([] {
+        if (getpid() == owner) unlink(path.c_str());
+      });
       return path;
     }();
     sim_state_ = state;
