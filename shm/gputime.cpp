@@ -174,6 +174,13 @@ void wait_for_doorbell(GpuTimeSegment& seg, uint64_t timeout_ns) {
 
 bool enter_grant(const GpuTimeSegment& seg, GpuTimeRequest& request, uint64_t word) {
   const uint64_t seq = grant_seq(word);
+  // Entering again a grant this process already reported drained (it gave
+  // the GPU back, idle, and its next launch came before the daemon's next
+  // pass): its words would read entered G, drained G, which is "done" to
+  // the daemon. The drain is taken back first, so that whatever the daemon
+  // reads after the store below finds this process entered and not drained.
+  if (request.drained_grant.load(std::memory_order_seq_cst) == seq)
+    request.drained_grant.store(0, std::memory_order_seq_cst);
   request.entered_grant.store(seq, std::memory_order_seq_cst);
   // The tenant's own word (the row is part of it, and in range: the caller
   // acts only on a word naming its own row).

@@ -124,7 +124,9 @@ void wait_for_doorbell(GpuTimeSegment& seg, uint64_t timeout_ns);
 // slot's entered_grant. All four accesses are seq_cst, so they fall in one
 // total order: if the process's re-read comes before the daemon's store, its
 // own store came earlier still, and the daemon's read (after its store)
-// sees entered_grant = G: the daemon waits for this process's drain. If the
+// sees entered_grant = G: the daemon waits for this process's drain. (A
+// process entering again a grant it reported drained clears that report
+// before its store, so that read also finds it not drained.) If the
 // re-read comes after the store, the process sees "revoking" and does not
 // open; it reports G drained at once (it launched nothing under G), in case
 // the daemon saw its entered_grant. Either way no process launches under a

@@ -449,6 +449,31 @@ TEST_F(SchedulerTest, ASliceEndsWithADrainHandshake) {
   EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
 }
 
+// A process that gave the grant back (its pacer found it idle, and reported
+// it drained) and enters it again before the daemon's next pass, as its
+// next launch does: its words then read entered G, drained G. That must not
+// read as done: the next tenant waits for this process's drain.
+TEST_F(SchedulerTest, AProcessThatEntersAGrantAgainAfterGivingItBackIsWaitedFor) {
+  const int a = spawn(0), b = spawn(1);
+  want(0, a);
+  pass();
+  ASSERT_TRUE(enter(0, a));
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  pass(1 * kMs);
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);  // given back, idle
+  ASSERT_TRUE(enter(0, a)) << "the grant is still a's";
+  want(1, b);
+  pass(1 * kMs);
+  EXPECT_FALSE(holds(1)) << "b granted while a's process launches under grant " << seq;
+  EXPECT_TRUE(holds(0)) << "a's process works on: its slice goes on";
+  pass(20 * kMs);
+  EXPECT_EQ(state_of(0), gputime::kGrantRevoking) << "the slice is over; a's process is to drain";
+  gputime::report_drained(*arbiter_.seg, request(0, a), seq);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1));
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
 // The holder's last process drains and nobody of it asks: the grant ends.
 // But a second process of the tenant may enter the grant (a granted word
 // needs no asking) after the pass has read the slots and before the word
