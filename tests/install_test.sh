@@ -24,6 +24,10 @@ for f in lib/fracgpu/libfracgpu.so share/fracgpu/fracgpud.toml share/fracgpu/ld.
   [[ -f $prefix/$f ]] || fail "$f missing"
 done
 [[ ! -e $prefix/sbin ]] || fail "sbin/ exists: fracgpud belongs in bin/"
+# Every installed file is in the manifest (what an uninstall, `xargs rm <
+# install_manifest.txt`, removes): the files made at install time too.
+missing=$(comm -23 <(find "$prefix" -type f | sort) <(sort -u "$build/install_manifest.txt"))
+[[ -z $missing ]] || fail "installed but not in install_manifest.txt: $missing"
 [[ $(cat "$prefix/share/fracgpu/ld.so.preload") == "$prefix/lib/fracgpu/libfracgpu.so" ]] ||
   fail "ld.so.preload does not name the installed library"
 unit=$prefix/lib/systemd/system/fracgpud.service
