@@ -414,6 +414,39 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameRunDirIsRefused) {
   EXPECT_EQ(std::stoi(read_file(run_dir_ + "/fracgpud.pid")), daemon_);
 }
 
+// A daemon whose run dir nobody else sees (a mount namespace of its own
+// with a tmpfs over the run dir's parent, as systemd's PrivateTmp does to
+// /tmp) says so at start: tenant processes would find no ledger there. The
+// same daemon with PID 1's view says nothing of it. Both run in a PID
+// namespace of their own, whose PID 1 (a shell) the test can read the root
+// of, where a sandbox may hide the host's PID 1.
+TEST_F(DaemonTest, ARunDirOnlyTheDaemonSeesIsReportedAtStart) {
+  if (system("unshare -p -f -m --mount-proc --propagation private true 2>/dev/null") != 0)
+    GTEST_SKIP() << "unshare -p -m is not permitted here: no namespaces to hide the run dir in";
+  const std::string hidden = tmp_ / "hidden";
+  fs::create_directories(hidden);
+  write_config(config(hidden + "/run", "0.5"));
+  const std::string alone = "is this daemon's alone";
+  const auto start = [&](bool hide) {
+    fs::remove(log_path_);
+    const std::string daemon = std::string("exec ") + FRACGPUD_PATH + " --config " + config_path_;
+    const std::string inner = hide ? "unshare -m --propagation private sh -c 'mount -t tmpfs fracgpu-test " + hidden +
+                                         " && " + daemon + "'"
+                                   : daemon;
+    daemon_ = spawn({"/usr/bin/unshare", "-p", "-f", "-m", "--mount-proc", "--propagation", "private", "--kill-child",
+                     "/bin/sh", "-c", inner + " & wait"},
+                    log_path_);
+    return eventually([&] { return log_contains("started: config"); });
+  };
+  ASSERT_TRUE(start(true)) << read_file(log_path_);
+  EXPECT_TRUE(log_contains(alone)) << read_file(log_path_);
+  EXPECT_FALSE(fs::exists(hidden + "/run")) << "the daemon's run dir is visible outside its namespace";
+  kill_and_reap(daemon_);
+  ASSERT_TRUE(start(false)) << read_file(log_path_);
+  EXPECT_TRUE(eventually([&] { return fs::exists(hidden + "/run/tenants/alice/usage"); }));
+  EXPECT_FALSE(log_contains(alone)) << read_file(log_path_);
+}
+
 // Any user of the host may open the run dir (0755) and hold a shared flock on
 // it, or a read lock on the pid file (0644): neither may keep the daemon out.
 // The lock is on the run dir's 0700 lock directory, which no other user can

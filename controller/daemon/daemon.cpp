@@ -325,6 +325,7 @@ int Daemon::start() {
     log_->warn("{}; GPUs found through the CUDA driver alone, GPU health, the bypass audit and the memory audit are off",
                discovery_.nvml_problem);
   if (!lock_run_dir() || !prepare_run_dir() || !open_node_file() || !lock_pid_file()) return kExitCannotStart;
+  check_run_dir_is_shared();
   log_->info("fracgpud {} started: config {}, run dir {}", getpid(), options_.config_path, config_->daemon.run_dir);
   load_shrinks();
   apply(*config_);
@@ -483,6 +484,36 @@ bool Daemon::lock_run_dir() {
     return false;
   }
   return true;
+}
+
+// The run dir is for the tenants' processes too: on the host, and in the
+// containers given its tenant directories by their host paths. A daemon in a
+// mount namespace of its own may see a directory there that nobody else does
+// (systemd's PrivateTmp with a run_dir under /tmp; a tmpfs mounted for the
+// daemon alone); it then works, and every tenant process finds no ledger.
+// PID 1 sees the node's mounts (or, in a container without the host's PIDs,
+// the container's, which are the daemon's): where the directory at the same
+// path through its root is another one, or none, say so. Unreadable (not
+// root, /proc mounted with hidepid): nothing is known, nothing said.
+void Daemon::check_run_dir_is_shared() {
+  const std::string& dir = config_->daemon.run_dir;
+  struct stat ours {}, init {};
+  if (stat(dir.c_str(), &ours) != 0) return;
+  const std::string through_init = "/proc/1/root" + dir;
+  std::string found;
+  if (stat(through_init.c_str(), &init) == 0) {
+    if (init.st_dev == ours.st_dev && init.st_ino == ours.st_ino) return;
+    found = "another directory is there";
+  } else if (errno == ENOENT || errno == ENOTDIR) {
+    found = "nothing is there";
+  } else {
+    return;
+  }
+  log_->error("run dir {} is this daemon's alone: outside its mount namespace ({}), {}; tenant processes there "
+              "cannot reach its ledgers. Keep run_dir where the node's processes see it (under the shipped "
+              "systemd unit, which gives the daemon a /tmp of its own and a read-only file system: under "
+              "/run/fracgpu)",
+              dir, through_init, found);
 }
 
 // The pid file's lock is what the CLI probes to tell whether a daemon runs

@@ -157,6 +157,7 @@ class Daemon {
   void apply_metrics();
   bool prepare_run_dir();
   bool lock_run_dir();
+  void check_run_dir_is_shared();
   bool lock_pid_file();
   void apply(const NodeConfig& config);
   // Every open ledger's policy for `config`, committed at once: each tenant's
