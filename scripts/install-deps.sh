@@ -25,7 +25,7 @@ if ((demo == 0)); then
   packages+=(pkg-config libgtest-dev libgmock-dev libbenchmark-dev strace python3-yaml
              podman runc busybox-static libcurl4-openssl-dev libyaml-cpp-dev openssl
              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc python3-jsonschema
-             debootstrap tmux)
+             debootstrap tmux python3-pip)
   apt_options=()
 fi
 missing=()
@@ -45,12 +45,18 @@ fi
 if ((demo)); then exit 0; fi
 # The Kubernetes manifests are validated against the 1.36 schemas that this
 # release of kubernetes-validate carries (tests/k8s_manifests/). Without it
-# that test is skipped, not failed: warn, do not stop the build.
+# that test is skipped, not failed: warn, do not stop the build. Debian's own
+# Python refuses installs from PyPI into it (PEP 668, "externally managed"):
+# there it goes into a directory of its own, which the test adds to its path.
 kubernetes_validate_version=1.37.0
 kubernetes_validate=kubernetes-validate==$kubernetes_validate_version
-if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" \
+kubernetes_validate_dir=/usr/local/lib/fracgpu-tests/python
+if [ "$(PYTHONPATH=$kubernetes_validate_dir python3 -c \
+        'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" \
      != "$kubernetes_validate_version" ]; then
   echo "installing: $kubernetes_validate (PyPI)"
-  python3 -m pip install --quiet "$kubernetes_validate" ||
+  pip=(python3 -m pip install --quiet --root-user-action=ignore)
+  "${pip[@]}" "$kubernetes_validate" 2>/dev/null ||
+    "${pip[@]}" --upgrade --target "$kubernetes_validate_dir" "$kubernetes_validate" ||
     echo "warning: could not install $kubernetes_validate: the manifest schema test will be skipped" >&2
 fi

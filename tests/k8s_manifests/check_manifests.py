@@ -45,6 +45,12 @@ import tempfile
 
 import yaml
 
+# Where scripts/install-deps.sh puts kubernetes-validate when the system's
+# Python is externally managed (PEP 668): first, so that its own jsonschema
+# is the one it imports.
+KUBERNETES_VALIDATE_DIR = "/usr/local/lib/fracgpu-tests/python"
+if os.path.isdir(KUBERNETES_VALIDATE_DIR):
+    sys.path.insert(0, KUBERNETES_VALIDATE_DIR)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import check_recipes  # noqa: E402  (tests/check_recipes.py: the interposer's install by rename)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "kube"))
