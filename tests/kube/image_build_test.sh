@@ -11,14 +11,17 @@
 # size and the time each step took.
 #
 # Usage: image_build_test.sh SOURCE_DIR VERSION
-# Exit 77 (skipped) only when podman or debootstrap is missing or Debian's
-# archive or PyPI cannot be reached; any other failure fails.
+# Exit 77 (skipped) only when podman or debootstrap is missing, the source
+# is not a git checkout, or Debian's archive or PyPI cannot be reached; any
+# other failure fails.
 set -euo pipefail
 src=$1
 version=$2
 skip() { echo "SKIPPED: $*"; exit 77; }
 command -v podman >/dev/null || skip "no podman"
 command -v debootstrap >/dev/null || skip "no debootstrap (scripts/install-deps.sh installs it)"
+# The build context is the tracked source (below): it needs a git checkout.
+git -C "$src" rev-parse --git-dir >/dev/null 2>&1 || skip "$src is not a git checkout (or git is missing): no tracked source to build from"
 work=$(mktemp -d /tmp/fracgpu-image-XXXXXX)
 base=localhost/debian:bookworm
 image=localhost/fracgpu:image-test-$$
