@@ -38,10 +38,13 @@
 #include "gputime.h"
 #include "policy_util.h"
 #include "simcuda.h"
+#include "timing_tmp.h"
 #include "usage_attack.h"
 
 namespace fs = std::filesystem;
 using namespace fracgpu;
+using fracgpu::testing::remove_stale_state_files;
+using fracgpu::testing::timing_tmp_dir;
 
 namespace {
 
@@ -130,8 +133,8 @@ std::vector<std::string> load_args(const std::string& kernels_us, double seconds
 class GpuTimeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/fracgpu-gputime-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    std::string tmpl = timing_tmp_dir() + "/fracgpu-gputime-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     root_ = tmpl;
     devices_.clear();
     for (const char* uuid : kUuids) devices_ += std::string(devices_.empty() ? "" : ";") + "uuid=" + uuid + ",mem=16GiB,ctx=64MiB";
@@ -139,10 +142,13 @@ class GpuTimeTest : public ::testing::Test {
     // The sim attaches once per process, so every test of this binary uses
     // one state file (tests measure per-process differences, so what earlier
     // tests left on the timeline does not matter). The file (17 MB) goes
-    // when the process ends; a forked child that exits leaves it.
+    // when the process ends; a forked child that exits leaves it, and so
+    // does a run killed at its timeout (removed by the next run).
     static const std::string state = [] {
       static const pid_t owner = getpid();
-      static const std::string path = "/tmp/fracgpu-gputime-sim-" + std::to_string(owner);
+      const std::string prefix = "fracgpu-gputime-sim-";
+      remove_stale_state_files(prefix);
+      static const std::string path = timing_tmp_dir() + "/" + prefix + std::to_string(owner);
       std::atexit([] {
         if (getpid() == owner) unlink(path.c_str());
       });
