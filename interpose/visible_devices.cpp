@@ -149,7 +149,8 @@ CUresult choose_locked() {
   // not the user's choice; the one we kept beside it is (none: the user set
   // nothing), and it chooses again among the GPUs granted now.
   const char* set_by_us = getenv(kSetByUsVar);
-  if (user != nullptr && set_by_us != nullptr && strcmp(user, set_by_us) == 0) user = getenv(kAskedVar);
+  const bool inherited = user != nullptr && set_by_us != nullptr && strcmp(user, set_by_us) == 0;
+  if (inherited) user = getenv(kAskedVar);
   if (user == nullptr) {
     for (int g = 0; g < n; ++g) s.chosen[s.count++] = g;
   } else {
@@ -157,10 +158,13 @@ CUresult choose_locked() {
   }
   if (s.count == 0) {
     if (user != nullptr && user[0] == '\0') return CUDA_ERROR_NO_DEVICE;  // no GPU asked for, as the driver answers
+    // An inherited choice is quoted as the user made it, and said to be
+    // one: the variable itself shows what we set for the parent.
     log_line(LogLevel::kError,
-             "cuInit refused (CUDA_ERROR_NO_DEVICE): CUDA_VISIBLE_DEVICES=\"%.300s\" %s the %d GPU(s) of %s "
+             "cuInit refused (CUDA_ERROR_NO_DEVICE): CUDA_VISIBLE_DEVICES=\"%.300s\"%s%s%s %s the %d GPU(s) of %s "
              "(%s): its indices number those GPUs from 0, its UUIDs must be theirs",
-             user, s.twice ? "names a GPU twice among" : "selects none of", n, who, theirs);
+             user, inherited ? " (as a parent process was given it, kept in " : "", inherited ? kAskedVar : "",
+             inherited ? ")" : "", s.twice ? "names a GPU twice among" : "selects none of", n, who, theirs);
     return CUDA_ERROR_NO_DEVICE;
   }
   if (s.stop != nullptr && user != nullptr)

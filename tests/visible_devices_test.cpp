@@ -570,6 +570,14 @@ TEST_F(VisibleDevicesTest, AProgramStartedLaterChoosesAgainAmongTheGpusGrantedNo
   r = probe({"init", "devices"}, env("alice", true, {inherited, set, "FRACGPU_VISIBLE_DEVICES_ASKED=1"}));
   EXPECT_EQ(r["devices"], "1");
   EXPECT_EQ(r["device_0_uuid"], kUuids[2]);
+  // The parent's choice selects none of the GPUs granted now: the refusal
+  // quotes that choice and says where it came from, not the inherited value.
+  r = probe({"init"}, env("alice", true, {inherited, set, "FRACGPU_VISIBLE_DEVICES_ASKED=2"}));
+  EXPECT_EQ(r["init"], kNoDevice);
+  EXPECT_NE(r.err.find("CUDA_VISIBLE_DEVICES=\"2\" (as a parent process was given it, kept in "
+                       "FRACGPU_VISIBLE_DEVICES_ASKED) selects none of the 2 GPU(s)"),
+            std::string::npos)
+      << r.err;
   // A value the user set in the child (not the one set for its parent) is
   // the user's.
   r = probe({"init", "devices"}, env("alice", true, {std::string("CUDA_VISIBLE_DEVICES=") + kUuids[1], "FRACGPU_VISIBLE_DEVICES_SET=0"}));
