@@ -21,7 +21,7 @@
 
 namespace fracgpu::controller {
 
-// The run dir's names (docs/architecture.md, "The run dir").
+// The run dir's names (docs/architecture.md, "Who may write what").
 inline constexpr const char* kPidFileName = "fracgpud.pid";
 inline constexpr const char* kTenantsDirName = "tenants";
 // <tenant dir>/gputime-<entry>: the hard link to the arbiter of the GPU in
