@@ -22,6 +22,7 @@
 
 #include "controller_test_util.h"
 #include "common/gpu_discovery.h"
+#include "daemon/daemon.h"
 #include "state/status.h"
 #include "ledger.h"
 #include "common/uuid.h"
@@ -574,6 +575,28 @@ TEST_F(DaemonTest, NodeWithoutGpusGetsAClearMessage) {
   std::string output;
   EXPECT_EQ(run_daemon({"--check"}, &output, /*devices=*/""), 1);
   EXPECT_NE(output.find("GPU index 0 is not present on this node"), std::string::npos) << output;
+}
+
+// The node checks run only at the daemon's tick: a 250 ms memory audit at
+// 200 ms ticks must still run every 250 ms on average (40 times in 10 s),
+// not at every second tick (25, what `now + interval` gave); an interval
+// shorter than the tick runs at every tick; one behind by more than an
+// interval (a pass that took 1 s) runs again an interval after it.
+TEST(NodeChecks, KeepTheirIntervalOnAverageAtTheDaemonsTick) {
+  constexpr uint64_t kMs = 1'000'000;
+  const auto runs = [](uint64_t tick, uint64_t interval, uint64_t span) {
+    uint64_t due = 0, count = 0;
+    for (uint64_t now = 5'000 * kMs; now < 5'000 * kMs + span; now += tick) {
+      if (now < due) continue;
+      ++count;
+      due = controller::next_check_ns(due, now, interval);
+    }
+    return count;
+  };
+  EXPECT_EQ(runs(200 * kMs, 250 * kMs, 10'000 * kMs), 40u);
+  EXPECT_EQ(runs(200 * kMs, 100 * kMs, 10'000 * kMs), 50u);
+  EXPECT_EQ(runs(200 * kMs, 5'000 * kMs, 10'000 * kMs), 2u);
+  EXPECT_EQ(controller::next_check_ns(1'000 * kMs, 2'000 * kMs, 250 * kMs), 2'250 * kMs);
 }
 
 TEST(Discovery, FindsTheSimulatedGpus) {

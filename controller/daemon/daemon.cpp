@@ -1288,6 +1288,9 @@ NodeChecks Daemon::node_checks() const {
 void Daemon::check_gpus(uint64_t now) {
   if (health_ == nullptr) return;
   const auto ns = [](std::chrono::microseconds d) { return static_cast<uint64_t>(d.count()) * 1000; };
+  const auto next_due = [&](uint64_t due, std::chrono::microseconds interval) {
+    return next_check_ns(due, now, ns(interval));
+  };
   if (nvml_ == nullptr) {
     // Nothing to probe or audit; but a GPU an earlier daemon fenced stays
     // fenced, and is let go when the operator clears the fence.
@@ -1297,21 +1300,21 @@ void Daemon::check_gpus(uint64_t now) {
         std::string error;
         if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);
       }
-      next_health_ns_ = now + ns(config_->daemon.health_interval);
+      next_health_ns_ = next_due(next_health_ns_, config_->daemon.health_interval);
     }
     return;
   }
   bool ran = false;
   if (now >= next_health_ns_) {
     health_->probe();
-    next_health_ns_ = now + ns(config_->daemon.health_interval);
+    next_health_ns_ = next_due(next_health_ns_, config_->daemon.health_interval);
     ran = true;
   }
   const bool audit = now >= next_audit_ns_, memory_audit = now >= next_memory_audit_ns_;
   const std::map<int32_t, std::string> owners = audit || memory_audit ? tenant_processes() : std::map<int32_t, std::string>{};
   if (audit) {
     auditor_->audit(owners, config_->daemon.audit_action, config_->daemon.run_dir);
-    next_audit_ns_ = now + ns(config_->daemon.audit_interval);
+    next_audit_ns_ = next_due(next_audit_ns_, config_->daemon.audit_interval);
     ran = true;
   }
   if (memory_audit) {
@@ -1320,7 +1323,7 @@ void Daemon::check_gpus(uint64_t now) {
     ran |= memory_auditor_->check(memory_owners(), memory_quotas(), config_->daemon.memory_audit,
                                   config_->daemon.run_dir, managed);
     settle_shrinks();
-    next_memory_audit_ns_ = now + ns(config_->daemon.memory_audit.interval);
+    next_memory_audit_ns_ = next_due(next_memory_audit_ns_, config_->daemon.memory_audit.interval);
   }
   if (ran) {
     // Every pass, not only on a change: the first pass after a start also

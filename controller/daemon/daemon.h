@@ -24,6 +24,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -61,6 +62,17 @@ struct DaemonOptions {
   std::string cuda_library = "libcuda.so.1";
   std::string nvml_library = "libnvidia-ml.so.1";  // absent: discovery by CUDA alone, no health or audit
 };
+
+// When a node check due at `due_ns` (and run at its tick `now_ns`) runs next:
+// on its interval's own grid, so that checks looked at only at the daemon's
+// tick (every reap_interval_ms) keep their interval on average (`now +
+// interval` would stretch a 250 ms interval to two 200 ms ticks). One that
+// fell a whole interval behind (a slow pass) starts again from now rather
+// than running at every tick to catch up.
+inline uint64_t next_check_ns(uint64_t due_ns, uint64_t now_ns, uint64_t interval_ns) {
+  const uint64_t next = due_ns + interval_ns;
+  return next > now_ns ? next : now_ns + interval_ns;
+}
 
 // A stderr logger with fracgpud's format.
 std::shared_ptr<spdlog::logger> make_daemon_logger();
