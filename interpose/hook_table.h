@@ -53,14 +53,21 @@ struct RealTable {
   size_t count;
   unsigned loading_bit;            // this table's bit in the loading thread's mask
   std::atomic<bool>* ready;        // set (release) once real[] is filled
-  void (*resolve_extra)(DlsymFn sym, void* handle);  // unhooked functions; may be null
-  std::atomic<int> state;          // 0 idle, 1 loading, 2 done, 3 failed
+  // Functions we call without hooking them: a struct of pointers, filled
+  // through resolve_extra (given a copy of that size to fill); may be null.
+  void* extra;
+  size_t extra_size;
+  void (*resolve_extra)(DlsymFn sym, void* handle, void* into);
+  enum : int { kNotLoaded = 0, kLoaded = 2, kFailed = 3 };
+  std::atomic<int> state{kNotLoaded};
+  std::atomic<bool> publishing{false};  // taken by the one thread that publishes its load
 };
 extern RealTable g_driver_table;
 extern RealTable g_nvml_table;  // nvml_hooks.cpp
 
 // Loads the table's library (once, thread-safe, re-entrancy safe: a call
-// from the thread that is loading it returns false). False if it cannot;
+// from the thread that is loading it returns false; never waits for another
+// thread's dlopen, see resolve.cpp). False if it cannot;
 // that is an error line, or an info line when `optional` (a caller that has
 // a way to do without it).
 bool load_real_table_slow(RealTable& table, bool optional = false);

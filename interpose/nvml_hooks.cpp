@@ -55,14 +55,19 @@ namespace fracgpu::interpose {
 
 namespace {
 
-decltype(&::nvmlDeviceGetUUID) g_nvml_get_uuid = nullptr;
-decltype(&::nvmlInit_v2) g_nvml_init = nullptr;
-decltype(&::nvmlShutdown) g_nvml_shutdown = nullptr;
+// NVML functions we call without hooking them.
+struct NvmlCalls {
+  decltype(&::nvmlDeviceGetUUID) get_uuid;
+  decltype(&::nvmlInit_v2) init;
+  decltype(&::nvmlShutdown) shutdown;
+};
+NvmlCalls g_nvml = {};
 
-void resolve_nvml_calls(DlsymFn sym, void* handle) {
-  g_nvml_get_uuid = reinterpret_cast<decltype(&::nvmlDeviceGetUUID)>(sym(handle, "nvmlDeviceGetUUID"));
-  g_nvml_init = reinterpret_cast<decltype(&::nvmlInit_v2)>(sym(handle, "nvmlInit_v2"));
-  g_nvml_shutdown = reinterpret_cast<decltype(&::nvmlShutdown)>(sym(handle, "nvmlShutdown"));
+void resolve_nvml_calls(DlsymFn sym, void* handle, void* into) {
+  auto& calls = *static_cast<NvmlCalls*>(into);
+  calls.get_uuid = reinterpret_cast<decltype(calls.get_uuid)>(sym(handle, "nvmlDeviceGetUUID"));
+  calls.init = reinterpret_cast<decltype(calls.init)>(sym(handle, "nvmlInit_v2"));
+  calls.shutdown = reinterpret_cast<decltype(calls.shutdown)>(sym(handle, "nvmlShutdown"));
 }
 
 }  // namespace
@@ -78,14 +83,15 @@ void* const kNvmlHookAddresses[kNvmlHookCount] = {
 void* g_nvml_real[kNvmlHookCount] = {};
 std::atomic<bool> g_nvml_ready{false};
 
-RealTable g_nvml_table = {"libnvidia-ml.so.1", "libnvidia-ml.so", "NVML", kNvmlHookNames, kNvmlHookAddresses,
-                          g_nvml_real, kNvmlHookCount, 1u << 1, &g_nvml_ready, resolve_nvml_calls, {0}};
+RealTable g_nvml_table = {"libnvidia-ml.so.1", "libnvidia-ml.so", "NVML",         kNvmlHookNames,
+                          kNvmlHookAddresses,  g_nvml_real,       kNvmlHookCount, 1u << 1,
+                          &g_nvml_ready,       &g_nvml,           sizeof g_nvml,  resolve_nvml_calls};
 
 namespace {
 
 // No real function to call: NVML could not be loaded, or lacks this one.
 nvmlReturn_t no_real_function() {
-  return g_nvml_table.state.load(std::memory_order_acquire) == 3 ? NVML_ERROR_LIBRARY_NOT_FOUND
+  return g_nvml_table.state.load(std::memory_order_acquire) == RealTable::kFailed ? NVML_ERROR_LIBRARY_NOT_FOUND
                                                                  : NVML_ERROR_FUNCTION_NOT_FOUND;
 }
 
@@ -105,14 +111,14 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
     *error = NVML_ERROR_NO_PERMISSION;
     return Scope::kRefused;
   }
-  if (g_nvml_get_uuid == nullptr) {
+  if (g_nvml.get_uuid == nullptr) {
     FRACGPU_LOG_ONCE(LogLevel::kError, "NVML lacks nvmlDeviceGetUUID: cannot tell which GPU a query is about");
     *error = NVML_ERROR_FUNCTION_NOT_FOUND;
     return Scope::kRefused;
   }
   char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = {};
   // Also what checks the handle, initialisation and a lost GPU for us.
-  const nvmlReturn_t result = g_nvml_get_uuid(device, text, sizeof text);
+  const nvmlReturn_t result = g_nvml.get_uuid(device, text, sizeof text);
   if (result != NVML_SUCCESS) {
     *error = result;
     return Scope::kRefused;
@@ -127,7 +133,7 @@ Scope scope_of(nvmlDevice_t device, int* gpu, nvmlReturn_t* error) {
 // device's "MIG-..." included).
 bool device_uuid(nvmlDevice_t device, uint8_t uuid[16]) {
   char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = {};
-  return g_nvml_get_uuid != nullptr && g_nvml_get_uuid(device, text, sizeof text) == NVML_SUCCESS &&
+  return g_nvml.get_uuid != nullptr && g_nvml.get_uuid(device, text, sizeof text) == NVML_SUCCESS &&
          ledger::parse_gpu_uuid_text(text, uuid);
 }
 
@@ -241,8 +247,8 @@ int nvml_gpu_order(uint8_t (*out)[16], int capacity) {
   if (!load_real_table(g_nvml_table, /*optional=*/true)) return -1;
   const auto count = nvml_real<NvmlHookId::nvmlDeviceGetCount_v2>();
   const auto by_index = nvml_real<NvmlHookId::nvmlDeviceGetHandleByIndex_v2>();
-  if (g_nvml_init == nullptr || g_nvml_shutdown == nullptr || count == nullptr || by_index == nullptr) return -1;
-  if (g_nvml_init() != NVML_SUCCESS) return -1;
+  if (g_nvml.init == nullptr || g_nvml.shutdown == nullptr || count == nullptr || by_index == nullptr) return -1;
+  if (g_nvml.init() != NVML_SUCCESS) return -1;
   unsigned n = 0;
   int kept = 0;
   if (count(&n) == NVML_SUCCESS) {
@@ -251,7 +257,7 @@ int nvml_gpu_order(uint8_t (*out)[16], int capacity) {
       if (by_index(i, &device) == NVML_SUCCESS && device_uuid(device, out[kept])) ++kept;
     }
   }
-  g_nvml_shutdown();
+  g_nvml.shutdown();
   return kept;
 }
 

@@ -35,6 +35,8 @@
 #include <link.h>
 #include <sched.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "hook_table.h"
@@ -79,25 +81,35 @@ DlsymFn real_dlsym() {
   return fn;
 }
 
+// No thread waits for another's load. A library constructor that calls the
+// driver runs with glibc's loader lock held, and a load on another thread
+// (dlopen, dlsym) waits for that lock: had the constructor waited for that
+// load, neither would go on. So every thread that finds the table unloaded
+// loads it into its own copy (dlopen only counts a second reference), and the
+// first to finish publishes its copy; a later one waits only for that copy,
+// which holds no lock.
 bool load_real_table_slow(RealTable& table, bool optional) {
   int state = table.state.load(std::memory_order_acquire);
-  if (state == 2) return true;
-  if (state == 3) return false;
+  if (state == RealTable::kLoaded) return true;
+  if (state == RealTable::kFailed) return false;
   // The library's own initialisation can call back into us (its dlsym calls,
   // for one); on this thread, while loading, behave as not loaded yet.
   if (t_loading & table.loading_bit) return false;
-  int expected = 0;
-  if (!table.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-    while ((state = table.state.load(std::memory_order_acquire)) == 1) sched_yield();
-    return state == 2;
+  void** found = static_cast<void**>(calloc(table.count, sizeof(void*)));
+  void* extra = table.extra_size != 0 ? calloc(1, table.extra_size) : nullptr;
+  if (found == nullptr || (table.extra_size != 0 && extra == nullptr)) {
+    free(found);
+    free(extra);
+    return false;  // out of memory: this call fails, a later one tries again
   }
   t_loading |= table.loading_bit;
   DlsymFn sym = real_dlsym();
   void* handle = dlopen(table.soname, RTLD_NOW | RTLD_GLOBAL);
-  bool ok = sym != nullptr && handle != nullptr;
+  const bool ok = sym != nullptr && handle != nullptr;
+  char why[256] = "";
   if (!ok) {
-    log_line(optional ? LogLevel::kInfo : LogLevel::kError, "cannot load %s (%s): %s", table.what, table.soname,
-             dlerror());
+    const char* error = dlerror();
+    snprintf(why, sizeof why, "%s", error != nullptr ? error : "dlsym not found");
   } else {
     for (size_t i = 0; i < table.count; ++i) {
       void* address = sym(handle, table.names[i]);
@@ -106,28 +118,43 @@ bool load_real_table_slow(RealTable& table, bool optional) {
         log_line(LogLevel::kError, "real %s resolves into libfracgpu itself; treating it as absent", table.names[i]);
         address = nullptr;
       }
-      table.real[i] = address;
+      found[i] = address;
     }
-    if (table.resolve_extra != nullptr) table.resolve_extra(sym, handle);
-    table.ready->store(true, std::memory_order_release);
+    if (table.resolve_extra != nullptr) table.resolve_extra(sym, handle, extra);
   }
   t_loading &= ~table.loading_bit;
-  table.state.store(ok ? 2 : 3, std::memory_order_release);
+  if (table.publishing.exchange(true, std::memory_order_acq_rel)) {
+    free(found);
+    free(extra);
+    while ((state = table.state.load(std::memory_order_acquire)) == RealTable::kNotLoaded) sched_yield();
+    return state == RealTable::kLoaded;
+  }
+  if (ok) {
+    memcpy(table.real, found, table.count * sizeof(void*));
+    if (extra != nullptr) memcpy(table.extra, extra, table.extra_size);
+    table.ready->store(true, std::memory_order_release);
+  } else {
+    log_line(optional ? LogLevel::kInfo : LogLevel::kError, "cannot load %s (%s): %s", table.what, table.soname, why);
+  }
+  free(found);
+  free(extra);
+  table.state.store(ok ? RealTable::kLoaded : RealTable::kFailed, std::memory_order_release);
   return ok;
 }
 
 namespace {
 
-void resolve_driver_calls(DlsymFn sym, void* handle) {
-#define FRACGPU_CALL(name, params) \
-  g_driver.name = reinterpret_cast<decltype(g_driver.name)>(sym(handle, #name));
+void resolve_driver_calls(DlsymFn sym, void* handle, void* into) {
+  auto& calls = *static_cast<DriverCalls*>(into);
+#define FRACGPU_CALL(name, params) calls.name = reinterpret_cast<decltype(calls.name)>(sym(handle, #name));
 #include "driver_calls.def"
 }
 
 }  // namespace
 
-RealTable g_driver_table = {"libcuda.so.1", "libcuda.so", "the CUDA driver", kHookNames, kHookAddresses, g_real,
-                            kHookCount, 1u << 0, &g_real_ready, resolve_driver_calls, {0}};
+RealTable g_driver_table = {"libcuda.so.1",     "libcuda.so",   "the CUDA driver", kHookNames,
+                            kHookAddresses,     g_real,         kHookCount,        1u << 0,
+                            &g_real_ready,      &g_driver,      sizeof g_driver,   resolve_driver_calls};
 
 bool load_real_driver_slow() { return load_real_table_slow(g_driver_table); }
 

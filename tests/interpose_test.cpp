@@ -1164,6 +1164,20 @@ TEST_F(InterposeTest, WorksBeforeMainAndDuringExit) {
   EXPECT_EQ(used(g), 0u);
 }
 
+// A library constructor (run with glibc's loader lock held) that calls the
+// driver while another thread's first call is loading libcuda (a dlopen,
+// waiting for that lock): neither may wait for the other.
+TEST_F(InterposeTest, AConstructorCallingTheDriverDuringItsFirstLoadDoesNotDeadlock) {
+  grant(kUuid0, 1 * kGiB);
+  for (bool preload : {true, false}) {
+    ProbeResult r = probe({"load-race", CTOR_CALLS_DRIVER}, {}, preload);
+    ASSERT_TRUE(WIFEXITED(r.status)) << (preload ? "with" : "without") << " the interposer: signal "
+                                     << (WIFSIGNALED(r.status) ? WTERMSIG(r.status) : 0) << "\n" << r.err;
+    EXPECT_EQ(r["load_race_main"], kSuccess) << r.err;
+    EXPECT_EQ(r["load_race_ctor"], kSuccess) << r.err;
+  }
+}
+
 // With the daemon SIGKILLed, running tenants go on and their quotas hold;
 // a restarted daemon re-adopts the ledgers and reclaims the dead.
 TEST_F(InterposeTest, QuotasHoldWithTheDaemonDownAndARestartedDaemonReclaims) {

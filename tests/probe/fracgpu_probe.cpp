@@ -903,6 +903,23 @@ int main(int argc, char** argv) {
       auto from = lib ? reinterpret_cast<void* (*)()>(dlsym(lib, "rtld_default_from_local")) : nullptr;
       auto fn = from ? reinterpret_cast<int (*)()>(from()) : nullptr;
       print("rtld_default_local", fn ? fn() : 0);
+    } else if (cmd == "load-race") {
+      // load-race LIB: LIB's constructor calls cuInit while the main thread
+      // makes the process's first driver call (the interposer's first load
+      // of libcuda). Both must return: a deadlock ends the probe at 10 s.
+      alarm(10);
+      int signal[2];
+      if (pipe(signal) != 0) usage("load-race: pipe");
+      setenv("CTOR_DRIVER_SIGNAL_FD", std::to_string(signal[1]).c_str(), 1);
+      const std::string lib = arg();
+      void* handle = nullptr;
+      std::thread loader([&] { handle = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL); });
+      char byte = 0;
+      if (read(signal[0], &byte, 1) != 1) usage("load-race: the constructor never ran");
+      print("load_race_main", cuInit(0));
+      loader.join();
+      const auto* result = handle ? static_cast<const int*>(dlsym(handle, "ctor_driver_result")) : nullptr;
+      print("load_race_ctor", result ? *result : -1);
     } else if (cmd == "free-at-exit") {
       atexit(free_at_exit);
     } else if (cmd == "hold") {
