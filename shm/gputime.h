@@ -1,7 +1,7 @@
 // Operations on a GPU's time arbiter (layout and rules in
 // include/fracgpu/gputime_layout.h; the policy in docs/sm-time.md).
 //
-// Callers: the daemon's scheduler (controller/gpu_scheduler.*: creates the
+// Callers: the daemon's scheduler (controller/daemon/gpu_scheduler.*: creates the
 // file, the only writer), the interposer (maps it read-only, reads the
 // grant, asks and reports through its own usage file's GpuTimeRequest) and
 // the CLI (reads). Like the ledger: nothing here allocates, throws or logs.

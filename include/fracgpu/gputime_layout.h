@@ -172,7 +172,7 @@ struct alignas(64) TenantTime {
   std::atomic<uint32_t> state;             // TenantTimeState, published with release
   std::atomic<uint32_t> share_ppm;         // guaranteed share (processes read their own policy)
   std::atomic<uint32_t> limit_ppm;         // cap
-  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time used (measured; held without a meter) over the last 1 s
+  std::atomic<uint32_t> achieved_1s_ppm;   // GPU time used (measured; else charged) over the last 1 s
   std::atomic<uint32_t> achieved_10s_ppm;  // ... over the last 10 s
   std::atomic<uint32_t> flags;             // TenantTimeFlags
   char name[kTenantNameBytes];             // NUL-terminated; written before state leaves kTenantUnused
