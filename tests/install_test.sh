@@ -35,6 +35,9 @@ grep -qx "ExecStart=$prefix/bin/fracgpud --config /etc/fracgpu/fracgpud.toml" "$
 grep -qx "RuntimeDirectory=fracgpu" "$unit" || fail "the unit does not create /run/fracgpu"
 grep -qx "RuntimeDirectoryPreserve=yes" "$unit" || fail "the unit would delete the ledgers at every stop"
 ! grep -q '^RestrictRealtime=yes' "$unit" || fail "the unit keeps the schedulers from real-time priority"
+# ProtectKernelModules keeps the driver from loading nvidia-uvm at cuInit.
+! grep -q '^ProtectKernelModules=yes' "$unit" || grep -q '^ExecStartPre=-+.*nvidia-modprobe -u' "$unit" ||
+  fail "the unit forbids loading nvidia-uvm and does not load it first"
 ! grep -q '@' "$unit" || fail "unsubstituted @VAR@ in $unit"
 if command -v systemd-analyze >/dev/null && systemd-analyze --version >/dev/null 2>&1; then
   # Unknown keys and values systemd cannot parse (it only warns about them).
