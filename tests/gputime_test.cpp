@@ -165,6 +165,9 @@ class GpuTimeTest : public ::testing::Test {
     device_busy_ns_ = reinterpret_cast<uint64_t (*)(int)>(dlsym(sim_, "simcuda_device_busy_ns"));
     kernel_log_next_ = reinterpret_cast<simcuda_kernel_log_next_fn>(dlsym(sim_, "simcuda_kernel_log_next"));
     kernel_log_ = reinterpret_cast<simcuda_kernel_log_fn>(dlsym(sim_, "simcuda_kernel_log"));
+    in_critical_section_ = reinterpret_cast<simcuda_process_in_critical_section_fn>(
+        dlsym(sim_, "simcuda_process_in_critical_section"));
+    ASSERT_NE(in_critical_section_, nullptr);
     ASSERT_NE(busy_ns_, nullptr);
     ASSERT_NE(device_busy_ns_, nullptr);
     ASSERT_NE(kernel_log_next_, nullptr);
@@ -1024,6 +1027,23 @@ class GpuTimeTest : public ::testing::Test {
   uint64_t (*device_busy_ns_)(int) = nullptr;
   simcuda_kernel_log_next_fn kernel_log_next_ = nullptr;
   simcuda_kernel_log_fn kernel_log_ = nullptr;
+  simcuda_process_in_critical_section_fn in_critical_section_ = nullptr;
+
+  // SIGSTOPs `pid` where a real driver could be stopped: outside the
+  // simulated driver's critical sections, which a real driver keeps in the
+  // kernel, where SIGSTOP does not land (stopped inside one here, it would
+  // stall every other process on the device). Stopped inside one, it is let
+  // run on a moment and stopped again. False if that never worked.
+  bool stop_outside_the_sims_critical_sections(pid_t pid) {
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      kill(pid, SIGSTOP);
+      if (!wait_for([&] { return all_threads_stopped(pid); }, 2000)) return false;
+      if (in_critical_section_(pid) == 0) return true;
+      kill(pid, SIGCONT);
+      std::this_thread::sleep_for(std::chrono::microseconds(100 + 97 * attempt % 900));
+    }
+    return false;
+  }
 };
 
 // When the first of `pid`'s kernels that started at or after `t` started; 0
@@ -1968,7 +1988,8 @@ TEST_F(GpuTimeTest, ATenantWipingItsOwnDrainReportsIsNotLockedOutForGood) {
 // SIGCONT the stopped process drains, reports it, and the tenant is served
 // again. (Before: a waiter took a stuck holder over only after 1 s, and the
 // stopped process was handed the GPU back every ~2 s, stalling the others
-// 1 s in 2.)
+// 1 s in 2.) The stop lands outside the simulated driver's critical
+// sections, as it would on a real driver.
 TEST_F(GpuTimeTest, AStoppedHolderLosesTheGpuOnceAndGetsItBackWhenItRuns) {
   write_config({{"a", "0.5", "[0]", "1.0"}, {"b", "0.5", "[0]", "1.0"}});  // b may use what a leaves
   start_daemon();
@@ -1998,7 +2019,7 @@ TEST_F(GpuTimeTest, AStoppedHolderLosesTheGpuOnceAndGetsItBackWhenItRuns) {
   ASSERT_GE(row, 0);
   const uint32_t missed_before = arbiter.seg->tenants[row].missed_deadlines.load();
   const uint64_t first = kernel_log_next_(0);
-  kill(a, SIGSTOP);
+  ASSERT_TRUE(stop_outside_the_sims_critical_sections(a));
   const uint64_t stopped_at = now_ns();
   std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   const uint64_t continued_at = now_ns();

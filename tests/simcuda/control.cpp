@@ -1,10 +1,14 @@
 // The control API (simcuda.h): the tests' view of the simulated GPU.
 // None of these needs cuInit; each attaches to the state on first use and
 // answers 0 (or -1) rather than failing hard.
+#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "sim_internal.h"
 
@@ -183,6 +187,45 @@ const char* simcuda_state_path(void) {
   Guard guard;
   if (!attach()) return "";
   return proc().path.c_str();  // the Process object is never freed
+}
+
+int simcuda_process_in_critical_section(int pid) {
+  Guard guard;
+  if (!attach() || !proc().shared) return -1;
+  const std::string& state = proc().path;
+  // The process's descriptors of the state file; for each, the locks its
+  // open file description holds (fdinfo's "lock:" lines: ... OFDLCK ADVISORY
+  // WRITE <pid> <dev:inode> <start> <end>). Slot bytes (1+slot) are held for
+  // a process's life and are not critical sections.
+  const std::string fds = "/proc/" + std::to_string(pid) + "/fd";
+  DIR* dir = opendir(fds.c_str());
+  if (dir == nullptr) return -1;
+  int found = 0;
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    char target[4096];
+    const ssize_t n = readlink((fds + "/" + e->d_name).c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    if (state != target) continue;
+    FILE* info = fopen(("/proc/" + std::to_string(pid) + "/fdinfo/" + e->d_name).c_str(), "r");
+    if (info == nullptr) continue;
+    char line[512];
+    while (fgets(line, sizeof line, info) != nullptr) {
+      if (strncmp(line, "lock:", 5) != 0 || strstr(line, "OFDLCK") == nullptr) continue;
+      // The start is the second number from the end.
+      const char* last = strrchr(line, ' ');
+      if (last == nullptr) continue;
+      const char* before = last;
+      while (before > line && before[-1] == ' ') --before;
+      while (before > line && before[-1] != ' ') --before;
+      const unsigned long long start = strtoull(before, nullptr, 10);
+      if (start == 0 || start >= static_cast<unsigned long long>(kSchedLockByte)) found = 1;
+    }
+    fclose(info);
+  }
+  closedir(dir);
+  return found;
 }
 
 }  // extern "C"

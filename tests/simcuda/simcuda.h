@@ -144,6 +144,14 @@ SIMCUDA_API int simcuda_proc_table_entry(size_t index, const char** base, int* v
 /* Path of the shared state file, or "" for a private (unshared) state. */
 SIMCUDA_API const char* simcuda_state_path(void);
 
+/* 1 when process `pid` holds one of the state's critical sections (the
+ * global one, or a device's scheduler) through the state file, 0 when not,
+ * -1 when that cannot be read (no such process, no shared state). A real
+ * driver's critical sections are in the kernel, where SIGSTOP does not land;
+ * here they are in user space, so a test that stops a process checks this
+ * and lets it run on when it stopped inside one. */
+SIMCUDA_API int simcuda_process_in_critical_section(int pid);
+
 /* Function pointer types, for dlsym users. */
 typedef int (*simcuda_device_count_fn)(void);
 typedef uint64_t (*simcuda_device_u64_fn)(int ordinal);               /* used, peak, capacity, ... */
@@ -153,6 +161,7 @@ typedef uint64_t (*simcuda_call_count_fn)(const char* exported_name);
 typedef void (*simcuda_set_function_duration_ns_fn)(CUfunction f, uint64_t ns);
 typedef uint64_t (*simcuda_kernel_log_next_fn)(int ordinal);
 typedef size_t (*simcuda_kernel_log_fn)(int ordinal, uint64_t first, simcuda_kernel_record* out, size_t max);
+typedef int (*simcuda_process_in_critical_section_fn)(int pid);
 
 #ifdef __cplusplus
 }

@@ -460,6 +460,33 @@ TEST(InChild, EmptySpec) {
 }
 
 // A second process with another SIMCUDA_DEVICES joins the live state as it is.
+// What a test that SIGSTOPs a process asks first: whether it holds one of
+// the state's critical sections (byte 0, the global one; a device's
+// scheduler byte, 1024 on) rather than only lock bytes it keeps for life
+// (its slot's, 1 + slot).
+TEST_F(Devices, ACriticalSectionIsToldFromALockHeldForLife) {
+  const std::string state = simcuda_state_path();
+  ASSERT_FALSE(state.empty());
+  for (const off_t byte : {off_t{0}, off_t{1024}, off_t{1000}}) {
+    Child child([&](Child& self) {
+      const int fd = open(state.c_str(), O_RDWR | O_CLOEXEC);
+      struct flock fl {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;
+      fl.l_start = byte;
+      fl.l_len = 1;
+      self.send(fd >= 0 && fcntl(fd, F_OFD_SETLKW, &fl) == 0 ? 1 : 0);
+      self.wait_parent();
+    });
+    ASSERT_EQ(child.recv().value_or(0), 1u) << "byte " << byte;
+    EXPECT_EQ(simcuda_process_in_critical_section(child.pid()), byte == 1000 ? 0 : 1) << "byte " << byte;
+    child.release();
+    EXPECT_TRUE(child.passed()) << child.report();
+    EXPECT_EQ(simcuda_process_in_critical_section(child.pid()), -1) << "a process that is gone";
+  }
+  EXPECT_EQ(simcuda_process_in_critical_section(getpid()), 0) << "this process, outside the driver";
+}
+
 TEST_F(Devices, SpecMismatchUsesTheLiveState) {
   ScopedCtx c(0);
   ASSERT_CU(c.result);
