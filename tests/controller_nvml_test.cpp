@@ -758,8 +758,12 @@ TEST_F(NvmlDaemonTest, StartsWithoutNvmlAndSaysHealthAndAuditAreOff) {
   EXPECT_TRUE(eventually([&] { return probe_says("p", "holding="); })) << probe_output("p");
   EXPECT_TRUE(probe_says("p", "init=0\n")) << probe_output("p");
   (void)p;
-  const std::string text = status();
-  EXPECT_NE(text.find("GPU health: off (no NVML: NVML is not available (libnvidia-ml.so.1)"), std::string::npos) << text;
+  // health.json is written just after that log line, at the daemon's pace.
+  std::string text;
+  EXPECT_TRUE(eventually([&] {
+    text = status();
+    return text.find("GPU health: off (no NVML: NVML is not available (libnvidia-ml.so.1)") != std::string::npos;
+  })) << text;
 }
 
 TEST_F(NvmlDaemonTest, CriticalXidMarksGpuUnhealthyNewProcessesRefusedRunningOnesKeepWorking) {

@@ -461,8 +461,10 @@ class GpuTimeTest : public ::testing::Test {
     // itself (WithoutEnforcementTheSplitIsWrong shows what does not); this
     // checks the hand-overs keep the GPU busy and status tells the truth.
     // The unequal splits below are what only enforcement gives.
-    start_load("a", load_args("50,200", seconds));
-    start_load("b", load_args("5000,50000", seconds));
+    // The loads outlast the record by 1.5 s: the GPU-Util readings after it
+    // (a sampling period each, and a process start) must not see them end.
+    start_load("a", load_args("50,200", seconds + 1));
+    start_load("b", load_args("5000,50000", seconds + 1));
     const uint64_t device_before = device_busy_ns_(0);
     const uint64_t t_before = now_ns();
     const std::vector<Sample> samples = record(1, static_cast<uint64_t>((seconds - 0.5) * kSecond));
@@ -471,7 +473,8 @@ class GpuTimeTest : public ::testing::Test {
       expect_timeline_shares(samples, 0, {{"a", 0.5}, {"b", 0.5}}, kSecond, kSecond, 0.10);
       // nvidia-smi's GPU-Util inside tenant a (NVML through the interposer)
       // is a's own GPU time as the daemon publishes it, not the device's.
-      const std::map<std::string, int> util = {{"a", nvml_gpu_util("a")}, {"", nvml_gpu_util("")}};
+      const int device_util = nvml_gpu_util("");
+      const std::map<std::string, int> util = {{"a", nvml_gpu_util("a")}, {"", device_util}};
       // What `fracgpu status` says each achieved over its last 10 s, against
       // the simulated driver's record of the same 10 s (to a tick).
       auto status = status_by_tenant();
