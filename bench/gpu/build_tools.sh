@@ -42,12 +42,15 @@ done
 cuda=${CUDA_HOME:-}
 [[ -z $nvcc ]] || cuda=$(dirname "$(dirname "$(realpath "$nvcc")")")
 [[ -n $cuda ]] || cuda=/usr/local/cuda
-include="" libdir=""
+include="" libdir="" cupti_lib=""
 for d in "$cuda/extras/CUPTI/include" "$cuda/include" "$cuda"/targets/*/include; do
   if [[ -f $d/cupti.h ]]; then include=$d; break; fi
 done
 for d in "$cuda/extras/CUPTI/lib64" "$cuda/lib64" "$cuda/lib" "$cuda"/targets/*/lib; do
-  if [[ -e $d/libcupti.so ]]; then libdir=$(realpath "$d"); break; fi
+  # The development link, else a versioned library alone (as some packages ship it).
+  for lib in "$d"/libcupti.so "$d"/libcupti.so.[0-9]*; do
+    if [[ -e $lib ]]; then libdir=$(realpath "$d") cupti_lib=${lib##*/}; break 2; fi
+  done
 done
 if [[ -z $include || -z $libdir ]]; then
   echo "== no CUPTI (cupti.h, libcupti.so) in the toolkit at $cuda: no CUPTI meter" >&2
@@ -56,7 +59,7 @@ fi
 rpath=$libdir:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64:/usr/local/cuda/targets/$(uname -m)-linux/lib
 # cupti.h includes cuda.h: the toolkit's own include directory too.
 if "$cxx" -std=c++17 -O2 -Wall -shared -fPIC -fvisibility=hidden -o "$out/libfracgpu_cupti_meter.so" \
-  "$here/cupti_meter.cpp" -I"$include" -I"$cuda/include" -L"$libdir" -lcupti -lpthread "-Wl,-rpath,$rpath"; then
+  "$here/cupti_meter.cpp" -I"$include" -I"$cuda/include" -L"$libdir" "-l:$cupti_lib" -lpthread "-Wl,-rpath,$rpath"; then
   echo "== built $out/libfracgpu_cupti_meter.so (CUPTI from $libdir)" >&2
 else
   rm -f "$out/libfracgpu_cupti_meter.so"

@@ -32,12 +32,15 @@ for c in "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "$(command -v nvcc || true)" /usr/l
 done
 [[ -n $nvcc ]] || die "no nvcc (looked at \$CUDA_HOME/bin, PATH, /usr/local/cuda/bin)"
 cuda=$(dirname "$(dirname "$(realpath "$nvcc")")")
-include="" libdir=""
+include="" libdir="" cupti_lib=""
 for d in "$cuda/extras/CUPTI/include" "$cuda/include" "$cuda"/targets/*/include; do
   if [[ -f $d/cupti.h ]]; then include=$d; break; fi
 done
 for d in "$cuda/extras/CUPTI/lib64" "$cuda/lib64" "$cuda/lib" "$cuda"/targets/*/lib; do
-  if [[ -e $d/libcupti.so ]]; then libdir=$(realpath "$d"); break; fi
+  # The development link, else a versioned library alone (as some packages ship it).
+  for lib in "$d"/libcupti.so "$d"/libcupti.so.[0-9]*; do
+    if [[ -e $lib ]]; then libdir=$(realpath "$d") cupti_lib=${lib##*/}; break 2; fi
+  done
 done
 [[ -n $include && -n $libdir ]] || die "no CUPTI (cupti.h, libcupti.so) in the toolkit at $cuda"
 # RUNPATH: this toolkit's CUPTI directory first, then where /usr/local/cuda
@@ -50,7 +53,7 @@ rpath=$libdir:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64:/usr/loca
 
 build() {  # build ARCH
   "$nvcc" -O2 -std=c++17 "-arch=$1" -o "$output" "$here/gpu_workload.cu" \
-    -I"$include" -L"$libdir" -lcupti -Xlinker "-rpath=$rpath"
+    -I"$include" -L"$libdir" "-l:$cupti_lib" -Xlinker "-rpath=$rpath"
 }
 mkdir -p "$(dirname "$output")"
 if [[ -n $arch ]]; then

@@ -85,6 +85,9 @@
 # Exit status: the number of checks that failed (0: all that ran passed); 2
 # at once when there is no GPU; 64 on a bad argument.
 set -uo pipefail
+# BUILD_DIR and OUT_DIR as given, relative to where this was started; the
+# checks run from the repository's root.
+started_in=$PWD
 cd "$(dirname "$0")/../.." || exit 64
 usage() {
   echo "usage: run_all.sh [--quick] [--deadline-s N] [--dry-run] BUILD_DIR OUT_DIR [calibrate|timeslice|memory|share|hostile|nvml|latency|bench ...]" >&2
@@ -106,8 +109,9 @@ while (($#)); do
   esac
 done
 [[ ${#args[@]} -ge 2 ]] || usage
-build=$(realpath "${args[0]}") || exit 64
+build=$(cd "$started_in" && realpath "${args[0]}") || exit 64
 out=${args[1]}
+[[ $out == /* ]] || out=$started_in/$out
 checks=("${args[@]:2}")
 [[ ${#checks[@]} -gt 0 ]] || checks=(calibrate timeslice memory share hostile nvml latency bench)
 
@@ -184,6 +188,13 @@ machine_lines=$(
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
   python3 -c 'import torch; print("torch:", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1
   echo "fracgpu: $(git describe --always --dirty 2>/dev/null || echo unknown), build $build"
+  # Programs built with CUDA 13 (the instruments of a bundle made with it)
+  # need the 580 driver or newer; the checks then compile their own.
+  driver_major=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 | cut -d. -f1)
+  if [[ $driver_major =~ ^[0-9]+$ ]] && ((driver_major < 580)); then
+    echo "note: driver $driver_major is older than 580: CUDA 13 programs of the build will not run; the checks" \
+      "compile their own where nvcc is found, and timeslice and bench fail without it"
+  fi
 )
 machine() {
   date -u +"date: %Y-%m-%d %H:%M UTC"

@@ -9,8 +9,8 @@
 # daemon, the CLI and libfracgpu.so, tests/gputime_load and tests/usage_attacker
 # (a build with the tests; scripts/gpu_bundle.sh --with-instruments puts them
 # in its bundle). They run on the real driver here: the directory of the
-# system's libcuda.so.1 (ldconfig -p; $FRACGPU_LIBCUDA names another) goes
-# first on LD_LIBRARY_PATH. tests/gpu/simulated/run_hostile.sh runs this
+# system's libcuda.so.1 (as the dynamic loader finds it, else ldconfig -p;
+# $FRACGPU_LIBCUDA names another) goes first on LD_LIBRARY_PATH. tests/gpu/simulated/run_hostile.sh runs this
 # script on the simulated driver, as the test suite does.
 #
 # Every load is gputime_load kernels=ptx: 1 ms kernels of fixed work (a spin
@@ -81,9 +81,29 @@ for f in "$fracgpud" "$fracgpu" "$lib" "$load" "$build/tests/usage_attacker"; do
   [[ -e $f ]] || die "$f not found: a build with the tests, or scripts/gpu_bundle.sh --with-instruments"
 done
 command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this check needs an NVIDIA GPU"
-# The real driver, whatever RUNPATH a test build gave the load (its simulated one).
-driver=${FRACGPU_LIBCUDA:-$(ldconfig -p | awk '/libcuda\.so\.1 .*x86-64/ {print $NF; exit}')}
-[[ -n $driver && -e $driver ]] || die "no libcuda.so.1 in the linker's cache (ldconfig -p) or \$FRACGPU_LIBCUDA"
+# The real driver, whatever RUNPATH a test build gave the load (its simulated
+# one): the libcuda.so.1 the dynamic loader finds for a program here
+# (LD_LIBRARY_PATH first, as where a container's driver is mounted at run
+# time), else the linker's cache.
+loaded_driver() {
+  python3 -c '
+import ctypes
+ctypes.CDLL("libcuda.so.1")
+for line in open("/proc/self/maps"):
+    fields = line.split()
+    if len(fields) >= 6 and fields[5].rsplit("/", 1)[-1].startswith("libcuda.so"):
+        print(fields[5])
+        break
+' 2>/dev/null || true
+}
+cached_driver() {
+  { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true; } |
+    awk '/libcuda\.so\.1 .*x86-64/ && !found {print $NF; found = 1}'
+}
+driver=${FRACGPU_LIBCUDA:-$(loaded_driver)}
+[[ -n $driver ]] || driver=$(cached_driver)
+[[ -n $driver && -e $driver ]] ||
+  die "libcuda.so.1 not found (by the dynamic loader, ldconfig -p or \$FRACGPU_LIBCUDA)"
 driver_dir=$(dirname "$driver")
 export LD_LIBRARY_PATH="$driver_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 gpu_uuid=$(nvidia-smi -i 0 --query-gpu=uuid --format=csv,noheader)
@@ -179,8 +199,14 @@ run() {
 launches() { sed -n 's/^launches_0=//p' "$1" 2>/dev/null | tail -n 1; }
 mean_busy() { awk '$1 ~ /^[0-9]+$/ {s += $1; n++} END {if (n) printf "%.3f", s / n / 100; else print "-"}' "$1"; }
 
-root=0
-((EUID == 0)) && root=1
+# The container attacks need a mount namespace of their own: root, and one
+# that can make it (not so in every sandbox or restricted container).
+root=0 no_namespace="needs root (a mount namespace per container)"
+if ((EUID == 0)) && unshare --mount --propagation private true 2>/dev/null; then
+  root=1
+elif ((EUID == 0)); then
+  no_namespace="no mount namespace here ($(unshare --mount --propagation private true 2>&1 | head -n 1))"
+fi
 run alone native none || die "the honest load alone failed: $(cat "$results/alone/honest.out")"
 alone=$(launches "$results/alone/honest.out")
 [[ -n $alone && $alone -gt 0 ]] || die "the honest load alone launched nothing"
@@ -192,7 +218,7 @@ echo "|---|---|---|---|---|"
 failed=0
 for kind in "${kind_list[@]}"; do
   if [[ $kind == plain || $kind == chain* || $kind == bypass-* ]] && ((!root)); then
-    echo "| $kind | skipped: needs root (a mount namespace per container) | | | |"
+    echo "| $kind | skipped: $no_namespace | | | |"
     continue
   fi
   for mode in native fracgpu; do

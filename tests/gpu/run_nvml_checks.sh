@@ -54,7 +54,7 @@ cleanup() {
   wait 2>/dev/null
 }
 trap cleanup EXIT
-for _ in $(seq 50); do [ -f "$run_dir/tenants/bob/policy" ] && break; sleep 0.1; done
+for _ in $(seq 200); do [ -f "$run_dir/tenants/bob/policy" ] && break; sleep 0.1; done
 
 # as TENANT CMD...: run CMD under the interposer as TENANT.
 as() {
@@ -62,10 +62,12 @@ as() {
   shift
   env FRACGPU_TENANT="$tenant" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib" "$@"
 }
-# hold TENANT BYTES: a PyTorch process of TENANT holding BYTES; sets $held.
+# hold TENANT BYTES: a PyTorch process of TENANT holding BYTES; sets $held,
+# the process's own PID: started through env(1) directly, which execs it (a
+# shell function run in the background would leave $! a subshell's PID).
 hold() {
   local out=$run_dir/hold.$RANDOM
-  as "$1" python3 $check hold "$2" 600 >"$out" 2>&1 &
+  env FRACGPU_TENANT="$1" FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib" python3 $check hold "$2" 600 >"$out" 2>&1 &
   held=$!
   holders+=("$held")
   # Up to 30 s for PyTorch to start; not a moment longer once the process is gone.
@@ -81,8 +83,12 @@ status_json() { "$build/controller/fracgpu" status --run-dir "$run_dir" --json; 
 tenant_field() {
   status_json | python3 -c "import json,sys; t=[t for t in json.load(sys.stdin)['tenants'] if t['name']=='$1'][0]; print($2)"
 }
-# near A B: A and B (MiB) differ by at most 2 (nvidia-smi rounds to MiB).
-near() { [ $(($1 > $2 ? $1 - $2 : $2 - $1)) -le 2 ]; }
+# number X: X is a whole number (what nvidia-smi or status printed may not be:
+# "[N/A]", an error; in arithmetic that would end the script).
+number() { [[ $1 =~ ^[0-9]+$ ]]; }
+# near A B: A and B (MiB) are numbers that differ by at most 2 (nvidia-smi
+# rounds to MiB).
+near() { number "$1" && number "$2" && [ $(($1 > $2 ? $1 - $2 : $2 - $1)) -le 2 ]; }
 
 hold alice $((1 << 30)); alice1=$held
 hold alice $((512 << 20)); alice2=$held
@@ -90,8 +96,16 @@ hold bob $((256 << 20)); bob1=$held
 sleep 1
 "$build/controller/fracgpu" status --run-dir "$run_dir"
 
-quota_mib=$(($(tenant_field alice "t['gpus'][0]['memory_quota']") >> 20))
-used_mib=$(($(tenant_field alice "t['gpus'][0]['memory_used']") >> 20))
+quota_b=$(tenant_field alice "t['gpus'][0]['memory_quota']" || true)
+used_b=$(tenant_field alice "t['gpus'][0]['memory_used']" || true)
+if ! number "$quota_b" || ! number "$used_b"; then
+  fail "fracgpu status gave no quota or usage for alice ('$quota_b', '$used_b'); daemon log:"
+  cat "$run_dir/fracgpud.log"
+  echo "== $failures failure(s)"
+  exit 1
+fi
+quota_mib=$((quota_b >> 20))
+used_mib=$((used_b >> 20))
 echo "== alice: quota $quota_mib MiB, ledger usage $used_mib MiB; her processes $alice1 $alice2, bob's $bob1"
 
 echo "== nvidia-smi as alice"
@@ -131,7 +145,7 @@ else
   echo "$apps" | grep -q "^$bob1," && fail "bob's process $bob1 is shown to alice"
   for p in $alice1 $alice2; do
     shown=$(echo "$apps" | awk -F, -v p="$p" '$1 == p {print $2}')
-    charged=$(($(tenant_field alice "sum(c['bytes'] for q in t['processes'] if q['host_pid'] == $p for c in q['charges'])") >> 20))
+    charged=$(tenant_field alice "sum(c['bytes'] for q in t['processes'] if q['host_pid'] == $p for c in q['charges']) >> 20" || true)
     if [ -n "$shown" ] && near "$shown" "$charged"; then ok "process $p: $shown MiB, as charged"; else fail "process $p: shown '${shown}' MiB, charged $charged MiB"; fi
   done
 fi
@@ -166,7 +180,8 @@ fi
 echo "== utilization.gpu: alice idle, bob saturating"
 workload=$(dirname "$check")/sm_share_workload.py
 now_ns=$(python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTONIC))')
-as bob python3 "$workload" run --seconds 12 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
+env FRACGPU_TENANT=bob FRACGPU_RUN_DIR="$run_dir" LD_PRELOAD="$lib" \
+  python3 "$workload" run --seconds 12 --start-ns "$now_ns" >"$run_dir/bob-load.out" 2>&1 &
 holders+=("$!")
 # PyTorch takes ~5 s to start; the figures are read with ~3 s of load behind them.
 sleep 8
@@ -177,7 +192,11 @@ device_util=$("${util[@]}" | tr -d ' '); alice_util=$(as alice "${util[@]}" | tr
 bob_util=$(as bob "${util[@]}" | tr -d ' ')
 bob_ppm=$(tenant_field bob "t['gpus'][0]['gpu_time']['achieved_1s_ppm'] if t['gpus'][0]['gpu_time'] else -1")
 echo "device $device_util, alice $alice_util, bob $bob_util (gpu,memory %); bob used ${bob_ppm} ppm over 1 s"
-if ((${device_util%%,*} < 50)); then
+if ! number "${device_util%%,*}" || ! number "${alice_util%%,*}" || ! number "${bob_util%%,*}" ||
+  ! [[ $bob_ppm =~ ^-?[0-9]+$ ]]; then
+  fail "a utilization figure is not a number (device '$device_util', alice '$alice_util', bob '$bob_util'," \
+    "status '$bob_ppm')"
+elif ((${device_util%%,*} < 50)); then
   echo "SKIPPED (not counted): bob's load did not show in the device's figure: $(cat "$run_dir/bob-load.out")"
 else
   if ((${alice_util%%,*} <= 2)); then ok "alice reads her own ${alice_util%%,*} %, not the device's ${device_util%%,*} %"

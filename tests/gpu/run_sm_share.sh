@@ -8,7 +8,7 @@
 # BUILD_DIR defaults to $FRACGPU_BUILD_DIR, else build/ (scripts/build.sh's);
 # this script builds nothing. Needs one NVIDIA GPU (GPU 0 is used), PyTorch,
 # and optionally pynvml (nvidia-ml-py) with accounting mode on (as root:
-# nvidia-smi -i 0 -am 1) for the NVML measure. Takes about 5.5 minutes (below).
+# nvidia-smi -i 0 -am 1) for the NVML measure. Takes about 7.5 minutes (below).
 #
 # With the workload in tests/gpu/sm_share_workload.py (fp16 matmuls that keep
 # the GPU busy; kinds: matmul, or mixed = one large and 16 small kernels), it
@@ -228,6 +228,15 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+# Splits whose daemon never set their tenants up: no group ran, nothing for
+# the report to count, so they fail the run here.
+splits_not_run=()
+splits_not_run_fail() {
+  ((${#splits_not_run[@]} == 0)) && return 0
+  echo "FAILED: ${#splits_not_run[@]} split(s) never ran (fracgpud did not set them up): ${splits_not_run[*]}"
+  rc=1
+}
+
 now_ns() { python3 -c 'import time; print(time.clock_gettime_ns(time.CLOCK_MONOTONIC))'; }
 sleep_until_ns() {
   python3 -c 'import sys, time; time.sleep(max(0.0, (int(sys.argv[1]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)) / 1e9))' "$1"
@@ -365,6 +374,8 @@ run_split() {
         cat "$dir/fracgpud.log"
         stop_pids "$daemon_pid"
         daemon_pid=""
+        # No group ran, so the report's manifest has no row for it: counted here.
+        splits_not_run+=("$*")
         return 0
       fi
       sleep 0.1
@@ -471,6 +482,7 @@ if ((calibrate)); then
   echo
   rc=0
   python3 "$work" calibration "$results" || rc=$?
+  splits_not_run_fail
   echo
   echo "Raw logs (every poll of nvml_sampler, each process's CUPTI meter file) and per-process JSON: $results"
   exit "$rc"
@@ -541,6 +553,7 @@ run_baselines after
 echo
 rc=0
 python3 "$work" report "$results" --threshold 0.05 || rc=$?
+splits_not_run_fail
 echo
 echo "## fracgpu status, one second before each split's window ended"
 for dir in "${split_dirs[@]}"; do

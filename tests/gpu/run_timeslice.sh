@@ -79,8 +79,12 @@ for n in 2 3; do
   python3 "$root/bench/gpu/timeslice_report.py" --json "$out/timeslice-$n.json" "$out"/probe-"$n"-*.json || rc=1
 done
 
-# CUPTI's context-switch records (see the top).
-links() { ! ldd "$1" 2>/dev/null | grep -q 'not found'; }
+# CUPTI's context-switch records (see the top). The bundle's CUPTI first:
+# whether the meter links is judged with it on the path.
+cupti_dir=${FRACGPU_CUPTI_LIB_DIR:-$build/bench/gpu/cupti}
+libpath=${LD_LIBRARY_PATH:-}
+[[ ! -e $cupti_dir/libcupti.so.13 ]] || libpath=$cupti_dir${libpath:+:$libpath}
+links() { ! LD_LIBRARY_PATH=$libpath ldd "$1" 2>/dev/null | grep -q 'not found'; }
 meter=${FRACGPU_CUPTI_METER:-$build/bench/gpu/libfracgpu_cupti_meter.so}
 if [[ ! -e $meter ]] || ! links "$meter"; then
   bash "$root/bench/gpu/build_tools.sh" "$out/bin" 2>"$out/build_tools.log" || true
@@ -91,12 +95,7 @@ if [[ ! -e $meter ]] || ! links "$meter"; then
   echo "no CUPTI meter here (build dir, \$FRACGPU_CUPTI_METER, build_tools.sh): not measured"
   exit "$rc"
 fi
-cupti_dir=${FRACGPU_CUPTI_LIB_DIR:-$build/bench/gpu/cupti}
-libpath=${LD_LIBRARY_PATH:-}
-if [[ -e $cupti_dir/libcupti.so.13 ]]; then
-  libpath=$cupti_dir${libpath:+:$libpath}
-  echo "CUPTI from $cupti_dir"
-fi
+[[ ! -e $cupti_dir/libcupti.so.13 ]] || echo "CUPTI from $cupti_dir"
 rm -f "$out"/ctx-*.json "$out"/meter-*.json
 pids=()
 for role in spin-0 spin-1 idle; do
