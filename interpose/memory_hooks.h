@@ -166,10 +166,11 @@ CUresult mem_alloc_pitch(Ptr* dptr, Size* pitch, Size width, Size height, unsign
     return result;
   }
   const uint64_t actual = static_cast<uint64_t>(*pitch) * height;
-  if (!settle(gpu, estimate, actual) ||
+  const bool settled = settle(gpu, estimate, actual);
+  if (!settled ||
       !record_pointer(*dptr, {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kLinear})) {
     real<HookId::cuMemFree_v2>()(*dptr);
-    unreserve(gpu, estimate);  // settle() left the reservation as it was when refusing
+    unreserve(gpu, settled ? actual : estimate);  // settle() moved the charge to `actual`; refusing, it left it
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   return CUDA_SUCCESS;
@@ -565,11 +566,11 @@ CUresult array_create(CUarray* array, const Descriptor* desc) {
   }
   uint64_t actual = array_real_bytes(*array, device);
   if (actual == 0) actual = estimate;
-  if (!settle(gpu, estimate, actual) ||
-      !record_handle(reinterpret_cast<uint64_t>(*array),
-                     {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kArray})) {
+  const bool settled = settle(gpu, estimate, actual);
+  if (!settled || !record_handle(reinterpret_cast<uint64_t>(*array),
+                                 {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kArray})) {
     real<HookId::cuArrayDestroy>()(*array);
-    unreserve(gpu, estimate);
+    unreserve(gpu, settled ? actual : estimate);  // as in mem_alloc_pitch
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   return CUDA_SUCCESS;
@@ -616,11 +617,11 @@ CUresult mipmapped_array_create(CUmipmappedArray* array, const CUDA_ARRAY3D_DESC
   }
   uint64_t actual = mipmapped_real_bytes(*array, device);
   if (actual == 0) actual = estimate;
-  if (!settle(gpu, estimate, actual) ||
-      !record_handle(reinterpret_cast<uint64_t>(*array),
-                     {actual, reinterpret_cast<uint64_t>(ctx), static_cast<uint32_t>(gpu), ChargeKind::kMipmapped})) {
+  const bool settled = settle(gpu, estimate, actual);
+  if (!settled || !record_handle(reinterpret_cast<uint64_t>(*array), {actual, reinterpret_cast<uint64_t>(ctx),
+                                                                      static_cast<uint32_t>(gpu), ChargeKind::kMipmapped})) {
     real<HookId::cuMipmappedArrayDestroy>()(*array);
-    unreserve(gpu, estimate);
+    unreserve(gpu, settled ? actual : estimate);  // as in mem_alloc_pitch
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   return CUDA_SUCCESS;

@@ -664,6 +664,21 @@ TEST_F(InterposeTest, ArraysAreChargedAtTheirRealSize) {
   EXPECT_EQ(r["array"], kOutOfMemory);
 }
 
+// With the handle table full, an array the driver made is destroyed and
+// its charge given back: exactly what it was charged, which by then is the
+// driver's size (3 rows of 1 MiB: 4 MiB), not the reservation made before
+// the driver answered (the rows padded to 32: 32 MiB).
+TEST_F(InterposeTest, AnArrayRefusedForAFullHandleTableGivesBackWhatItWasCharged) {
+  devices_ = std::string("uuid=") + kUuid0 + ",mem=64GiB,ctx=64MiB";  // room for a full table of 2 MiB arrays
+  const int g = grant(kUuid0, 48 * kGiB);
+  Held h = probe_and_hold({"init", "primary", "0", "array-until-refused", "1", "1", "array", "65536", "3"});
+  EXPECT_EQ(h.seen["arrays_refused"], kOutOfMemory) << h.seen.out;
+  EXPECT_GE(std::stoll(h.seen["arrays_made"]), 16000) << "refused for the table, not the quota";
+  EXPECT_EQ(h.seen["array"], kOutOfMemory) << "no room to record it";
+  EXPECT_EQ(used(g), sim_used(0)) << "the ledger against the driver's count";
+  kill_held(h);
+}
+
 TEST_F(InterposeTest, ContextsAreChargedTheirFootprintAndTakeTheirAllocationsWithThem) {
   const int g = grant(kUuid0, 1 * kGiB);
   Held h = probe_and_hold({"init", "ctx-create", "1", "0", "ctx-create", "2", "0", "ctx-create", "3", "0",

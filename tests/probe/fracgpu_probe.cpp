@@ -774,6 +774,23 @@ int main(int argc, char** argv) {
       CUresult r = cuArrayCreate_v2(&a, &d);
       if (r == CUDA_SUCCESS) g_arrays.push_back(a);
       print("array", r);
+    } else if (cmd == "array-until-refused") {
+      // array-until-refused WIDTH HEIGHT: float4 arrays until one is refused
+      // (at most 100,000): how many were made, and the refusal.
+      CUDA_ARRAY_DESCRIPTOR d{};
+      d.Width = parse_bytes(arg());
+      d.Height = parse_bytes(arg());
+      d.Format = CU_AD_FORMAT_FLOAT;
+      d.NumChannels = 4;
+      CUresult r = CUDA_SUCCESS;
+      long made = 0;
+      for (; made < 100000; ++made) {
+        CUarray a = nullptr;
+        if ((r = cuArrayCreate_v2(&a, &d)) != CUDA_SUCCESS) break;
+        g_arrays.push_back(a);
+      }
+      print("arrays_made", made);
+      print("arrays_refused", r);
     } else if (cmd == "array3d") {
       CUDA_ARRAY3D_DESCRIPTOR d{};
       d.Width = parse_bytes(arg());
