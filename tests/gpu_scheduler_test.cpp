@@ -533,6 +533,34 @@ TEST_F(SchedulerTest, ANewProcessInASlotJustFoundDeadIsWaitedFor) {
   EXPECT_TRUE(holds(1));
 }
 
+// The holder's process enters the grant and is killed; a new process of the
+// tenant takes its slot and does not enter (it waits, or uses the GPU only
+// through NVML). The dead process's queued work went with it, and the new
+// one has none under this grant: the grant ends at once when another asks,
+// with no deadline missed. (Before: the slot stayed "seen to enter", so the
+// new owner was waited for to the drain deadline, the tenant charged through
+// it and blocked.)
+TEST_F(SchedulerTest, ANewProcessInTheSlotOfOneThatEnteredAndDiedIsNotWaitedFor) {
+  const int a1 = spawn(0), b = spawn(1);
+  const pid_t a1_pid = processes_.front();
+  want(0, a1);
+  pass();
+  ASSERT_TRUE(enter(0, a1));
+  pass(1 * kMs);  // the scheduler sees a1 enter
+  const uint64_t seq = gputime::grant_seq(word_of(0));
+  kill_and_reap(a1_pid);
+  processes_.erase(processes_.begin());
+  const int a2 = spawn(0);
+  ASSERT_EQ(a2, a1) << "the new process takes the dead one's slot";
+  ASSERT_EQ(request(0, a2).entered_grant.load(), 0u);
+  want(1, b);
+  pass(1 * kMs);
+  pass(1 * kMs);
+  pass(1 * kMs);
+  EXPECT_TRUE(holds(1)) << "b waits for a process that never entered grant " << seq;
+  EXPECT_EQ(row(0).missed_deadlines.load(), 0u);
+}
+
 // A tenant's garbage in the words of all its dead slots (grant numbers
 // from the future, nothing drained), rewritten every pass for a while: its
 // grants end at the deadline while it goes on, since every rewritten slot

@@ -415,6 +415,12 @@ bool GpuScheduler::slot_alive(Row& r, uint32_t s, uint64_t now) {
     r.probe_refused = true;
     return r.probed_ns[s] == 0 || r.alive[s];
   }
+  probe_holder(r, s, now);
+  return r.alive[s];
+}
+
+int32_t GpuScheduler::probe_holder(Row& r, uint32_t s, uint64_t now) {
+  if (r.probe_budget == 0) return 0;
   --r.probe_budget;
   probes_.fetch_add(1, std::memory_order_relaxed);
   struct flock fl {};
@@ -424,10 +430,12 @@ bool GpuScheduler::slot_alive(Row& r, uint32_t s, uint64_t now) {
   fl.l_len = 1;
   // Cannot tell: take it for alive. It then only delays this tenant's own
   // revocation to the deadline, or lets its want count.
-  const bool alive = fcntl(r.fd, F_GETLK, &fl) != 0 || fl.l_type != F_UNLCK;
+  const bool failed = fcntl(r.fd, F_GETLK, &fl) != 0;
+  const bool alive = failed || fl.l_type != F_UNLCK;
   r.probed_ns[s] = now == 0 ? 1 : now;
   r.alive[s] = alive;
-  return alive;
+  r.holder[s] = !failed && alive ? fl.l_pid : 0;
+  return r.holder[s];
 }
 
 namespace {
@@ -506,7 +514,10 @@ void GpuScheduler::observe(Row& r, uint64_t now) {
   r.high_mark = high;
   for (uint32_t s = 0; s < high; ++s) {
     SlotView& v = r.slots[s];
-    if (r.gstate != gputime::kGrantIdle && r.gseq != 0 && v.entered == r.gseq) r.entered_seen.set(s);
+    if (r.gstate != gputime::kGrantIdle && r.gseq != 0 && v.entered == r.gseq && !r.entered_seen[s]) {
+      r.entered_seen.set(s);
+      r.entered_holder[s] = probe_holder(r, s, now);
+    }
     if (!v.live) continue;
     // Claims: no time after ours counts.
     v.want = std::min(v.want, now);
@@ -553,8 +564,16 @@ std::bitset<kMaxSlots> GpuScheduler::pending_drains(Row& r, uint64_t now) {
   for (uint32_t i = 0; i < r.high; ++i) {
     const uint32_t s = (from + i) % r.high;
     const SlotView& v = r.slots[s];
-    if (r.entered_seen[s] ? v.drained == r.gseq : v.drained == v.entered && v.entered <= r.gseq) continue;
-    if (slot_alive(r, s, now)) pending.set(s);
+    const bool not_entered = v.drained == v.entered && v.entered <= r.gseq;
+    if (r.entered_seen[s] ? v.drained == r.gseq : not_entered) continue;
+    if (!slot_alive(r, s, now)) continue;
+    // The process seen to enter is gone and another owns its slot (the
+    // kernel names another holder of its lock): the new one is judged by
+    // its own words.
+    if (r.entered_seen[s] && r.entered_holder[s] != 0 && r.holder[s] != 0 && r.holder[s] != r.entered_holder[s] &&
+        not_entered)
+      continue;
+    pending.set(s);
   }
   return pending;
 }

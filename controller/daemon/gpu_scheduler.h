@@ -367,6 +367,11 @@ class GpuScheduler {
     // Slots seen to have entered its current grant: only a drain of that
     // grant ends their part in it (pending_drains).
     std::bitset<ledger::kMaxSlots> entered_seen;
+    // Who held each such slot's record lock when it was seen to enter (the
+    // kernel's PID for the lock, 0 if not probed then): another holder later
+    // is a new owner of the slot, the one seen having died, and has nothing
+    // of this grant queued unless its own words say it entered.
+    std::array<int32_t, ledger::kMaxSlots> entered_holder{};
     // The last observation.
     bool readable = false;
     bool unreadable_reported = false;
@@ -388,6 +393,7 @@ class GpuScheduler {
     // (by the time since the last pass observed the row: observed_ns).
     std::array<uint64_t, ledger::kMaxSlots> probed_ns{};
     std::bitset<ledger::kMaxSlots> alive;
+    std::array<int32_t, ledger::kMaxSlots> holder{};  // the lock's holder at the probe (0: none)
     uint32_t probe_budget = 0;
     uint64_t observed_ns = 0;
     // The first slot a pass had no probe left for: loops over the slots
@@ -400,6 +406,9 @@ class GpuScheduler {
   void release_usage(Row& r);
   void free_row(uint32_t t);
   bool slot_alive(Row& r, uint32_t s, uint64_t now);
+  // Probes slot s's record lock now (if the pass has a probe left): its
+  // holder's PID, 0 when free or not probed.
+  int32_t probe_holder(Row& r, uint32_t s, uint64_t now);
   void observe(Row& r, uint64_t now);
   // The fold of a tenant's requests (Row::requests_seen) as its file says
   // now; false if it cannot be read.
