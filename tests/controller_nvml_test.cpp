@@ -895,6 +895,25 @@ TEST_F(NvmlDaemonTest, AuditDenyRefusesTheTenantsNewProcessesUntilTheBypassEnds)
   EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
 }
 
+// A deny left in the ledger by a daemon that was killed, then a daemon
+// without NVML on the same run dir: it cannot audit, and the mark is not its
+// own; its first pass clears it, and the tenant's processes start again.
+// (Before: the mark stayed until a reload.)
+TEST_F(NvmlDaemonTest, ADenyLeftByAnEarlierDaemonIsClearedByOneWithoutNvml) {
+  if (!can_make_containers()) GTEST_SKIP() << "unshare -m is not permitted here: no container to attribute it by";
+  start_with("deny");
+  const pid_t bypass = in_container("bypass", "alice", {"init", "primary", "0", "alloc", "32MiB", "hold"});
+  ASSERT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuBypassDenied; }, 3000ms)) << daemon_log();
+  kill_and_reap(daemon_);
+  kill_and_reap(bypass);
+  EXPECT_EQ(alice_mark().first, uint32_t{ledger::kGpuBypassDenied}) << "left in the ledger";
+  start_daemon(/*with_nvml=*/false);
+  EXPECT_TRUE(eventually([&] { return alice_mark().first == ledger::kGpuAvailable; }, 3000ms)) << daemon_log();
+  const pid_t accepted = probe("accepted", {"init"});
+  EXPECT_EQ(wait_exit(accepted, 5s), 0);
+  EXPECT_TRUE(probe_says("accepted", "init=0\n")) << probe_output("accepted");
+}
+
 // A container with two claims has two tenants' directories mounted: a
 // process there without the interposer, on GPU 0, is the tenant's whose
 // policy holds GPU 0 (alice's), not bob's (GPU 1), and the bypass audit's

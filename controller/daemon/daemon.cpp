@@ -1266,6 +1266,7 @@ void Daemon::start_gpu_checks() {
   attach_meters();
   configure_side_by_side();
   next_health_ns_ = next_audit_ns_ = next_memory_audit_ns_ = 0;  // all at the first tick
+  marks_applied_ = false;
   if (nvml_ == nullptr) {
     // Written once, so `fracgpu status` says why there is no health data.
     std::string error;
@@ -1295,7 +1296,11 @@ void Daemon::check_gpus(uint64_t now) {
     // Nothing to probe or audit; but a GPU an earlier daemon fenced stays
     // fenced, and is let go when the operator clears the fence.
     if (now >= next_health_ns_) {
-      if (health_->probe()) {
+      // The first pass too: marks an earlier daemon left (an audit's deny,
+      // a GPU it found lost) are not this one's, and nothing here would
+      // ever change them.
+      if (health_->probe() || !marks_applied_) {
+        marks_applied_ = true;
         apply_unavailable();
         std::string error;
         if (!write_node_checks(config_->daemon.run_dir, node_checks(), &error)) log_->warn("{}", error);

@@ -358,6 +358,10 @@ class Daemon {
   uint64_t next_health_ns_ = 0;
   uint64_t next_audit_ns_ = 0;
   uint64_t next_memory_audit_ns_ = 0;
+  // Whether the GPU checks have set the ledgers' availability marks since
+  // the checks (re)started: the first pass always does, clearing what an
+  // earlier daemon left.
+  bool marks_applied_ = false;
 };
 
 }  // namespace fracgpu::controller
