@@ -2551,6 +2551,35 @@ TEST_F(GpuTimeTest, TenantsThatComeAndGoNeverExhaustAGpusTable) {
   finish_loads();
 }
 
+// A tenant taken out of the config while its process runs keeps its
+// GPU-time row when the daemon restarts without it, as it does across a
+// reload: the process holds that row's number, so a new tenant bound to the
+// row would share its grants. (Before: at start nothing had been reaped, the
+// daemon counted no live process of it, and its row went to the next new
+// tenant.)
+TEST_F(GpuTimeTest, ARunningTenantKeepsItsRowWhenTheDaemonRestartsWithoutIt) {
+  write_config({{"x", "0.5", "[0]", ""}, {"a", "0.5", "[0]", ""}});
+  start_daemon();
+  start_load("x", load_args("1000", 20));
+  ledger::TenantLedger x_ledger = open_tenant_ledger("x");
+  ASSERT_TRUE(x_ledger.is_open());
+  ASSERT_TRUE(wait_for([&] { return x_ledger.usage->slots[0].state.load() == ledger::kSlotLive; }, 5000));
+  gputime::Arbiter before = open_tenant_arbiter("a", 0);
+  ASSERT_TRUE(before.is_open());
+  const int row_x = gputime::find_tenant(*before.seg, "x");
+  ASSERT_GE(row_x, 0);
+  gputime::close_arbiter(&before);
+  stop_daemon(SIGKILL);
+  write_config({{"a", "0.5", "[0]", ""}, {"y", "0.5", "[0]", ""}});
+  start_daemon();
+  gputime::Arbiter after = open_tenant_arbiter("y", 0);
+  ASSERT_TRUE(after.is_open());
+  EXPECT_EQ(gputime::find_tenant(*after.seg, "x"), row_x) << "x's process still holds its row";
+  EXPECT_NE(gputime::find_tenant(*after.seg, "y"), row_x);
+  gputime::close_arbiter(&after);
+  ledger::close_ledger(&x_ledger);
+}
+
 // A container with two claims (docs/kubernetes.md): tenant "a" capped at
 // 0.3 of GPU 0, tenant "b" at 0.6 of GPU 1, each claim's tenant directory at
 // its own path under the claims directory (here links; in a container, bind

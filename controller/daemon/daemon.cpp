@@ -834,10 +834,17 @@ void Daemon::link_arbiter(const std::string& tenant, const OpenLedger& open, con
 void Daemon::apply_gpu_time(const NodeConfig& config) {
   const uint64_t slice_ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(config.daemon.time_slice).count());
-  // Tenants with live processes (the daemon's count): their GPU-time rows
-  // stay theirs even where they are no longer configured.
+  // Tenants with live processes: their GPU-time rows stay theirs even where
+  // they are no longer configured (their processes keep the row they were
+  // given; another tenant bound to it would share its grants). For those not
+  // configured, the record locks are probed: at start nothing has been
+  // reaped yet, so the daemon's own count (tenant_processes) is still empty.
   std::set<std::string> in_use;
   for (const auto& [pid, name] : tenant_processes()) in_use.insert(name);
+  std::set<std::string> configured;
+  for (const Tenant& tenant : config.tenants) configured.insert(tenant.name);
+  for (const auto& [name, open] : ledgers_)
+    if (!configured.contains(name) && !in_use.contains(name) && live_processes(name) != 0) in_use.insert(name);
   for (const ManagedGpu& gpu : config.gpus) {
     GpuArbiter* arbiter = open_arbiter(gpu);
     if (arbiter == nullptr) continue;
