@@ -81,9 +81,12 @@ class DraService final : public dra::DRAPlugin::Service {
 };
 
 // The kubelet opens one stream per registered plugin and keeps it open: the
-// whole list at once, then again at every change. The handler holds a gRPC
-// thread while it waits, which the synchronous server replaces, so prepare
-// and unprepare calls are served beside it.
+// whole list at once, then again at every change, and at least every
+// kResend: the kubelet takes a device it has heard nothing of for 30 s
+// (its DefaultHealthTimeout, counted from when a message arrived) as
+// Unknown. The handler holds a gRPC thread while it waits, which the
+// synchronous server replaces, so prepare and unprepare calls are served
+// beside it.
 class HealthService final : public health::DRAResourceHealth::Service {
  public:
   HealthService(const DeviceHealthBoard& board, std::string pool, std::shared_ptr<spdlog::logger> log)
@@ -93,12 +96,15 @@ class HealthService final : public health::DRAResourceHealth::Service {
                                   grpc::ServerWriter<health::NodeWatchResourcesResponse>* writer) override {
     log_->info("health: the kubelet watches the devices' health");
     uint64_t sent = 0;
+    auto sent_at = std::chrono::steady_clock::now();
     for (;;) {
-      // Woken by a change or by close(); the timeout only notices a kubelet that went away.
+      // Woken by a change or by close(); the timeout notices a kubelet that
+      // went away, and when the list is due again.
       const DeviceHealthSnapshot now = board_.wait_newer_than(sent, kCancelCheck);
       if (now.closed) return grpc::Status::OK;
       if (context->IsCancelled()) return grpc::Status::CANCELLED;
-      if (now.version == sent) continue;
+      if (now.version == 0) continue;  // nothing known yet
+      if (now.version == sent && std::chrono::steady_clock::now() - sent_at < kResend) continue;
       health::NodeWatchResourcesResponse response;
       for (const DeviceHealthEntry& entry : now.devices) {
         health::DeviceHealth* device = response.add_devices();
@@ -111,11 +117,13 @@ class HealthService final : public health::DRAResourceHealth::Service {
       }
       if (!writer->Write(response)) return grpc::Status::CANCELLED;  // the kubelet went away
       sent = now.version;
+      sent_at = std::chrono::steady_clock::now();
     }
   }
 
  private:
   static constexpr std::chrono::milliseconds kCancelCheck{500};
+  static constexpr std::chrono::seconds kResend{10};
   const DeviceHealthBoard& board_;
   std::string pool_;
   std::shared_ptr<spdlog::logger> log_;

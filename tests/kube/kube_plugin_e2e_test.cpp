@@ -1234,6 +1234,29 @@ TEST_F(KubePluginE2E, AFencedGpuIsTaintedNoScheduleAndCleanAgainWhenCleared) {
   })) << slice_devices().dump();
 }
 
+// The kubelet takes a device it has heard nothing of for 30 s as Unknown
+// (DefaultHealthTimeout in its health cache, counted from each message's
+// arrival): with nothing changing, the whole list comes again within 10 s.
+TEST_F(KubePluginE2E, TheHealthStreamRepeatsTheListBeforeTheKubeletsTimeout) {
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  auto health = v1alpha1::DRAResourceHealth::NewStub(
+      grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 30s);
+  auto stream = health->NodeWatchResources(&context, v1alpha1::NodeWatchResourcesRequest());
+  v1alpha1::NodeWatchResourcesResponse first, second;
+  ASSERT_TRUE(stream->Read(&first)) << stream->Finish().error_message();
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(stream->Read(&second)) << "nothing after the first list";
+  const auto gap = std::chrono::steady_clock::now() - t0;
+  EXPECT_LE(gap, 12s) << "the kubelet would have marked the devices Unknown at 30 s";
+  EXPECT_GE(gap, 5s) << "repeated without a change far sooner than needed";
+  EXPECT_EQ(second.devices_size(), 3);
+  for (const auto& d : second.devices()) EXPECT_EQ(d.health(), v1alpha1::HEALTHY) << d.device().device_name();
+  context.TryCancel();
+}
+
 // Requirement (issue 23, 8): the kubelet's DRA health stream
 // (v1alpha1.DRAResourceHealth/NodeWatchResources, on the DRA socket): every
 // device of the pool at once, then again at each change: Unhealthy while
