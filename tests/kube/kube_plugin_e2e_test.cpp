@@ -179,6 +179,15 @@ class KubePluginE2E : public ::testing::Test {
 
   // Starts the plugin (with the crash hook at `crash`, if any) and registers
   // it as the kubelet does.
+  // The kubelet's health stream on the plugin's DRA socket, open for `for_at_most`.
+  std::unique_ptr<grpc::ClientReader<v1alpha1::NodeWatchResourcesResponse>> watch_health(
+      grpc::ClientContext* context, std::chrono::seconds for_at_most) {
+    health_stub_ = v1alpha1::DRAResourceHealth::NewStub(
+        grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
+    context->set_deadline(std::chrono::system_clock::now() + for_at_most);
+    return health_stub_->NodeWatchResources(context, v1alpha1::NodeWatchResourcesRequest());
+  }
+
   void start_plugin(const std::string& crash = "") {
     const size_t before = read_file(plugin_log_).size();
     std::vector<std::string> env;
@@ -490,6 +499,7 @@ class KubePluginE2E : public ::testing::Test {
   std::string claims_dir_ = tmp_ / "claims";
   std::string kubeconfig_ = tmp_ / "kubeconfig";
   std::string plugin_dir_ = tmp_ / "plugins/gpu.fracgpu.io";
+  std::unique_ptr<v1alpha1::DRAResourceHealth::Stub> health_stub_;  // watch_health's
   std::string registry_dir_ = tmp_ / "plugins_registry";
   std::string cdi_dir_ = tmp_ / "cdi";
   std::string library_container_path_ = kContainerLibrary;
@@ -1240,11 +1250,8 @@ TEST_F(KubePluginE2E, AFencedGpuIsTaintedNoScheduleAndCleanAgainWhenCleared) {
 TEST_F(KubePluginE2E, TheHealthStreamRepeatsTheListBeforeTheKubeletsTimeout) {
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
-  auto health = v1alpha1::DRAResourceHealth::NewStub(
-      grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + 30s);
-  auto stream = health->NodeWatchResources(&context, v1alpha1::NodeWatchResourcesRequest());
+  auto stream = watch_health(&context, 30s);
   v1alpha1::NodeWatchResourcesResponse first, second;
   ASSERT_TRUE(stream->Read(&first)) << stream->Finish().error_message();
   const auto t0 = std::chrono::steady_clock::now();
@@ -1265,11 +1272,8 @@ TEST_F(KubePluginE2E, TheHealthStreamRepeatsTheListBeforeTheKubeletsTimeout) {
 TEST_F(KubePluginE2E, TheKubeletsHealthStreamFollowsTheFence) {
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
-  auto health = v1alpha1::DRAResourceHealth::NewStub(
-      grpc::CreateChannel("unix:" + plugin_dir_ + "/dra.sock", grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + 60s);
-  auto stream = health->NodeWatchResources(&context, v1alpha1::NodeWatchResourcesRequest());
+  auto stream = watch_health(&context, 60s);
   using Health = std::map<std::string, std::pair<v1alpha1::HealthStatus, int64_t>>;
   // The next message, as device -> (health, last_updated_time).
   auto next = [&](Health* out) {
