@@ -28,10 +28,7 @@ void Driver::report_recorded() {
   }
 }
 
-uint64_t Driver::changes() const {
-  std::lock_guard lock(mutex_);
-  return changes_;
-}
+uint64_t Driver::changes() const { return changes_.load(std::memory_order_acquire); }
 
 void Driver::crash_point(const char* point) const {
   if (options_.crash_point == point) {
@@ -87,7 +84,7 @@ PrepareResult Driver::prepare(const ClaimRef& claim) {
     return {{}, {}, who + ": recording it: " + error};
   }
   crash_point("after-record");
-  ++changes_;
+  changes_.fetch_add(1, std::memory_order_release);
   return apply({*plan, tenant_name(claim.uid), cdi_spec_file_name(claim.uid)});
 }
 
@@ -125,7 +122,7 @@ PrepareResult Driver::apply(const ClaimRecord& record) {
     return {{}, {}, who + ": writing its CDI spec: " + error};
   }
   crash_point("after-cdi");
-  ++changes_;
+  changes_.fetch_add(1, std::memory_order_release);
 
   if (status_) status_->prepared(plan);
 
@@ -168,7 +165,7 @@ std::string Driver::unprepare(const ClaimRef& claim) {
     return who + ": " + error;
   }
   if (status_) status_->unprepared(claim.uid);
-  ++changes_;
+  changes_.fetch_add(1, std::memory_order_release);
   return "";
 }
 

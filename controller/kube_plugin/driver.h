@@ -16,6 +16,7 @@
 // decides capacity in order anyway.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -85,7 +86,9 @@ class Driver {
   ClaimStatusReporter* status_;
   ClaimStore store_;
   mutable std::mutex mutex_;
-  uint64_t changes_ = 0;
+  // Not under mutex_: a prepare holds that across API and control calls (up
+  // to a minute), and the slice loop, which reads this, must not wait on it.
+  std::atomic<uint64_t> changes_{0};
 };
 
 }  // namespace fracgpu::kube_plugin
