@@ -131,8 +131,9 @@ class HealthService final : public health::DRAResourceHealth::Service {
 
 class RegistrationService final : public reg::Registration::Service {
  public:
-  RegistrationService(std::string endpoint, std::atomic<bool>& registered, std::shared_ptr<spdlog::logger> log)
-      : endpoint_(std::move(endpoint)), registered_(registered), log_(std::move(log)) {}
+  RegistrationService(std::string endpoint, std::atomic<bool>& registered, std::atomic<uint64_t>& registrations,
+                      std::shared_ptr<spdlog::logger> log)
+      : endpoint_(std::move(endpoint)), registered_(registered), registrations_(registrations), log_(std::move(log)) {}
 
   grpc::Status GetInfo(grpc::ServerContext*, const reg::InfoRequest*, reg::PluginInfo* info) override {
     info->set_type(kPluginType);
@@ -150,8 +151,10 @@ class RegistrationService final : public reg::Registration::Service {
   grpc::Status NotifyRegistrationStatus(grpc::ServerContext*, const reg::RegistrationStatus* status,
                                         reg::RegistrationStatusResponse*) override {
     registered_.store(status->plugin_registered());
-    if (status->plugin_registered())
+    if (status->plugin_registered()) {
+      registrations_.fetch_add(1, std::memory_order_release);
       log_->info("registration: the kubelet registered the plugin");
+    }
     else
       log_->error("registration: the kubelet refused the plugin: {}", status->error());
     return grpc::Status::OK;
@@ -160,6 +163,7 @@ class RegistrationService final : public reg::Registration::Service {
  private:
   std::string endpoint_;
   std::atomic<bool>& registered_;
+  std::atomic<uint64_t>& registrations_;
   std::shared_ptr<spdlog::logger> log_;
 };
 
@@ -210,7 +214,7 @@ PluginServers::~PluginServers() { stop(); }
 bool PluginServers::start(std::string* error) {
   const std::string endpoint = plugin_dir_ + "/" + kDraSocketName;
   services_.reset(new Services{DraService(driver_), HealthService(health_, pool_, log_),
-                               RegistrationService(endpoint, registered_, log_)});
+                               RegistrationService(endpoint, registered_, registrations_, log_)});
   // The kubelet calls the health service on the DRA socket: one endpoint.
   dra_server_ = serve({&services_->dra, &services_->health}, endpoint, error);
   if (!dra_server_) return false;

@@ -54,6 +54,10 @@ class PluginServers {
 
   // Whether the kubelet last said the registration succeeded.
   bool registered() const { return registered_.load(); }
+  // How many times the kubelet has registered the plugin. A kubelet that
+  // starts deletes every ResourceSlice of the node, then registers the
+  // plugins again: the slice loop publishes at once when this moves.
+  uint64_t registrations() const { return registrations_.load(std::memory_order_acquire); }
 
   struct Services;
 
@@ -68,6 +72,7 @@ class PluginServers {
   std::unique_ptr<grpc::Server> dra_server_;
   std::unique_ptr<grpc::Server> registration_server_;
   std::atomic<bool> registered_{false};
+  std::atomic<uint64_t> registrations_{0};
 };
 
 }  // namespace fracgpu::kube_plugin

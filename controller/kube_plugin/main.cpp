@@ -124,7 +124,9 @@ int main(int argc, char** argv) {
       publisher,
       {driver_options.run_dir, interval, std::min(interval, std::chrono::milliseconds(1000)),
        driver_options.control_timeout},
-      [&driver] { return driver.changes(); }, log, &health);
+      // A prepare or unprepare that changed something, or the kubelet
+      // registering the plugin (a kubelet starting deletes the node's slices).
+      [&driver, &servers] { return driver.changes() + servers.registrations(); }, log, &health);
   slices.start();
 
   int signal_number = 0;

@@ -173,7 +173,7 @@ class KubePluginE2E : public ::testing::Test {
             std::string("--library-host-path=") + FRACGPU_LIB,
             "--library-container-path=" + library_container_path_,
             "--device-nodes=nvidia-cdi",
-            "--slice-interval=0.2",
+            "--slice-interval=" + slice_interval_,
             "--kubeconfig=" + kubeconfig_};
   }
 
@@ -500,6 +500,7 @@ class KubePluginE2E : public ::testing::Test {
   std::string kubeconfig_ = tmp_ / "kubeconfig";
   std::string plugin_dir_ = tmp_ / "plugins/gpu.fracgpu.io";
   std::unique_ptr<v1alpha1::DRAResourceHealth::Stub> health_stub_;  // watch_health's
+  std::string slice_interval_ = "0.2";  // seconds between the plugin's periodic publishes
   std::string registry_dir_ = tmp_ / "plugins_registry";
   std::string cdi_dir_ = tmp_ / "cdi";
   std::string library_container_path_ = kContainerLibrary;
@@ -958,6 +959,27 @@ TEST_F(KubePluginE2E, TheCdiSpecIsValidAndRunsInPodman) {
       120s);
   if (rc == 77) GTEST_SKIP() << read_file(podman_log);
   EXPECT_EQ(rc, 0) << read_file(podman_log);
+}
+
+// A kubelet that starts deletes every ResourceSlice of its node, then
+// registers the plugins again: the plugin publishes its slice again at the
+// registration, not at its next periodic publish (30 s by default; a minute
+// here).
+TEST_F(KubePluginE2E, ASliceDeletedByARestartingKubeletIsBackWhenItRegistersThePlugin) {
+  slice_interval_ = "60";
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
+  std::this_thread::sleep_for(2500ms);  // the daemon's first seconds move its node generation
+  const json slice = node_slice();
+  ASSERT_FALSE(slice.is_null());
+  const std::string name = slice["metadata"]["name"];
+  const kube::HttpResult deleted = api_client()->del("/apis/resource.k8s.io/v1/resourceslices/" + name);
+  ASSERT_TRUE(deleted.ok()) << deleted.status << " " << deleted.body;
+  ASSERT_TRUE(slice_devices().is_null()) << "the slice is gone";
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_TRUE(slice_devices().is_null()) << "published again without a reason (the test needs the long interval)";
+  register_plugin();
+  EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }, 5s)) << read_file(plugin_log_);
 }
 
 TEST_F(KubePluginE2E, UninstallDeletesTheNodesSlices) {
