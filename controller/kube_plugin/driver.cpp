@@ -42,9 +42,15 @@ std::string Driver::host_tenant_dir(const std::string& uid) const {
   return options_.run_dir + "/" + controller::kTenantsDirName + "/" + tenant_name(uid);
 }
 
-PrepareResult Driver::prepare(const ClaimRef& claim) {
+PrepareResult Driver::prepare(const ClaimRef& claim, const std::function<bool()>& abandoned) {
   std::lock_guard lock(mutex_);
   const std::string who = "claim " + claim.shown();
+  const auto given_up = [&] {
+    if (!abandoned || !abandoned()) return false;
+    log_->warn("{}: the kubelet gave up on this prepare; nothing made (it will ask again if it still wants it)", who);
+    return true;
+  };
+  if (given_up()) return {{}, {}, who + ": the kubelet gave up on the call"};
   if (!valid_claim_uid(claim.uid))
     return {{}, {}, fmt::format("{}: uid \"{}\" is not one this plugin takes", who, claim.uid)};
 
@@ -79,6 +85,7 @@ PrepareResult Driver::prepare(const ClaimRef& claim) {
     log_->error("{}", error);
     return {{}, {}, error};
   }
+  if (given_up()) return {{}, {}, who + ": the kubelet gave up on the call"};
   if (!store_.put(*plan, &error)) {
     log_->error("{}: recording it: {}", who, error);
     return {{}, {}, who + ": recording it: " + error};

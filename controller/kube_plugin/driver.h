@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,7 +68,10 @@ class Driver {
   // claims prepared before the plugin restarted).
   void report_recorded();
 
-  PrepareResult prepare(const ClaimRef& claim);
+  // `abandoned`: whether the kubelet has given up on the call (its deadline
+  // passed while this one waited for the lock or the API server): then
+  // nothing is made, since the kubelet may have unprepared the claim since.
+  PrepareResult prepare(const ClaimRef& claim, const std::function<bool()>& abandoned = {});
   // "" on success (an unknown claim included).
   std::string unprepare(const ClaimRef& claim);
 

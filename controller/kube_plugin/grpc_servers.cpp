@@ -33,12 +33,13 @@ class DraService final : public dra::DRAPlugin::Service {
  public:
   explicit DraService(Driver& driver) : driver_(driver) {}
 
-  grpc::Status NodePrepareResources(grpc::ServerContext*, const dra::NodePrepareResourcesRequest* request,
+  grpc::Status NodePrepareResources(grpc::ServerContext* context, const dra::NodePrepareResourcesRequest* request,
                                     dra::NodePrepareResourcesResponse* response) override {
+    const auto abandoned = [context] { return context->IsCancelled(); };
     for (const dra::Claim& claim : request->claims()) {
       PrepareResult result;
       try {
-        result = driver_.prepare(ref_of(claim));
+        result = driver_.prepare(ref_of(claim), abandoned);
       } catch (const std::exception& e) {  // never expected; the claim fails, the plugin stays up
         result.error = fmt::format("claim {}: internal error: {}", ref_of(claim).shown(), e.what());
       }

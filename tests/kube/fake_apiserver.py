@@ -52,7 +52,9 @@ Command line
 
 Control, at run time (loopback, no authentication):
   POST /fake/fail     {"method": "PUT", "path": "resourceslices", "status": 409,
-                       "count": 1, "retry_after": 1, "message": "..."}
+                       "count": 1, "retry_after": 1, "message": "..."}; with
+                       "delay": SECONDS the request waits that long first, and
+                       without "status" is then served as usual (a slow server)
   POST /fake/reset    forget pending failures and the request record
   POST /fake/tokens   {"tokens": [...]}: the accepted --token list from now on
   GET  /fake/requests every request so far, recorded before its answer is sent:
@@ -153,6 +155,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 import uuid as uuidlib
 
@@ -1609,6 +1612,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_status(401, "Unauthorized", "Unauthorized")
             return
         failure = self.injected_failure(method, path)
+        if failure and failure.get("delay") is not None:
+            time.sleep(float(failure["delay"]))
+            if failure.get("status") is None:
+                failure = None
         if failure:
             headers = {}
             if failure.get("retry_after") is not None:

@@ -982,6 +982,34 @@ TEST_F(KubePluginE2E, ASliceDeletedByARestartingKubeletIsBackWhenItRegistersTheP
   EXPECT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }, 5s)) << read_file(plugin_log_);
 }
 
+// A prepare the kubelet gave up on (its deadline passed while the plugin
+// waited for a slow API server) makes nothing: the kubelet may have
+// unprepared the claim meanwhile, and a tenant made after that would never
+// be deleted. A later prepare of the claim works as usual.
+TEST_F(KubePluginE2E, APrepareTheKubeletGaveUpOnMakesNothing) {
+  start_plugin();
+  const auto claim = write_claim(7, {result("gpu-0", {{"memory", "4Gi"}, {"share", "250m"}})});
+  ASSERT_TRUE(api_control_
+                  ->post("/fake/fail", {{"method", "GET"}, {"path", "resourceclaims/" + claim.name}, {"delay", 3},
+                                        {"count", 1}})
+                  .ok());
+  dra::NodePrepareResourcesResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 1s);
+  const grpc::Status status =
+      dra_->NodePrepareResources(&context, request_for<dra::NodePrepareResourcesRequest>({claim}), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  ASSERT_TRUE(eventually(
+      [&] { return read_file(plugin_log_).find("the kubelet gave up on this prepare") != std::string::npos; }, 10s))
+      << read_file(plugin_log_);
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+  EXPECT_TRUE(api_tenants().empty());
+  EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+  EXPECT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  EXPECT_TRUE(fs::exists(record_path(claim.uid)));
+  EXPECT_EQ(unprepare(claim), "");
+}
+
 TEST_F(KubePluginE2E, UninstallDeletesTheNodesSlices) {
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
