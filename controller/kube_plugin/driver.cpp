@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <set>
+#include <string>
+
 #include <fmt/format.h>
 
 #include "control/client.h"
@@ -22,9 +25,26 @@ Driver::Driver(DriverOptions options, kube::ApiClient* api, std::shared_ptr<spdl
 void Driver::report_recorded() {
   if (!status_) return;
   std::lock_guard lock(mutex_);
+  // A record whose tenant does not exist is a prepare that never finished
+  // (killed between the record and the tenant, or the daemon never
+  // answered): the kubelet retries it, and it is reported when it succeeds.
+  // Without the daemon's list every record is taken as prepared.
+  const control::Reply list = control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kList}},
+                                            options_.control_timeout);
+  std::set<std::string> tenants;
+  if (list.ok)
+    for (const json& t : list.body.value("tenants", json::array()))
+      if (t.is_object()) tenants.insert(t.value("name", std::string()));
   for (const std::string& uid : store_.list()) {
     std::string error;
-    if (auto record = store_.get(uid, &error)) status_->prepared(record->plan);
+    auto record = store_.get(uid, &error);
+    if (!record) continue;
+    if (list.ok && !tenants.contains(record->tenant)) {
+      log_->info("claim {}: recorded, but its tenant {} does not exist: not reported prepared until it is",
+                 record->plan.claim.shown(), record->tenant);
+      continue;
+    }
+    status_->prepared(record->plan);
   }
 }
 

@@ -1536,6 +1536,33 @@ class KubePluginStatusE2E : public KubePluginE2E {
   }
 };
 
+// A plugin killed after writing a claim's record and before making its
+// tenant, then started again: the claim is not reported Ready (nothing of it
+// exists); the kubelet's retry makes it, and then it is.
+TEST_F(KubePluginStatusE2E, AClaimWhosePrepareNeverFinishedIsNotReportedReadyAfterARestart) {
+  ASSERT_TRUE(api_control_->post("/fake/rbac", {{"rules", plugin_rules()}, {"node", kNode}}).ok());
+  start_plugin();
+  ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; })) << slice_devices().dump();
+  const kube::HttpResult r = schedule(status_pod(62), {status_template()});
+  ASSERT_TRUE(r.ok()) << r.status << " " << r.body;
+  const auto ref = ref_of(json::parse(r.body)["claims"].at(0));
+  stop_plugin();
+  prepare_until_crash(ref, "after-record");
+  ASSERT_TRUE(fs::exists(record_path(ref.uid)));
+  start_plugin();
+  const std::string path = claims_dir_ + "/team-a/" + ref.name + ".json";
+  const auto reported = [&] {
+    const json stored = json::parse(read_file(path), nullptr, false);
+    return stored.is_object() && stored["status"].contains("devices") && !stored["status"]["devices"].empty();
+  };
+  std::this_thread::sleep_for(3s);
+  EXPECT_FALSE(reported()) << read_file(path);
+  EXPECT_NE(read_file(plugin_log_).find("not reported prepared until it is"), std::string::npos);
+  ASSERT_EQ(prepare({ref}).claims().at(ref.uid).error(), "");
+  EXPECT_TRUE(eventually(reported, 10s)) << read_file(plugin_log_);
+  EXPECT_EQ(unprepare(ref), "");
+}
+
 // Requirement (issue 33, 3): what a claim got, on the claim. The plugin,
 // with exactly deploy/rbac.yaml's permissions (the stand-in authorizes as
 // RBAC and the 1.36 granular check do), writes status.devices by
