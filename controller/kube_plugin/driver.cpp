@@ -170,24 +170,26 @@ std::string Driver::unprepare(const ClaimRef& claim) {
   }
   std::string error;
   auto record = store_.get(claim.uid, &error);
-  if (!record) {
-    if (!error.empty()) {
-      log_->error("{}: {}", who, error);
-      return who + ": " + error;
-    }
+  if (!record && error.empty()) {
     log_->info("{} ({}): no record, nothing prepared here", who, claim.uid);
     return "";
   }
-  // Only a tenant named dra-<uid> from this claim's own record is deleted.
-  const control::Reply deleted =
-      control::call(control::socket_path_in(options_.run_dir), {{"op", control::op::kDelete}, {"name", record->tenant}},
-                    options_.control_timeout);
+  // Only a tenant named dra-<uid> of a claim this plugin recorded is
+  // deleted. A record that cannot be read (another version's format, a
+  // damaged file) is still this plugin's, and what it named follows from
+  // the uid alone: refusing would leave the pod terminating for good.
+  if (!record) log_->warn("{}: {}; unpreparing by the names its uid gives", who, error);
+  const std::string tenant = record ? record->tenant : tenant_name(claim.uid);
+  const std::string cdi_spec = record ? record->cdi_spec : cdi_spec_file_name(claim.uid);
+  error.clear();
+  const control::Reply deleted = control::call(control::socket_path_in(options_.run_dir),
+                                               {{"op", control::op::kDelete}, {"name", tenant}}, options_.control_timeout);
   if (!deleted.ok) {
-    log_->error("{}: deleting tenant {}: [{}] {}", who, record->tenant, deleted.code, deleted.error);
-    return fmt::format("{}: deleting tenant {}: {}", who, record->tenant, deleted.error);
+    log_->error("{}: deleting tenant {}: [{}] {}", who, tenant, deleted.code, deleted.error);
+    return fmt::format("{}: deleting tenant {}: {}", who, tenant, deleted.error);
   }
-  log_->info("{} ({}): tenant {} {}", who, claim.uid, record->tenant, deleted.body.value("state", ""));
-  if (!remove_file_durable(options_.cdi_dir, record->cdi_spec, &error) || !store_.remove(claim.uid, &error)) {
+  log_->info("{} ({}): tenant {} {}", who, claim.uid, tenant, deleted.body.value("state", ""));
+  if (!remove_file_durable(options_.cdi_dir, cdi_spec, &error) || !store_.remove(claim.uid, &error)) {
     log_->error("{}: {}", who, error);
     return who + ": " + error;
   }

@@ -1010,6 +1010,21 @@ TEST_F(KubePluginE2E, APrepareTheKubeletGaveUpOnMakesNothing) {
   EXPECT_EQ(unprepare(claim), "");
 }
 
+// A claim's record that cannot be read (another version's format, after a
+// downgrade) does not keep its pod terminating: unprepare removes the tenant
+// and the CDI spec by the names the uid gives, and the record.
+TEST_F(KubePluginE2E, AnUnreadableRecordIsStillUnprepared) {
+  start_plugin();
+  const auto claim = write_claim(8, {result("gpu-1", {{"memory", "4Gi"}, {"share", "250m"}})});
+  ASSERT_EQ(prepare({claim}).claims().at(claim.uid).error(), "");
+  ASSERT_EQ(api_tenants().size(), 1u);
+  write_file(record_path(claim.uid), R"({"version": 2, "plan": "of another format"})");
+  EXPECT_EQ(unprepare(claim), "");
+  EXPECT_TRUE(eventually([&] { return api_tenants().empty(); }, 10s));
+  EXPECT_FALSE(fs::exists(cdi_spec_path(claim.uid)));
+  EXPECT_FALSE(fs::exists(record_path(claim.uid)));
+}
+
 TEST_F(KubePluginE2E, UninstallDeletesTheNodesSlices) {
   start_plugin();
   ASSERT_TRUE(slice_eventually([](const json& d) { return d.size() == 3; }));
