@@ -507,6 +507,15 @@ TEST_F(ControlTest, AStartWithAGoneGpuOrATakenNameComesUpAndTheApiRepairsIt) {
                                "\"\nreap_interval_ms = 50\nmetrics_address = \"off\"\n"
                                "[[gpu]]\nindex = 0\ncontext_memory = \"64MiB\"\n" + kAlice +
                                "[[tenant]]\nname = \"api2\"\ngpus = 0.1\ndevices = [0]\n");
+  // --check (the systemd unit's ExecStartPre) agrees with the start: valid,
+  // the two API tenants named as unplaced.
+  const std::string check_log = tmp_ / "check.log";
+  EXPECT_EQ(wait_exit(spawn({FRACGPUD_PATH, "--config", config_path_, "--check"}, check_log), 10s), 0)
+      << read_file(check_log);
+  EXPECT_NE(read_file(check_log).find("API tenant \"api1\" cannot be placed beside this config"), std::string::npos)
+      << read_file(check_log);
+  EXPECT_NE(read_file(check_log).find("API tenant \"api2\" cannot be placed beside this config"), std::string::npos)
+      << read_file(check_log);
   start_daemon();
   EXPECT_TRUE(log_contains("API tenant \"api1\" cannot be placed")) << read_file(log_path_);
   EXPECT_TRUE(log_contains("API tenant \"api2\" cannot be placed")) << read_file(log_path_);

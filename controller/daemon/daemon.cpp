@@ -5,6 +5,9 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
+#include <map>
+#include <set>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -258,15 +261,76 @@ void block_daemon_signals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+namespace {
+
+// The config with every API tenant in `api` that fits beside it: `load`
+// places the config with a given set of API tenants. Those in `placed` are
+// kept placed whatever happens (a reload never unplaces a running tenant: it
+// is refused instead); the others are tried one at a time, in name order,
+// each placed if it fits beside the config and those before it. *unplaced:
+// the rest, with why. The result is the config with all of them when that
+// fits, else with what fits, else (not the API tenants' fault) the errors
+// of the config with all of them.
+ConfigResult place_what_fits(const ApiTenants& api, const std::set<std::string>& placed,
+                             const std::function<ConfigResult(const ApiTenants*)>& load,
+                             std::map<std::string, std::string>* unplaced) {
+  unplaced->clear();
+  ConfigResult all = load(&api);
+  if (all.ok()) return all;
+  ApiTenants fits, candidates;
+  for (const auto& [name, tenant] : api) (placed.contains(name) ? fits : candidates)[name] = tenant;
+  if (candidates.empty()) return all;
+  ConfigResult best = load(&fits);
+  if (!best.ok()) return all;  // not the candidates' fault: every error
+  for (const auto& [name, tenant] : candidates) {
+    ApiTenants trial = fits;
+    trial[name] = tenant;
+    ConfigResult tried = load(&trial);
+    if (tried.ok()) {
+      fits = std::move(trial);
+      best = std::move(tried);
+      continue;
+    }
+    std::string why;
+    for (const ConfigError& e : tried.errors) why += (why.empty() ? "" : "; ") + e.to_string();
+    unplaced->emplace(name, std::move(why));
+  }
+  return best;
+}
+
+}  // namespace
+
 int check_config(const DaemonOptions& options) {
   const Discovery discovery = discover_gpus(options.cuda_library.c_str(), options.nvml_library.c_str());
   std::vector<std::string> moved;
-  const ConfigResult result = load_placed(options.config_path, discovery, nullptr, nullptr, nullptr, &moved);
+  ConfigResult result = load_placed(options.config_path, discovery, nullptr, nullptr, nullptr, &moved);
+  // As a start does: the control API's tenants that no longer fit beside
+  // the config are kept unplaced, which does not stop the daemon (it is the
+  // daemon's API that repairs them), so it does not fail the check either.
+  std::map<std::string, std::string> unplaced;
+  ApiTenants api;
+  std::string api_error;
+  if (!result.ok()) {
+    const ConfigResult bare = load_config(options.config_path, discovery.gpus);
+    if (bare.ok() && read_api_tenants(bare.config->daemon.run_dir, &api, &api_error) && !api.empty()) {
+      moved.clear();
+      result = place_what_fits(
+          api, {},
+          [&](const ApiTenants* with) {
+            return load_placed(options.config_path, discovery, nullptr, with, nullptr, &moved);
+          },
+          &unplaced);
+    }
+  }
   if (!result.ok()) {
     print_errors(result, discovery);
     return kExitCheckFailed;
   }
   for (const std::string& warning : moved) fmt::print(stderr, "warning: {}\n", warning);
+  for (const auto& [name, why] : unplaced)
+    fmt::print(stderr, "warning: API tenant \"{}\" cannot be placed beside this config: {}; a start keeps it "
+                       "unplaced (its processes get no GPU) until `fracgpu tenant resize` or `delete` repairs it\n",
+               name, why);
   const NodeConfig& config = *result.config;
   fmt::print("{}: valid ({} GPU(s), {} tenant(s))\nplacement policy: {} (each grant says why: devices, kept, "
              "unchanged, policy, memory, or api: a tenant of the control API)\n",
@@ -364,40 +428,21 @@ ConfigResult Daemon::load_placed_config_with(const ApiTenants* api, ApiTenants* 
 }
 
 ConfigResult Daemon::load_placing_what_fits(const ApiTenants& api, bool placed_stay) {
-  ConfigResult all = load_placed_config_with(&api, nullptr);
-  if (all.ok()) {
-    unplaced_.clear();
-    return all;
-  }
-  // Placed tenants stay placed (a reload never unplaces a running tenant:
-  // it is refused instead); the others are tried.
-  ApiTenants fits, candidates;
-  for (const auto& [name, tenant] : api) (placed_stay && !unplaced_.contains(name) ? fits : candidates)[name] = tenant;
-  if (candidates.empty()) return all;
-  ConfigResult best = load_placed_config_with(&fits, nullptr);
-  if (!best.ok()) return all;  // not the candidates' fault: every error
-  // One at a time, in name order: each that fits beside the config and those
-  // before it is placed; the rest wait, kept.
+  std::set<std::string> placed;
+  if (placed_stay)
+    for (const auto& [name, tenant] : api)
+      if (!unplaced_.contains(name)) placed.insert(name);
   std::map<std::string, std::string> unplaced;
-  for (const auto& [name, tenant] : candidates) {
-    ApiTenants trial = fits;
-    trial[name] = tenant;
-    ConfigResult tried = load_placed_config_with(&trial, nullptr);
-    if (tried.ok()) {
-      fits = std::move(trial);
-      best = std::move(tried);
-      continue;
-    }
-    std::string why;
-    for (const ConfigError& e : tried.errors) why += (why.empty() ? "" : "; ") + e.to_string();
+  ConfigResult result = place_what_fits(
+      api, placed, [this](const ApiTenants* with) { return load_placed_config_with(with, nullptr); }, &unplaced);
+  if (!result.ok()) return result;  // the errors of the config with all of them; nothing unplaced changes
+  for (const auto& [name, why] : unplaced)
     if (!unplaced_.contains(name) || unplaced_.at(name) != why)
       log_->error("API tenant \"{}\" cannot be placed: {}. It is kept, not placed: its processes get no GPU. "
                   "`fracgpu tenant resize` to a spec that fits, or `fracgpu tenant delete`, repairs it",
                   name, why);
-    unplaced.emplace(name, std::move(why));
-  }
   unplaced_ = std::move(unplaced);
-  return best;
+  return result;
 }
 
 // From the ledgers held open, never by re-opening them (see load_placed).
