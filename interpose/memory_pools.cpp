@@ -87,12 +87,33 @@ void leave(PoolCharge& p) {
     retire_if_unused(p);
 }
 
+// The GPU entry of a pool this process did not see created (a device's
+// default pool, or one made before it attached): the driver has no query
+// for a pool's location, but each device names its default and current
+// pools. `fallback` (the caller's device) where none names it, or where its
+// device is not one the tenant is granted.
+int gpu_of_unseen_pool(CUmemoryPool pool, int fallback) {
+  int count = 0;
+  if (g_driver.cuDeviceGetCount == nullptr || g_driver.cuDeviceGetCount(&count) != CUDA_SUCCESS) return fallback;
+  for (CUdevice d = 0; d < count; ++d) {
+    CUmemoryPool named = nullptr;
+    const bool is_default = g_driver.cuDeviceGetDefaultMemPool != nullptr &&
+                            g_driver.cuDeviceGetDefaultMemPool(&named, d) == CUDA_SUCCESS && named == pool;
+    const bool is_current = !is_default && g_driver.cuDeviceGetMemPool != nullptr &&
+                            g_driver.cuDeviceGetMemPool(&named, d) == CUDA_SUCCESS && named == pool;
+    if (!is_default && !is_current) continue;
+    const int gpu = gpu_entry_for_device(d);
+    return gpu >= 0 ? gpu : fallback;
+  }
+  return fallback;
+}
+
 // The live entry for `pool`, added if new, with a use counted: the entry
 // cannot be retired (and reused) until leave().
 PoolCharge* use_pool(CUmemoryPool pool, int gpu) {
   for (;;) {
     PoolCharge* p = find_live(pool);
-    if (p == nullptr && (p = add_pool(pool, gpu)) == nullptr) return nullptr;
+    if (p == nullptr && (p = add_pool(pool, gpu_of_unseen_pool(pool, gpu))) == nullptr) return nullptr;
     // Counted first, then checked: a retirer marks `destroyed` first, then
     // reads `users` (all sequentially consistent), so one of us sees the other.
     p->users.fetch_add(1, std::memory_order_seq_cst);

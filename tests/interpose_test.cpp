@@ -535,6 +535,17 @@ TEST_F(InterposeTest, PoolMemoryIsChargedToThePoolsOwnGpu) {
   EXPECT_EQ(used(g1), 100 * kMiB);
   EXPECT_EQ(sim_used(1), 100 * kMiB);
   kill_held(h);
+  // Device 1's default pool, never seen created, first used while device
+  // 0's context is current: its device is found from the driver's default
+  // pools, and every later allocation from it is charged there too.
+  h = probe_and_hold({"init", "primary", "0", "pool-default", "1", "pool-threshold", "1GiB", "pool-async", "100MiB",
+                      "pool-async", "60MiB"});
+  EXPECT_EQ(h.seen["pool_default"], kSuccess);
+  EXPECT_EQ(h.seen["pool_async"], kSuccess);
+  EXPECT_EQ(used(g0), kContextBytes);
+  EXPECT_EQ(used(g1), 160 * kMiB);
+  EXPECT_EQ(sim_used(1), 160 * kMiB);
+  kill_held(h);
 }
 
 // CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD uploads the exec as it is made, which

@@ -661,6 +661,8 @@ int main(int argc, char** argv) {
       props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       props.location.id = dev;
       print("pool_create", cuMemPoolCreate(&g_pool, &props));
+    } else if (cmd == "pool-default") {  // pool-default DEV: DEV's default pool as the pool the pool-* commands use
+      print("pool_default", cuDeviceGetDefaultMemPool(&g_pool, atoi(arg())));
     } else if (cmd == "pool-threshold") {
       cuuint64_t threshold = parse_bytes(arg());
       print("pool_threshold", cuMemPoolSetAttribute(g_pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
