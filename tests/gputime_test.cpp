@@ -2580,6 +2580,34 @@ TEST_F(GpuTimeTest, ARunningTenantKeepsItsRowWhenTheDaemonRestartsWithoutIt) {
   ledger::close_ledger(&x_ledger);
 }
 
+// A GPU taken out of the config by a reload is no longer shared: its
+// scheduler stops and says so (no heartbeat), as after a restart with that
+// config, which would not open its arbiter at all; the other GPU's goes on.
+// (Before: the scheduler ran on with its last tenants and shares.)
+TEST_F(GpuTimeTest, AGpuTakenOutOfTheConfigIsNoLongerScheduled) {
+  write_config({{"a", "0.5", "[0]", ""}, {"b", "0.5", "[1]", ""}});
+  start_daemon();
+  gputime::Arbiter gpu0 = open_tenant_arbiter("a", 0), gpu1 = open_tenant_arbiter("b", 0);
+  ASSERT_TRUE(gpu0.is_open() && gpu1.is_open());
+  ASSERT_TRUE(wait_for([&] { return gpu1.seg->daemon.daemon_heartbeat_ns.load() != 0; }, 2000));
+  write_config({{"a", "0.5", "[0]", ""}});
+  std::string text = read_file(config_);
+  const std::string second = std::string("[[gpu]]\nuuid = \"") + kUuids[1] + "\"\ncontext_memory = \"64MiB\"\n\n";
+  const size_t at = text.find(second);
+  ASSERT_NE(at, std::string::npos) << text;
+  text.erase(at, second.size());
+  std::ofstream(config_, std::ios::trunc) << text;
+  kill(daemon_, SIGHUP);
+  EXPECT_TRUE(wait_for([&] { return gpu1.seg->daemon.daemon_heartbeat_ns.load() == 0; }, 3000))
+      << read_file(root_ + "/daemon.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(gpu1.seg->daemon.daemon_heartbeat_ns.load(), 0u) << "GPU 1 still scheduled";
+  const uint64_t beat = gpu0.seg->daemon.daemon_heartbeat_ns.load();
+  EXPECT_TRUE(wait_for([&] { return gpu0.seg->daemon.daemon_heartbeat_ns.load() > beat; }, 2000)) << "GPU 0 stopped";
+  gputime::close_arbiter(&gpu0);
+  gputime::close_arbiter(&gpu1);
+}
+
 // A container with two claims (docs/kubernetes.md): tenant "a" capped at
 // 0.3 of GPU 0, tenant "b" at 0.6 of GPU 1, each claim's tenant directory at
 // its own path under the claims directory (here links; in a container, bind

@@ -913,6 +913,22 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
     arbiter->scheduler->set_measured_charging(config.daemon.gpu_time_measured);
     arbiter->scheduler->start();
   }
+  // A GPU no longer configured is no longer shared: its scheduler stops
+  // (its processes, told at once, run unshared), as after a restart with
+  // this config, which would not open its arbiter at all.
+  for (auto it = arbiters_.begin(); it != arbiters_.end();) {
+    const bool configured_gpu = std::any_of(config.gpus.begin(), config.gpus.end(),
+                                            [&](const ManagedGpu& gpu) { return gpu.uuid == it->first; });
+    if (configured_gpu) {
+      ++it;
+      continue;
+    }
+    log_->info("GPU {}: no longer configured; its time is no longer shared", it->first);
+    it->second.scheduler->stop();
+    it->second.scheduler.reset();
+    gputime::close_arbiter(&it->second.arbiter);
+    it = arbiters_.erase(it);
+  }
   attach_meters();
   configure_side_by_side();
 }
