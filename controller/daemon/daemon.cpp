@@ -924,9 +924,7 @@ void Daemon::apply_gpu_time(const NodeConfig& config) {
       continue;
     }
     log_->info("GPU {}: no longer configured; its time is no longer shared", it->first);
-    it->second.scheduler->stop();
-    it->second.scheduler.reset();
-    gputime::close_arbiter(&it->second.arbiter);
+    stop_and_close(it->second);
     it = arbiters_.erase(it);
   }
   attach_meters();
@@ -1757,12 +1755,14 @@ void Daemon::close_all() {
     ledger::close_ledger(&open.ledger);
   }
   ledgers_.clear();
-  for (auto& [uuid, arbiter] : arbiters_) {
-    arbiter.scheduler->stop();  // tells tenants at once that nobody schedules
-    arbiter.scheduler.reset();
-    gputime::close_arbiter(&arbiter.arbiter);
-  }
+  for (auto& [uuid, arbiter] : arbiters_) stop_and_close(arbiter);
   arbiters_.clear();
+}
+
+void Daemon::stop_and_close(GpuArbiter& arbiter) {
+  arbiter.scheduler->stop();  // tells tenants at once that nobody schedules
+  arbiter.scheduler.reset();
+  gputime::close_arbiter(&arbiter.arbiter);
 }
 
 }  // namespace fracgpu::controller

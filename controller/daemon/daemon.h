@@ -226,6 +226,8 @@ class Daemon {
     int compute_major = 0;
   };
   void apply_gpu_time(const NodeConfig& config);
+  // Stops a GPU's scheduler (its tenants told at once) and closes its arbiter.
+  static void stop_and_close(GpuArbiter& arbiter);
   // Gives each arbiter's scheduler an NVML meter, where NVML measures
   // per-process utilization (measured mode, docs/sm-time.md).
   void attach_meters();
